@@ -1,0 +1,210 @@
+"""Kronecker-factored curvature blocks: what K-FAC needs to know about one layer type.
+
+A block turns a module's input ``x`` and output gradient ``dy`` into the sufficient statistics
+of its two Kronecker factors, and reads/writes the module's weight gradient as one matrix
+``∇`` of shape ``(d_G, d_A)`` whose last column is the bias gradient when there is a bias.
+
+Conventions (see ``docs/math.md``):
+
+* ``A = (1/R) Σ_rows a aᵀ`` where a row is one input vector (Linear: every leading index of
+  ``(..., in)``; Conv2d: every output position of every example; ``a`` is the im2col patch in
+  PyTorch's ``(c_in, kh, kw)`` order) with a trailing 1 when the layer has a bias.
+* ``G = (1/N) Σ_rows g̃ g̃ᵀ`` where ``N`` is the number of examples (dim 0 of the input) and
+  ``g̃`` is the per-example output gradient (autograd's gradient of a mean-reduced loss times
+  ``N``). Rows of one example share the example (spatial positions, sequence positions).
+* With this scaling, for a single example through a Linear layer, ``A ⊗ G`` equals
+  ``vec(∇) vec(∇)ᵀ`` with column-major ``vec`` (``vec(∇)[i + j·d_G] = ∇[i, j]``).
+
+The blocks only return raw sums (``Σ a aᵀ`` and ``Σ dy dyᵀ``) and counts; normalisation is
+done once per update in :mod:`dkfac.curvature.layer` so that accumulation over micro-batches
+is exact.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dkfac.curvature.factors import conv2d_patch_gram, gram_with_ones
+
+
+class UnsupportedLayerError(ValueError):
+    """A module that K-FAC cannot precondition as configured (e.g. a grouped convolution)."""
+
+
+class FactorStatistic(NamedTuple):
+    """Raw sum of outer products and how many rows/examples it covers."""
+
+    total: Tensor
+    rows: int
+    examples: int
+
+
+class KroneckerBlock(ABC):
+    """Curvature of one module as a Kronecker product ``A ⊗ G``.
+
+    Attributes:
+        module: the module whose weight (and bias) is preconditioned.
+        a_dim: side of ``A`` (input features, plus one for the bias).
+        g_dim: side of ``G`` (output features).
+    """
+
+    kind: str = "?"
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        weight = module.weight
+        if not isinstance(weight, Tensor):
+            raise UnsupportedLayerError(f"{type(module).__name__} has no weight tensor")
+        self.weight: Tensor = weight
+        bias = getattr(module, "bias", None)
+        self.bias: Tensor | None = bias if isinstance(bias, Tensor) else None
+        self.g_dim = int(weight.shape[0])
+        self.a_dim = int(weight[0].numel()) + (1 if self.bias is not None else 0)
+        self.weight_shape = tuple(weight.shape)
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the bias gradient is the last column of the gradient matrix."""
+        return self.bias is not None
+
+    @abstractmethod
+    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ a aᵀ`` over the rows of the input ``x`` (in ``dtype``)."""
+
+    @abstractmethod
+    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
+
+    def parameters(self) -> list[Tensor]:
+        """The preconditioned parameters (weight, then bias)."""
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def has_grad(self) -> bool:
+        """Whether every preconditioned parameter has a gradient."""
+        return all(p.grad is not None for p in self.parameters())
+
+    def grad_matrix(self) -> Tensor:
+        """The weight gradient as a ``(d_G, d_A)`` matrix, bias gradient as the last column."""
+        grad = self.weight.grad
+        assert grad is not None
+        matrix = grad.reshape(self.g_dim, -1)
+        if self.bias is not None:
+            assert self.bias.grad is not None
+            matrix = torch.cat([matrix, self.bias.grad.reshape(-1, 1)], dim=1)
+        return matrix
+
+    def set_grad(self, matrix: Tensor) -> None:
+        """Write a ``(d_G, d_A)`` matrix back into the parameters' ``.grad`` (in place)."""
+        weight_grad = self.weight.grad
+        assert weight_grad is not None
+        columns = self.a_dim - (1 if self.bias is not None else 0)
+        weight_grad.copy_(matrix[:, :columns].reshape(weight_grad.shape))
+        if self.bias is not None:
+            assert self.bias.grad is not None
+            self.bias.grad.copy_(matrix[:, columns])
+
+    def describe(self) -> str:
+        """A short description of the layer for tables."""
+        return type(self.module).__name__
+
+
+class LinearBlock(KroneckerBlock):
+    """``nn.Linear`` on inputs of any shape ``(..., in)``: every leading index is a row."""
+
+    kind = "Linear"
+
+    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ a aᵀ`` with ``a = [x_row, 1]`` over all rows of ``x``."""
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        examples = int(x.shape[0]) if x.dim() > 1 else 1
+        return FactorStatistic(gram_with_ones(rows, self.has_bias), rows.shape[0], examples)
+
+    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ dy dyᵀ`` over all rows of ``dy``."""
+        rows = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        examples = int(dy.shape[0]) if dy.dim() > 1 else 1
+        return FactorStatistic(rows.t() @ rows, rows.shape[0], examples)
+
+
+def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int, int, int]:
+    """F.pad widths ``(left, right, top, bottom)`` that PyTorch uses for ``padding='same'``."""
+    pads: list[int] = []
+    for k, d in zip(reversed(kernel), reversed(dilation), strict=True):
+        total = d * (k - 1)
+        pads += [total // 2, total - total // 2]
+    return pads[0], pads[1], pads[2], pads[3]
+
+
+class Conv2dBlock(KroneckerBlock):
+    """``nn.Conv2d`` with the KFC approximation (Grosse & Martens 2016).
+
+    Rows are output positions of every example; ``a`` is the input patch seen by one output
+    position, in PyTorch's weight order ``(c_in, kh, kw)``. Supports stride, dilation, integer,
+    ``'same'``/``'valid'`` padding and every ``padding_mode``; grouped convolutions are refused.
+    """
+
+    kind = "Conv2d"
+
+    def __init__(self, module: nn.Conv2d) -> None:
+        if module.groups != 1:
+            raise UnsupportedLayerError(
+                f"grouped convolution (groups={module.groups}) is not supported; add its name "
+                "to skip_layers to train it with the plain gradient")
+        super().__init__(module)
+        self.conv = module
+        kernel = (int(module.kernel_size[0]), int(module.kernel_size[1]))
+        dilation = (int(module.dilation[0]), int(module.dilation[1]))
+        if isinstance(module.padding, str):
+            self.pad = (_same_padding(kernel, dilation) if module.padding == "same"
+                        else (0, 0, 0, 0))
+        else:
+            ph, pw = int(module.padding[0]), int(module.padding[1])
+            self.pad = (pw, pw, ph, ph)
+        self.kernel = kernel
+        self.dilation = dilation
+        self.stride = (int(module.stride[0]), int(module.stride[1]))
+
+    def padded_input(self, x: Tensor) -> Tensor:
+        """The input as the convolution sees it after padding (``padding_mode`` respected)."""
+        if not any(self.pad):
+            return x
+        mode = self.conv.padding_mode
+        return F.pad(x, self.pad, mode="constant" if mode == "zeros" else mode)
+
+    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
+        if x.dim() == 3:  # unbatched (C, H, W)
+            x = x.unsqueeze(0)
+        x = x.to(dtype)
+        zero_padded = self.conv.padding_mode == "zeros"
+        total, rows = conv2d_patch_gram(
+            x if zero_padded else self.padded_input(x),
+            kernel=self.kernel, dilation=self.dilation, stride=self.stride,
+            pad=self.pad if zero_padded else (0, 0, 0, 0), with_ones=self.has_bias)
+        return FactorStatistic(total, rows, int(x.shape[0]))
+
+    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ dy dyᵀ`` over every output position of every example."""
+        if dy.dim() == 3:
+            dy = dy.unsqueeze(0)
+        examples, channels = int(dy.shape[0]), int(dy.shape[1])
+        flat = dy.to(dtype).transpose(0, 1).reshape(channels, -1)
+        return FactorStatistic(flat @ flat.t(), flat.shape[1], examples)
+
+
+def make_block(module: nn.Module) -> KroneckerBlock | None:
+    """The block for ``module``, ``None`` when its type is not supported.
+
+    Raises:
+        UnsupportedLayerError: the type is supported but this configuration is not.
+    """
+    if isinstance(module, nn.Linear):
+        return LinearBlock(module)
+    if isinstance(module, nn.Conv2d):
+        return Conv2dBlock(module)
+    return None

@@ -1,0 +1,217 @@
+"""The K-FAC state of one layer on one worker, and the batched decomposition update.
+
+:class:`LayerCurvature` accumulates factor statistics over the micro-batches of a step,
+normalises them into batch factors, keeps the running averages and the latest decomposition,
+and preconditions the layer's gradient. It knows nothing about other workers: distributed
+strategies decide which of these methods run where and move the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
+from dkfac.curvature.factors import running_average
+from dkfac.curvature.inverse import KroneckerInverse, decompose
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Accumulator:
+    """Raw sums of one factor over the micro-batches of the current window."""
+
+    total: Tensor | None = None
+    rows: int = 0
+    examples: int = 0
+    updates: int = 0
+
+    def add(self, stat: FactorStatistic, scale: Tensor | float = 1.0) -> None:
+        total = stat.total if isinstance(scale, float) and scale == 1.0 else stat.total * scale
+        self.total = total if self.total is None else self.total.add_(total)
+        self.rows += stat.rows
+        self.examples += stat.examples
+        self.updates += 1
+
+    def clear(self) -> None:
+        self.total, self.rows, self.examples, self.updates = None, 0, 0, 0
+
+
+@dataclass
+class LayerCurvature:
+    """Factors, running averages and decomposition of one preconditioned layer.
+
+    Attributes:
+        name: qualified module name (without a DDP ``module.`` prefix).
+        block: the layer-type specific statistics.
+        factor_dtype: dtype of the statistics and running averages.
+        a: running average of ``A`` (``None`` before the first update; NaN when no finite
+            estimate exists yet).
+        g: running average of ``G``.
+        inverse: the latest good decomposition, ``None`` before the first one.
+    """
+
+    name: str
+    block: KroneckerBlock
+    factor_dtype: torch.dtype = torch.float32
+    a: Tensor | None = None
+    g: Tensor | None = None
+    inverse: KroneckerInverse | None = None
+    _a_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
+    _g_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
+    _nonfinite: Tensor | None = field(default=None, repr=False)
+    _warned: set[str] = field(default_factory=set, repr=False)
+
+    # -- statistics ---------------------------------------------------------------------
+    def accumulate_a(self, x: Tensor) -> None:
+        """Add the input statistics of one forward call."""
+        self._a_acc.add(self.block.a_statistic(x.detach(), self.factor_dtype))
+
+    def accumulate_g(self, dy: Tensor, grad_scale: Tensor | float | None = None) -> None:
+        """Add the output-gradient statistics of one backward call.
+
+        Args:
+            dy: gradient of the loss w.r.t. the layer output.
+            grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
+        """
+        stat = self.block.g_statistic(dy.detach(), self.factor_dtype)
+        if grad_scale is None:
+            self._g_acc.add(stat)
+        else:
+            self._g_acc.add(stat, 1.0 / (grad_scale * grad_scale))
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether both factors have statistics since the last update."""
+        return self._a_acc.total is not None and self._g_acc.total is not None
+
+    @property
+    def backward_calls(self) -> int:
+        """Number of output-gradient statistics accumulated since the last update."""
+        return self._g_acc.updates
+
+    def batch_factors(self, loss_reduction: str) -> tuple[Tensor, Tensor]:
+        """Normalised factors of the current window, ``A = Σaaᵀ/R``, ``G`` as in blocks.py.
+
+        ``loss_reduction="mean"``: the accumulated gradient is that of the mean loss over all
+        ``N`` examples of the window, so the per-example output gradient is ``N·dy`` and
+        ``G = N·Σ dy dyᵀ``; ``"sum"``: ``G = Σ dy dyᵀ / N``.
+        """
+        a_acc, g_acc = self._a_acc, self._g_acc
+        assert a_acc.total is not None and g_acc.total is not None
+        a = a_acc.total / a_acc.rows
+        n = g_acc.examples
+        g = g_acc.total * n if loss_reduction == "mean" else g_acc.total / n
+        return a, g
+
+    def clear_statistics(self) -> None:
+        """Forget the statistics of the current window."""
+        self._a_acc.clear()
+        self._g_acc.clear()
+
+    def fold(self, a_batch: Tensor, g_batch: Tensor, decay: float) -> None:
+        """Fold batch factors into the running averages (see :func:`running_average`)."""
+        bad = ~(torch.isfinite(a_batch).all() & torch.isfinite(g_batch).all())
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        self.a = running_average(self.a, a_batch, decay)
+        self.g = running_average(self.g, g_batch, decay)
+
+    # -- preconditioning ----------------------------------------------------------------
+    def precondition(self, grad: Tensor, damping: float) -> Tensor:
+        """The preconditioned gradient matrix, or ``grad`` itself before any decomposition."""
+        if self.inverse is None:
+            return grad
+        return self.inverse.precondition(grad, damping)
+
+    def warn_once(self, kind: str, message: str) -> None:
+        """Emit ``message`` as a RuntimeWarning the first time ``kind`` happens to this layer."""
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def take_nonfinite_flag(self) -> Tensor | None:
+        """The device flag "a non-finite batch factor was dropped" since the last call."""
+        flag, self._nonfinite = self._nonfinite, None
+        return flag
+
+
+def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
+    """Copy many device booleans to the host with one synchronisation per device."""
+    result: list[bool] = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(index)
+    for indices in by_device.values():
+        values = torch.stack([flags[i].reshape(()) for i in indices]).tolist()
+        for i, value in zip(indices, values, strict=True):
+            result[i] = bool(value)
+    return result
+
+
+def update_inverses(layers: Sequence[LayerCurvature], damping: float, method: str,
+                    dtype: torch.dtype) -> None:
+    """Decompose the running factors of ``layers``; never raises for numerical trouble.
+
+    A layer whose factors are not finite keeps its last good decomposition (or none, so its
+    gradient passes unchanged). A decomposition that fails in ``dtype`` is retried in float64;
+    if that fails too the last good one is kept. Each kind of trouble is reported once per
+    layer. The happy path costs two host synchronisations for all layers together.
+    """
+    ready = [layer for layer in layers if layer.a is not None and layer.g is not None]
+    if not ready:
+        return
+    dropped = [layer.take_nonfinite_flag() for layer in ready]
+    flags = [torch.isfinite(layer.a).all() & torch.isfinite(layer.g).all()  # type: ignore[arg-type]
+             for layer in ready]
+    flags += [flag for flag in dropped if flag is not None]
+    host = _host_flags(flags)
+    finite, dropped_host = host[:len(ready)], iter(host[len(ready):])
+    attempts: list[tuple[LayerCurvature, KroneckerInverse | None]] = []
+    for layer, factors_ok, flag in zip(ready, finite, dropped, strict=True):
+        if flag is not None and next(dropped_host):
+            layer.warn_once("nonfinite-batch", (
+                f"K-FAC layer {layer.name!r}: a batch factor had NaN/Inf values and was not "
+                "used (the running average kept its last value)"))
+        if not factors_ok:
+            layer.warn_once("nonfinite-factor", (
+                f"K-FAC layer {layer.name!r}: factors are not finite; keeping the last good "
+                "decomposition (or the plain gradient before the first one)"))
+            continue
+        attempts.append((layer, _try_decompose(layer, damping, method, dtype)))
+    if not attempts:
+        return
+    decomposed = [inverse for _, inverse in attempts if inverse is not None]
+    ok_iter = iter(_host_flags([inverse.ok() for inverse in decomposed]))
+    for layer, inverse in attempts:
+        if inverse is not None and next(ok_iter):
+            layer.inverse = inverse
+            continue
+        retry = None if dtype == torch.float64 else _try_decompose(
+            layer, damping, method, torch.float64)
+        if retry is not None and bool(retry.ok()):
+            layer.warn_once("retried", (
+                f"K-FAC layer {layer.name!r}: decomposition failed in {dtype}; "
+                "recomputed in float64"))
+            layer.inverse = retry
+        else:
+            layer.warn_once("failed", (
+                f"K-FAC layer {layer.name!r}: decomposition failed (also in float64); keeping "
+                "the last good decomposition (or the plain gradient before the first one)"))
+
+
+def _try_decompose(layer: LayerCurvature, damping: float, method: str,
+                   dtype: torch.dtype) -> KroneckerInverse | None:
+    assert layer.a is not None and layer.g is not None
+    try:
+        return decompose(layer.a, layer.g, damping, method, dtype)
+    except (torch.linalg.LinAlgError, RuntimeError) as error:
+        logger.debug("decomposition of %s in %s failed: %s", layer.name, dtype, error)
+        return None

@@ -1,0 +1,51 @@
+"""The interface every placement strategy implements.
+
+A K-FAC step has four phases: capture statistics (in the module hooks), update factors,
+update decompositions, precondition gradients. A strategy decides which worker runs which
+phase for which layer and moves the results between workers; the preconditioner only calls
+these methods in order, with no knowledge of the strategy behind them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.layer import LayerCurvature
+
+
+class Strategy(ABC):
+    """Placement of the K-FAC phases across workers."""
+
+    #: The ``strategy=`` name that selects this class.
+    name: ClassVar[str]
+
+    def setup(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
+        """Plan ownership once the preconditioned layers are known (default: nothing)."""
+
+    def captures(self, layer: LayerCurvature) -> bool:
+        """Whether this worker collects ``layer``'s factor statistics in the hooks."""
+        return True
+
+    def holds_factors(self, layer: LayerCurvature) -> bool:
+        """Whether this worker keeps ``layer``'s running factors (for ``factors()``)."""
+        return layer.a is not None
+
+    @abstractmethod
+    def update_factors(self, layers: Sequence[LayerCurvature], decay: float,
+                       loss_reduction: str) -> None:
+        """Turn the captured statistics into running factors where they are needed."""
+
+    @abstractmethod
+    def update_inverses(self, layers: Sequence[LayerCurvature], damping: float, method: str,
+                        dtype: torch.dtype) -> None:
+        """Refresh the decompositions where they are needed."""
+
+    @abstractmethod
+    def precondition(self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor],
+                     damping: float) -> list[Tensor]:
+        """Preconditioned gradient matrices of ``layers``, on every worker."""

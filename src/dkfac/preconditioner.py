@@ -1,0 +1,377 @@
+"""The public K-FAC preconditioner: hooks, schedule, KL clipping; work delegated to a strategy."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
+from dkfac.curvature.blocks import UnsupportedLayerError, make_block
+from dkfac.curvature.inverse import inverse_from_tensors
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.distributed import make_strategy
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """A module with parameters that K-FAC leaves to the plain gradient, and why."""
+
+    name: str
+    kind: str
+    reason: str
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix)."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+class KFACPreconditioner:
+    """K-FAC preconditioning as one call between ``loss.backward()`` and ``optimizer.step()``.
+
+    Example::
+
+        pre = dkfac.KFACPreconditioner(model, lr=0.1)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()          # replaces .grad of Linear/Conv2d layers by the K-FAC direction
+            optimizer.step()
+
+    Args:
+        model: the model (plain or wrapped by DDP). ``nn.Linear`` and ``nn.Conv2d`` layers are
+            preconditioned; other modules with parameters keep their gradients and are listed
+            as skipped in ``repr(pre)``.
+        strategy: how work is placed on workers; ``"local"`` runs everything here.
+        inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
+            factored Tikhonov through Cholesky).
+        damping: γ > 0.
+        factor_decay: running-average decay ε in [0, 1): ``F ← ε·F + (1−ε)·F_batch``.
+        kl_clip: κ > 0 of KL clipping, or ``None`` to disable it.
+        lr: learning rate of the optimizer, used by KL clipping. Pass a callable when it
+            changes (e.g. ``lambda step: scheduler.get_last_lr()[0]``).
+        factor_update_steps: steps between factor updates.
+        inv_update_steps: steps between decompositions; a multiple of ``factor_update_steps``.
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation). Statistics
+            of all micro-batches are pooled, so the result equals one large batch provided the
+            loss of each micro-batch is divided by ``accumulation_steps`` as usual.
+        skip_layers: regular expressions; a layer whose qualified name or class name matches
+            one (``re.search``) is not preconditioned.
+        loss_reduction: ``"mean"`` when the loss averages over the examples of the batch
+            (window), ``"sum"`` when it sums them. Examples are indexed by dim 0 of the input.
+        grad_scaler: a ``torch.amp.GradScaler``; output gradients are unscaled before they
+            enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``.
+        factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
+        inv_dtype: dtype of the decompositions (float32 or float64). A failed decomposition is
+            retried in float64.
+
+    Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
+    of the K-FAC step (the number of completed ``step()`` calls).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        strategy: str = "local",
+        inverse_method: str = "eigen",
+        damping: Hyperparameter = 0.003,
+        factor_decay: Hyperparameter = 0.95,
+        kl_clip: Hyperparameter | None = 0.001,
+        lr: Hyperparameter = 0.1,
+        factor_update_steps: IntHyperparameter = 1,
+        inv_update_steps: IntHyperparameter = 1,
+        accumulation_steps: int = 1,
+        skip_layers: Sequence[str] = (),
+        loss_reduction: str = "mean",
+        grad_scaler: Any | None = None,
+        factor_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model={type(model).__name__} is not allowed: expected a "
+                             "torch.nn.Module")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError(f"grad_scaler={grad_scaler!r} is not allowed: expected a "
+                             "torch.amp.GradScaler or None")
+        self.config = KFACConfig(
+            strategy=strategy, inverse_method=inverse_method, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
+            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
+            accumulation_steps=accumulation_steps, skip_layers=skip_layers,
+            loss_reduction=loss_reduction, factor_dtype=factor_dtype, inv_dtype=inv_dtype)
+        self._strategy = make_strategy(strategy)
+        self._model = _unwrap(model)
+        self._grad_scaler = grad_scaler
+        discovered, self._skipped = self._discover_layers()
+        self._paths = [path for path, _ in discovered]
+        self._layers = [layer for _, layer in discovered]
+        self._strategy.setup(self._layers)
+        self._steps = 0
+        self._removed = False
+        self._warned: set[str] = set()
+        self._capture = self._is_factor_step(0)
+        self._handles: list[RemovableHandle] = [
+            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, layer))
+            for layer in self._layers
+        ]
+
+    # -- construction -----------------------------------------------------------------------
+    def _discover_layers(self) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
+        """Every module with parameters: a (path, curvature) pair, or a skipped entry."""
+        layers: list[tuple[str, LayerCurvature]] = []
+        skipped: list[SkippedModule] = []
+        for name, module in self._model.named_modules():
+            params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            kind = type(module).__name__
+            if any(p.search(name) or p.search(kind) for p in self.config.skip_patterns):
+                skipped.append(SkippedModule(name, kind, "matches skip_layers"))
+                continue
+            try:
+                block = make_block(module)
+            except UnsupportedLayerError as error:
+                raise ValueError(f"layer {name!r} ({kind}): {error}") from None
+            if block is None:
+                skipped.append(SkippedModule(name, kind, "unsupported type"))
+            elif not all(p.requires_grad for p in block.parameters()):
+                skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
+            else:
+                curvature = LayerCurvature(name or kind, block, self.config.factor_dtype)
+                layers.append((name, curvature))
+        if not layers:
+            found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
+            raise ValueError(f"model={type(self._model).__name__} is not allowed: it has no "
+                             f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}")
+        return layers, skipped
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _forward_hook(self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...],
+                      output: Any) -> None:
+        if (self._removed or not self._capture or not module.training
+                or not torch.is_grad_enabled() or not self._strategy.captures(layer)):
+            return
+        if not inputs or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
+            return
+        layer.accumulate_a(inputs[0])
+        if output.requires_grad:
+            output.register_hook(functools.partial(self._output_grad_hook, layer))
+
+    def _output_grad_hook(self, layer: LayerCurvature, grad: Tensor) -> None:
+        if not self._removed:
+            layer.accumulate_g(grad, self._loss_scale())
+
+    def _loss_scale(self) -> Tensor | float | None:
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        # GradScaler keeps its scale as a device tensor; reading it avoids the host sync of
+        # get_scale(). Fall back to the public call when the private attribute is absent.
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, Tensor):
+            return scale
+        return float(scaler.get_scale())
+
+    # -- schedule -----------------------------------------------------------------------------
+    def _is_factor_step(self, step: int) -> bool:
+        return step % self.config.factor_update_steps_at(step) == 0
+
+    def _is_inverse_step(self, step: int) -> bool:
+        return step % self.config.inv_update_steps_at(step) == 0
+
+    @property
+    def steps(self) -> int:
+        """Number of completed ``step()`` calls."""
+        return self._steps
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Replace the gradients of the preconditioned layers by the K-FAC direction.
+
+        Call after ``loss.backward()`` (and ``scaler.unscale_(optimizer)`` with AMP), before
+        ``optimizer.step()``.
+
+        Raises:
+            RuntimeError: called before any backward pass, after :meth:`remove`, or the model
+                changed since the preconditioner was built.
+        """
+        if self._removed:
+            raise RuntimeError("step() after remove(): this preconditioner has detached its "
+                               "hooks; build a new KFACPreconditioner")
+        self._check_model()
+        active = [layer for layer in self._layers if layer.block.has_grad()]
+        if not active:
+            raise RuntimeError("step() found no gradients: call loss.backward() before "
+                               "pre.step() (and optimizer.zero_grad(set_to_none=True) only "
+                               "before the backward pass)")
+        k, config = self._steps, self.config
+        if self._is_factor_step(k):
+            self._check_statistics()
+            self._strategy.update_factors(self._layers, config.factor_decay_at(k),
+                                          config.loss_reduction)
+        if self._is_inverse_step(k):
+            self._strategy.update_inverses(self._layers, config.damping_at(k),
+                                           config.inverse_method, config.inv_dtype)
+        grads = [layer.block.grad_matrix() for layer in active]
+        directions = self._strategy.precondition(active, grads, config.damping_at(k))
+        scale = self._kl_scale(directions, grads, k)
+        for layer, direction in zip(active, directions, strict=True):
+            layer.block.set_grad(direction if scale is None else direction * scale)
+        self._steps += 1
+        self._capture = self._is_factor_step(self._steps)
+
+    def _kl_scale(self, directions: Sequence[Tensor], grads: Sequence[Tensor],
+                  step: int) -> Tensor | None:
+        """ν = min(1, sqrt(κ / (η² Σ⟨V, ∇⟩))) as a device scalar: no host synchronisation."""
+        kl_clip = self.config.kl_clip_at
+        if kl_clip is None:
+            return None
+        device = grads[0].device
+        terms = [(v * g).sum(dtype=torch.float64).to(device) for v, g in zip(directions, grads,
+                                                                           strict=True)]
+        lr = self.config.lr_at(step)
+        vg = torch.stack(terms).sum() * (lr * lr)
+        nu = torch.sqrt(kl_clip(step) / vg.clamp_min(0.0)).clamp(max=1.0)
+        return nu.to(grads[0].dtype)
+
+    def _check_model(self) -> None:
+        for layer, path in zip(self._layers, self._paths, strict=True):
+            block = layer.block
+            try:
+                current: nn.Module | None = self._model.get_submodule(path)
+            except AttributeError:
+                current = None
+            if (current is not block.module or getattr(current, "weight", None) is not block.weight
+                    or tuple(block.weight.shape) != block.weight_shape):
+                raise RuntimeError(
+                    f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
+                    "was replaced or resized. Build the preconditioner after the model is final "
+                    "(call pre.remove() and create a new one)")
+
+    def _check_statistics(self) -> None:
+        calls = [layer.backward_calls for layer in self._layers if layer.has_statistics]
+        if not calls:
+            self._warn_once("no-statistics", (
+                "K-FAC captured no factor statistics before this step: forward passes run in "
+                "model.eval() mode or under torch.no_grad() are ignored; factors not updated"))
+            return
+        if min(calls) != self.config.accumulation_steps:
+            self._warn_once("accumulation", (
+                f"K-FAC saw {min(calls)} backward pass(es) before step() but "
+                f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
+                "over all of them"))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- inspection -------------------------------------------------------------------------
+    def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{layer name: (A, G)}`` running factors held by this worker."""
+        return {layer.name: (layer.a, layer.g) for layer in self._layers
+                if layer.a is not None and layer.g is not None
+                and self._strategy.holds_factors(layer)}
+
+    @property
+    def layers(self) -> list[LayerCurvature]:
+        """The preconditioned layers, in registration (module) order."""
+        return list(self._layers)
+
+    @property
+    def skipped(self) -> list[SkippedModule]:
+        """Modules with parameters that are not preconditioned, and why."""
+        return list(self._skipped)
+
+    def __repr__(self) -> str:
+        header = (f"KFACPreconditioner(strategy={self.config.strategy!r}, "
+                  f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
+                  f"layers={len(self._layers)}, skipped={len(self._skipped)})")
+        rows = [("layer", "type", "A", "G", "status")]
+        for layer in self._layers:
+            block = layer.block
+            rows.append((layer.name, block.describe(), f"{block.a_dim}x{block.a_dim}",
+                         f"{block.g_dim}x{block.g_dim}", "preconditioned"))
+        rows += [(s.name, s.kind, "-", "-", f"skipped: {s.reason}") for s in self._skipped]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                 .rstrip() for row in rows]
+        return "\n".join([header, *lines])
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Steps, running factors and decompositions: enough to continue bitwise identically."""
+        layers: dict[str, Any] = {}
+        for layer in self._layers:
+            entry: dict[str, Any] = {"A": layer.a, "G": layer.g}
+            if layer.inverse is not None:
+                entry["inverse"] = {"method": layer.inverse.method,
+                                    "tensors": dict(layer.inverse.tensors())}
+            layers[layer.name] = entry
+        return {"version": STATE_VERSION, "steps": self._steps,
+                "inverse_method": self.config.inverse_method, "layers": layers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (same model architecture).
+
+        Raises:
+            ValueError: the state does not match this preconditioner's layers.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError("state_dict is not a dkfac KFACPreconditioner state (version "
+                             f"{STATE_VERSION} expected)")
+        saved = state["layers"]
+        names = {layer.name for layer in self._layers}
+        if set(saved) != names:
+            raise ValueError(f"state_dict layers do not match the model: missing "
+                             f"{sorted(names - set(saved))}, unexpected {sorted(set(saved) - names)}")
+        for layer in self._layers:
+            entry = saved[layer.name]
+            for key, dim in (("A", layer.block.a_dim), ("G", layer.block.g_dim)):
+                tensor = entry[key]
+                if tensor is not None and tuple(tensor.shape) != (dim, dim):
+                    raise ValueError(f"state_dict factor {key} of layer {layer.name!r} has shape "
+                                     f"{tuple(tensor.shape)}, expected {(dim, dim)}")
+        device_of = {layer.name: layer.block.weight.device for layer in self._layers}
+        for layer in self._layers:
+            entry = saved[layer.name]
+            device = device_of[layer.name]
+
+            def move(t: Tensor | None, device: torch.device = device) -> Tensor | None:
+                return None if t is None else t.detach().to(device).clone()
+
+            layer.a, layer.g = move(entry["A"]), move(entry["G"])
+            inverse = entry.get("inverse")
+            layer.inverse = None if inverse is None else inverse_from_tensors(
+                inverse["method"], {k: v.detach().to(device).clone()
+                                    for k, v in inverse["tensors"].items()})
+            layer.clear_statistics()
+        self._steps = int(state["steps"])
+        self._capture = self._is_factor_step(self._steps)
+
+    def remove(self) -> None:
+        """Detach every hook; the model is left exactly as it was before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._removed = True
+        for layer in self._layers:
+            layer.clear_statistics()
+
