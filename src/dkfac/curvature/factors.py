@@ -47,11 +47,99 @@ def conv2d_patch_gram(x: Tensor, *, kernel: tuple[int, int], dilation: tuple[int
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
+    if stride == (1, 1):
+        return _shifted_patch_gram(x, kernel, dilation, pad, with_ones)
     if any(pad):
         x = F.pad(x, pad)
     patches = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (N, C·kh·kw, L)
     flat = patches.transpose(1, 2).reshape(-1, patches.shape[1])
     return gram_with_ones(flat, with_ones), flat.shape[0]
+
+
+def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: int,
+                 device: torch.device) -> Tensor:
+    """``mask[i, r]``: image row ``r`` lies outside the output window of kernel offset ``i``.
+
+    With stride 1, offset ``i`` sees image rows ``[d·i − pad_before, d·i − pad_before + out)``.
+    """
+    start = torch.arange(kernel, device=device)[:, None] * dilation - pad_before
+    rows = torch.arange(size, device=device)[None, :]
+    return (rows < start) | (rows >= start + out)
+
+
+def _shifted_patch_gram(x: Tensor, kernel: tuple[int, int], dilation: tuple[int, int],
+                        pad: tuple[int, int, int, int], with_ones: bool) -> tuple[Tensor, int]:
+    """Patch Gram of a stride-1 convolution without materialising im2col.
+
+    Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
+    input with itself shifted by ``d·D``, summed over the output window of offset ``u``. Over
+    the whole image that correlation depends on ``D`` only, so it is one GEMM per ``D``
+    (``((2kh−1)(2kw−1)+1)/2`` of them instead of ``(kh·kw)²`` blocks, the rest by symmetry);
+    each block then subtracts the image positions its window misses, which lie in a few rows
+    and columns at the border. The input is laid out once as a flat zero-padded
+    ``(C, positions)`` matrix, so every shifted GEMM operand is a strided view (no copy) and
+    a shifted position outside the image reads a zero.
+    """
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    dh, dw = dilation
+    left, right, top, bottom = pad
+    h_out = h + top + bottom - dh * (kh - 1)
+    w_out = w + left + right - dw * (kw - 1)
+    rows = n * h_out * w_out
+    size = c * kh * kw
+    if h_out <= 0 or w_out <= 0:
+        return x.new_zeros(size + with_ones, size + with_ones), 0
+    hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
+    span = n * hp * wp
+    shifts = [(d1, d2) for d1 in range(kh) for d2 in range(-kw + 1, kw) if d1 > 0 or d2 >= 0]
+    offsets = torch.tensor([dh * d1 * wp + dw * d2 for d1, d2 in shifts], device=x.device)
+    # Positions-major layout: a GEMM reads it transposed for free, and gathering positions
+    # gathers contiguous channel vectors.
+    flat = x.new_zeros(span + int(offsets.max()), c)
+    flat[:span].view(n, hp, wp, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
+    base = flat[:span].t()
+    full = torch.stack([base @ flat[o:o + span] for o in offsets.tolist()])  # (S, C, C)
+
+    # Positions some window misses, and which offsets miss them.
+    row_out = _window_mask(h, kh, dh, top, h_out, x.device)  # (kh, h)
+    col_out = _window_mask(w, kw, dw, left, w_out, x.device)  # (kw, w)
+    missed = row_out[:, None, :, None] | col_out[None, :, None, :]  # (kh, kw, h, w)
+    border = missed.any(dim=(0, 1)).flatten().nonzero().squeeze(1)
+    if border.numel():
+        position = (border // w) * wp + border % w
+        index = position[:, None] + torch.arange(n, device=x.device)[None, :] * (hp * wp)
+        at_border = flat[index]  # (B, N, C)
+        shifted = flat[index[:, :, None] + offsets].flatten(2)  # (B, N, S·C)
+        products = torch.bmm(at_border.transpose(1, 2).contiguous(), shifted)  # (B, C, S·C)
+        weights = missed.flatten(2).flatten(0, 1)[:, border].to(x.dtype)  # (kh·kw, B)
+        corrections = (weights @ products.flatten(1)).view(kh * kw, c, len(shifts), c)
+        values = full[:, None] - corrections.permute(2, 0, 1, 3)
+    else:
+        values = full[:, None].expand(len(shifts), kh * kw, c, c)
+    which, first, second = [], [], []
+    for index_s, (d1, d2) in enumerate(shifts):
+        for i in range(max(0, -d1), min(kh, kh - d1)):
+            for j in range(max(0, -d2), min(kw, kw - d2)):
+                which.append(index_s)
+                first.append(i * kw + j)
+                second.append((i + d1) * kw + (j + d2))
+    chosen = values[which, first]
+    blocks = x.new_empty(kh * kw, kh * kw, c, c)
+    blocks[second, first] = chosen.transpose(1, 2)
+    blocks[first, second] = chosen
+    gram = blocks.permute(2, 0, 3, 1).reshape(size, size)
+    if not with_ones:
+        return gram, rows
+    # Bias row: the patch sums, i.e. channel sums over each offset's window.
+    inside = (~missed).to(x.dtype)  # (kh, kw, h, w)
+    sums = torch.einsum("chw,ijhw->cij", x.sum(0), inside).reshape(-1)
+    out = x.new_empty(size + 1, size + 1)
+    out[:size, :size] = gram
+    out[size, :size] = sums
+    out[:size, size] = sums
+    out[size, size] = rows
+    return out, rows
 
 
 def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
