@@ -35,16 +35,17 @@ RTOL = 1e-10
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL,
-                 what: str = "") -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL, what: str = ""
+) -> None:
     """Relative (to the size of ``expected``) float64 comparison."""
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     assert actual.dtype == DT, (what, actual.dtype)
     scale = expected.abs().max().item()
     err = (actual - expected).abs().max().item()
     assert err <= rtol * max(scale, 1e-300), (
-        f"{what}: max abs error {err:.3e} vs scale {scale:.3e} "
-        f"(rel {err / max(scale, 1e-300):.3e})")
+        f"{what}: max abs error {err:.3e} vs scale {scale:.3e} (rel {err / max(scale, 1e-300):.3e})"
+    )
 
 
 def vec(m: torch.Tensor) -> torch.Tensor:
@@ -125,25 +126,26 @@ def per_example_loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """l for one example; ``out``/``t`` carry a leading batch dim of size 1."""
     if t.dtype == torch.long:
         return F.cross_entropy(out, t, reduction="sum")
-    return 0.5 * ((out - t) ** 2).sum() + 0.1 * (out ** 3).sum()
+    return 0.5 * ((out - t) ** 2).sum() + 0.1 * (out**3).sum()
 
 
 def batch_loss(out: torch.Tensor, t: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """L = (1/N) Σ l_n (mean) or Σ l_n (sum), written through per_example_loss's formula."""
     n = out.shape[0]
-    total = sum(per_example_loss(out[i:i + 1], t[i:i + 1]) for i in range(n))
+    total = sum(per_example_loss(out[i : i + 1], t[i : i + 1]) for i in range(n))
     return total / n if reduction == "mean" else total
 
 
-def oracle_layer_factors(model: nn.Sequential, index: int, x: torch.Tensor,
-                         t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def oracle_layer_factors(
+    model: nn.Sequential, index: int, x: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A and G of ``model[index]`` from explicit patches and torch.func per-example grads."""
     model = copy.deepcopy(model)
     with torch.no_grad():
         xi = model[:index](x)
         layer = model[index]
         y = layer(xi)
-    head = model[index + 1:]
+    head = model[index + 1 :]
 
     def ell(yn, tn):
         return per_example_loss(head(yn.unsqueeze(0)), tn.unsqueeze(0))
@@ -203,8 +205,9 @@ def sgd_(model: nn.Module, lr: float = 0.05) -> None:
 
 def small_conv_model(bias: bool = True) -> nn.Sequential:
     # Conv2d(2,3,3): d_A = 19 (bias), d_G = 3 -> kron 57; Linear(27,4): 28*4 = 112
-    return nn.Sequential(nn.Conv2d(2, 3, 3, bias=bias), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(27, 4)).to(DT)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, bias=bias), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4)
+    ).to(DT)
 
 
 def conv_batch(n: int, gen: torch.Generator):
@@ -324,37 +327,78 @@ def test_linear_3d_input_factors(bias: bool) -> None:
 CONV_CONFIGS = [
     # (conv kwargs, input shape)
     (dict(in_channels=2, out_channels=3, kernel_size=3, stride=2, padding=1), (3, 2, 7, 7)),
-    (dict(in_channels=2, out_channels=3, kernel_size=3, padding="same", dilation=2, bias=False),
-     (2, 2, 7, 5)),
-    (dict(in_channels=2, out_channels=2, kernel_size=3, padding="same", dilation=2),
-     (2, 2, 6, 7)),
+    (
+        dict(in_channels=2, out_channels=3, kernel_size=3, padding="same", dilation=2, bias=False),
+        (2, 2, 7, 5),
+    ),
+    (dict(in_channels=2, out_channels=2, kernel_size=3, padding="same", dilation=2), (2, 2, 6, 7)),
     (dict(in_channels=3, out_channels=2, kernel_size=(3, 2), padding=0), (2, 3, 6, 5)),
-    (dict(in_channels=2, out_channels=2, kernel_size=3, padding="valid", stride=(2, 1)),
-     (2, 2, 9, 7)),
-    (dict(in_channels=2, out_channels=3, kernel_size=(3, 2), padding=(1, 2), stride=(1, 2),
-          dilation=(2, 1), bias=False), (2, 2, 7, 9)),
+    (
+        dict(in_channels=2, out_channels=2, kernel_size=3, padding="valid", stride=(2, 1)),
+        (2, 2, 9, 7),
+    ),
+    (
+        dict(
+            in_channels=2,
+            out_channels=3,
+            kernel_size=(3, 2),
+            padding=(1, 2),
+            stride=(1, 2),
+            dilation=(2, 1),
+            bias=False,
+        ),
+        (2, 2, 7, 9),
+    ),
     (dict(in_channels=1, out_channels=2, kernel_size=(3, 2), padding="same"), (2, 1, 5, 5)),
-    (dict(in_channels=2, out_channels=2, kernel_size=(1, 3), padding=(0, 2), dilation=(1, 3)),
-     (2, 2, 3, 8)),
+    (
+        dict(in_channels=2, out_channels=2, kernel_size=(1, 3), padding=(0, 2), dilation=(1, 3)),
+        (2, 2, 3, 8),
+    ),
     (dict(in_channels=3, out_channels=2, kernel_size=1), (2, 3, 4, 3)),
     (dict(in_channels=1, out_channels=2, kernel_size=5, padding=2), (1, 1, 3, 4)),
-    (dict(in_channels=2, out_channels=3, kernel_size=3, padding="same", dilation=3, bias=False),
-     (2, 2, 4, 5)),
-    (dict(in_channels=2, out_channels=2, kernel_size=(2, 3), stride=(1, 3), padding=(1, 0)),
-     (3, 2, 5, 10)),
+    (
+        dict(in_channels=2, out_channels=3, kernel_size=3, padding="same", dilation=3, bias=False),
+        (2, 2, 4, 5),
+    ),
+    (
+        dict(in_channels=2, out_channels=2, kernel_size=(2, 3), stride=(1, 3), padding=(1, 0)),
+        (3, 2, 5, 10),
+    ),
     # non-zero padding modes: the patch is the one the convolution really sees
-    (dict(in_channels=2, out_channels=2, kernel_size=3, padding=1, padding_mode="circular"),
-     (2, 2, 5, 6)),
-    (dict(in_channels=2, out_channels=2, kernel_size=3, padding=(2, 1), stride=2,
-          padding_mode="reflect"), (2, 2, 7, 5)),
-    (dict(in_channels=2, out_channels=3, kernel_size=(2, 3), padding="same", dilation=2,
-          padding_mode="replicate", bias=False), (2, 2, 5, 7)),
+    (
+        dict(in_channels=2, out_channels=2, kernel_size=3, padding=1, padding_mode="circular"),
+        (2, 2, 5, 6),
+    ),
+    (
+        dict(
+            in_channels=2,
+            out_channels=2,
+            kernel_size=3,
+            padding=(2, 1),
+            stride=2,
+            padding_mode="reflect",
+        ),
+        (2, 2, 7, 5),
+    ),
+    (
+        dict(
+            in_channels=2,
+            out_channels=3,
+            kernel_size=(2, 3),
+            padding="same",
+            dilation=2,
+            padding_mode="replicate",
+            bias=False,
+        ),
+        (2, 2, 5, 7),
+    ),
 ]
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
-@pytest.mark.parametrize(("conv_kw", "shape"), CONV_CONFIGS,
-                         ids=[f"conv{i}" for i in range(len(CONV_CONFIGS))])
+@pytest.mark.parametrize(
+    ("conv_kw", "shape"), CONV_CONFIGS, ids=[f"conv{i}" for i in range(len(CONV_CONFIGS))]
+)
 def test_conv2d_batch_factors(conv_kw, shape) -> None:
     torch.manual_seed(5)
     conv = nn.Conv2d(**conv_kw).to(DT)
@@ -476,8 +520,14 @@ def test_running_average_and_update_intervals(method: str) -> None:
     damp_fn = lambda k: 0.01 * (1 + k)  # noqa: E731
     damping = damp_fn if method == "eigen" else 0.03
     damp_at = damp_fn if method == "eigen" else (lambda k: 0.03)
-    pre = make_pre(model, inverse_method=method, damping=damping, factor_decay=decay,
-                   factor_update_steps=2, inv_update_steps=4)
+    pre = make_pre(
+        model,
+        inverse_method=method,
+        damping=damping,
+        factor_decay=decay,
+        factor_update_steps=2,
+        inv_update_steps=4,
+    )
     names = [str(i) for i in kfac_layers(model)]
     run: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     decomposed: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -489,8 +539,10 @@ def test_running_average_and_update_intervals(method: str) -> None:
                 if n not in run:
                     run[n] = (a, g)
                 else:
-                    run[n] = (decay * run[n][0] + (1 - decay) * a,
-                              decay * run[n][1] + (1 - decay) * g)
+                    run[n] = (
+                        decay * run[n][0] + (1 - decay) * a,
+                        decay * run[n][1] + (1 - decay) * g,
+                    )
         if k % 4 == 0:
             decomposed = {n: (run[n][0], run[n][1], damp_at(k)) for n in names}
         batch_loss(model(x), t).backward()
@@ -516,8 +568,7 @@ def test_preconditioner_at_step5_is_from_step4_not_step5_factors() -> None:
     torch.manual_seed(11)
     gen = torch.Generator().manual_seed(11)
     model = small_conv_model()
-    pre = make_pre(model, factor_decay=0.7, factor_update_steps=1, inv_update_steps=4,
-                   damping=0.01)
+    pre = make_pre(model, factor_decay=0.7, factor_update_steps=1, inv_update_steps=4, damping=0.01)
     names = [str(i) for i in kfac_layers(model)]
     run: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     at4: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -525,8 +576,9 @@ def test_preconditioner_at_step5_is_from_step4_not_step5_factors() -> None:
         x, t = conv_batch(3, gen)
         for n in names:
             a, g = oracle_layer_factors(model, int(n), x, t)
-            run[n] = (a, g) if n not in run else (0.7 * run[n][0] + 0.3 * a,
-                                                  0.7 * run[n][1] + 0.3 * g)
+            run[n] = (
+                (a, g) if n not in run else (0.7 * run[n][0] + 0.3 * a, 0.7 * run[n][1] + 0.3 * g)
+            )
         if k == 4:
             at4 = dict(run)
         batch_loss(model(x), t).backward()
@@ -549,8 +601,7 @@ def test_accumulation_four_micro_batches_equals_one_big_batch(method: str) -> No
     model_big = small_conv_model()
     model_acc = copy.deepcopy(model_big)
     x, t = conv_batch(8, gen)
-    expected_f = {str(i): oracle_layer_factors(model_big, i, x, t)
-                  for i in kfac_layers(model_big)}
+    expected_f = {str(i): oracle_layer_factors(model_big, i, x, t) for i in kfac_layers(model_big)}
     pre_big = make_pre(model_big, inverse_method=method, damping=0.02)
     pre_acc = make_pre(model_acc, inverse_method=method, damping=0.02, accumulation_steps=4)
     batch_loss(model_big(x), t).backward()

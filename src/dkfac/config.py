@@ -12,28 +12,41 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
 #: A number, or a function of the K-FAC step (0-based count of completed ``step()`` calls).
-Hyperparameter = Union[float, Callable[[int], float]]
-IntHyperparameter = Union[int, Callable[[int], int]]
+Hyperparameter = float | Callable[[int], float]
+IntHyperparameter = int | Callable[[int], int]
 
 InverseMethod = Literal["eigen", "inverse"]
 LossReduction = Literal["mean", "sum"]
 
 INVERSE_METHODS: tuple[str, ...] = ("eigen", "inverse")
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 
 
 def _describe(value: object) -> str:
     return repr(value) if not callable(value) else f"callable {value!r}"
 
 
-def check_float(name: str, value: object, *, low: float, high: float = math.inf,
-                low_open: bool = False, high_open: bool = False, allowed: str) -> float:
+def check_float(
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    allowed: str,
+) -> float:
     """Return ``value`` as a float, or raise a ``ValueError`` naming ``name`` and the range.
 
     Args:
@@ -79,8 +92,15 @@ class FloatSchedule:
             self._check(self.value)
 
     def _check(self, value: object) -> float:
-        return check_float(self.name, value, low=self.low, high=self.high, low_open=self.low_open,
-                           high_open=self.high_open, allowed=self.allowed)
+        return check_float(
+            self.name,
+            value,
+            low=self.low,
+            high=self.high,
+            low_open=self.low_open,
+            high_open=self.high_open,
+            allowed=self.allowed,
+        )
 
     def __call__(self, step: int) -> float:
         """Value at K-FAC step ``step``; a callable's result is validated like a constant."""
@@ -137,32 +157,61 @@ class KFACConfig:
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
-            raise ValueError(f"inverse_method={self.inverse_method!r} is not allowed: "
-                             f"expected one of {', '.join(map(repr, INVERSE_METHODS))}")
+            raise ValueError(
+                f"inverse_method={self.inverse_method!r} is not allowed: "
+                f"expected one of {', '.join(map(repr, INVERSE_METHODS))}"
+            )
         if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction={self.loss_reduction!r} is not allowed: "
-                             f"expected one of {', '.join(map(repr, LOSS_REDUCTIONS))}")
+            raise ValueError(
+                f"loss_reduction={self.loss_reduction!r} is not allowed: "
+                f"expected one of {', '.join(map(repr, LOSS_REDUCTIONS))}"
+            )
         for name in ("factor_dtype", "inv_dtype"):
             dtype = getattr(self, name)
             if dtype not in FLOAT_DTYPES:
-                raise ValueError(f"{name}={dtype!r} is not allowed: expected a floating dtype "
-                                 f"({', '.join(map(str, FLOAT_DTYPES))})")
+                raise ValueError(
+                    f"{name}={dtype!r} is not allowed: expected a floating dtype "
+                    f"({', '.join(map(str, FLOAT_DTYPES))})"
+                )
         if self.inv_dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(f"inv_dtype={self.inv_dtype!r} is not allowed: decompositions need "
-                             "torch.float32 or torch.float64")
+            raise ValueError(
+                f"inv_dtype={self.inv_dtype!r} is not allowed: decompositions need "
+                "torch.float32 or torch.float64"
+            )
         check_int("accumulation_steps", self.accumulation_steps)
         # Building the schedules validates constant values now.
         schedules = {
-            "damping_at": FloatSchedule("damping", self.damping, low=0.0, low_open=True,
-                                        allowed="a number > 0 or a callable of the step"),
-            "factor_decay_at": FloatSchedule("factor_decay", self.factor_decay, low=0.0, high=1.0,
-                                             high_open=True,
-                                             allowed="a number in [0, 1) or a callable"),
-            "lr_at": FloatSchedule("lr", self.lr, low=0.0, low_open=True,
-                                   allowed="a number > 0 or a callable of the step"),
-            "kl_clip_at": None if self.kl_clip is None else FloatSchedule(
-                "kl_clip", self.kl_clip, low=0.0, low_open=True,
-                allowed="a number > 0, a callable of the step, or None"),
+            "damping_at": FloatSchedule(
+                "damping",
+                self.damping,
+                low=0.0,
+                low_open=True,
+                allowed="a number > 0 or a callable of the step",
+            ),
+            "factor_decay_at": FloatSchedule(
+                "factor_decay",
+                self.factor_decay,
+                low=0.0,
+                high=1.0,
+                high_open=True,
+                allowed="a number in [0, 1) or a callable",
+            ),
+            "lr_at": FloatSchedule(
+                "lr",
+                self.lr,
+                low=0.0,
+                low_open=True,
+                allowed="a number > 0 or a callable of the step",
+            ),
+            "kl_clip_at": None
+            if self.kl_clip is None
+            else FloatSchedule(
+                "kl_clip",
+                self.kl_clip,
+                low=0.0,
+                low_open=True,
+                allowed="a number > 0, a callable of the step, or None",
+            ),
             "factor_update_steps_at": IntSchedule("factor_update_steps", self.factor_update_steps),
             "inv_update_steps_at": IntSchedule("inv_update_steps", self.inv_update_steps),
         }
@@ -173,15 +222,20 @@ class KFACConfig:
             raise ValueError(
                 f"inv_update_steps={inv_steps!r} is not allowed: expected a multiple of "
                 f"factor_update_steps={factor_steps!r} (decomposing factors that have not "
-                "changed would be wasted work)")
+                "changed would be wasted work)"
+            )
         if isinstance(self.skip_layers, str):
-            raise ValueError(f"skip_layers={self.skip_layers!r} is not allowed: expected a "
-                             "sequence of regular expressions, e.g. ('fc', 'Embedding')")
+            raise ValueError(
+                f"skip_layers={self.skip_layers!r} is not allowed: expected a "
+                "sequence of regular expressions, e.g. ('fc', 'Embedding')"
+            )
         patterns = []
         for pattern in self.skip_layers:
             try:
                 patterns.append(re.compile(pattern))
             except (re.error, TypeError) as error:
-                raise ValueError(f"skip_layers entry {pattern!r} is not allowed: expected a "
-                                 f"regular expression ({error})") from None
+                raise ValueError(
+                    f"skip_layers entry {pattern!r} is not allowed: expected a "
+                    f"regular expression ({error})"
+                ) from None
         object.__setattr__(self, "skip_patterns", tuple(patterns))

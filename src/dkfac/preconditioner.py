@@ -104,17 +104,29 @@ class KFACPreconditioner:
         inv_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise ValueError(f"model={type(model).__name__} is not allowed: expected a "
-                             "torch.nn.Module")
+            raise ValueError(
+                f"model={type(model).__name__} is not allowed: expected a torch.nn.Module"
+            )
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise ValueError(f"grad_scaler={grad_scaler!r} is not allowed: expected a "
-                             "torch.amp.GradScaler or None")
+            raise ValueError(
+                f"grad_scaler={grad_scaler!r} is not allowed: expected a "
+                "torch.amp.GradScaler or None"
+            )
         self.config = KFACConfig(
-            strategy=strategy, inverse_method=inverse_method, damping=damping,
-            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
-            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
-            accumulation_steps=accumulation_steps, skip_layers=skip_layers,
-            loss_reduction=loss_reduction, factor_dtype=factor_dtype, inv_dtype=inv_dtype)
+            strategy=strategy,
+            inverse_method=inverse_method,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            accumulation_steps=accumulation_steps,
+            skip_layers=skip_layers,
+            loss_reduction=loss_reduction,
+            factor_dtype=factor_dtype,
+            inv_dtype=inv_dtype,
+        )
         self._strategy = make_strategy(strategy)
         self._model = _unwrap(model)
         self._grad_scaler = grad_scaler
@@ -157,21 +169,30 @@ class KFACPreconditioner:
                 layers.append((name, curvature))
         if not layers:
             found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
-            raise ValueError(f"model={type(self._model).__name__} is not allowed: it has no "
-                             f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}")
+            raise ValueError(
+                f"model={type(self._model).__name__} is not allowed: it has no "
+                f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}"
+            )
         return layers, skipped
 
     # -- hooks --------------------------------------------------------------------------------
-    def _forward_hook(self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...],
-                      output: Any) -> None:
-        if (self._removed or not self._capture or not module.training
-                or not torch.is_grad_enabled() or not self._strategy.captures(layer)):
+    def _forward_hook(
+        self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...], output: Any
+    ) -> None:
+        if (
+            self._removed
+            or not self._capture
+            or not module.training
+            or not torch.is_grad_enabled()
+            or not self._strategy.captures(layer)
+        ):
             return
         if not inputs or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
             return
         layer.accumulate_a(inputs[0])
         if output.requires_grad:
-            output.register_hook(functools.partial(self._output_grad_hook, layer))
+            hook = functools.partial(self._output_grad_hook, layer)
+            output.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _output_grad_hook(self, layer: LayerCurvature, grad: Tensor) -> None:
         if not self._removed:
@@ -212,22 +233,28 @@ class KFACPreconditioner:
                 changed since the preconditioner was built.
         """
         if self._removed:
-            raise RuntimeError("step() after remove(): this preconditioner has detached its "
-                               "hooks; build a new KFACPreconditioner")
+            raise RuntimeError(
+                "step() after remove(): this preconditioner has detached its "
+                "hooks; build a new KFACPreconditioner"
+            )
         self._check_model()
         active = [layer for layer in self._layers if layer.block.has_grad()]
         if not active:
-            raise RuntimeError("step() found no gradients: call loss.backward() before "
-                               "pre.step() (and optimizer.zero_grad(set_to_none=True) only "
-                               "before the backward pass)")
+            raise RuntimeError(
+                "step() found no gradients: call loss.backward() before "
+                "pre.step() (and optimizer.zero_grad(set_to_none=True) only "
+                "before the backward pass)"
+            )
         k, config = self._steps, self.config
         if self._is_factor_step(k):
             self._check_statistics()
-            self._strategy.update_factors(self._layers, config.factor_decay_at(k),
-                                          config.loss_reduction)
+            self._strategy.update_factors(
+                self._layers, config.factor_decay_at(k), config.loss_reduction
+            )
         if self._is_inverse_step(k):
-            self._strategy.update_inverses(self._layers, config.damping_at(k),
-                                           config.inverse_method, config.inv_dtype)
+            self._strategy.update_inverses(
+                self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype
+            )
         grads = [layer.block.grad_matrix() for layer in active]
         directions = self._strategy.precondition(active, grads, config.damping_at(k))
         scale = self._kl_scale(directions, grads, k)
@@ -236,15 +263,18 @@ class KFACPreconditioner:
         self._steps += 1
         self._capture = self._is_factor_step(self._steps)
 
-    def _kl_scale(self, directions: Sequence[Tensor], grads: Sequence[Tensor],
-                  step: int) -> Tensor | None:
+    def _kl_scale(
+        self, directions: Sequence[Tensor], grads: Sequence[Tensor], step: int
+    ) -> Tensor | None:
         """ν = min(1, sqrt(κ / (η² Σ⟨V, ∇⟩))) as a device scalar: no host synchronisation."""
         kl_clip = self.config.kl_clip_at
         if kl_clip is None:
             return None
         device = grads[0].device
-        terms = [(v * g).sum(dtype=torch.float64).to(device) for v, g in zip(directions, grads,
-                                                                           strict=True)]
+        terms = [
+            (v * g).sum(dtype=torch.float64).to(device)
+            for v, g in zip(directions, grads, strict=True)
+        ]
         lr = self.config.lr_at(step)
         vg = torch.stack(terms).sum() * (lr * lr)
         nu = torch.sqrt(kl_clip(step) / vg.clamp_min(0.0)).clamp(max=1.0)
@@ -257,25 +287,37 @@ class KFACPreconditioner:
                 current: nn.Module | None = self._model.get_submodule(path)
             except AttributeError:
                 current = None
-            if (current is not block.module or getattr(current, "weight", None) is not block.weight
-                    or tuple(block.weight.shape) != block.weight_shape):
+            if (
+                current is not block.module
+                or getattr(current, "weight", None) is not block.weight
+                or tuple(block.weight.shape) != block.weight_shape
+            ):
                 raise RuntimeError(
                     f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
                     "was replaced or resized. Build the preconditioner after the model is final "
-                    "(call pre.remove() and create a new one)")
+                    "(call pre.remove() and create a new one)"
+                )
 
     def _check_statistics(self) -> None:
         calls = [layer.backward_calls for layer in self._layers if layer.has_statistics]
         if not calls:
-            self._warn_once("no-statistics", (
-                "K-FAC captured no factor statistics before this step: forward passes run in "
-                "model.eval() mode or under torch.no_grad() are ignored; factors not updated"))
+            self._warn_once(
+                "no-statistics",
+                (
+                    "K-FAC captured no factor statistics before this step: forward passes run in "
+                    "model.eval() mode or under torch.no_grad() are ignored; factors not updated"
+                ),
+            )
             return
         if min(calls) != self.config.accumulation_steps:
-            self._warn_once("accumulation", (
-                f"K-FAC saw {min(calls)} backward pass(es) before step() but "
-                f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
-                "over all of them"))
+            self._warn_once(
+                "accumulation",
+                (
+                    f"K-FAC saw {min(calls)} backward pass(es) before step() but "
+                    f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
+                    "over all of them"
+                ),
+            )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -286,9 +328,11 @@ class KFACPreconditioner:
     # -- inspection -------------------------------------------------------------------------
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer name: (A, G)}`` running factors held by this worker."""
-        return {layer.name: (layer.a, layer.g) for layer in self._layers
-                if layer.a is not None and layer.g is not None
-                and self._strategy.holds_factors(layer)}
+        return {
+            layer.name: (layer.a, layer.g)
+            for layer in self._layers
+            if layer.a is not None and layer.g is not None and self._strategy.holds_factors(layer)
+        }
 
     @property
     def layers(self) -> list[LayerCurvature]:
@@ -301,18 +345,36 @@ class KFACPreconditioner:
         return list(self._skipped)
 
     def __repr__(self) -> str:
-        header = (f"KFACPreconditioner(strategy={self.config.strategy!r}, "
-                  f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
-                  f"layers={len(self._layers)}, skipped={len(self._skipped)})")
+        header = (
+            f"KFACPreconditioner(strategy={self.config.strategy!r}, "
+            f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
+            f"layers={len(self._layers)}, skipped={len(self._skipped)})"
+        )
         rows = [("layer", "type", "A", "G", "status")]
-        for layer in self._layers:
-            block = layer.block
-            rows.append((layer.name, block.describe(), f"{block.a_dim}x{block.a_dim}",
-                         f"{block.g_dim}x{block.g_dim}", "preconditioned"))
-        rows += [(s.name, s.kind, "-", "-", f"skipped: {s.reason}") for s in self._skipped]
+        by_path = dict(zip(self._paths, self._layers, strict=True))
+        skipped = {s.name: s for s in self._skipped}
+        for path, _ in self._model.named_modules():
+            if path in by_path:
+                block = by_path[path].block
+                rows.append(
+                    (
+                        by_path[path].name,
+                        block.describe(),
+                        f"{block.a_dim}x{block.a_dim}",
+                        f"{block.g_dim}x{block.g_dim}",
+                        "preconditioned",
+                    )
+                )
+            elif path in skipped:
+                entry = skipped[path]
+                rows.append(
+                    (entry.name or entry.kind, entry.kind, "-", "-", f"skipped: {entry.reason}")
+                )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-                 .rstrip() for row in rows]
+        lines = [
+            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ]
         return "\n".join([header, *lines])
 
     # -- state ---------------------------------------------------------------------------------
@@ -322,11 +384,17 @@ class KFACPreconditioner:
         for layer in self._layers:
             entry: dict[str, Any] = {"A": layer.a, "G": layer.g}
             if layer.inverse is not None:
-                entry["inverse"] = {"method": layer.inverse.method,
-                                    "tensors": dict(layer.inverse.tensors())}
+                entry["inverse"] = {
+                    "method": layer.inverse.method,
+                    "tensors": dict(layer.inverse.tensors()),
+                }
             layers[layer.name] = entry
-        return {"version": STATE_VERSION, "steps": self._steps,
-                "inverse_method": self.config.inverse_method, "layers": layers}
+        return {
+            "version": STATE_VERSION,
+            "steps": self._steps,
+            "inverse_method": self.config.inverse_method,
+            "layers": layers,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same model architecture).
@@ -335,20 +403,27 @@ class KFACPreconditioner:
             ValueError: the state does not match this preconditioner's layers.
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError("state_dict is not a dkfac KFACPreconditioner state (version "
-                             f"{STATE_VERSION} expected)")
+            raise ValueError(
+                "state_dict is not a dkfac KFACPreconditioner state (version "
+                f"{STATE_VERSION} expected)"
+            )
         saved = state["layers"]
         names = {layer.name for layer in self._layers}
         if set(saved) != names:
-            raise ValueError(f"state_dict layers do not match the model: missing "
-                             f"{sorted(names - set(saved))}, unexpected {sorted(set(saved) - names)}")
+            missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
+            raise ValueError(
+                f"state_dict layers do not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
         for layer in self._layers:
             entry = saved[layer.name]
             for key, dim in (("A", layer.block.a_dim), ("G", layer.block.g_dim)):
                 tensor = entry[key]
                 if tensor is not None and tuple(tensor.shape) != (dim, dim):
-                    raise ValueError(f"state_dict factor {key} of layer {layer.name!r} has shape "
-                                     f"{tuple(tensor.shape)}, expected {(dim, dim)}")
+                    raise ValueError(
+                        f"state_dict factor {key} of layer {layer.name!r} has shape "
+                        f"{tuple(tensor.shape)}, expected {(dim, dim)}"
+                    )
         device_of = {layer.name: layer.block.weight.device for layer in self._layers}
         for layer in self._layers:
             entry = saved[layer.name]
@@ -359,9 +434,14 @@ class KFACPreconditioner:
 
             layer.a, layer.g = move(entry["A"]), move(entry["G"])
             inverse = entry.get("inverse")
-            layer.inverse = None if inverse is None else inverse_from_tensors(
-                inverse["method"], {k: v.detach().to(device).clone()
-                                    for k, v in inverse["tensors"].items()})
+            layer.inverse = (
+                None
+                if inverse is None
+                else inverse_from_tensors(
+                    inverse["method"],
+                    {k: v.detach().to(device).clone() for k, v in inverse["tensors"].items()},
+                )
+            )
             layer.clear_statistics()
         self._steps = int(state["steps"])
         self._capture = self._is_factor_step(self._steps)
@@ -374,4 +454,3 @@ class KFACPreconditioner:
         self._removed = True
         for layer in self._layers:
             layer.clear_statistics()
-

@@ -154,14 +154,14 @@ class Conv2dBlock(KroneckerBlock):
         if module.groups != 1:
             raise UnsupportedLayerError(
                 f"grouped convolution (groups={module.groups}) is not supported; add its name "
-                "to skip_layers to train it with the plain gradient")
+                "to skip_layers to train it with the plain gradient"
+            )
         super().__init__(module)
         self.conv = module
         kernel = (int(module.kernel_size[0]), int(module.kernel_size[1]))
         dilation = (int(module.dilation[0]), int(module.dilation[1]))
         if isinstance(module.padding, str):
-            self.pad = (_same_padding(kernel, dilation) if module.padding == "same"
-                        else (0, 0, 0, 0))
+            self.pad = _same_padding(kernel, dilation) if module.padding == "same" else (0, 0, 0, 0)
         else:
             ph, pw = int(module.padding[0]), int(module.padding[1])
             self.pad = (pw, pw, ph, ph)
@@ -184,8 +184,12 @@ class Conv2dBlock(KroneckerBlock):
         zero_padded = self.conv.padding_mode == "zeros"
         total, rows = conv2d_patch_gram(
             x if zero_padded else self.padded_input(x),
-            kernel=self.kernel, dilation=self.dilation, stride=self.stride,
-            pad=self.pad if zero_padded else (0, 0, 0, 0), with_ones=self.has_bias)
+            kernel=self.kernel,
+            dilation=self.dilation,
+            stride=self.stride,
+            pad=self.pad if zero_padded else (0, 0, 0, 0),
+            with_ones=self.has_bias,
+        )
         return FactorStatistic(total, rows, int(x.shape[0]))
 
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:

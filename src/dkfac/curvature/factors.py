@@ -30,9 +30,15 @@ def gram_with_ones(rows: Tensor, with_ones: bool) -> Tensor:
     return out
 
 
-def conv2d_patch_gram(x: Tensor, *, kernel: tuple[int, int], dilation: tuple[int, int],
-                      stride: tuple[int, int], pad: tuple[int, int, int, int],
-                      with_ones: bool) -> tuple[Tensor, int]:
+def conv2d_patch_gram(
+    x: Tensor,
+    *,
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    with_ones: bool,
+) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
     Args:
@@ -56,8 +62,9 @@ def conv2d_patch_gram(x: Tensor, *, kernel: tuple[int, int], dilation: tuple[int
     return gram_with_ones(flat, with_ones), flat.shape[0]
 
 
-def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: int,
-                 device: torch.device) -> Tensor:
+def _window_mask(
+    size: int, kernel: int, dilation: int, pad_before: int, out: int, device: torch.device
+) -> Tensor:
     """``mask[i, r]``: image row ``r`` lies outside the output window of kernel offset ``i``.
 
     With stride 1, offset ``i`` sees image rows ``[d·i − pad_before, d·i − pad_before + out)``.
@@ -67,8 +74,13 @@ def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: in
     return (rows < start) | (rows >= start + out)
 
 
-def _shifted_patch_gram(x: Tensor, kernel: tuple[int, int], dilation: tuple[int, int],
-                        pad: tuple[int, int, int, int], with_ones: bool) -> tuple[Tensor, int]:
+def _shifted_patch_gram(
+    x: Tensor,
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    with_ones: bool,
+) -> tuple[Tensor, int]:
     """Patch Gram of a stride-1 convolution without materialising im2col.
 
     Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
@@ -99,7 +111,7 @@ def _shifted_patch_gram(x: Tensor, kernel: tuple[int, int], dilation: tuple[int,
     flat = x.new_zeros(span + int(offsets.max()), c)
     flat[:span].view(n, hp, wp, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
     base = flat[:span].t()
-    full = torch.stack([base @ flat[o:o + span] for o in offsets.tolist()])  # (S, C, C)
+    full = torch.stack([base @ flat[o : o + span] for o in offsets.tolist()])  # (S, C, C)
 
     # Positions some window misses, and which offsets miss them.
     row_out = _window_mask(h, kh, dh, top, h_out, x.device)  # (kh, h)

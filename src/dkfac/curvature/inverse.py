@@ -55,8 +55,7 @@ class EigenInverse(KroneckerInverse):
         self.qa, self.la, self.qg, self.lg = qa, la, qg, lg
 
     @classmethod
-    def from_factors(cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype
-                     ) -> EigenInverse:
+    def from_factors(cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype) -> EigenInverse:
         """Eigendecompose ``A`` and ``G`` in ``dtype``.
 
         Tiny negative eigenvalues from round-off are clamped to zero, which keeps
@@ -104,8 +103,9 @@ class TikhonovInverse(KroneckerInverse):
         self.info = info
 
     @classmethod
-    def from_factors(cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype
-                     ) -> TikhonovInverse:
+    def from_factors(
+        cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype
+    ) -> TikhonovInverse:
         """``(A + √γ·π I)⁻¹`` and ``(G + √γ/π I)⁻¹`` in ``dtype``."""
         a, g = a.to(dtype), g.to(dtype)
         pi = tikhonov_pi(a, g)
@@ -136,8 +136,9 @@ def _cholesky_inverse(matrix: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cholesky_inverse(factor), info
 
 
-def decompose(a: Tensor, g: Tensor, damping: float, method: str,
-              dtype: torch.dtype) -> KroneckerInverse:
+def decompose(
+    a: Tensor, g: Tensor, damping: float, method: str, dtype: torch.dtype
+) -> KroneckerInverse:
     """Decompose a factor pair with ``method`` in ``dtype``.
 
     Raises:

@@ -156,8 +156,9 @@ def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
     return result
 
 
-def update_inverses(layers: Sequence[LayerCurvature], damping: float, method: str,
-                    dtype: torch.dtype) -> None:
+def update_inverses(
+    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+) -> None:
     """Decompose the running factors of ``layers``; never raises for numerical trouble.
 
     A layer whose factors are not finite keeps its last good decomposition (or none, so its
@@ -169,21 +170,31 @@ def update_inverses(layers: Sequence[LayerCurvature], damping: float, method: st
     if not ready:
         return
     dropped = [layer.take_nonfinite_flag() for layer in ready]
-    flags = [torch.isfinite(layer.a).all() & torch.isfinite(layer.g).all()  # type: ignore[arg-type]
-             for layer in ready]
+    flags = [
+        torch.isfinite(layer.a).all() & torch.isfinite(layer.g).all()  # type: ignore[arg-type]
+        for layer in ready
+    ]
     flags += [flag for flag in dropped if flag is not None]
     host = _host_flags(flags)
-    finite, dropped_host = host[:len(ready)], iter(host[len(ready):])
+    finite, dropped_host = host[: len(ready)], iter(host[len(ready) :])
     attempts: list[tuple[LayerCurvature, KroneckerInverse | None]] = []
     for layer, factors_ok, flag in zip(ready, finite, dropped, strict=True):
         if flag is not None and next(dropped_host):
-            layer.warn_once("nonfinite-batch", (
-                f"K-FAC layer {layer.name!r}: a batch factor had NaN/Inf values and was not "
-                "used (the running average kept its last value)"))
+            layer.warn_once(
+                "nonfinite-batch",
+                (
+                    f"K-FAC layer {layer.name!r}: a batch factor had NaN/Inf values and was not "
+                    "used (the running average kept its last value)"
+                ),
+            )
         if not factors_ok:
-            layer.warn_once("nonfinite-factor", (
-                f"K-FAC layer {layer.name!r}: factors are not finite; keeping the last good "
-                "decomposition (or the plain gradient before the first one)"))
+            layer.warn_once(
+                "nonfinite-factor",
+                (
+                    f"K-FAC layer {layer.name!r}: factors are not finite; keeping the last good "
+                    "decomposition (or the plain gradient before the first one)"
+                ),
+            )
             continue
         attempts.append((layer, _try_decompose(layer, damping, method, dtype)))
     if not attempts:
@@ -194,24 +205,36 @@ def update_inverses(layers: Sequence[LayerCurvature], damping: float, method: st
         if inverse is not None and next(ok_iter):
             layer.inverse = inverse
             continue
-        retry = None if dtype == torch.float64 else _try_decompose(
-            layer, damping, method, torch.float64)
+        retry = (
+            None
+            if dtype == torch.float64
+            else _try_decompose(layer, damping, method, torch.float64)
+        )
         if retry is not None and bool(retry.ok()):
-            layer.warn_once("retried", (
-                f"K-FAC layer {layer.name!r}: decomposition failed in {dtype}; "
-                "recomputed in float64"))
+            layer.warn_once(
+                "retried",
+                (
+                    f"K-FAC layer {layer.name!r}: decomposition failed in {dtype}; "
+                    "recomputed in float64"
+                ),
+            )
             layer.inverse = retry
         else:
-            layer.warn_once("failed", (
-                f"K-FAC layer {layer.name!r}: decomposition failed (also in float64); keeping "
-                "the last good decomposition (or the plain gradient before the first one)"))
+            layer.warn_once(
+                "failed",
+                (
+                    f"K-FAC layer {layer.name!r}: decomposition failed (also in float64); keeping "
+                    "the last good decomposition (or the plain gradient before the first one)"
+                ),
+            )
 
 
-def _try_decompose(layer: LayerCurvature, damping: float, method: str,
-                   dtype: torch.dtype) -> KroneckerInverse | None:
+def _try_decompose(
+    layer: LayerCurvature, damping: float, method: str, dtype: torch.dtype
+) -> KroneckerInverse | None:
     assert layer.a is not None and layer.g is not None
     try:
         return decompose(layer.a, layer.g, damping, method, dtype)
-    except (torch.linalg.LinAlgError, RuntimeError) as error:
+    except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
         logger.debug("decomposition of %s in %s failed: %s", layer.name, dtype, error)
         return None

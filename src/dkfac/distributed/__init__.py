@@ -19,8 +19,9 @@ def make_strategy(name: str) -> Strategy:
     """
     if name == LocalStrategy.name:
         return LocalStrategy()
-    raise ValueError(f"strategy={name!r} is not allowed: expected one of "
-                     f"{', '.join(map(repr, STRATEGY_NAMES))}")
+    raise ValueError(
+        f"strategy={name!r} is not allowed: expected one of {', '.join(map(repr, STRATEGY_NAMES))}"
+    )
 
 
 __all__ = ["STRATEGY_NAMES", "LocalStrategy", "Strategy", "make_strategy"]

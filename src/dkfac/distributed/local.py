@@ -19,21 +19,25 @@ class LocalStrategy(Strategy):
 
     name = "local"
 
-    def update_factors(self, layers: Sequence[LayerCurvature], decay: float,
-                       loss_reduction: str) -> None:
+    def update_factors(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+    ) -> None:
         """Fold each layer's batch factors into its running averages."""
         for layer in layers:
             if layer.has_statistics:
                 layer.fold(*layer.batch_factors(loss_reduction), decay)
             layer.clear_statistics()
 
-    def update_inverses(self, layers: Sequence[LayerCurvature], damping: float, method: str,
-                        dtype: torch.dtype) -> None:
+    def update_inverses(
+        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+    ) -> None:
         """Decompose every layer's factors here."""
         update_inverses(layers, damping, method, dtype)
 
-    def precondition(self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor],
-                     damping: float) -> list[Tensor]:
+    def precondition(
+        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
+    ) -> list[Tensor]:
         """Precondition every layer here."""
-        return [layer.precondition(grad, damping) for layer, grad in zip(layers, grads,
-                                                                          strict=True)]
+        return [
+            layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
+        ]

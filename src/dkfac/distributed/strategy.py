@@ -36,16 +36,19 @@ class Strategy(ABC):
         return layer.a is not None
 
     @abstractmethod
-    def update_factors(self, layers: Sequence[LayerCurvature], decay: float,
-                       loss_reduction: str) -> None:
+    def update_factors(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+    ) -> None:
         """Turn the captured statistics into running factors where they are needed."""
 
     @abstractmethod
-    def update_inverses(self, layers: Sequence[LayerCurvature], damping: float, method: str,
-                        dtype: torch.dtype) -> None:
+    def update_inverses(
+        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+    ) -> None:
         """Refresh the decompositions where they are needed."""
 
     @abstractmethod
-    def precondition(self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor],
-                     damping: float) -> list[Tensor]:
+    def precondition(
+        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
+    ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
