@@ -1,0 +1,91 @@
+"""Factor kernels against brute-force float64 formulas on random configurations."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from dkfac.curvature.factors import conv2d_patch_gram, gram_with_ones, running_average
+
+
+def brute_force_patch_gram(
+    x: torch.Tensor,
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    with_ones: bool,
+) -> tuple[torch.Tensor, int]:
+    """Σ a aᵀ with every patch read pixel by pixel from the zero-padded input."""
+    n, c, h, w = x.shape
+    left, right, top, bottom = pad
+    padded = torch.zeros(n, c, h + top + bottom, w + left + right, dtype=x.dtype)
+    padded[:, :, top : top + h, left : left + w] = x
+    kh, kw = kernel
+    h_out = (h + top + bottom - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (w + left + right - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    patches = []
+    for b, t1, t2 in itertools.product(range(n), range(h_out), range(w_out)):
+        values = [
+            padded[b, ch, t1 * stride[0] + i * dilation[0], t2 * stride[1] + j * dilation[1]]
+            for ch in range(c)
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        if with_ones:
+            values.append(torch.tensor(1.0, dtype=x.dtype))
+        patches.append(torch.stack(values))
+    matrix = torch.stack(patches)
+    return matrix.t() @ matrix, matrix.shape[0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> None:
+    rng = random.Random(seed)
+    kernel = (rng.randint(1, 4), rng.randint(1, 4))
+    dilation = (rng.randint(1, 2), rng.randint(1, 2))
+    stride = (1, 1) if seed % 3 else (rng.randint(1, 3), rng.randint(1, 3))
+    pad = tuple(rng.randint(0, 3) for _ in range(4))
+    # Sizes from 1 up, but at least one output position.
+    h = max(rng.randint(1, 7), dilation[0] * (kernel[0] - 1) + 1 - pad[2] - pad[3])
+    w = max(rng.randint(1, 7), dilation[1] * (kernel[1] - 1) + 1 - pad[0] - pad[1])
+    x = torch.randn(
+        rng.randint(1, 3),
+        rng.randint(1, 3),
+        h,
+        w,
+        dtype=torch.float64,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    with_ones = bool(seed % 2)
+    got, rows = conv2d_patch_gram(
+        x, kernel=kernel, dilation=dilation, stride=stride, pad=pad, with_ones=with_ones
+    )  # type: ignore[arg-type]
+    expected, expected_rows = brute_force_patch_gram(x, kernel, dilation, stride, pad, with_ones)
+    assert rows == expected_rows
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_with_ones_appends_the_constant() -> None:
+    rows = torch.randn(7, 3, dtype=torch.float64)
+    extended = torch.cat([rows, torch.ones(7, 1, dtype=torch.float64)], dim=1)
+    torch.testing.assert_close(gram_with_ones(rows, True), extended.t() @ extended)
+    torch.testing.assert_close(gram_with_ones(rows, False), rows.t() @ rows)
+
+
+def test_running_average_formula_and_non_finite_batches() -> None:
+    first = torch.randn(3, 3, dtype=torch.float64)
+    second = torch.randn(3, 3, dtype=torch.float64)
+    running = running_average(None, first, 0.9)
+    assert torch.equal(running, first)
+    torch.testing.assert_close(running_average(running, second, 0.9), 0.9 * first + 0.1 * second)
+    bad = second.clone()
+    bad[0, 1] = float("inf")
+    assert torch.equal(running_average(running, bad, 0.9), running)
+    assert torch.isnan(running_average(None, bad, 0.9)).all()  # "no estimate yet"
+    torch.testing.assert_close(
+        running_average(torch.full((3, 3), float("nan"), dtype=torch.float64), second, 0.9), second
+    )
