@@ -55,11 +55,48 @@ def conv2d_patch_gram(
     """
     if stride == (1, 1):
         return _shifted_patch_gram(x, kernel, dilation, pad, with_ones)
-    if any(pad):
-        x = F.pad(x, pad)
-    patches = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (N, C·kh·kw, L)
-    flat = patches.transpose(1, 2).reshape(-1, patches.shape[1])
-    return gram_with_ones(flat, with_ones), flat.shape[0]
+    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones)
+
+
+def _strided_patch_gram(
+    x: Tensor,
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    with_ones: bool,
+) -> tuple[Tensor, int]:
+    """Patch Gram through an explicit im2col matrix, for any stride.
+
+    The patches are a strided view of a channels-last copy of the padded input, so the one
+    copy that materialises them reads and writes whole channel vectors; the Gram is formed in
+    ``(i, j, c)`` order and permuted to PyTorch's ``(c, i, j)`` at the end (``d²`` elements).
+    """
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    left, right, top, bottom = pad
+    padded = x.new_zeros(n, h + top + bottom, w + left + right, c)
+    padded[:, top : top + h, left : left + w] = x.permute(0, 2, 3, 1)
+    h_out = (padded.shape[1] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (padded.shape[2] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    sn, sh, sw, sc = padded.stride()
+    patches = padded.as_strided(
+        (n, h_out, w_out, kh, kw, c),
+        (sn, stride[0] * sh, stride[1] * sw, dilation[0] * sh, dilation[1] * sw, sc),
+    )
+    flat = patches.reshape(-1, kh * kw * c)
+    gram = gram_with_ones(flat, with_ones)
+    size = c * kh * kw
+    reordered = gram[:size, :size].view(kh, kw, c, kh, kw, c).permute(2, 0, 1, 5, 3, 4)
+    if not with_ones:
+        return reordered.reshape(size, size), flat.shape[0]
+    out = torch.empty_like(gram)
+    out[:size, :size] = reordered.reshape(size, size)
+    sums = gram[size, :size].view(kh, kw, c).permute(2, 0, 1).reshape(-1)
+    out[size, :size] = sums
+    out[:size, size] = sums
+    out[size, size] = gram[size, size]
+    return out, flat.shape[0]
 
 
 def _window_mask(
@@ -113,19 +150,27 @@ def _shifted_patch_gram(
     base = flat[:span].t()
     full = torch.stack([base @ flat[o : o + span] for o in offsets.tolist()])  # (S, C, C)
 
-    # Positions some window misses, and which offsets miss them.
+    # Positions some window misses, grouped by which offsets miss them: a border row or
+    # column of the image, or a corner. Each group's correction is one GEMM contracting over
+    # all its positions and examples.
     row_out = _window_mask(h, kh, dh, top, h_out, x.device)  # (kh, h)
     col_out = _window_mask(w, kw, dw, left, w_out, x.device)  # (kw, w)
-    missed = row_out[:, None, :, None] | col_out[None, :, None, :]  # (kh, kw, h, w)
-    border = missed.any(dim=(0, 1)).flatten().nonzero().squeeze(1)
-    if border.numel():
-        position = (border // w) * wp + border % w
-        index = position[:, None] + torch.arange(n, device=x.device)[None, :] * (hp * wp)
-        at_border = flat[index]  # (B, N, C)
-        shifted = flat[index[:, :, None] + offsets].flatten(2)  # (B, N, S·C)
-        products = torch.bmm(at_border.transpose(1, 2).contiguous(), shifted)  # (B, C, S·C)
-        weights = missed.flatten(2).flatten(0, 1)[:, border].to(x.dtype)  # (kh·kw, B)
-        corrections = (weights @ products.flatten(1)).view(kh * kw, c, len(shifts), c)
+    missed = (row_out[:, None, :, None] | col_out[None, :, None, :]).flatten(0, 1)  # (U, h, w)
+    patterns, group_of = torch.unique(missed.flatten(1), dim=1, return_inverse=True)
+    border_groups = [g for g in range(patterns.shape[1]) if bool(patterns[:, g].any())]
+    if border_groups:
+        positions = [(group_of == g).nonzero().squeeze(1) for g in border_groups]
+        sizes = [len(p) * n for p in positions]
+        border = torch.cat(positions)
+        flat_position = (border // w) * wp + border % w
+        index = (flat_position[:, None] + torch.arange(n, device=x.device) * (hp * wp)).flatten()
+        at_border = flat[index]  # (B·N, C)
+        shifted = flat[index[:, None] + offsets].flatten(1)  # (B·N, S·C)
+        per_group = torch.stack(
+            [a.t() @ b for a, b in zip(at_border.split(sizes), shifted.split(sizes), strict=True)]
+        )  # (G, C, S·C)
+        weights = patterns[:, border_groups].to(x.dtype)  # (U, G)
+        corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
         values = full[:, None] - corrections.permute(2, 0, 1, 3)
     else:
         values = full[:, None].expand(len(shifts), kh * kw, c, c)
@@ -144,8 +189,8 @@ def _shifted_patch_gram(
     if not with_ones:
         return gram, rows
     # Bias row: the patch sums, i.e. channel sums over each offset's window.
-    inside = (~missed).to(x.dtype)  # (kh, kw, h, w)
-    sums = torch.einsum("chw,ijhw->cij", x.sum(0), inside).reshape(-1)
+    inside = (~missed).to(x.dtype)  # (kh·kw, h, w)
+    sums = torch.einsum("chw,uhw->cu", x.sum(0), inside).reshape(-1)
     out = x.new_empty(size + 1, size + 1)
     out[:size, :size] = gram
     out[size, :size] = sums
