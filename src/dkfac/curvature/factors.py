@@ -6,8 +6,9 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -166,8 +167,9 @@ def _shifted_patch_gram(
         index = (flat_position[:, None] + torch.arange(n, device=x.device) * (hp * wp)).flatten()
         at_border = flat[index]  # (B·N, C)
         shifted = flat[index[:, None] + offsets].flatten(1)  # (B·N, S·C)
+        bounds = [0, *itertools.accumulate(sizes)]
         per_group = torch.stack(
-            [a.t() @ b for a, b in zip(at_border.split(sizes), shifted.split(sizes), strict=True)]
+            [at_border[i:j].t() @ shifted[i:j] for i, j in itertools.pairwise(bounds)]
         )  # (G, C, S·C)
         weights = patterns[:, border_groups].to(x.dtype)  # (U, G)
         corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
