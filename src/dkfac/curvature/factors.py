@@ -21,13 +21,17 @@ def gram_with_ones(rows: Tensor, with_ones: bool) -> Tensor:
     core = rows.t() @ rows
     if not with_ones:
         return core
-    d = rows.shape[1]
-    out = rows.new_empty(d + 1, d + 1)
+    return bordered_gram(core, rows.sum(dim=0), rows.shape[0])
+
+
+def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
+    """``[[core, sums], [sumsᵀ, count]]``: the Gram of rows extended by a constant 1."""
+    d = core.shape[0]
+    out = core.new_empty(d + 1, d + 1)
     out[:d, :d] = core
-    column_sums = rows.sum(dim=0)
-    out[d, :d] = column_sums
-    out[:d, d] = column_sums
-    out[d, d] = rows.shape[0]
+    out[d, :d] = sums
+    out[:d, d] = sums
+    out[d, d] = count
     return out
 
 
@@ -91,13 +95,8 @@ def _strided_patch_gram(
     reordered = gram[:size, :size].view(kh, kw, c, kh, kw, c).permute(2, 0, 1, 5, 3, 4)
     if not with_ones:
         return reordered.reshape(size, size), flat.shape[0]
-    out = torch.empty_like(gram)
-    out[:size, :size] = reordered.reshape(size, size)
     sums = gram[size, :size].view(kh, kw, c).permute(2, 0, 1).reshape(-1)
-    out[size, :size] = sums
-    out[:size, size] = sums
-    out[size, size] = gram[size, size]
-    return out, flat.shape[0]
+    return bordered_gram(reordered.reshape(size, size), sums, flat.shape[0]), flat.shape[0]
 
 
 def _window_mask(
@@ -193,12 +192,7 @@ def _shifted_patch_gram(
     # Bias row: the patch sums, i.e. channel sums over each offset's window.
     inside = (~missed).to(x.dtype)  # (kh·kw, h, w)
     sums = torch.einsum("chw,uhw->cu", x.sum(0), inside).reshape(-1)
-    out = x.new_empty(size + 1, size + 1)
-    out[:size, :size] = gram
-    out[size, :size] = sums
-    out[:size, size] = sums
-    out[size, size] = rows
-    return out, rows
+    return bordered_gram(gram, sums, rows), rows
 
 
 def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
