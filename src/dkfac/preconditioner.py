@@ -15,7 +15,6 @@ from torch.utils.hooks import RemovableHandle
 
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
-from dkfac.curvature.inverse import inverse_from_tensors
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.distributed import make_strategy
 
@@ -380,15 +379,7 @@ class KFACPreconditioner:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Steps, running factors and decompositions: enough to continue bitwise identically."""
-        layers: dict[str, Any] = {}
-        for layer in self._layers:
-            entry: dict[str, Any] = {"A": layer.a, "G": layer.g}
-            if layer.inverse is not None:
-                entry["inverse"] = {
-                    "method": layer.inverse.method,
-                    "tensors": dict(layer.inverse.tensors()),
-                }
-            layers[layer.name] = entry
+        layers = {layer.name: layer.state() for layer in self._layers}
         return {
             "version": STATE_VERSION,
             "steps": self._steps,
@@ -415,34 +406,10 @@ class KFACPreconditioner:
                 f"state_dict layers do not match the model: missing {missing}, "
                 f"unexpected {unexpected}"
             )
+        for layer in self._layers:  # validate everything before changing anything
+            layer.check_state(saved[layer.name])
         for layer in self._layers:
-            entry = saved[layer.name]
-            for key, dim in (("A", layer.block.a_dim), ("G", layer.block.g_dim)):
-                tensor = entry[key]
-                if tensor is not None and tuple(tensor.shape) != (dim, dim):
-                    raise ValueError(
-                        f"state_dict factor {key} of layer {layer.name!r} has shape "
-                        f"{tuple(tensor.shape)}, expected {(dim, dim)}"
-                    )
-        device_of = {layer.name: layer.block.weight.device for layer in self._layers}
-        for layer in self._layers:
-            entry = saved[layer.name]
-            device = device_of[layer.name]
-
-            def move(t: Tensor | None, device: torch.device = device) -> Tensor | None:
-                return None if t is None else t.detach().to(device).clone()
-
-            layer.a, layer.g = move(entry["A"]), move(entry["G"])
-            inverse = entry.get("inverse")
-            layer.inverse = (
-                None
-                if inverse is None
-                else inverse_from_tensors(
-                    inverse["method"],
-                    {k: v.detach().to(device).clone() for k, v in inverse["tensors"].items()},
-                )
-            )
-            layer.clear_statistics()
+            layer.load_state(saved[layer.name])
         self._steps = int(state["steps"])
         self._capture = self._is_factor_step(self._steps)
 

@@ -12,13 +12,14 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
 from dkfac.curvature.factors import running_average
-from dkfac.curvature.inverse import KroneckerInverse, decompose
+from dkfac.curvature.inverse import KroneckerInverse, decompose, inverse_from_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,46 @@ class LayerCurvature:
         if self.inverse is None:
             return grad
         return self.inverse.precondition(grad, damping)
+
+    # -- state --------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Running factors and the decomposition, as plain tensors."""
+        entry: dict[str, Any] = {"A": self.a, "G": self.g}
+        if self.inverse is not None:
+            entry["inverse"] = {
+                "method": self.inverse.method,
+                "tensors": dict(self.inverse.tensors()),
+            }
+        return entry
+
+    def check_state(self, entry: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``entry`` (from :meth:`state`) does not fit this layer."""
+        for key, dim in (("A", self.block.a_dim), ("G", self.block.g_dim)):
+            tensor = entry[key]
+            if tensor is not None and tuple(tensor.shape) != (dim, dim):
+                raise ValueError(
+                    f"state_dict factor {key} of layer {self.name!r} has shape "
+                    f"{tuple(tensor.shape)}, expected {(dim, dim)}"
+                )
+
+    def load_state(self, entry: dict[str, Any]) -> None:
+        """Restore :meth:`state` output onto the layer's device; pending statistics are dropped."""
+        device = self.block.weight.device
+
+        def own(tensor: Tensor) -> Tensor:
+            return tensor.detach().to(device).clone()
+
+        self.a = None if entry["A"] is None else own(entry["A"])
+        self.g = None if entry["G"] is None else own(entry["G"])
+        saved = entry.get("inverse")
+        self.inverse = (
+            None
+            if saved is None
+            else inverse_from_tensors(
+                saved["method"], {key: own(value) for key, value in saved["tensors"].items()}
+            )
+        )
+        self.clear_statistics()
 
     def warn_once(self, kind: str, message: str) -> None:
         """Emit ``message`` as a RuntimeWarning the first time ``kind`` happens to this layer."""
