@@ -147,6 +147,9 @@ class KFACConfig:
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
+    grad_worker_fraction: float = 1.0
+    bucket_cap_mb: float = 25.0
+    comm_dtype: torch.dtype | None = None
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
     factor_decay_at: FloatSchedule = field(init=False, repr=False)
@@ -179,6 +182,25 @@ class KFACConfig:
                 "torch.float32 or torch.float64"
             )
         check_int("accumulation_steps", self.accumulation_steps)
+        check_float(
+            "grad_worker_fraction",
+            self.grad_worker_fraction,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            allowed="a number in (0, 1], e.g. 1/P, 2/P, ..., 1",
+        )
+        check_float(
+            "bucket_cap_mb",
+            self.bucket_cap_mb,
+            low=0.0,
+            allowed="a number of MiB >= 0 (0: every tensor in its own collective)",
+        )
+        if self.comm_dtype is not None and self.comm_dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"comm_dtype={self.comm_dtype!r} is not allowed: expected None or "
+                f"a floating dtype ({', '.join(map(str, FLOAT_DTYPES))})"
+            )
         # Building the schedules validates constant values now.
         schedules = {
             "damping_at": FloatSchedule(

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed import make_strategy
+from dkfac.distributed import StepRecorder, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,11 @@ class KFACPreconditioner:
         factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
         inv_dtype: dtype of the decompositions (float32 or float64). A failed decomposition is
             retried in float64.
+        grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
+            (``strategy="kaisa"``); ``f·P`` must divide the world size ``P``.
+        bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
+        comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None`` sends
+            tensors in their own dtype.
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (the number of completed ``step()`` calls).
@@ -101,6 +108,9 @@ class KFACPreconditioner:
         grad_scaler: Any | None = None,
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
+        grad_worker_fraction: float = 1.0,
+        bucket_cap_mb: float = 25.0,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -125,8 +135,18 @@ class KFACPreconditioner:
             loss_reduction=loss_reduction,
             factor_dtype=factor_dtype,
             inv_dtype=inv_dtype,
+            grad_worker_fraction=grad_worker_fraction,
+            bucket_cap_mb=bucket_cap_mb,
+            comm_dtype=comm_dtype,
         )
-        self._strategy = make_strategy(strategy)
+        self._recorder = StepRecorder()
+        self._strategy = make_strategy(
+            strategy,
+            self._recorder,
+            grad_worker_fraction=grad_worker_fraction,
+            bucket_cap_mb=bucket_cap_mb,
+            comm_dtype=comm_dtype,
+        )
         self._model = _unwrap(model)
         self._grad_scaler = grad_scaler
         discovered, self._skipped = self._discover_layers()
@@ -188,14 +208,16 @@ class KFACPreconditioner:
             return
         if not inputs or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
             return
-        layer.accumulate_a(inputs[0])
+        with self._recorder.phase("factor_compute"):
+            layer.accumulate_a(inputs[0])
         if output.requires_grad:
             hook = functools.partial(self._output_grad_hook, layer)
             output.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _output_grad_hook(self, layer: LayerCurvature, grad: Tensor) -> None:
         if not self._removed:
-            layer.accumulate_g(grad, self._loss_scale())
+            with self._recorder.phase("factor_compute"):
+                layer.accumulate_g(grad, self._loss_scale())
 
     def _loss_scale(self) -> Tensor | float | None:
         scaler = self._grad_scaler
@@ -259,6 +281,7 @@ class KFACPreconditioner:
         scale = self._kl_scale(directions, grads, k)
         for layer, direction in zip(active, directions, strict=True):
             layer.block.set_grad(direction if scale is None else direction * scale)
+        self._recorder.finish_step(self._steps)
         self._steps += 1
         self._capture = self._is_factor_step(self._steps)
 
@@ -332,6 +355,23 @@ class KFACPreconditioner:
             for layer in self._layers
             if layer.a is not None and layer.g is not None and self._strategy.holds_factors(layer)
         }
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""
+        return self._recorder.comm_stats()
+
+    def timings(self) -> dict[str, float]:
+        """Wall seconds of each phase of the last step on this rank.
+
+        Phases: factor_compute (in the hooks), factor_comm, inverse_compute, inverse_comm,
+        precondition, grad_comm. On CUDA, times are host times of asynchronous launches.
+        """
+        return self._recorder.timings()
+
+    def export_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write a Chrome trace (JSON) of the recent steps, one lane per phase."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._recorder.export_trace(path, rank=rank)
 
     @property
     def layers(self) -> list[LayerCurvature]:

@@ -111,6 +111,19 @@ class LayerCurvature:
         g = g_acc.total * n if loss_reduction == "mean" else g_acc.total / n
         return a, g
 
+    def summed_statistics(self, loss_reduction: str) -> tuple[Tensor, Tensor, int, int]:
+        """``(R·A, N·G, R, N)`` of the current window: sums that add up across workers.
+
+        Summing these over workers and dividing gives the factors of the union of their
+        batches exactly, whatever each worker's batch size (each worker's loss being the mean
+        over its own examples, as under DDP).
+        """
+        a_acc, g_acc = self._a_acc, self._g_acc
+        assert a_acc.total is not None and g_acc.total is not None
+        n = g_acc.examples
+        g = g_acc.total * (n * n) if loss_reduction == "mean" else g_acc.total
+        return a_acc.total, g, a_acc.rows, n
+
     def clear_statistics(self) -> None:
         """Forget the statistics of the current window."""
         self._a_acc.clear()

@@ -1,27 +1,57 @@
-"""Placement strategies and (later) the communicator they share.
+"""Placement strategies, the communicator they share, and the placement planners.
 
 :func:`make_strategy` maps a ``strategy=`` name to its implementation.
 """
 
 from __future__ import annotations
 
+import torch
+
+from dkfac.distributed.communicator import Communicator, require_distributed
+from dkfac.distributed.d_kfac import DKFACStrategy
+from dkfac.distributed.kaisa import KAISAStrategy
 from dkfac.distributed.local import LocalStrategy
+from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
 
-STRATEGY_NAMES: tuple[str, ...] = ("local",)
+STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa")
 
 
-def make_strategy(name: str) -> Strategy:
-    """The strategy called ``name``.
+def make_strategy(
+    name: str,
+    recorder: StepRecorder,
+    *,
+    grad_worker_fraction: float = 1.0,
+    bucket_cap_mb: float = 25.0,
+    comm_dtype: torch.dtype | None = None,
+) -> Strategy:
+    """The strategy called ``name``, with its communicator when it needs one.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or a fraction the world size does not allow.
+        RuntimeError: a distributed strategy without an initialised process group.
     """
     if name == LocalStrategy.name:
-        return LocalStrategy()
-    raise ValueError(
-        f"strategy={name!r} is not allowed: expected one of {', '.join(map(repr, STRATEGY_NAMES))}"
-    )
+        return LocalStrategy(recorder)
+    if name not in STRATEGY_NAMES:
+        raise ValueError(
+            f"strategy={name!r} is not allowed: expected one of "
+            f"{', '.join(map(repr, STRATEGY_NAMES))}"
+        )
+    require_distributed(name)
+    comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
+    if name == DKFACStrategy.name:
+        return DKFACStrategy(comm, recorder)
+    return KAISAStrategy(comm, recorder, grad_worker_fraction)
 
 
-__all__ = ["STRATEGY_NAMES", "LocalStrategy", "Strategy", "make_strategy"]
+__all__ = [
+    "STRATEGY_NAMES",
+    "Communicator",
+    "DKFACStrategy",
+    "KAISAStrategy",
+    "LocalStrategy",
+    "StepRecorder",
+    "Strategy",
+    "make_strategy",
+]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
 
 
@@ -18,6 +19,9 @@ class LocalStrategy(Strategy):
     """Single-worker K-FAC (or independent K-FAC per worker when run under DDP)."""
 
     name = "local"
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
 
     def update_factors(
         self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
@@ -32,12 +36,14 @@ class LocalStrategy(Strategy):
         self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
     ) -> None:
         """Decompose every layer's factors here."""
-        update_inverses(layers, damping, method, dtype)
+        with self.recorder.phase("inverse_compute"):
+            update_inverses(layers, damping, method, dtype)
 
     def precondition(
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Precondition every layer here."""
-        return [
-            layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
-        ]
+        with self.recorder.phase("precondition"):
+            return [
+                layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
+            ]

@@ -1,0 +1,291 @@
+"""The one door to ``torch.distributed``: fused, packed, accounted, asynchronous collectives.
+
+Strategies never call ``torch.distributed`` themselves: they hand lists of tensors to a
+:class:`Communicator`, which
+
+* fuses them into flat buffers of at most ``bucket_cap_mb`` (:class:`FusionBucket`), one
+  collective per bucket;
+* sends only the upper triangle of tensors marked symmetric (``d(d+1)/2`` values);
+* optionally transports in a lower precision (``comm_dtype``) and restores the working dtype;
+* records bytes and calls per (phase, collective) in the :class:`StepRecorder`;
+* returns a :class:`CollectiveHandle` at once; results land in the given tensors on ``wait()``.
+
+Every rank must issue the same collectives in the same order (the usual ``torch.distributed``
+contract); the strategies guarantee it by iterating over layers and owners in a fixed order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dkfac.distributed.recorder import StepRecorder
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
+
+
+def require_distributed(strategy: str) -> None:
+    """Raise a RuntimeError with launch instructions when no process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"strategy={strategy!r} needs torch.distributed: launch with "
+            "`torchrun --nproc_per_node=N train.py` (or Slurm) and call "
+            "torch.distributed.init_process_group() before building KFACPreconditioner; "
+            "use strategy='local' for a single process"
+        )
+
+
+def packed_numel(tensor: Tensor, symmetric: bool) -> int:
+    """Values a tensor occupies on the wire."""
+    if symmetric:
+        d = tensor.shape[0]
+        return d * (d + 1) // 2
+    return tensor.numel()
+
+
+@dataclass
+class FusionBucket:
+    """Tensors that travel together in one collective, flattened into ``flat``.
+
+    Attributes:
+        tensors: the tensors, in order; results are written back into them.
+        symmetric: per tensor, whether only its upper triangle travels.
+        flat: the packed buffer in the transport dtype.
+    """
+
+    tensors: list[Tensor]
+    symmetric: list[bool]
+    comm_dtype: torch.dtype
+    flat: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        parts = []
+        for tensor, sym in zip(self.tensors, self.symmetric, strict=True):
+            if sym:
+                rows, cols = _triangle(tensor)
+                parts.append(tensor[rows, cols].to(self.comm_dtype))
+            else:
+                parts.append(tensor.reshape(-1).to(self.comm_dtype))
+        self.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size of the collective."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def unpack(self, scale: float | None = None) -> None:
+        """Write ``flat`` (times ``scale``) back into the tensors, both triangles if symmetric."""
+        offset = 0
+        for tensor, sym in zip(self.tensors, self.symmetric, strict=True):
+            size = packed_numel(tensor, sym)
+            values = self.flat[offset : offset + size].to(tensor.dtype)
+            if scale is not None:
+                values = values * scale
+            if sym:
+                rows, cols = _triangle(tensor)
+                tensor[rows, cols] = values
+                tensor[cols, rows] = values
+            else:
+                tensor.copy_(values.view_as(tensor))
+            offset += size
+
+
+def _triangle(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    d = tensor.shape[0]
+    index = torch.triu_indices(d, d, device=tensor.device)
+    return index[0], index[1]
+
+
+class CollectiveHandle:
+    """Pending collectives; :meth:`wait` blocks and writes the results into the tensors."""
+
+    def __init__(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+        self._pending = pending
+
+    def wait(self) -> None:
+        """Wait for every collective and unpack its results (idempotent)."""
+        pending, self._pending = self._pending, []
+        for work, finish in pending:
+            if work is not None:
+                work.wait()
+            finish()
+
+
+class Communicator:
+    """Asynchronous fused collectives over a process group, with accounting.
+
+    Args:
+        recorder: where bytes and calls are counted.
+        bucket_cap_mb: largest fused buffer in MiB (``0`` sends each tensor alone).
+        comm_dtype: transport dtype (e.g. ``torch.bfloat16``); ``None`` keeps each tensor's.
+        group: the process group of all participants (default: the world).
+    """
+
+    def __init__(
+        self,
+        recorder: StepRecorder,
+        *,
+        bucket_cap_mb: float = 25.0,
+        comm_dtype: torch.dtype | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        self.recorder = recorder
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.comm_dtype = comm_dtype
+        self.group = group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(group)
+
+    # -- groups ----------------------------------------------------------------------------
+    def new_groups(self, layouts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
+        """Create one process group per rank list, on every rank, in the given order.
+
+        ``torch.distributed.new_group`` must be called by all ranks for every group in the
+        same order; callers pass the same ``layouts`` on every rank. Single-rank lists get no
+        group (``None``): there is nothing to communicate.
+        """
+        groups: dict[tuple[int, ...], Any] = {}
+        for ranks in layouts:
+            key = tuple(ranks)
+            if len(key) == self.world_size and self.group is None:
+                groups[key] = None if len(key) == 1 else dist.group.WORLD
+            elif len(key) > 1:
+                groups[key] = dist.new_group(list(key))
+            else:
+                groups[key] = None
+        return groups
+
+    # -- buckets ---------------------------------------------------------------------------
+    def buckets(
+        self, tensors: Sequence[Tensor], symmetric: Sequence[bool] | None = None
+    ) -> list[FusionBucket]:
+        """Split ``tensors`` in order into buckets of at most ``bucket_cap_mb`` each."""
+        flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
+        result: list[FusionBucket] = []
+        start, size = 0, 0
+        for index, (tensor, sym) in enumerate(zip(tensors, flags, strict=True)):
+            dtype = self.comm_dtype or tensor.dtype
+            nbytes = packed_numel(tensor, sym) * torch.empty((), dtype=dtype).element_size()
+            if index > start and size + nbytes > self.bucket_cap_bytes:
+                result.append(self._bucket(tensors[start:index], flags[start:index]))
+                start, size = index, 0
+            size += nbytes
+        if start < len(tensors):
+            result.append(self._bucket(tensors[start:], flags[start:]))
+        return result
+
+    def _bucket(self, tensors: Sequence[Tensor], symmetric: Sequence[bool]) -> FusionBucket:
+        dtype = self.comm_dtype or functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        return FusionBucket(list(tensors), list(symmetric), dtype)
+
+    # -- collectives -----------------------------------------------------------------------
+    def allreduce(
+        self,
+        tensors: Sequence[Tensor],
+        *,
+        phase: str,
+        symmetric: Sequence[bool] | None = None,
+        average: bool = False,
+        group: ProcessGroup | None = None,
+    ) -> CollectiveHandle:
+        """Sum (or average) ``tensors`` over ``group``; every rank gets the result in place."""
+        size = dist.get_world_size(group) if group is not None else self.world_size
+        scale = 1.0 / size if average else None
+        return self._launch(
+            "allreduce",
+            tensors,
+            symmetric,
+            phase,
+            lambda b: dist.all_reduce(b.flat, group=group or self.group, async_op=True),
+            scale,
+        )
+
+    def reduce(
+        self,
+        tensors: Sequence[Tensor],
+        dst: int,
+        *,
+        phase: str,
+        symmetric: Sequence[bool] | None = None,
+        average: bool = False,
+        group: ProcessGroup | None = None,
+    ) -> CollectiveHandle:
+        """Sum (or average) ``tensors`` onto global rank ``dst`` only (others: unchanged)."""
+        size = dist.get_world_size(group) if group is not None else self.world_size
+        scale = 1.0 / size if average else None
+        handle = self._launch(
+            "reduce",
+            tensors,
+            symmetric,
+            phase,
+            lambda b: dist.reduce(b.flat, dst, group=group or self.group, async_op=True),
+            scale if self.rank == dst else None,
+            unpack=self.rank == dst,
+        )
+        return handle
+
+    def broadcast(
+        self,
+        tensors: Sequence[Tensor],
+        src: int,
+        *,
+        phase: str,
+        symmetric: Sequence[bool] | None = None,
+        group: ProcessGroup | None = None,
+    ) -> CollectiveHandle:
+        """Copy ``tensors`` of global rank ``src`` into the same tensors on every rank."""
+        return self._launch(
+            "broadcast",
+            tensors,
+            symmetric,
+            phase,
+            lambda b: dist.broadcast(b.flat, src, group=group or self.group, async_op=True),
+            None,
+            unpack=self.rank != src,
+        )
+
+    def all_gather(
+        self, chunk: Tensor, output: Tensor, *, phase: str, group: ProcessGroup | None = None
+    ) -> CollectiveHandle:
+        """Gather equal ``chunk``s of every rank into ``output`` (rank-major, flat)."""
+        work = dist.all_gather_into_tensor(output, chunk, group=group or self.group, async_op=True)
+        self.recorder.count(phase, "all_gather", output.numel() * output.element_size())
+        return CollectiveHandle([(work, lambda: None)])
+
+    def reduce_scatter(
+        self, flat: Tensor, chunk: Tensor, *, phase: str, group: ProcessGroup | None = None
+    ) -> CollectiveHandle:
+        """Sum ``flat`` over ranks; rank ``r`` receives the ``r``-th equal slice in ``chunk``."""
+        work = dist.reduce_scatter_tensor(chunk, flat, group=group or self.group, async_op=True)
+        self.recorder.count(phase, "reduce_scatter", flat.numel() * flat.element_size())
+        return CollectiveHandle([(work, lambda: None)])
+
+    def _launch(
+        self,
+        op: str,
+        tensors: Sequence[Tensor],
+        symmetric: Sequence[bool] | None,
+        phase: str,
+        start: Callable[[FusionBucket], Any],
+        scale: float | None,
+        unpack: bool = True,
+    ) -> CollectiveHandle:
+        pending: list[tuple[Any, Callable[[], None]]] = []
+        if not tensors:
+            return CollectiveHandle(pending)
+        for bucket in self.buckets(tensors, symmetric):
+            self.recorder.count(phase, op, bucket.nbytes)
+            work = start(bucket)
+
+            def finish(bucket: FusionBucket = bucket) -> None:
+                if unpack:
+                    bucket.unpack(scale)
+
+            pending.append((work, finish))
+        return CollectiveHandle(pending)

@@ -1,0 +1,240 @@
+"""``strategy="kaisa"``: KAISA's gradient-worker fraction (Pauloski et al., SC21).
+
+P workers form a ``(P/g) × g`` grid, ``g = grad_worker_fraction · P``: grid rows are the
+*gradient-worker groups*, grid columns the *receiver groups*. Per step:
+
+1. factor statistics are allreduced (sums weighted by rows/examples, symmetric factors packed,
+   fused) and every worker keeps the global running factors;
+2. each layer's owner (LPT over all workers on ``d_A³ + d_G³``) decomposes it and broadcasts the
+   decomposition inside its grid row (fused, one bucket list per owner);
+3. every worker of that row preconditions the layer; each of them broadcasts the result down
+   its grid column, so every worker ends with every preconditioned gradient.
+
+``g = P`` (fraction 1) is COMM-OPT, i.e. D-KFAC: decompositions go to everyone and no gradient
+is sent. ``g = 1`` (fraction 1/P) is MEM-OPT: only the owner holds a layer's decomposition and it
+broadcasts the preconditioned gradient to all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.inverse import KroneckerInverse, inverse_from_tensors
+from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.distributed.communicator import CollectiveHandle, Communicator
+from dkfac.distributed.placement import longest_processing_time
+from dkfac.distributed.recorder import StepRecorder
+from dkfac.distributed.strategy import Strategy
+
+#: Names of the tensors of each inverse method, in transport order, and their symmetry.
+_INVERSE_LAYOUT: Mapping[str, tuple[tuple[str, bool], ...]] = MappingProxyType(
+    {
+        "eigen": (("qa", False), ("la", False), ("qg", False), ("lg", False)),
+        "inverse": (("a_inv", True), ("g_inv", True)),
+    }
+)
+
+
+def grad_workers_for(fraction: float, world_size: int) -> int:
+    """Number of gradient workers ``fraction · world_size``, validated.
+
+    Raises:
+        ValueError: the product is not an integer dividing ``world_size``.
+    """
+    count = fraction * world_size
+    rounded = round(count)
+    if (
+        not 0 < fraction <= 1
+        or not math.isclose(count, rounded, abs_tol=1e-9)
+        or world_size % rounded
+    ):
+        allowed = ", ".join(
+            f"{k}/{world_size}" for k in range(1, world_size + 1) if world_size % k == 0
+        )
+        raise ValueError(
+            f"grad_worker_fraction={fraction!r} is not allowed with "
+            f"{world_size} workers: fraction·P must be an integer dividing P "
+            f"(allowed: {allowed})"
+        )
+    return rounded
+
+
+class KAISAStrategy(Strategy):
+    """Gradient-worker fraction ``f``: decompositions shared by ``f·P`` workers per layer."""
+
+    name = "kaisa"
+
+    def __init__(
+        self, comm: Communicator, recorder: StepRecorder, grad_worker_fraction: float
+    ) -> None:
+        self.comm = comm
+        self.recorder = recorder
+        world, rank = comm.world_size, comm.rank
+        self.grad_workers = grad_workers_for(grad_worker_fraction, world)
+        g = self.grad_workers
+        self.rows = [list(range(r * g, (r + 1) * g)) for r in range(world // g)]
+        self.columns = [list(range(c, world, g)) for c in range(g)]
+        groups = comm.new_groups(self.rows + self.columns)
+        self.row_group = [groups[tuple(row)] for row in self.rows]
+        self.column_group = groups[tuple(self.columns[rank % g])]
+        self.my_row, self.my_column = rank // g, rank % g
+        self.owner: dict[str, int] = {}
+
+    def setup(self, layers: Sequence[LayerCurvature]) -> None:
+        """Owners by longest-processing-time on the decomposition cost ``d_A³ + d_G³``."""
+        costs = [float(layer.block.a_dim**3 + layer.block.g_dim**3) for layer in layers]
+        owners = longest_processing_time(costs, self.comm.world_size)
+        self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
+
+    def row_of(self, layer: LayerCurvature) -> int:
+        """The grid row (gradient-worker group) of the layer's owner."""
+        return self.owner[layer.name] // self.grad_workers
+
+    def is_grad_worker(self, layer: LayerCurvature) -> bool:
+        """Whether this worker preconditions ``layer``."""
+        return self.row_of(layer) == self.my_row
+
+    # -- factors ---------------------------------------------------------------------------
+    def update_factors(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+    ) -> None:
+        """Allreduce the weighted statistics, then fold the global batch factors everywhere."""
+        tensors, symmetric, counts = [], [], []
+        for layer in layers:
+            if layer.has_statistics:
+                a, g, rows, examples = layer.summed_statistics(loss_reduction)
+            else:  # still take part: every worker must issue the same collectives
+                device = layer.block.weight.device
+                dtype = layer.factor_dtype
+                a = torch.zeros(layer.block.a_dim, layer.block.a_dim, dtype=dtype, device=device)
+                g = torch.zeros(layer.block.g_dim, layer.block.g_dim, dtype=dtype, device=device)
+                rows, examples = 0, 0
+            tensors += [a, g]
+            symmetric += [True, True]
+            counts += [rows, examples]
+            layer.clear_statistics()
+        # Counts travel in float64 on their own: exact integers even summed over many workers,
+        # and they do not force the factor bucket into float64.
+        counts_tensor = torch.tensor(counts, dtype=torch.float64, device=tensors[0].device)
+        with self.recorder.phase("factor_comm"):
+            count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm")
+            self.comm.allreduce(tensors, phase="factor_comm", symmetric=symmetric).wait()
+            count_handle.wait()
+        totals = counts_tensor.tolist()  # one host synchronisation per factor update
+        for index, layer in enumerate(layers):
+            rows, examples = totals[2 * index], totals[2 * index + 1]
+            if rows > 0 and examples > 0:
+                layer.fold(tensors[2 * index] / rows, tensors[2 * index + 1] / examples, decay)
+
+    # -- decompositions --------------------------------------------------------------------
+    def update_inverses(
+        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+    ) -> None:
+        """Owners decompose; each owner broadcasts inside its gradient-worker row."""
+        rank = self.comm.rank
+        mine = [layer for layer in layers if self.owner[layer.name] == rank]
+        with self.recorder.phase("inverse_compute"):
+            update_inverses(mine, damping, method, dtype)
+        pending: list[
+            tuple[
+                CollectiveHandle | None, list[LayerCurvature], list[tuple[list[Tensor], list[bool]]]
+            ]
+        ] = []
+        with self.recorder.phase("inverse_comm"):
+            for owner in range(self.comm.world_size):
+                row = owner // self.grad_workers
+                if row != self.my_row:
+                    continue
+                owned = [layer for layer in layers if self.owner[layer.name] == owner]
+                if not owned:
+                    continue
+                payload = [
+                    _inverse_payload(layer, method, dtype, send=owner == rank) for layer in owned
+                ]
+                tensors = [t for p in payload for t in p[0]]
+                symmetric = [s for p in payload for s in p[1]]
+                group = self.row_group[row]
+                launched = (
+                    None
+                    if group is None
+                    else self.comm.broadcast(
+                        tensors, owner, phase="inverse_comm", symmetric=symmetric, group=group
+                    )
+                )
+                pending.append((launched, owned, payload))
+            for handle, owned, payload in pending:
+                if handle is not None:
+                    handle.wait()
+                for layer, (parts, _) in zip(owned, payload, strict=True):
+                    layer.inverse = _inverse_from_payload(method, parts)
+
+    # -- preconditioning -------------------------------------------------------------------
+    def precondition(
+        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
+    ) -> list[Tensor]:
+        """Gradient workers precondition; results travel down the grid columns."""
+        results: list[Tensor] = list(grads)
+        with self.recorder.phase("precondition"):
+            for index, layer in enumerate(layers):
+                if self.is_grad_worker(layer):
+                    results[index] = layer.precondition(grads[index], damping)
+        if self.column_group is None:
+            return results
+        with self.recorder.phase("grad_comm"):
+            handles = []
+            for row in range(len(self.rows)):
+                indices = [i for i, layer in enumerate(layers) if self.row_of(layer) == row]
+                if not indices:
+                    continue
+                src = self.rows[row][self.my_column]
+                buffers = [
+                    results[i] if row == self.my_row else torch.empty_like(grads[i])
+                    for i in indices
+                ]
+                handles.append(
+                    self.comm.broadcast(buffers, src, phase="grad_comm", group=self.column_group)
+                )
+                for i, buffer in zip(indices, buffers, strict=True):
+                    results[i] = buffer
+            for handle in handles:
+                handle.wait()
+        return results
+
+
+def _inverse_payload(
+    layer: LayerCurvature, method: str, dtype: torch.dtype, send: bool
+) -> tuple[list[Tensor], list[bool]]:
+    """Tensors (plus a validity flag) that carry ``layer``'s decomposition."""
+    block = layer.block
+    device = block.weight.device
+    shapes = {
+        "qa": (block.a_dim, block.a_dim),
+        "la": (block.a_dim,),
+        "qg": (block.g_dim, block.g_dim),
+        "lg": (block.g_dim,),
+        "a_inv": (block.a_dim, block.a_dim),
+        "g_inv": (block.g_dim, block.g_dim),
+    }
+    layout = _INVERSE_LAYOUT[method]
+    inverse = layer.inverse if send else None
+    if inverse is not None:
+        stored = inverse.tensors()
+        parts = [stored[name].to(dtype) for name, _ in layout]
+    else:
+        parts = [torch.zeros(shapes[name], dtype=dtype, device=device) for name, _ in layout]
+    flag = torch.tensor([1.0 if inverse is not None else 0.0], dtype=dtype, device=device)
+    return [*parts, flag], [sym for _, sym in layout] + [False]
+
+
+def _inverse_from_payload(method: str, parts: Sequence[Tensor]) -> KroneckerInverse | None:
+    """Rebuild the decomposition a payload carries (``None`` if the owner had none)."""
+    *tensors, flag = parts
+    if float(flag[0]) == 0.0:
+        return None
+    names = [name for name, _ in _INVERSE_LAYOUT[method]]
+    return inverse_from_tensors(method, dict(zip(names, tensors, strict=True)))

@@ -1,0 +1,137 @@
+"""Per-step accounting of communication and phase times, and a Chrome trace of recent steps.
+
+The communicator records every collective here (strategies cannot bypass it); the
+preconditioner and strategies time their phases with :meth:`StepRecorder.phase`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Phases of a K-FAC step, in the order they happen.
+PHASES: tuple[str, ...] = (
+    "factor_compute",
+    "factor_comm",
+    "inverse_compute",
+    "inverse_comm",
+    "precondition",
+    "grad_comm",
+)
+
+
+@dataclass
+class CommCount:
+    """Bytes (payload on this rank) and number of collective calls."""
+
+    bytes: int = 0
+    calls: int = 0
+
+
+@dataclass
+class StepRecord:
+    """What one step cost on this rank."""
+
+    step: int
+    comm: dict[tuple[str, str], CommCount] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+class StepRecorder:
+    """Collects comm bytes/calls and phase wall times, one record per step.
+
+    Args:
+        keep_steps: how many finished steps the trace keeps.
+    """
+
+    def __init__(self, keep_steps: int = 20) -> None:
+        self._current = StepRecord(step=0)
+        self._finished: deque[StepRecord] = deque(maxlen=keep_steps)
+        self._origin = time.perf_counter()
+
+    def count(self, phase: str, op: str, nbytes: int) -> None:
+        """Record one collective of ``nbytes`` payload in ``phase``."""
+        entry = self._current.comm.setdefault((phase, op), CommCount())
+        entry.bytes += nbytes
+        entry.calls += 1
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as part of phase ``name`` of the current step."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            seconds = self._current.seconds
+            seconds[name] = seconds.get(name, 0.0) + (end - start)
+            self._current.events.append((name, start - self._origin, end - self._origin))
+
+    def finish_step(self, step: int) -> None:
+        """Close the record of ``step`` and open the next one."""
+        self._current.step = step
+        self._finished.append(self._current)
+        self._current = StepRecord(step=step + 1)
+
+    def last(self) -> StepRecord | None:
+        """The last finished step, if any."""
+        return self._finished[-1] if self._finished else None
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """``{"phase/collective": {"bytes": ..., "calls": ...}}`` of the last finished step."""
+        record = self.last()
+        if record is None:
+            return {}
+        return {
+            f"{phase}/{op}": {"bytes": c.bytes, "calls": c.calls}
+            for (phase, op), c in sorted(record.comm.items())
+        }
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase of the last finished step (every phase listed, 0 if absent)."""
+        record = self.last()
+        seconds = {} if record is None else record.seconds
+        return {name: seconds.get(name, 0.0) for name in PHASES} | {
+            name: value for name, value in seconds.items() if name not in PHASES
+        }
+
+    def export_trace(self, path: str | os.PathLike[str], rank: int = 0) -> None:
+        """Write the kept steps as a Chrome trace (``chrome://tracing``, Perfetto).
+
+        One lane (thread) per phase; times in microseconds since the recorder started.
+        """
+        lanes = {name: index for index, name in enumerate(PHASES)}
+        events: list[dict[str, Any]] = []
+        for name, index in lanes.items():
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "tid": index,
+                    "args": {"name": name},
+                }
+            )
+        for record in self._finished:
+            for name, start, end in record.events:
+                tid = lanes.setdefault(name, len(lanes))
+                events.append(
+                    {
+                        "name": name,
+                        "ph": "X",
+                        "pid": rank,
+                        "tid": tid,
+                        "ts": start * 1e6,
+                        "dur": (end - start) * 1e6,
+                        "args": {"step": record.step},
+                    }
+                )
+        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
