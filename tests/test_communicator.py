@@ -1,0 +1,125 @@
+"""The communicator on real gloo process groups: values, packing, buckets, accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_harness import run_workers
+from torch import nn
+
+import dkfac
+from dkfac.distributed.communicator import Communicator, FusionBucket
+from dkfac.distributed.recorder import PHASES, StepRecorder
+
+
+def symmetric(d: int, seed: int) -> torch.Tensor:
+    m = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return m + m.t()
+
+
+def collectives(rank: int, world_size: int) -> dict:
+    recorder = StepRecorder()
+    out: dict = {}
+    # Allreduce, packed symmetric + plain, one bucket.
+    comm = Communicator(recorder)
+    a, v = symmetric(5, rank), torch.arange(3.0, dtype=torch.float64) * (rank + 1)
+    comm.allreduce([a, v], phase="p", symmetric=[True, False], average=True).wait()
+    out["allreduce"] = (a, v)
+    # Every tensor alone: bucket cap 0.
+    alone = Communicator(recorder, bucket_cap_mb=0)
+    tensors = [torch.full((2,), float(rank), dtype=torch.float64) for _ in range(3)]
+    alone.allreduce(tensors, phase="alone").wait()
+    out["alone"] = tensors
+    # Reduce onto rank 1 only.
+    r = torch.ones(4, dtype=torch.float64) * (rank + 1)
+    comm.reduce([r], 1, phase="reduce").wait()
+    out["reduce"] = r
+    # Broadcast from the last rank, symmetric packing.
+    b = symmetric(4, 100) if rank == world_size - 1 else torch.zeros(4, 4, dtype=torch.float64)
+    comm.broadcast([b], world_size - 1, phase="bcast", symmetric=[True]).wait()
+    out["broadcast"] = b
+    # bf16 transport: restored to float32, halved bytes.
+    low = Communicator(recorder, comm_dtype=torch.bfloat16)
+    x = torch.linspace(0, 1, 8) + rank
+    low.allreduce([x], phase="bf16").wait()
+    out["bf16"] = x
+    # Groups: one per pair of ranks, made identically everywhere.
+    groups = comm.new_groups([[0, 1], list(range(world_size))])
+    g = torch.tensor([float(rank)])
+    if rank in (0, 1):
+        comm.allreduce([g], phase="group", group=groups[(0, 1)]).wait()
+    out["group"] = g
+    recorder.finish_step(0)
+    out["stats"] = recorder.comm_stats()
+    return out
+
+
+def test_collectives_values_packing_buckets_and_accounting() -> None:
+    world = 3
+    results = run_workers(collectives, world, timeout=90)
+    a_mean = sum(symmetric(5, r) for r in range(world)) / world
+    v_mean = torch.arange(3.0, dtype=torch.float64) * sum(r + 1 for r in range(world)) / world
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["allreduce"][0], a_mean)
+        torch.testing.assert_close(out["allreduce"][1], v_mean)
+        assert all(torch.equal(t, torch.full((2,), 3.0, dtype=torch.float64)) for t in out["alone"])
+        expected_reduce = 6.0 if rank == 1 else float(rank + 1)
+        assert torch.equal(out["reduce"], torch.full((4,), expected_reduce, dtype=torch.float64))
+        assert torch.equal(out["broadcast"], symmetric(4, 100))
+        assert out["bf16"].dtype == torch.float32
+        exact = torch.linspace(0, 1, 8) * world + sum(range(world))
+        torch.testing.assert_close(out["bf16"], exact, rtol=1e-2, atol=0)
+        assert float(out["group"]) == (1.0 if rank in (0, 1) else float(rank))
+        stats = out["stats"]
+        assert stats["p/allreduce"] == {"bytes": 8 * (15 + 3), "calls": 1}
+        assert stats["alone/allreduce"] == {"bytes": 8 * 6, "calls": 3}
+        assert stats["reduce/reduce"] == {"bytes": 32, "calls": 1}
+        assert stats["bcast/broadcast"] == {"bytes": 8 * 10, "calls": 1}
+        assert stats["bf16/allreduce"] == {"bytes": 2 * 8, "calls": 1}
+        assert ("group/allreduce" in stats) == (rank in (0, 1))
+
+
+def test_fusion_bucket_packs_the_upper_triangle_and_restores_both() -> None:
+    s = symmetric(6, 0)
+    bucket = FusionBucket(
+        [s.clone(), torch.ones(2, dtype=torch.float64)], [True, False], torch.float64
+    )
+    assert bucket.flat.numel() == 21 + 2
+    target = [torch.zeros(6, 6, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
+    bucket.tensors = target
+    bucket.unpack(scale=0.5)
+    torch.testing.assert_close(target[0], s * 0.5)
+    torch.testing.assert_close(target[1], torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def test_timings_and_trace_of_a_local_run(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    pre = dkfac.KFACPreconditioner(model)
+    for _ in range(3):
+        model.zero_grad()
+        F.cross_entropy(model(torch.randn(16, 4)), torch.randint(0, 2, (16,))).backward()
+        pre.step()
+    timings = pre.timings()
+    assert list(timings) == list(PHASES)
+    for phase in ("factor_compute", "inverse_compute", "precondition"):
+        assert timings[phase] > 0
+    assert timings["factor_comm"] == 0 and pre.comm_stats() == {}
+    path = tmp_path / "trace.json"
+    pre.export_trace(path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in spans} >= {"factor_compute", "precondition"}
+    assert {e["args"]["step"] for e in spans} == {0, 1, 2}
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"grad_worker_fraction": 0.0}, {"bucket_cap_mb": -1}, {"comm_dtype": torch.int8}]
+)
+def test_distributed_options_are_validated(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        dkfac.KFACPreconditioner(nn.Linear(2, 2), **kwargs)
