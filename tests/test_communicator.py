@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed_harness import run_workers
 from torch import nn
 
 import dkfac
+from distributed_harness import run_workers
 from dkfac.distributed.communicator import Communicator, FusionBucket
 from dkfac.distributed.recorder import PHASES, StepRecorder
 
