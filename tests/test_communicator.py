@@ -52,6 +52,15 @@ def collectives(rank: int, world_size: int) -> dict:
     if rank in (0, 1):
         comm.allreduce([g], phase="group", group=groups[(0, 1)]).wait()
     out["group"] = g
+    # Reduce-scatter and all-gather (DeAR's halves of an allreduce).
+    chunk = torch.zeros(2, dtype=torch.float64)
+    comm.reduce_scatter(
+        torch.arange(2.0 * world_size, dtype=torch.float64) + rank, chunk, phase="rs"
+    ).wait()
+    out["reduce_scatter"] = chunk
+    gathered = torch.zeros(2 * world_size, dtype=torch.float64)
+    comm.all_gather(torch.full((2,), float(rank), dtype=torch.float64), gathered, phase="ag").wait()
+    out["all_gather"] = gathered
     recorder.finish_step(0)
     out["stats"] = recorder.comm_stats()
     return out
@@ -80,6 +89,13 @@ def test_collectives_values_packing_buckets_and_accounting() -> None:
         assert stats["bcast/broadcast"] == {"bytes": 8 * 10, "calls": 1}
         assert stats["bf16/allreduce"] == {"bytes": 2 * 8, "calls": 1}
         assert ("group/allreduce" in stats) == (rank in (0, 1))
+        summed = torch.arange(2.0 * world, dtype=torch.float64) * world + sum(range(world))
+        torch.testing.assert_close(out["reduce_scatter"], summed[2 * rank : 2 * rank + 2])
+        torch.testing.assert_close(
+            out["all_gather"], torch.arange(world, dtype=torch.float64).repeat_interleave(2)
+        )
+        assert stats["rs/reduce_scatter"] == {"bytes": 8 * 2 * world, "calls": 1}
+        assert stats["ag/all_gather"] == {"bytes": 8 * 2 * world, "calls": 1}
 
 
 def test_fusion_bucket_packs_the_upper_triangle_and_restores_both() -> None:

@@ -254,7 +254,9 @@ class Communicator:
         self, chunk: Tensor, output: Tensor, *, phase: str, group: ProcessGroup | None = None
     ) -> CollectiveHandle:
         """Gather equal ``chunk``s of every rank into ``output`` (rank-major, flat)."""
-        work = dist.all_gather_into_tensor(output, chunk, group=group or self.group, async_op=True)
+        # all_gather_single replaces all_gather_into_tensor in newer torch (same signature).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(output, chunk, group=group or self.group, async_op=True)
         self.recorder.count(phase, "all_gather", output.numel() * output.element_size())
         return CollectiveHandle([(work, lambda: None)])
 
@@ -262,7 +264,8 @@ class Communicator:
         self, flat: Tensor, chunk: Tensor, *, phase: str, group: ProcessGroup | None = None
     ) -> CollectiveHandle:
         """Sum ``flat`` over ranks; rank ``r`` receives the ``r``-th equal slice in ``chunk``."""
-        work = dist.reduce_scatter_tensor(chunk, flat, group=group or self.group, async_op=True)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = scatter(chunk, flat, group=group or self.group, async_op=True)
         self.recorder.count(phase, "reduce_scatter", flat.numel() * flat.element_size())
         return CollectiveHandle([(work, lambda: None)])
 
