@@ -167,11 +167,18 @@ class KAISAStrategy(Strategy):
                     )
                 )
                 pending.append((launched, owned, payload))
-            for handle, owned, payload in pending:
+            for handle, _, _ in pending:
                 if handle is not None:
                     handle.wait()
-                for layer, (parts, _) in zip(owned, payload, strict=True):
-                    layer.inverse = _inverse_from_payload(method, parts)
+        received = [
+            (layer, parts)
+            for _, owned, payload in pending
+            for layer, (parts, _) in zip(owned, payload, strict=True)
+        ]
+        if received:  # one host synchronisation for every validity flag
+            valid = torch.cat([parts[-1] for _, parts in received]).tolist()
+            for (layer, parts), ok in zip(received, valid, strict=True):
+                layer.inverse = _inverse_from_payload(method, parts[:-1]) if ok else None
 
     # -- preconditioning -------------------------------------------------------------------
     def precondition(
@@ -231,10 +238,7 @@ def _inverse_payload(
     return [*parts, flag], [sym for _, sym in layout] + [False]
 
 
-def _inverse_from_payload(method: str, parts: Sequence[Tensor]) -> KroneckerInverse | None:
-    """Rebuild the decomposition a payload carries (``None`` if the owner had none)."""
-    *tensors, flag = parts
-    if float(flag[0]) == 0.0:
-        return None
+def _inverse_from_payload(method: str, tensors: Sequence[Tensor]) -> KroneckerInverse:
+    """Rebuild the decomposition a payload carries (without its validity flag)."""
     names = [name for name, _ in _INVERSE_LAYOUT[method]]
     return inverse_from_tensors(method, dict(zip(names, tensors, strict=True)))
