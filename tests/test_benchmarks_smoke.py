@@ -85,3 +85,93 @@ def test_step_overhead_quick_run_writes_json(
     # Two iterations cannot cover an inverse period of 100: the verdicts must say so.
     for verdict in report["targets"].values():
         assert verdict["window_covers_whole_periods"] is False
+
+
+STRATEGIES_SCRIPT = SCRIPT.parent / "strategies.py"
+
+
+def _torchrun_available() -> bool:
+    """Whether ``python -m torch.distributed.run`` can start gloo workers here."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return False
+    return importlib.util.find_spec("torch.distributed.run") is not None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
+def test_strategies_quick_run_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location("strategies_under_test", STRATEGIES_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+
+    out = tmp_path / "strategies.json"
+    # warm-up 1 + 10 long iterations: the (10,100) windows hold the factor update of step 10.
+    argv = ["--quick", "--rounds", "1", "--warmup", "1", "--iters", "2", "--iters-long", "10"]
+    assert bench.main([*argv, "--timeout", "180", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "kfac-pytorch 0.4.2 on this machine class" in printed
+    assert "dkfac ResNet-20 P=2 (1,1)" in printed
+
+    report = json.loads(out.read_text())
+    assert {
+        "benchmark",
+        "environment",
+        "settings",
+        "launches",
+        "summary",
+        "reference",
+        "target",
+    } <= report.keys()
+    assert report["settings"]["nprocs"] == [2]
+    assert report["settings"]["models"] == ["resnet20"]
+    (launch,) = report["launches"]
+    assert launch["nprocs"] == 2
+    assert launch["ok"] is True
+    assert launch["returncode"] == 0
+    worker_report = launch["report"]
+    assert worker_report["world_size"] == 2
+    assert worker_report["environment"]["torch_num_threads"] == 1
+
+    keys = ["sgd", "dkfac_1_1", "kaisa_1of2_1_1", "dkfac_10_100", "kaisa_1of2_10_100"]
+    assert [c["key"] for c in worker_report["configurations"]] == keys
+    (round_,) = worker_report["rounds"]
+    windows = round_["windows"]["resnet20"]
+    assert set(windows) == set(keys)
+    for key, window in windows.items():
+        expected_iters = 10 if key.endswith("_10_100") else 2
+        assert window["iters"] == expected_iters
+        assert len(window["iter_s"]) == expected_iters
+        assert window["wall_s"] > 0
+        assert math.isfinite(window["final_loss"])
+
+    rows = {(r["model"], r["nprocs"], r["key"]): r for r in report["summary"]}
+    assert set(rows) == {("resnet20", 2, key) for key in keys}
+    for (_, _, key), row in rows.items():
+        assert row["amortized_s"] > 0
+        assert row["median_s"] > 0
+        if key == "sgd":
+            assert row["overhead_s"] is None
+            continue
+        assert math.isfinite(row["overhead_s"])
+        assert math.isfinite(row["overhead_pct"])
+        assert set(bench.PHASES) <= row["phase_s"].keys()
+        assert {"total", "factor", "inverse", "grad"} <= row["bytes_per_step"].keys()
+        assert row["bytes_per_step"]["total"] > 0
+        assert row["kfac_memory_bytes"] > 0
+    for key in ("dkfac_1_1", "dkfac_10_100"):
+        sent = rows[("resnet20", 2, key)]["bytes_per_step"]
+        assert sent["factor"] > 0
+        assert sent["grad"] == 0  # D-KFAC sends decompositions, never gradients
+    assert rows[("resnet20", 2, "dkfac_1_1")]["bytes_per_step"]["inverse"] > 0
+    # P=2, f=1/2 is MEM-OPT: preconditioned gradients travel, decompositions do not.
+    assert rows[("resnet20", 2, "kaisa_1of2_1_1")]["bytes_per_step"]["grad"] > 0
+
+    target = report["target"]
+    assert isinstance(target["measured_overhead_s"], float)
+    assert isinstance(target["met"], bool)
