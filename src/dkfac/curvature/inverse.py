@@ -66,7 +66,9 @@ class EigenInverse(KroneckerInverse):
         """
         la, qa = torch.linalg.eigh(a.to(dtype))
         lg, qg = torch.linalg.eigh(g.to(dtype))
-        return cls(qa, la.clamp_min(0.0), qg, lg.clamp_min(0.0))
+        # eigh returns column-major eigenvectors; store them row-major like any received copy,
+        # so that every worker's GEMMs take the same path and round identically.
+        return cls(qa.contiguous(), la.clamp_min(0.0), qg.contiguous(), lg.clamp_min(0.0))
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
@@ -112,7 +114,7 @@ class TikhonovInverse(KroneckerInverse):
         root = math.sqrt(damping)
         a_inv, a_info = _cholesky_inverse(a, root * pi)
         g_inv, g_info = _cholesky_inverse(g, root / pi)
-        return cls(a_inv, g_inv, a_info | g_info)
+        return cls(a_inv.contiguous(), g_inv.contiguous(), a_info | g_info)
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
         """``(G + √γ/π I)⁻¹ ∇ (A + √γ·π I)⁻¹`` (damping fixed at decomposition time)."""

@@ -231,7 +231,7 @@ def _inverse_payload(
     inverse = layer.inverse if send else None
     if inverse is not None:
         stored = inverse.tensors()
-        parts = [stored[name].to(dtype) for name, _ in layout]
+        parts = [stored[name].to(dtype).contiguous() for name, _ in layout]
     else:
         parts = [torch.zeros(shapes[name], dtype=dtype, device=device) for name, _ in layout]
     flag = torch.tensor([1.0 if inverse is not None else 0.0], dtype=dtype, device=device)
