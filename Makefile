@@ -20,8 +20,9 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# SGD vs SGD+K-FAC (dkfac strategy) on the bundled digits with 2 local workers.
 demo: $(STAMP)
-	$(PY) -m dkfac.demo
+	$(VENV)/bin/dkfac compare --nproc 2 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

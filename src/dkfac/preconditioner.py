@@ -157,6 +157,7 @@ class KFACPreconditioner:
         self._removed = False
         self._warned: set[str] = set()
         self._capture = self._is_factor_step(0)
+        self._force_inverse = False
         self._handles: list[RemovableHandle] = [
             layer.block.module.register_forward_hook(functools.partial(self._forward_hook, layer))
             for layer in self._layers
@@ -272,7 +273,8 @@ class KFACPreconditioner:
             self._strategy.update_factors(
                 self._layers, config.factor_decay_at(k), config.loss_reduction
             )
-        if self._is_inverse_step(k):
+        if self._is_inverse_step(k) or self._force_inverse:
+            self._force_inverse = False
             self._strategy.update_inverses(
                 self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype
             )
@@ -452,6 +454,11 @@ class KFACPreconditioner:
             layer.load_state(saved[layer.name])
         self._steps = int(state["steps"])
         self._capture = self._is_factor_step(self._steps)
+        # A state with factors but no decomposition (e.g. saved on another world size, where
+        # decompositions live on their owners) is decomposed at the next step, on every rank.
+        self._force_inverse = any(layer.a is not None for layer in self._layers) and all(
+            layer.inverse is None for layer in self._layers
+        )
 
     def remove(self) -> None:
         """Detach every hook; the model is left exactly as it was before."""

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
 
 from dkfac.distributed.communicator import Communicator, require_distributed
 from dkfac.distributed.d_kfac import DKFACStrategy
@@ -32,6 +35,14 @@ def make_strategy(
         RuntimeError: a distributed strategy without an initialised process group.
     """
     if name == LocalStrategy.name:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(
+                "strategy='local' in a process group of several workers: each worker "
+                "preconditions with factors of its own shard, so DDP replicas drift apart; "
+                "use strategy='dkfac' or 'kaisa'",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return LocalStrategy(recorder)
     if name not in STRATEGY_NAMES:
         raise ValueError(

@@ -1,13 +1,18 @@
-"""Reference models: CIFAR ResNets and small networks for tests and demos."""
+"""Reference models: CIFAR ResNets, small networks and a Transformer for tests and demos."""
 
+from dkfac.models.registry import MODEL_NAMES, build_model
 from dkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from dkfac.models.small import MLP, SmallCNN
+from dkfac.models.transformer import TransformerClassifier
 
 __all__ = [
     "MLP",
+    "MODEL_NAMES",
     "BasicBlock",
     "CifarResNet",
     "SmallCNN",
+    "TransformerClassifier",
+    "build_model",
     "resnet20",
     "resnet32",
     "resnet56",

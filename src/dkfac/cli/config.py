@@ -1,0 +1,212 @@
+"""The resolved configuration of a ``dkfac train`` run: defaults < config file < command line.
+
+Every field is validated here, before any worker starts, so that a bad option costs one line on
+stderr instead of a traceback in N processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
+STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa")
+GRAD_SYNCS: tuple[str, ...] = ("ddp",)
+
+
+class ConfigError(ValueError):
+    """A configuration the command refuses; its message is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (written to ``config.toml``)."""
+
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_root: str = ""
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    warmup_epochs: float = 0.0
+    epochs: int = 10
+    batch_size: int = 32
+    steps_per_epoch: int = 0
+    strategy: str = "dkfac"
+    grad_sync: str = "ddp"
+    inverse_method: str = "eigen"
+    damping: float = 0.003
+    factor_decay: float = 0.95
+    kl_clip: float = 0.001
+    factor_update_steps: int = 1
+    inv_update_steps: int = 1
+    grad_worker_fraction: float = 1.0
+    nproc: int = 2
+    threads: int = 1
+    seed: int = 0
+    out: str = ""
+    checkpoint_every: int = 0
+    stop_after_steps: int = 0
+    log_every: int = 10
+    target_accuracy: float = 0.0
+
+    def __post_init__(self) -> None:
+        choices = {
+            "optimizer": OPTIMIZERS,
+            "schedule": SCHEDULES,
+            "strategy": STRATEGIES,
+            "grad_sync": GRAD_SYNCS,
+            "inverse_method": ("eigen", "inverse"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "
+                    f"allowed: choose one of {', '.join(allowed)}"
+                )
+        positive = (
+            "lr",
+            "damping",
+            "epochs",
+            "batch_size",
+            "factor_update_steps",
+            "inv_update_steps",
+            "nproc",
+            "threads",
+            "log_every",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "
+                    "allowed: expected a number > 0"
+                )
+        non_negative = (
+            "momentum",
+            "weight_decay",
+            "warmup_epochs",
+            "steps_per_epoch",
+            "checkpoint_every",
+            "kl_clip",
+            "target_accuracy",
+        )
+        for name in non_negative:
+            if not getattr(self, name) >= 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "
+                    "allowed: expected a number >= 0"
+                )
+        if not 0 <= self.factor_decay < 1:
+            raise ConfigError(
+                f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"
+            )
+        if self.inv_update_steps % self.factor_update_steps:
+            raise ConfigError(
+                f"--inv-update-steps {self.inv_update_steps} is not allowed: "
+                f"expected a multiple of --factor-update-steps "
+                f"{self.factor_update_steps}"
+            )
+        if self.strategy == "local" and self.nproc > 1:
+            raise ConfigError(
+                f"--strategy local is not allowed with --nproc {self.nproc}: each "
+                "worker would precondition with its own factors and the replicas "
+                "would drift apart; use --strategy dkfac or kaisa"
+            )
+        g = self.grad_worker_fraction * self.nproc
+        if self.strategy == "kaisa" and (
+            abs(g - round(g)) > 1e-9 or round(g) < 1 or self.nproc % round(g)
+        ):
+            raise ConfigError(
+                f"--grad-worker-fraction {self.grad_worker_fraction!r} is not "
+                f"allowed with --nproc {self.nproc}: fraction x nproc must be a "
+                "whole number dividing nproc"
+            )
+
+    @property
+    def uses_kfac(self) -> bool:
+        """Whether a K-FAC preconditioner is built."""
+        return self.strategy != "none"
+
+    def with_overrides(self, values: dict[str, Any]) -> TrainConfig:
+        """A copy with ``values`` replaced (keys are field names), validated again."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)}: known options are "
+                f"{', '.join(sorted(known))}"
+            )
+        converted = {key: _convert(self, key, value) for key, value in values.items()}
+        return dataclasses.replace(self, **converted)
+
+    def to_toml(self) -> str:
+        """The configuration as TOML (strings quoted as JSON, which TOML accepts)."""
+        lines = ["# dkfac train: fully resolved configuration"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            rendered = (
+                json.dumps(value)
+                if isinstance(value, str)
+                else (str(value).lower() if isinstance(value, bool) else repr(value))
+            )
+            lines.append(f"{f.name} = {rendered}")
+        return "\n".join(lines) + "\n"
+
+
+def _convert(config: TrainConfig, key: str, value: Any) -> Any:
+    """Coerce a config-file or CLI value to the field's type, with a clear error."""
+    current = getattr(config, key)
+    try:
+        if isinstance(current, bool):
+            return bool(value)
+        if isinstance(current, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"option {key} = {value!r} is not allowed: expected {type(current).__name__}"
+        ) from None
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of options."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = file.read_text()
+    if file.suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - exercised on Python 3.10 only
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"--config {path}: invalid TOML ({error})") from None
+    elif file.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                f"--config {path}: YAML needs PyYAML (pip install 'dkfac[cli]')"
+            ) from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--config {path}: invalid YAML ({error})") from None
+    else:
+        raise ConfigError(f"--config {path}: expected a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a table of options at the top level")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}

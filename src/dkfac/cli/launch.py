@@ -1,0 +1,145 @@
+"""Start the workers of a run: as one rank of an outside launcher, or N local processes.
+
+* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) or Slurm ``srun``
+  (``SLURM_PROCID``/``SLURM_NTASKS``), this process is one rank: it joins the job's process group.
+* Otherwise ``--nproc N`` local processes are spawned, rendezvous through a file; a worker that
+  raises stops the others and its error is shown.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker failed; ``rank`` and the worker's ``details`` (traceback) are attached."""
+
+    def __init__(self, rank: int, summary: str, details: str) -> None:
+        super().__init__(f"worker {rank} failed: {summary}")
+        self.rank, self.summary, self.details = rank, summary, details
+
+
+@dataclass(frozen=True)
+class ExternalRank:
+    """This process's place in a job started by torchrun or Slurm."""
+
+    rank: int
+    world_size: int
+    launcher: str
+
+
+def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
+    """The rank given by torchrun or Slurm, if this process was started by one."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return ExternalRank(int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        return ExternalRank(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "slurm")
+    return None
+
+
+def join_external(rank: ExternalRank, threads: int) -> None:
+    """Initialise the job's process group (NCCL on CUDA, gloo otherwise)."""
+    torch.set_num_threads(threads)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if rank.launcher == "slurm":  # srun sets no rendezvous variables of torch's own
+        os.environ.setdefault(
+            "MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+        )
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank.rank), str(rank.world_size)
+    dist.init_process_group(backend, rank=rank.rank, world_size=rank.world_size)
+
+
+def _worker(
+    target: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    threads: int,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=10),
+        )
+        value = target(*args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue(), ""))
+    except BaseException as error:  # every failure reaches the parent
+        summary = f"{type(error).__name__}: {error}"
+        results.put((rank, False, summary, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_local(
+    target: Callable[..., Any], world_size: int, threads: int, args: tuple[Any, ...] = ()
+) -> Any:
+    """Run ``target(*args)`` on ``world_size`` local gloo processes; rank 0's return value.
+
+    Raises:
+        WorkerError: the first worker that failed (the others are stopped).
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [
+            context.Process(
+                target=_worker,
+                daemon=True,
+                args=(target, rank, world_size, init_file, threads, results, args),
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        values: dict[int, Any] = {}
+        try:
+            while len(values) < world_size:
+                try:
+                    rank, ok, payload, details = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [
+                        r
+                        for r, p in enumerate(processes)
+                        if p.exitcode not in (None, 0) and r not in values
+                    ]
+                    if dead:
+                        raise WorkerError(
+                            dead[0], f"exited with code {processes[dead[0]].exitcode}", ""
+                        ) from None
+                    continue
+                if not ok:
+                    raise WorkerError(rank, payload, details)
+                values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        finally:
+            deadline = time.monotonic() + 5
+            for process in processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    return values[0]

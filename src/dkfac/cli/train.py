@@ -1,0 +1,405 @@
+"""One rank of a ``dkfac train`` run: data shard, model, optimizer, K-FAC, metrics, checkpoints.
+
+The same function runs in every worker, whether the workers were spawned by ``dkfac train
+--nproc N`` or by ``torchrun``/Slurm; only rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+import dkfac
+from dkfac.cli.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
+from dkfac.cli.config import TrainConfig
+from dkfac.datasets import load_dataset
+from dkfac.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (rank 0's view; evaluation aggregated over ranks)."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0
+    stopped: bool = False
+
+    @property
+    def final_accuracy(self) -> float:
+        """Test accuracy after the last epoch."""
+        return float(self.epochs[-1]["test_accuracy"]) if self.epochs else math.nan
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
+    """Multiplier of the base learning rate at optimizer step ``step``."""
+    total = config.epochs * steps_per_epoch
+    warmup = config.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "cosine":
+            progress = (step - warmup) / max(1.0, total - warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        if config.schedule == "step":  # x0.1 at 50% and 75% of training
+            return 0.1 ** sum(step >= total * point for point in (0.5, 0.75))
+        return 1.0
+
+    return factor
+
+
+def _evaluate(
+    model: nn.Module, data: Dataset[Any], batch_size: int, device: torch.device
+) -> tuple[float, float]:
+    """(mean loss, accuracy) over this rank's shard of ``data``, aggregated over ranks."""
+    rank, world = _world()
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=False
+    )
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
+    totals = torch.zeros(3, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for x, y in loader:
+            logits = model(x.to(device))
+            y = y.to(device)
+            totals[0] += float(F.cross_entropy(logits, y, reduction="sum"))
+            totals[1] += float((logits.argmax(-1) == y).sum())
+            totals[2] += y.numel()
+    model.train(was_training)
+    if world > 1:
+        dist.all_reduce(totals)
+    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+def run_training(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+    progress: Any | None = None,
+) -> RunResult:
+    """Train on this rank; returns rank 0's record (other ranks return theirs, unused).
+
+    Args:
+        config: the validated configuration.
+        resume: continue from ``config.out/checkpoint.pt`` when it exists.
+        on_epoch: called on every rank with each epoch's summary.
+        progress: a factory ``(total, description) -> bar`` for rank 0's progress bar.
+    """
+    rank, world = _world()
+    torch.manual_seed(config.seed)
+    device = torch.device("cpu")
+    spec = load_dataset(config.dataset, root=config.data_root or None, seed=config.seed)
+    model: nn.Module = build_model(config.model, spec).to(device)
+    wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        spec.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed, drop_last=True
+    )
+    # A private generator: creating the loader's iterator then never consumes the global RNG,
+    # whose state a checkpoint restores.
+    loader = DataLoader(
+        spec.train,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+    steps_per_epoch = len(loader)
+    if config.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"dataset {config.dataset!r} has too few examples for "
+            f"{world} worker(s) x batch {config.batch_size}"
+        )
+
+    if config.optimizer == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(
+            wrapped.parameters(),
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            wrapped.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
+    pre = None
+    if config.uses_kfac:
+        pre = dkfac.KFACPreconditioner(
+            wrapped,
+            strategy=config.strategy,
+            inverse_method=config.inverse_method,
+            damping=config.damping,
+            factor_decay=config.factor_decay,
+            kl_clip=config.kl_clip or None,
+            lr=lambda _: float(scheduler.get_last_lr()[0]),
+            factor_update_steps=config.factor_update_steps,
+            inv_update_steps=config.inv_update_steps,
+            grad_worker_fraction=config.grad_worker_fraction,
+        )
+
+    out = Path(config.out) if config.out else None
+    result = RunResult()
+    start_epoch, start_batch, step = 0, 0, 0
+    # This rank's (loss sum, correct, examples) of the current epoch; part of checkpoints.
+    totals = torch.zeros(3, dtype=torch.float64)
+    if resume and out is not None:
+        saved = load_checkpoint(out)
+        if saved is not None:
+            start_epoch, start_batch, step, totals = _restore(
+                saved, model, optimizer, scheduler, pre, rank, world
+            )
+            result.epochs = list(saved["epochs"])
+            result.seconds = float(saved["seconds"])
+            if rank == 0:
+                _truncate_metrics(out / METRICS_NAME, step)
+                logger.info("resumed from step %d (epoch %d)", step, start_epoch + 1)
+
+    wrapped.train()
+    for epoch in range(start_epoch, config.epochs):
+        sampler.set_epoch(epoch)
+        first = start_batch if epoch == start_epoch else 0
+        bar = (
+            progress(steps_per_epoch, f"epoch {epoch + 1}/{config.epochs}")
+            if (progress is not None and rank == 0)
+            else None
+        )
+        if bar is not None and first:
+            bar.update(first)
+        epoch_start = time.perf_counter()
+        if epoch != start_epoch or not start_batch:
+            totals.zero_()
+        for batch_index, (x, y) in enumerate(loader):
+            if batch_index >= steps_per_epoch:
+                break
+            if batch_index < first:
+                continue
+            tick = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            logits = wrapped(x.to(device))
+            loss = F.cross_entropy(logits, y.to(device))
+            torch.autograd.backward(loss)
+            if pre is not None:
+                pre.step()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            seconds = time.perf_counter() - tick
+            loss_value = float(loss.detach())
+            totals[0] += loss_value * y.numel()
+            totals[1] += float((logits.argmax(-1) == y.to(device)).sum())
+            totals[2] += y.numel()
+            if rank == 0 and out is not None and (step % config.log_every == 0):
+                record: dict[str, Any] = {
+                    "step": step,
+                    "epoch": epoch + 1,
+                    "loss": loss_value,
+                    "lr": scheduler.get_last_lr()[0],
+                    "seconds": seconds,
+                }
+                if pre is not None:
+                    record["kfac_seconds"] = pre.timings()
+                    record["comm_bytes"] = sum(v["bytes"] for v in pre.comm_stats().values())
+                _append_metrics(out / METRICS_NAME, record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{float(totals[1] / totals[2]):.3f}")
+                bar.update(1)
+            stopping = step == config.stop_after_steps
+            periodic = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
+            if out is not None and (stopping or periodic):
+                _checkpoint(
+                    out,
+                    model,
+                    optimizer,
+                    scheduler,
+                    pre,
+                    epoch,
+                    batch_index + 1,
+                    step,
+                    result,
+                    rank,
+                    world,
+                    totals,
+                )
+            if stopping:
+                result.stopped = True
+                break
+        if bar is not None:
+            bar.close()
+        result.seconds += time.perf_counter() - epoch_start
+        if result.stopped:
+            break
+        test_loss, test_accuracy = _evaluate(wrapped, spec.test, config.batch_size, device)
+        epoch_totals = totals.clone()
+        if world > 1:
+            dist.all_reduce(epoch_totals)
+        summary = {
+            "epoch": epoch + 1,
+            "step": step,
+            "train_loss": float(epoch_totals[0] / epoch_totals[2]),
+            "train_accuracy": float(epoch_totals[1] / epoch_totals[2]),
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "seconds": result.seconds,
+            "lr": scheduler.get_last_lr()[0],
+        }
+        result.epochs.append(summary)
+        if rank == 0 and out is not None:
+            _append_metrics(out / METRICS_NAME, {"event": "epoch", **summary})
+        if rank == 0:
+            logger.info(
+                "epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.4f (%.1f s)",
+                epoch + 1,
+                config.epochs,
+                summary["train_loss"],
+                test_loss,
+                test_accuracy,
+                result.seconds,
+            )
+        if on_epoch is not None:
+            on_epoch(summary)
+        if out is not None:
+            _checkpoint(
+                out,
+                model,
+                optimizer,
+                scheduler,
+                pre,
+                epoch + 1,
+                0,
+                step,
+                result,
+                rank,
+                world,
+                torch.zeros(3, dtype=torch.float64),
+            )
+    result.steps = step
+    if pre is not None:
+        pre.remove()
+    return result
+
+
+def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics written after the checkpoint (a crashed run's tail)."""
+    if not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _checkpoint(
+    out: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    pre: dkfac.KFACPreconditioner | None,
+    epoch: int,
+    batch: int,
+    step: int,
+    result: RunResult,
+    rank: int,
+    world: int,
+    totals: torch.Tensor,
+) -> None:
+    """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state."""
+    local = {
+        "rng": rng_state(),
+        "pre": pre.state_dict() if pre is not None else None,
+        "totals": totals.clone(),
+    }
+    gathered: list[Any] = [local]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, local)
+    if rank == 0:
+        save_atomic(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "ranks": gathered,
+                "epoch": epoch,
+                "batch": batch,
+                "step": step,
+                "world_size": world,
+                "epochs": list(result.epochs),
+                "seconds": result.seconds,
+            },
+            out,
+        )
+    if world > 1:
+        dist.barrier()
+
+
+def _restore(
+    saved: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    pre: dkfac.KFACPreconditioner | None,
+    rank: int,
+    world: int,
+) -> tuple[int, int, int, torch.Tensor]:
+    """Load a checkpoint: (epoch, batch within epoch, step, epoch totals) to continue from."""
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    ranks = saved["ranks"]
+    same_world = saved["world_size"] == world
+    mine = ranks[rank] if same_world else ranks[0]
+    if pre is not None and mine["pre"] is not None:
+        state = mine["pre"]
+        if not same_world:  # decompositions live on owners of the old layout: recompute
+            state = {
+                **state,
+                "layers": {
+                    name: {"A": entry["A"], "G": entry["G"]}
+                    for name, entry in state["layers"].items()
+                },
+            }
+        pre.load_state_dict(state)
+    if same_world:
+        set_rng_state(mine["rng"])
+        totals = mine["totals"].clone()
+    else:  # the old ranks' partial sums, counted once (on rank 0)
+        totals = sum((r["totals"] for r in ranks), torch.zeros(3, dtype=torch.float64))
+        totals = totals if rank == 0 else torch.zeros_like(totals)
+    return int(saved["epoch"]), int(saved["batch"]), int(saved["step"]), totals

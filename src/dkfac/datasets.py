@@ -1,0 +1,567 @@
+"""Named datasets for ``dkfac train --dataset NAME``.
+
+:func:`load_dataset` turns a name (one of :data:`DATASET_NAMES`) into a
+:class:`DatasetSpec`: train and test datasets of ``(input, label)`` pairs plus what a
+model needs to know about them (input shape, number of classes, kind of input).
+
+=============  ==============================================================================
+name           data
+=============  ==============================================================================
+``digits``     scikit-learn's bundled 8x8 handwritten digits, ``(1, 8, 8)``, 10 classes.
+``synthetic``  Gaussian images whose label is the argmax of a fixed random linear map.
+``cifar10``    CIFAR-10 from the local *python* batches (never downloaded).
+``npz``        User arrays ``x``/``y`` (optionally ``x_test``/``y_test``) from a ``.npz``.
+``tokens``     Random token sequences labelled by the token at a fixed position.
+=============  ==============================================================================
+
+Nothing is ever downloaded: ``cifar10`` reads files that are already on disk and says
+where it expected them when they are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, TensorDataset
+
+from dkfac.data import load_digits_tensors
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "DATASET_KINDS",
+    "DATASET_NAMES",
+    "DatasetSpec",
+    "default_cifar10_root",
+    "load_dataset",
+]
+
+DATASET_NAMES: tuple[str, ...] = ("digits", "synthetic", "cifar10", "npz", "tokens")
+"""Names accepted by :func:`load_dataset`."""
+
+DATASET_KINDS: tuple[str, ...] = ("image", "vector", "tokens")
+"""Kinds of input: ``image`` is ``(C, H, W)`` floats, ``vector`` any other float
+features, ``tokens`` a sequence of integer token ids."""
+
+CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
+"""Per-channel mean of the CIFAR-10 training images (pixels scaled to ``[0, 1]``)."""
+
+CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
+"""Per-channel standard deviation of the CIFAR-10 training images."""
+
+_CIFAR10_DIR = "cifar-10-batches-py"
+_CIFAR10_TRAIN_FILES = tuple(f"data_batch_{index}" for index in range(1, 6))
+_CIFAR10_TEST_FILE = "test_batch"
+_CIFAR10_PIXELS = 3 * 32 * 32
+_CIFAR10_CLASSES = 10
+_DATA_ENV = "DKFAC_DATA"
+
+# Globals a CIFAR-10 batch pickle may reference: numpy's array reconstruction helpers
+# (numpy 1.x lives under ``numpy.core``, numpy 2.x under ``numpy._core``).
+_NUMPY_PICKLE_MODULES = frozenset(
+    {
+        "numpy",
+        "numpy.core.multiarray",
+        "numpy._core.multiarray",
+        "numpy.core.numeric",
+        "numpy._core.numeric",
+    }
+)
+_NUMPY_PICKLE_NAMES = frozenset({"ndarray", "dtype", "_reconstruct", "_frombuffer", "scalar"})
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A loaded dataset and what a model needs to know about it.
+
+    Attributes:
+        name: Registry name the dataset was loaded under.
+        train: Training split of ``(input, label)`` pairs.
+        test: Test split of ``(input, label)`` pairs.
+        input_shape: Shape of one input, without the batch dimension (e.g.
+            ``(3, 32, 32)`` for images or ``(seq_len,)`` for tokens).
+        num_classes: Number of classes; labels are in ``range(num_classes)``.
+        kind: One of :data:`DATASET_KINDS`.
+        vocab_size: Number of distinct token ids for ``kind == "tokens"``, else ``None``.
+
+    """
+
+    name: str
+    train: Dataset[tuple[Tensor, ...]]
+    test: Dataset[tuple[Tensor, ...]]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    kind: str
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in DATASET_KINDS:
+            raise ValueError(f"kind={self.kind!r} is not allowed: expected one of {DATASET_KINDS}")
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be positive, got {self.num_classes}")
+        if self.kind == "tokens" and (self.vocab_size is None or self.vocab_size < 1):
+            raise ValueError(f"a tokens dataset needs a positive vocab_size, got {self.vocab_size}")
+
+
+def load_dataset(
+    name: str, *, root: str | os.PathLike[str] | None = None, seed: int = 0, **options: Any
+) -> DatasetSpec:
+    """Load the dataset registered under ``name``.
+
+    Options per dataset (all optional unless stated):
+
+    * ``digits``: ``test_fraction`` (0.25). ``root`` is ignored.
+    * ``synthetic``: ``shape`` ((3, 32, 32)), ``num_classes`` (10), ``train_size`` (1024),
+      ``test_size`` (256). Inputs are standard normal; the label of ``x`` is
+      ``argmax(W @ x.flatten())`` for a fixed random matrix ``W``, so a model can learn it.
+      ``root`` is ignored.
+    * ``cifar10``: ``root`` is the folder holding ``data_batch_1`` ... ``data_batch_5``
+      and ``test_batch`` (or a folder containing ``cifar-10-batches-py``); by default
+      ``$DKFAC_DATA`` or ``~/.cache/dkfac/cifar-10-batches-py``. Images are scaled to
+      ``[0, 1]`` and normalized per channel with :data:`CIFAR10_MEAN` and
+      :data:`CIFAR10_STD`. No options.
+    * ``npz``: ``root`` (required) is the path of a ``.npz`` file with arrays ``x`` and
+      ``y`` and optionally ``x_test`` and ``y_test``; without them a seeded split keeps
+      ``test_fraction`` (0.2) of the samples for testing. ``num_classes`` defaults to the
+      largest label plus one. Inputs of shape ``(N, H, W)`` get a channel dimension and
+      count as images, as do ``(N, C, H, W)``; other shapes are ``vector`` features.
+    * ``tokens``: ``vocab_size`` (32), ``seq_len`` (32), ``num_classes`` (8),
+      ``train_size`` (2048), ``test_size`` (512), ``key_position`` (0). Tokens are uniform
+      over ``range(vocab_size)``; the label is ``tokens[key_position] % num_classes``, so a
+      model must find one position and read the token there (a task for attention and
+      positional embeddings). ``root`` is ignored.
+
+    Every dataset is fully determined by ``seed`` (and the files it reads).
+
+    Args:
+        name: One of :data:`DATASET_NAMES`.
+        root: Data location for ``cifar10`` and ``npz`` (see above).
+        seed: Seed of the random data and of random splits; the global RNG is untouched.
+        **options: Dataset-specific options listed above.
+
+    Returns:
+        The loaded dataset with its metadata.
+
+    Raises:
+        ValueError: If ``name`` is unknown, an option is not accepted by the dataset or has
+            an invalid value, or a data file is malformed.
+        FileNotFoundError: If a data file or folder does not exist.
+        ImportError: If an optional dependency (scikit-learn, numpy) is missing.
+
+    """
+    loaders: Mapping[str, Callable[..., DatasetSpec]] = {
+        "digits": _load_digits,
+        "synthetic": _load_synthetic,
+        "cifar10": _load_cifar10,
+        "npz": _load_npz,
+        "tokens": _load_tokens,
+    }
+    allowed: Mapping[str, frozenset[str]] = {
+        "digits": frozenset({"test_fraction"}),
+        "synthetic": frozenset({"shape", "num_classes", "train_size", "test_size"}),
+        "cifar10": frozenset(),
+        "npz": frozenset({"test_fraction", "num_classes"}),
+        "tokens": frozenset(
+            {"vocab_size", "seq_len", "num_classes", "train_size", "test_size", "key_position"}
+        ),
+    }
+    if name not in loaders:
+        raise ValueError(
+            f"dataset={name!r} is not allowed: expected one of {', '.join(DATASET_NAMES)}"
+        )
+    unknown = sorted(set(options) - allowed[name])
+    if unknown:
+        accepted = ", ".join(sorted(allowed[name])) or "none"
+        raise ValueError(
+            f"option(s) {', '.join(unknown)} not accepted by dataset {name!r} "
+            f"(accepted: {accepted})"
+        )
+    path = None if root is None else Path(root).expanduser()
+    if path is not None and name not in ("cifar10", "npz"):
+        logger.debug("dataset %r reads no files; ignoring root=%s", name, path)
+    spec = loaders[name](path, seed, **options)
+    logger.info(
+        "Loaded dataset %r: %d train / %d test samples, input %s, %d classes",
+        name,
+        _length(spec.train),
+        _length(spec.test),
+        spec.input_shape,
+        spec.num_classes,
+    )
+    return spec
+
+
+def default_cifar10_root() -> Path:
+    """The CIFAR-10 folder used when no ``root`` is given.
+
+    Returns:
+        ``$DKFAC_DATA`` when that environment variable is set (either the batches folder
+        itself or a folder containing ``cifar-10-batches-py``), else
+        ``~/.cache/dkfac/cifar-10-batches-py``.
+
+    """
+    configured = os.environ.get(_DATA_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "dkfac" / _CIFAR10_DIR
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _length(dataset: Dataset[tuple[Tensor, ...]]) -> int:
+    """``len(dataset)``, or -1 for datasets without a length."""
+    size = getattr(dataset, "__len__", None)
+    return int(size()) if callable(size) else -1
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """Validate an integer option (booleans are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not allowed: expected an integer >= {minimum}")
+    return value
+
+
+def _fraction(name: str, value: Any) -> float:
+    """Validate a fraction option in ``(0, 1)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"{name}={value!r} is not allowed: expected a number in (0, 1)")
+    return float(value)
+
+
+def _import_numpy(purpose: str) -> Any:
+    """Import numpy lazily (it is not a hard dependency of dkfac)."""
+    try:
+        import numpy
+    except ImportError as exc:  # pragma: no cover - numpy ships with scikit-learn
+        raise ImportError(f"{purpose} requires numpy; install it with pip install numpy") from exc
+    return numpy
+
+
+# -- digits and synthetic -----------------------------------------------------------------
+
+
+def _load_digits(_root: Path | None, seed: int, *, test_fraction: float = 0.25) -> DatasetSpec:
+    """scikit-learn's digits through :func:`dkfac.data.load_digits_tensors`."""
+    train, test = load_digits_tensors(
+        test_fraction=_fraction("test_fraction", test_fraction), seed=seed
+    )
+    return DatasetSpec("digits", train, test, (1, 8, 8), 10, "image")
+
+
+def _load_synthetic(
+    _root: Path | None,
+    seed: int,
+    *,
+    shape: Sequence[int] = (3, 32, 32),
+    num_classes: int = 10,
+    train_size: int = 1024,
+    test_size: int = 256,
+) -> DatasetSpec:
+    """Gaussian inputs labelled by the argmax of a fixed random linear map."""
+    sizes = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not sizes or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in sizes):
+        raise ValueError(f"shape={shape!r} is not allowed: expected a tuple of positive integers")
+    dims: tuple[int, ...] = sizes
+    classes = _positive_int("num_classes", num_classes)
+    n_train = _positive_int("train_size", train_size)
+    n_test = _positive_int("test_size", test_size)
+    generator = torch.Generator().manual_seed(seed)
+    features = math.prod(dims)
+    weight = torch.randn(features, classes, generator=generator) / math.sqrt(features)
+
+    def _draw(n: int) -> TensorDataset:
+        inputs = torch.randn((n, *dims), generator=generator)
+        labels = (inputs.reshape(n, features) @ weight).argmax(dim=1)
+        return TensorDataset(inputs, labels)
+
+    train = _draw(n_train)
+    test = _draw(n_test)
+    kind = "image" if len(dims) == 3 else "vector"
+    return DatasetSpec("synthetic", train, test, dims, classes, kind)
+
+
+# -- tokens -------------------------------------------------------------------------------
+
+
+def _load_tokens(
+    _root: Path | None,
+    seed: int,
+    *,
+    vocab_size: int = 32,
+    seq_len: int = 32,
+    num_classes: int = 8,
+    train_size: int = 2048,
+    test_size: int = 512,
+    key_position: int = 0,
+) -> DatasetSpec:
+    """Uniform token sequences labelled by ``tokens[key_position] % num_classes``."""
+    vocab = _positive_int("vocab_size", vocab_size)
+    length = _positive_int("seq_len", seq_len)
+    classes = _positive_int("num_classes", num_classes)
+    n_train = _positive_int("train_size", train_size)
+    n_test = _positive_int("test_size", test_size)
+    position = _positive_int("key_position", key_position, minimum=0)
+    if position >= length:
+        raise ValueError(
+            f"key_position={position} is not allowed: expected 0 <= key_position < seq_len={length}"
+        )
+    if classes > vocab:
+        raise ValueError(
+            f"num_classes={classes} is not allowed: it exceeds vocab_size={vocab}, so some "
+            "classes could never occur"
+        )
+    generator = torch.Generator().manual_seed(seed)
+
+    def _draw(n: int) -> TensorDataset:
+        tokens = torch.randint(0, vocab, (n, length), generator=generator, dtype=torch.long)
+        return TensorDataset(tokens, tokens[:, position] % classes)
+
+    train = _draw(n_train)
+    test = _draw(n_test)
+    return DatasetSpec("tokens", train, test, (length,), classes, "tokens", vocab_size=vocab)
+
+
+# -- cifar10 ------------------------------------------------------------------------------
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only numpy's array-reconstruction globals.
+
+    CIFAR-10 batches are pickles; refusing every other global means a tampered file
+    cannot run code while it is read.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _NUMPY_PICKLE_MODULES and name in _NUMPY_PICKLE_NAMES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR-10 batch")
+
+
+def _resolve_cifar10_root(root: Path | None) -> Path:
+    """The folder that should hold the batch files (see :func:`load_dataset`)."""
+    folder = default_cifar10_root() if root is None else root
+    nested = folder / _CIFAR10_DIR
+    if not (folder / _CIFAR10_TRAIN_FILES[0]).exists() and nested.is_dir():
+        return nested
+    return folder
+
+
+def _missing_cifar10(path: Path, folder: Path, what: str) -> FileNotFoundError:
+    """The error for a missing CIFAR-10 folder or batch file."""
+    return FileNotFoundError(
+        f"CIFAR-10 {what} not found: expected {path}. dkfac never downloads data: download "
+        "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html and extract "
+        f"it so that {folder / _CIFAR10_TRAIN_FILES[0]} exists, or pass --data-root (root=) "
+        f"pointing at the extracted {_CIFAR10_DIR} folder (default: ${_DATA_ENV} or "
+        f"~/.cache/dkfac/{_CIFAR10_DIR})"
+    )
+
+
+def _read_cifar10_batch(path: Path) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """Read one CIFAR-10 python batch as ``(N, 3072)`` uint8 pixels and ``(N,)`` labels.
+
+    Raises:
+        ValueError: If the file is not a valid CIFAR-10 batch.
+
+    """
+    numpy = _import_numpy("the cifar10 dataset")
+    try:
+        with path.open("rb") as handle:
+            content = _NumpyOnlyUnpickler(handle, encoding="bytes").load()
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        LookupError,
+        AttributeError,
+        ImportError,
+        OverflowError,
+    ) as exc:
+        raise ValueError(f"{path} is not a valid CIFAR-10 python batch: {exc}") from exc
+    if not isinstance(content, dict):
+        raise ValueError(
+            f"{path} is not a valid CIFAR-10 python batch: expected a dict, "
+            f"got {type(content).__name__}"
+        )
+
+    def _entry(key: str) -> Any:
+        for candidate in (key.encode(), key):
+            if candidate in content:
+                return content[candidate]
+        raise ValueError(
+            f"{path} is not a valid CIFAR-10 python batch: missing key b{key!r} "
+            f"(found {sorted(map(repr, content))})"
+        )
+
+    try:
+        data = numpy.asarray(_entry("data"))
+        labels = numpy.asarray(_entry("labels"))
+    except (TypeError, ValueError) as exc:
+        if str(path) in str(exc):
+            raise
+        raise ValueError(f"{path} is not a valid CIFAR-10 python batch: {exc}") from exc
+    if data.ndim != 2 or data.shape[1] != _CIFAR10_PIXELS or data.dtype != numpy.uint8:
+        raise ValueError(
+            f"{path} is not a valid CIFAR-10 python batch: b'data' must be an N x "
+            f"{_CIFAR10_PIXELS} uint8 array, got shape {data.shape} dtype {data.dtype}"
+        )
+    if (
+        labels.ndim != 1
+        or labels.shape[0] != data.shape[0]
+        or not numpy.issubdtype(labels.dtype, numpy.integer)
+    ):
+        raise ValueError(
+            f"{path} is not a valid CIFAR-10 python batch: b'labels' must be {data.shape[0]} "
+            f"integers, got shape {labels.shape} dtype {labels.dtype}"
+        )
+    if labels.size and (labels.min() < 0 or labels.max() >= _CIFAR10_CLASSES):
+        raise ValueError(
+            f"{path} is not a valid CIFAR-10 python batch: labels must be in "
+            f"[0, {_CIFAR10_CLASSES}), got [{labels.min()}, {labels.max()}]"
+        )
+    return data, labels.astype(numpy.int64)
+
+
+def _cifar10_split(paths: Sequence[Path]) -> TensorDataset:
+    """Concatenate batch files into one normalized ``(N, 3, 32, 32)`` dataset."""
+    numpy = _import_numpy("the cifar10 dataset")
+    batches = [_read_cifar10_batch(path) for path in paths]
+    pixels = numpy.concatenate([data for data, _ in batches])
+    labels = numpy.concatenate([label for _, label in batches])
+    images = torch.from_numpy(pixels).reshape(-1, 3, 32, 32).to(torch.float32)
+    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+    images.div_(255.0).sub_(mean).div_(std)
+    return TensorDataset(images, torch.from_numpy(labels))
+
+
+def _load_cifar10(root: Path | None, _seed: int) -> DatasetSpec:
+    """CIFAR-10 from the python batches in ``root`` (fixed split, so no seed)."""
+    folder = _resolve_cifar10_root(root)
+    if not folder.is_dir():
+        raise _missing_cifar10(folder, folder, "folder")
+    files = [folder / name for name in (*_CIFAR10_TRAIN_FILES, _CIFAR10_TEST_FILE)]
+    for path in files:
+        if not path.is_file():
+            raise _missing_cifar10(path, folder, "batch file")
+    train = _cifar10_split(files[:-1])
+    test = _cifar10_split(files[-1:])
+    return DatasetSpec("cifar10", train, test, (3, 32, 32), _CIFAR10_CLASSES, "image")
+
+
+# -- npz ----------------------------------------------------------------------------------
+
+
+def _load_npz(
+    root: Path | None,
+    seed: int,
+    *,
+    test_fraction: float = 0.2,
+    num_classes: int | None = None,
+) -> DatasetSpec:
+    """User arrays from a ``.npz`` file (see :func:`load_dataset`)."""
+    if root is None:
+        raise ValueError(
+            "dataset 'npz' needs root= (--data-root): the path of a .npz file with arrays "
+            "x and y (and optionally x_test and y_test)"
+        )
+    if not root.is_file():
+        raise FileNotFoundError(f"npz dataset file not found: expected {root}")
+    fraction = _fraction("test_fraction", test_fraction)
+    numpy = _import_numpy("the npz dataset")
+    try:
+        with numpy.load(root, allow_pickle=False) as archive:
+            arrays = {key: numpy.asarray(archive[key]) for key in archive.files}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{root} is not a readable .npz file: {exc}") from exc
+
+    missing = [key for key in ("x", "y") if key not in arrays]
+    if missing:
+        raise ValueError(
+            f"{root}: missing array(s) {', '.join(missing)}; expected x and y (optionally "
+            f"x_test and y_test), found {', '.join(sorted(arrays)) or 'none'}"
+        )
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ValueError(f"{root}: x_test and y_test must be given together or not at all")
+
+    x, y = _npz_pair(root, arrays["x"], arrays["y"], "x", "y")
+    if "x_test" in arrays:
+        x_test, y_test = _npz_pair(root, arrays["x_test"], arrays["y_test"], "x_test", "y_test")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise ValueError(
+                f"{root}: x_test samples have shape {tuple(x_test.shape[1:])} but x samples "
+                f"have shape {tuple(x.shape[1:])}"
+            )
+    else:
+        total = x.shape[0]
+        n_test = round(total * fraction)
+        if total < 2 or not 0 < n_test < total:
+            raise ValueError(
+                f"{root}: cannot split {total} sample(s) with test_fraction={fraction}; "
+                "add samples or provide x_test and y_test"
+            )
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+        x, x_test = x[order[n_test:]], x[order[:n_test]]
+        y, y_test = y[order[n_test:]], y[order[:n_test]]
+
+    largest = int(torch.cat([y, y_test]).max()) if y.numel() + y_test.numel() else -1
+    classes = largest + 1 if num_classes is None else _positive_int("num_classes", num_classes)
+    if classes <= largest or classes < 1:
+        raise ValueError(
+            f"num_classes={num_classes} is not allowed: {root} has label {largest}, so at least "
+            f"{largest + 1} classes are needed"
+        )
+    if x.ndim == 3:  # (N, H, W) grayscale images
+        x, x_test = x.unsqueeze(1), x_test.unsqueeze(1)
+    kind = "image" if x.ndim == 4 else "vector"
+    return DatasetSpec(
+        "npz",
+        TensorDataset(x, y),
+        TensorDataset(x_test, y_test),
+        tuple(int(d) for d in x.shape[1:]),
+        classes,
+        kind,
+    )
+
+
+def _npz_pair(root: Path, x: Any, y: Any, x_name: str, y_name: str) -> tuple[Tensor, Tensor]:
+    """Validate and convert one ``(inputs, labels)`` pair of an npz file."""
+    numpy = _import_numpy("the npz dataset")
+    if x.ndim < 2:
+        raise ValueError(
+            f"{root}: {x_name} must have shape (N, ...) with at least 2 dims, got {x.shape}"
+        )
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{root}: {y_name} must have shape ({x.shape[0]},) to match {x_name} of shape "
+            f"{x.shape}, got {y.shape}"
+        )
+    if not (numpy.issubdtype(x.dtype, numpy.number) or x.dtype == numpy.bool_):
+        raise ValueError(f"{root}: {x_name} must be numeric, got dtype {x.dtype}")
+    if numpy.issubdtype(y.dtype, numpy.floating):
+        if not numpy.all(numpy.isfinite(y)) or not numpy.all(y == numpy.round(y)):
+            raise ValueError(f"{root}: {y_name} must hold integer class labels")
+    elif not numpy.issubdtype(y.dtype, numpy.integer):
+        raise ValueError(f"{root}: {y_name} must hold integer class labels, got dtype {y.dtype}")
+    if y.size and y.min() < 0:
+        raise ValueError(f"{root}: {y_name} has negative label {y.min()}")
+    inputs = torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.float32))
+    labels = torch.from_numpy(numpy.ascontiguousarray(y).astype(numpy.int64))
+    return inputs, labels

@@ -1,0 +1,119 @@
+"""Tests of the Transformer classifier and the model registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dkfac
+from dkfac.datasets import load_dataset
+from dkfac.models import MODEL_NAMES, TransformerClassifier, build_model
+
+
+def test_transformer_output_shapes_and_short_sequences() -> None:
+    torch.manual_seed(0)
+    model = TransformerClassifier(vocab_size=11, num_classes=3, d_model=16, heads=4, seq_len=8)
+    tokens = torch.randint(0, 11, (5, 8))
+    assert model(tokens).shape == (5, 3)
+    assert model(tokens[:, :5]).shape == (5, 3)
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="divide"):
+        TransformerClassifier(10, 2, d_model=10, heads=4)
+    with pytest.raises(ValueError, match="positive"):
+        TransformerClassifier(10, 2, layers=0)
+
+
+def test_transformer_is_permutation_aware_through_positions() -> None:
+    torch.manual_seed(0)
+    model = TransformerClassifier(vocab_size=7, num_classes=2, d_model=16, heads=2, seq_len=6)
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    assert not torch.allclose(model(tokens), model(tokens.flip(1)))
+
+
+def test_kfac_preconditions_every_linear_and_skips_the_rest() -> None:
+    torch.manual_seed(0)
+    model = TransformerClassifier(vocab_size=13, num_classes=4, d_model=16, heads=2, layers=2)
+    pre = dkfac.KFACPreconditioner(model, lr=0.05, damping=0.01)
+    linear_names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert len(linear_names) == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per block + head
+    assert {layer.name for layer in pre.layers} == linear_names
+    skipped = {s.name: s.kind for s in pre.skipped}
+    assert skipped == {
+        name: type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.LayerNorm))
+    }
+    assert {"Embedding", "LayerNorm"} == set(skipped.values())
+    pre.remove()
+
+
+def test_kfac_training_step_on_tokens_lowers_the_loss() -> None:
+    spec = load_dataset(
+        "tokens", seed=0, vocab_size=16, seq_len=8, num_classes=4, train_size=128, test_size=16
+    )
+    torch.manual_seed(0)
+    model = build_model("transformer", spec, d_model=32, heads=4, layers=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    pre = dkfac.KFACPreconditioner(model, lr=0.05, damping=0.01)
+    tokens, labels = spec.train.tensors  # type: ignore[attr-defined]
+    losses = []
+    for _ in range(15):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens), labels)
+        loss.backward()
+        before = model.head.weight.grad.clone()  # type: ignore[union-attr]
+        pre.step()
+        optimizer.step()
+        losses.append(loss.item())
+    assert not torch.equal(before, model.head.weight.grad)  # gradient was preconditioned
+    assert pre.steps == 15
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_build_model_for_every_name(name: str) -> None:
+    torch.manual_seed(0)
+    if name == "transformer":
+        spec = load_dataset("tokens", vocab_size=10, seq_len=6, num_classes=3, train_size=4)
+    elif name == "mlp":
+        spec = load_dataset("synthetic", shape=(5,), num_classes=3, train_size=4, test_size=2)
+    else:
+        spec = load_dataset("synthetic", shape=(3, 8, 8), num_classes=3, train_size=4)
+    model = build_model(name, spec)
+    x, _ = spec.train.tensors  # type: ignore[attr-defined]
+    assert model(x).shape == (4, 3)
+
+
+def test_build_model_keywords_and_grayscale_images() -> None:
+    digits = build_model("cnn", input_shape=(1, 8, 8), num_classes=10, kind="image", width=4)
+    assert digits(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    resnet = build_model("resnet20", input_shape=(1, 8, 8), num_classes=10)
+    assert resnet(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    mlp = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=(16,))
+    assert mlp(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    tiny = build_model("transformer", input_shape=(4,), num_classes=2, kind="tokens", vocab_size=5)
+    assert tiny(torch.randint(0, 5, (3, 4))).shape == (3, 2)
+
+
+def test_build_model_errors() -> None:
+    with pytest.raises(ValueError, match="expected one of mlp, cnn, resnet20"):
+        build_model("vgg", input_shape=(3, 32, 32), num_classes=10)
+    with pytest.raises(ValueError, match="'resnet20' does not fit dataset kind 'tokens'"):
+        build_model("resnet20", input_shape=(8,), num_classes=2, kind="tokens", vocab_size=4)
+    with pytest.raises(ValueError, match="'transformer' does not fit dataset kind 'image'"):
+        build_model("transformer", input_shape=(3, 8, 8), num_classes=2)
+    with pytest.raises(ValueError, match="'mlp' does not fit dataset kind 'tokens'"):
+        build_model("mlp", input_shape=(8,), num_classes=2, kind="tokens")
+    with pytest.raises(ValueError, match="'cnn' does not fit"):
+        build_model("cnn", input_shape=(3, 8, 6), num_classes=2)
+    with pytest.raises(ValueError, match="even"):
+        build_model("cnn", input_shape=(3, 7, 7), num_classes=2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_model("transformer", input_shape=(8,), num_classes=2, kind="tokens")
+    with pytest.raises(ValueError, match=r"depth.*accepted: none"):
+        build_model("resnet32", input_shape=(3, 8, 8), num_classes=2, depth=5)
+    with pytest.raises(ValueError, match="needs input_shape"):
+        build_model("mlp")
