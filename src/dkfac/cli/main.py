@@ -15,6 +15,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dkfac.cli.bench import (
+    add_bench_options,
+    failed_launches,
+    options_from_args,
+    run_bench,
+    write_json,
+)
+from dkfac.cli.bench_report import format_summary, write_chart
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
 from dkfac.cli.launch import WorkerError, external_rank, join_external, spawn_local
 from dkfac.cli.report import compare_table, epoch_table, first_epoch_reaching, write_plots
@@ -26,6 +34,9 @@ logger = logging.getLogger("dkfac")
 
 EXIT_USAGE = 2
 EXIT_WORKER = 1
+#: Defaults of ``dkfac bench`` without ``--quick``.
+BENCH_MODELS = "resnet20"
+BENCH_NPROCS = "2"
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +198,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``dkfac bench``: ms per iteration of DDP + SGD and the K-FAC strategies, by phase."""
+    options = options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+    out = _prepare_out(args.out)
+    report = run_bench(options)
+    print(format_summary(report))
+    json_path = write_json(report, out / "bench.json")
+    settings = report["settings"]
+    chart = write_chart(
+        report["summary"],
+        out / "bench.png",
+        subtitle=f"batch {settings['batch_size_per_worker']} per worker, gloo, 1 thread/process, "
+        f"rounds {settings['rounds']}, timed iterations {settings['iters']} "
+        f"({settings['iters_long']} for periodic schedules)",
+    )
+    print(f"\nresults: {json_path}")
+    print(f"chart: {chart}" if chart else "chart: skipped (needs matplotlib, the cli extra)")
+    failed = failed_launches(report)
+    return EXIT_WORKER if failed or not report["summary"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dkfac`` argument parser."""
     parser = argparse.ArgumentParser(prog="dkfac", description=__doc__)
@@ -198,6 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare = sub.add_parser("compare", help="the optimizer with and without K-FAC, same seed")
     _add_train_options(compare)
+    bench = sub.add_parser(
+        "bench",
+        help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets (torchrun, gloo)",
+        description="Launch torchrun workers per world size, time SGD and every K-FAC "
+        "configuration (model, P, strategy, schedule), print the table and write "
+        "OUT/bench.json and the stacked bar chart OUT/bench.png.",
+    )
+    add_bench_options(bench, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+    bench.add_argument(
+        "--out",
+        default=os.path.join("runs", "bench"),
+        help="folder of bench.json and bench.png (default: runs/bench)",
+    )
     return parser
 
 
@@ -209,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["compare", *(argv or [])])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        return {"train": cmd_train, "compare": cmd_compare}[args.command](args)
+        commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
+        return commands[args.command](args)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"dkfac: error: {error}", file=sys.stderr)
         return EXIT_USAGE

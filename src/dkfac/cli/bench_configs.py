@@ -1,0 +1,142 @@
+"""What ``dkfac bench`` measures: models, strategies, schedules and the configurations.
+
+Shared by the launcher (:mod:`dkfac.cli.bench`), the workers (:mod:`dkfac.cli.bench_worker`) and
+the table and chart (:mod:`dkfac.cli.bench_report`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import dkfac
+from dkfac.models import resnet20, resnet32
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (3, 32, 32)
+LR = 0.1
+MOMENTUM = 0.9
+INVERSE_METHOD = "eigen"
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"resnet20": resnet20, "resnet32": resnet32}
+MODEL_LABELS = {"resnet20": "ResNet-20", "resnet32": "ResNet-32"}
+#: K-FAC strategies that can be measured (SGD is always measured as the reference).
+STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa")
+#: Default ``(factor_update_steps, inv_update_steps)`` schedules.
+SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (10, 100))
+
+#: Phases of ``pre.timings()``, in the order of a K-FAC step.
+PHASES: tuple[str, ...] = (
+    "factor_comm",
+    "inverse_comm",
+    "grad_comm",
+    "factor_compute",
+    "inverse_compute",
+    "precondition",
+)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One measured setup: DDP + SGD alone, or with a K-FAC preconditioner."""
+
+    key: str
+    label: str
+    strategy: str | None = None
+    grad_worker_fraction: float = 1.0
+    fraction_label: str = "1"
+    factor_update_steps: int = 1
+    inv_update_steps: int = 1
+
+    @property
+    def kfac(self) -> bool:
+        """Whether this configuration builds a ``dkfac.KFACPreconditioner``."""
+        return self.strategy is not None
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the expensive K-FAC work happens only on some iterations."""
+        return self.kfac and (self.factor_update_steps > 1 or self.inv_update_steps > 1)
+
+    @property
+    def schedule(self) -> str:
+        """``"(f,i)"`` of a K-FAC configuration, ``"-"`` for SGD."""
+        if not self.kfac:
+            return "-"
+        return f"({self.factor_update_steps},{self.inv_update_steps})"
+
+    def to_json(self) -> dict[str, Any]:
+        """The configuration as a JSON-ready dict."""
+        return {
+            "key": self.key,
+            "label": self.label,
+            "strategy": self.strategy,
+            "grad_worker_fraction": self.grad_worker_fraction if self.kfac else None,
+            "grad_worker_fraction_label": self.fraction_label if self.kfac else None,
+            "factor_update_steps": self.factor_update_steps if self.kfac else None,
+            "inv_update_steps": self.inv_update_steps if self.kfac else None,
+            "inverse_method": INVERSE_METHOD if self.kfac else None,
+        }
+
+
+SGD = Configuration("sgd", "SGD (DDP)")
+
+
+def kaisa_fractions(world_size: int) -> list[int]:
+    """Denominators ``d`` of the KAISA fractions ``1/d`` measured with ``world_size`` workers.
+
+    Always ``1/P`` (MEM-OPT); also ``1/2`` when ``P > 2`` is even (a hybrid grid).
+    """
+    denominators = [world_size]
+    if world_size > 2 and world_size % 2 == 0:
+        denominators.append(2)
+    return denominators
+
+
+def configurations(
+    world_size: int,
+    strategies: Sequence[str] = STRATEGIES,
+    schedules: Sequence[tuple[int, int]] = SCHEDULES,
+) -> list[Configuration]:
+    """SGD, then the chosen strategies (dkfac, the KAISA fractions) at every schedule."""
+    configs = [SGD]
+    for f, i in schedules:
+        if "dkfac" in strategies:
+            configs.append(Configuration(f"dkfac_{f}_{i}", "dkfac", "dkfac", 1.0, "1", f, i))
+        if "kaisa" in strategies:
+            for d in kaisa_fractions(world_size):
+                configs.append(
+                    Configuration(
+                        f"kaisa_1of{d}_{f}_{i}", f"kaisa f=1/{d}", "kaisa", 1.0 / d, f"1/{d}", f, i
+                    )
+                )
+    return configs
+
+
+def count_schedule_hits(period: int, start: int, iters: int) -> int:
+    """Number of K-FAC steps ``k`` in ``[start, start + iters)`` with ``k % period == 0``."""
+    return sum(1 for k in range(start, start + iters) if k % period == 0)
+
+
+def environment() -> dict[str, Any]:
+    """Describe the software and machine the numbers were measured on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {
+        "torch_version": torch.__version__,
+        "dkfac_version": dkfac.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(affinity(0)) if affinity is not None else None,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
