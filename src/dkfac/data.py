@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
@@ -123,3 +124,12 @@ def synthetic_images(
     images = torch.randn((n, *shape), generator=generator, dtype=dtype)
     labels = torch.randint(0, num_classes, (n,), generator=generator, dtype=torch.long)
     return TensorDataset(images, labels)
+
+
+def import_numpy(purpose: str) -> Any:
+    """Import numpy lazily (it is not a hard dependency of dkfac)."""
+    try:
+        import numpy
+    except ImportError as exc:  # pragma: no cover - numpy ships with scikit-learn
+        raise ImportError(f"{purpose} requires numpy; install it with pip install numpy") from exc
+    return numpy

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,17 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from dkfac.data import load_digits_tensors
+from dkfac.cifar10 import (
+    CIFAR10_CLASSES,
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    default_cifar10_root,
+    load_cifar10,
+)
+from dkfac.data import import_numpy, load_digits_tensors
 
 if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -57,32 +62,6 @@ DATASET_NAMES: tuple[str, ...] = ("digits", "synthetic", "cifar10", "npz", "toke
 DATASET_KINDS: tuple[str, ...] = ("image", "vector", "tokens")
 """Kinds of input: ``image`` is ``(C, H, W)`` floats, ``vector`` any other float
 features, ``tokens`` a sequence of integer token ids."""
-
-CIFAR10_MEAN: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
-"""Per-channel mean of the CIFAR-10 training images (pixels scaled to ``[0, 1]``)."""
-
-CIFAR10_STD: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
-"""Per-channel standard deviation of the CIFAR-10 training images."""
-
-_CIFAR10_DIR = "cifar-10-batches-py"
-_CIFAR10_TRAIN_FILES = tuple(f"data_batch_{index}" for index in range(1, 6))
-_CIFAR10_TEST_FILE = "test_batch"
-_CIFAR10_PIXELS = 3 * 32 * 32
-_CIFAR10_CLASSES = 10
-_DATA_ENV = "DKFAC_DATA"
-
-# Globals a CIFAR-10 batch pickle may reference: numpy's array reconstruction helpers
-# (numpy 1.x lives under ``numpy.core``, numpy 2.x under ``numpy._core``).
-_NUMPY_PICKLE_MODULES = frozenset(
-    {
-        "numpy",
-        "numpy.core.multiarray",
-        "numpy._core.multiarray",
-        "numpy.core.numeric",
-        "numpy._core.numeric",
-    }
-)
-_NUMPY_PICKLE_NAMES = frozenset({"ndarray", "dtype", "_reconstruct", "_frombuffer", "scalar"})
 
 
 @dataclass(frozen=True)
@@ -206,21 +185,6 @@ def load_dataset(
     return spec
 
 
-def default_cifar10_root() -> Path:
-    """The CIFAR-10 folder used when no ``root`` is given.
-
-    Returns:
-        ``$DKFAC_DATA`` when that environment variable is set (either the batches folder
-        itself or a folder containing ``cifar-10-batches-py``), else
-        ``~/.cache/dkfac/cifar-10-batches-py``.
-
-    """
-    configured = os.environ.get(_DATA_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "dkfac" / _CIFAR10_DIR
-
-
 # -- helpers ------------------------------------------------------------------------------
 
 
@@ -242,15 +206,6 @@ def _fraction(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
         raise ValueError(f"{name}={value!r} is not allowed: expected a number in (0, 1)")
     return float(value)
-
-
-def _import_numpy(purpose: str) -> Any:
-    """Import numpy lazily (it is not a hard dependency of dkfac)."""
-    try:
-        import numpy
-    except ImportError as exc:  # pragma: no cover - numpy ships with scikit-learn
-        raise ImportError(f"{purpose} requires numpy; install it with pip install numpy") from exc
-    return numpy
 
 
 # -- digits and synthetic -----------------------------------------------------------------
@@ -340,130 +295,10 @@ def _load_tokens(
 # -- cifar10 ------------------------------------------------------------------------------
 
 
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only numpy's array-reconstruction globals.
-
-    CIFAR-10 batches are pickles; refusing every other global means a tampered file
-    cannot run code while it is read.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _NUMPY_PICKLE_MODULES and name in _NUMPY_PICKLE_NAMES:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR-10 batch")
-
-
-def _resolve_cifar10_root(root: Path | None) -> Path:
-    """The folder that should hold the batch files (see :func:`load_dataset`)."""
-    folder = default_cifar10_root() if root is None else root
-    nested = folder / _CIFAR10_DIR
-    if not (folder / _CIFAR10_TRAIN_FILES[0]).exists() and nested.is_dir():
-        return nested
-    return folder
-
-
-def _missing_cifar10(path: Path, folder: Path, what: str) -> FileNotFoundError:
-    """The error for a missing CIFAR-10 folder or batch file."""
-    return FileNotFoundError(
-        f"CIFAR-10 {what} not found: expected {path}. dkfac never downloads data: download "
-        "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html and extract "
-        f"it so that {folder / _CIFAR10_TRAIN_FILES[0]} exists, or pass --data-root (root=) "
-        f"pointing at the extracted {_CIFAR10_DIR} folder (default: ${_DATA_ENV} or "
-        f"~/.cache/dkfac/{_CIFAR10_DIR})"
-    )
-
-
-def _read_cifar10_batch(path: Path) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
-    """Read one CIFAR-10 python batch as ``(N, 3072)`` uint8 pixels and ``(N,)`` labels.
-
-    Raises:
-        ValueError: If the file is not a valid CIFAR-10 batch.
-
-    """
-    numpy = _import_numpy("the cifar10 dataset")
-    try:
-        with path.open("rb") as handle:
-            content = _NumpyOnlyUnpickler(handle, encoding="bytes").load()
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        LookupError,
-        AttributeError,
-        ImportError,
-        OverflowError,
-    ) as exc:
-        raise ValueError(f"{path} is not a valid CIFAR-10 python batch: {exc}") from exc
-    if not isinstance(content, dict):
-        raise ValueError(
-            f"{path} is not a valid CIFAR-10 python batch: expected a dict, "
-            f"got {type(content).__name__}"
-        )
-
-    def _entry(key: str) -> Any:
-        for candidate in (key.encode(), key):
-            if candidate in content:
-                return content[candidate]
-        raise ValueError(
-            f"{path} is not a valid CIFAR-10 python batch: missing key b{key!r} "
-            f"(found {sorted(map(repr, content))})"
-        )
-
-    try:
-        data = numpy.asarray(_entry("data"))
-        labels = numpy.asarray(_entry("labels"))
-    except (TypeError, ValueError) as exc:
-        if str(path) in str(exc):
-            raise
-        raise ValueError(f"{path} is not a valid CIFAR-10 python batch: {exc}") from exc
-    if data.ndim != 2 or data.shape[1] != _CIFAR10_PIXELS or data.dtype != numpy.uint8:
-        raise ValueError(
-            f"{path} is not a valid CIFAR-10 python batch: b'data' must be an N x "
-            f"{_CIFAR10_PIXELS} uint8 array, got shape {data.shape} dtype {data.dtype}"
-        )
-    if (
-        labels.ndim != 1
-        or labels.shape[0] != data.shape[0]
-        or not numpy.issubdtype(labels.dtype, numpy.integer)
-    ):
-        raise ValueError(
-            f"{path} is not a valid CIFAR-10 python batch: b'labels' must be {data.shape[0]} "
-            f"integers, got shape {labels.shape} dtype {labels.dtype}"
-        )
-    if labels.size and (labels.min() < 0 or labels.max() >= _CIFAR10_CLASSES):
-        raise ValueError(
-            f"{path} is not a valid CIFAR-10 python batch: labels must be in "
-            f"[0, {_CIFAR10_CLASSES}), got [{labels.min()}, {labels.max()}]"
-        )
-    return data, labels.astype(numpy.int64)
-
-
-def _cifar10_split(paths: Sequence[Path]) -> TensorDataset:
-    """Concatenate batch files into one normalized ``(N, 3, 32, 32)`` dataset."""
-    numpy = _import_numpy("the cifar10 dataset")
-    batches = [_read_cifar10_batch(path) for path in paths]
-    pixels = numpy.concatenate([data for data, _ in batches])
-    labels = numpy.concatenate([label for _, label in batches])
-    images = torch.from_numpy(pixels).reshape(-1, 3, 32, 32).to(torch.float32)
-    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
-    images.div_(255.0).sub_(mean).div_(std)
-    return TensorDataset(images, torch.from_numpy(labels))
-
-
 def _load_cifar10(root: Path | None, _seed: int) -> DatasetSpec:
     """CIFAR-10 from the python batches in ``root`` (fixed split, so no seed)."""
-    folder = _resolve_cifar10_root(root)
-    if not folder.is_dir():
-        raise _missing_cifar10(folder, folder, "folder")
-    files = [folder / name for name in (*_CIFAR10_TRAIN_FILES, _CIFAR10_TEST_FILE)]
-    for path in files:
-        if not path.is_file():
-            raise _missing_cifar10(path, folder, "batch file")
-    train = _cifar10_split(files[:-1])
-    test = _cifar10_split(files[-1:])
-    return DatasetSpec("cifar10", train, test, (3, 32, 32), _CIFAR10_CLASSES, "image")
+    train, test = load_cifar10(root)
+    return DatasetSpec("cifar10", train, test, (3, 32, 32), CIFAR10_CLASSES, "image")
 
 
 # -- npz ----------------------------------------------------------------------------------
@@ -485,7 +320,7 @@ def _load_npz(
     if not root.is_file():
         raise FileNotFoundError(f"npz dataset file not found: expected {root}")
     fraction = _fraction("test_fraction", test_fraction)
-    numpy = _import_numpy("the npz dataset")
+    numpy = import_numpy("the npz dataset")
     try:
         with numpy.load(root, allow_pickle=False) as archive:
             arrays = {key: numpy.asarray(archive[key]) for key in archive.files}
@@ -543,7 +378,7 @@ def _load_npz(
 
 def _npz_pair(root: Path, x: Any, y: Any, x_name: str, y_name: str) -> tuple[Tensor, Tensor]:
     """Validate and convert one ``(inputs, labels)`` pair of an npz file."""
-    numpy = _import_numpy("the npz dataset")
+    numpy = import_numpy("the npz dataset")
     if x.ndim < 2:
         raise ValueError(
             f"{root}: {x_name} must have shape (N, ...) with at least 2 dims, got {x.shape}"

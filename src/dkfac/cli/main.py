@@ -85,8 +85,8 @@ def _prepare_out(folder: str) -> Path:
     path = Path(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            pass
+        with tempfile.NamedTemporaryFile(dir=path) as probe:
+            probe.write(b"dkfac")
     except OSError as error:
         raise ConfigError(f"--out {folder}: cannot write there ({error.strerror})") from None
     return path
