@@ -72,6 +72,7 @@ def _worker(
     threads: int,
     results: Any,
     args: tuple[Any, ...],
+    collective_timeout: float,
 ) -> None:
     torch.set_num_threads(threads)
     try:
@@ -80,7 +81,7 @@ def _worker(
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(minutes=10),
+            timeout=timedelta(seconds=collective_timeout),
         )
         value = target(*args)
         buffer = io.BytesIO()
@@ -94,23 +95,48 @@ def _worker(
             dist.destroy_process_group()
 
 
-def spawn_local(
-    target: Callable[..., Any], world_size: int, threads: int, args: tuple[Any, ...] = ()
-) -> Any:
-    """Run ``target(*args)`` on ``world_size`` local gloo processes; rank 0's return value.
+def spawn_workers(
+    target: Callable[..., Any],
+    world_size: int,
+    threads: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: float | None = None,
+    collective_timeout: float = 600.0,
+) -> list[Any]:
+    """Run ``target(*args)`` on ``world_size`` local gloo processes; every rank's result.
+
+    Args:
+        target: a module-level function (spawned processes import it).
+        world_size: number of processes.
+        threads: intra-op threads per process.
+        args: positional arguments of ``target``.
+        timeout: seconds after which all workers are killed (``None``: no limit).
+        collective_timeout: seconds a collective may wait before the process group fails.
 
     Raises:
         WorkerError: the first worker that failed (the others are stopped).
+        TimeoutError: ``timeout`` passed before every worker finished.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
+    deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
         processes = [
             context.Process(
                 target=_worker,
                 daemon=True,
-                args=(target, rank, world_size, init_file, threads, results, args),
+                args=(
+                    target,
+                    rank,
+                    world_size,
+                    init_file,
+                    threads,
+                    results,
+                    args,
+                    collective_timeout,
+                ),
             )
             for rank in range(world_size)
         ]
@@ -119,6 +145,9 @@ def spawn_local(
         values: dict[int, Any] = {}
         try:
             while len(values) < world_size:
+                if deadline is not None and time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(values))
+                    raise TimeoutError(f"workers {missing} did not finish within {timeout:.0f} s")
                 try:
                     rank, ok, payload, details = results.get(timeout=1.0)
                 except queue.Empty:
@@ -136,10 +165,21 @@ def spawn_local(
                     raise WorkerError(rank, payload, details)
                 values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         finally:
-            deadline = time.monotonic() + 5
+            stop = time.monotonic() + 5
             for process in processes:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
+                process.join(timeout=max(0.0, stop - time.monotonic()))
                 if process.is_alive():
                     process.kill()
                     process.join()
-    return values[0]
+    return [values[rank] for rank in range(world_size)]
+
+
+def spawn_local(
+    target: Callable[..., Any], world_size: int, threads: int, args: tuple[Any, ...] = ()
+) -> Any:
+    """Run ``target(*args)`` on ``world_size`` local gloo processes; rank 0's return value.
+
+    Raises:
+        WorkerError: the first worker that failed (the others are stopped).
+    """
+    return spawn_workers(target, world_size, threads, args)[0]
