@@ -1,0 +1,137 @@
+"""Cost model of the running cluster: collectives (alpha-beta) and decompositions (c·d³).
+
+SPD-KFAC's fusion rule and the placement planners need predicted times. Nothing here is a
+hard-coded constant: :func:`calibrate_alpha_beta` times real collectives on the process group
+and :func:`calibrate_decomposition` times real eigendecompositions; the fits are pure
+functions, testable on synthetic data.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Time of one collective: ``alpha + beta · bytes`` seconds."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Predicted time of a collective moving ``nbytes``."""
+        return self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True)
+class CubicCost:
+    """Time of decomposing a ``d × d`` factor: ``c0 + c3 · d³`` seconds."""
+
+    c0: float
+    c3: float
+
+    def seconds(self, d: int) -> float:
+        """Predicted decomposition time of a ``d × d`` matrix."""
+        return self.c0 + self.c3 * float(d) ** 3
+
+
+def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Intercept and slope of the least-squares line, both clamped at >= 0."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(
+            f"need at least two (x, y) points of equal count, got {len(xs)} and {len(ys)}"
+        )
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        raise ValueError("the x values must not all be equal")
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    slope = max(0.0, slope)
+    intercept = max(0.0, mean_y - slope * mean_x)
+    return intercept, slope
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """Least-squares ``alpha``, ``beta`` from measured (bytes, seconds) pairs."""
+    alpha, beta = _least_squares_line(sizes, seconds)
+    return AlphaBeta(alpha, beta)
+
+
+def fit_cubic(dims: Sequence[int], seconds: Sequence[float]) -> CubicCost:
+    """Least-squares ``c0``, ``c3`` from measured (d, seconds) pairs."""
+    c0, c3 = _least_squares_line([float(d) ** 3 for d in dims], seconds)
+    return CubicCost(c0, c3)
+
+
+def _median_seconds(action: Callable[[], object], repeats: int) -> float:
+    action()  # warm-up: first calls allocate and connect
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _agree(values: list[float], device: torch.device) -> list[float]:
+    """The element-wise maximum over ranks, so every rank plans with the same numbers."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
+
+
+def calibrate_alpha_beta(
+    sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**20),
+    repeats: int = 5,
+    device: torch.device | None = None,
+    group: object | None = None,
+) -> AlphaBeta:
+    """Time allreduces of ``sizes`` bytes on the process group and fit ``alpha``, ``beta``.
+
+    Every rank must call it (it runs collectives); all ranks return the same model because the
+    measured times are combined with a max-allreduce before fitting.
+    """
+    target = device or torch.device("cpu")
+    measured = []
+    for nbytes in sizes:
+        buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=target)
+
+        def allreduce(buffer: torch.Tensor = buffer) -> None:
+            dist.all_reduce(buffer, group=group)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)
+
+        measured.append(_median_seconds(allreduce, repeats))
+    return fit_alpha_beta([float(s) for s in sizes], _agree(measured, target))
+
+
+def calibrate_decomposition(
+    dims: Sequence[int] = (32, 64, 128, 256),
+    repeats: int = 3,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> CubicCost:
+    """Time ``torch.linalg.eigh`` on random SPD matrices of ``dims`` and fit ``c0 + c3·d³``.
+
+    Under ``torch.distributed`` the times are max-reduced so all ranks agree.
+    """
+    target = device or torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    measured = []
+    for d in dims:
+        x = torch.randn(d, d, generator=generator, dtype=dtype).to(target)
+        matrix = x @ x.t() + torch.eye(d, dtype=dtype, device=target)
+
+        def decompose(matrix: torch.Tensor = matrix) -> None:
+            torch.linalg.eigh(matrix)
+
+        measured.append(_median_seconds(decompose, repeats))
+    return fit_cubic(list(dims), _agree(measured, target))

@@ -1,0 +1,51 @@
+"""Cost model fits against synthetic data, and calibration on a real gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_harness import run_workers
+from dkfac.distributed.cost_model import (
+    AlphaBeta,
+    CubicCost,
+    calibrate_alpha_beta,
+    calibrate_decomposition,
+    fit_alpha_beta,
+    fit_cubic,
+)
+
+
+def test_fits_recover_the_generating_parameters() -> None:
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    model = fit_alpha_beta(sizes, [2e-4 + 3e-9 * s for s in sizes])
+    assert model.alpha == pytest.approx(2e-4, rel=1e-9)
+    assert model.beta == pytest.approx(3e-9, rel=1e-9)
+    assert model.seconds(5e5) == pytest.approx(2e-4 + 1.5e-3, rel=1e-9)
+    cubic = fit_cubic([16, 32, 64], [1e-5 + 2e-9 * d**3 for d in (16, 32, 64)])
+    assert cubic == CubicCost(pytest.approx(1e-5), pytest.approx(2e-9))
+
+
+def test_fits_never_predict_negative_costs() -> None:
+    model = fit_alpha_beta([1.0, 2.0, 3.0], [3.0, 2.0, 1.0])  # noise with a falling trend
+    assert model.alpha >= 0 and model.beta == 0.0
+    with pytest.raises(ValueError, match="at least two"):
+        fit_alpha_beta([1.0], [1.0])
+    with pytest.raises(ValueError, match="not all be equal"):
+        fit_cubic([8, 8], [1.0, 2.0])
+
+
+def test_decomposition_calibration_grows_with_size() -> None:
+    cubic = calibrate_decomposition(dims=(16, 64, 128), repeats=2)
+    assert cubic.c3 > 0 and cubic.seconds(128) > cubic.seconds(16)
+
+
+def calibrate(rank: int, world_size: int) -> AlphaBeta:
+    torch.manual_seed(rank)
+    return calibrate_alpha_beta(sizes=(2**10, 2**16, 2**20), repeats=3)
+
+
+def test_alpha_beta_calibration_agrees_on_every_rank() -> None:
+    models = run_workers(calibrate, 2, timeout=90)
+    assert models[0] == models[1]
+    assert models[0].beta > 0  # moving a MiB costs more than moving a KiB on loopback gloo
