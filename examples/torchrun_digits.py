@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"comm {sum(v['bytes'] for v in pre.comm_stats().values()) / 1e6:.2f} MB/step, "
                 f"parameter checksum spread across ranks {spread:.2e}"
             )
+    dist.barrier()  # nobody tears the group down while a peer still talks to it
     dist.destroy_process_group()
     return 0
 

@@ -84,6 +84,7 @@ def _worker(
             timeout=timedelta(seconds=collective_timeout),
         )
         value = target(*args)
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue(), ""))

@@ -134,6 +134,7 @@ def execute(
         join_external(outside, config.threads)
         try:
             result = _train_worker(config, resume, show_progress)
+            dist.barrier()  # nobody tears the group down while a peer still talks to it
             return result if outside.rank == 0 else None
         finally:
             dist.destroy_process_group()
