@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,9 +40,6 @@ from dkfac.cifar10 import (
     load_cifar10,
 )
 from dkfac.data import import_numpy, load_digits_tensors
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
