@@ -52,6 +52,10 @@ def collectives(rank: int, world_size: int) -> dict:
     if rank in (0, 1):
         comm.allreduce([g], phase="group", group=groups[(0, 1)]).wait()
     out["group"] = g
+    # Element-wise maximum (how ranks agree on measured times).
+    m = torch.tensor([float(rank), float(-rank)], dtype=torch.float64)
+    comm.allreduce([m], phase="max", maximum=True).wait()
+    out["max"] = m
     # Reduce-scatter and all-gather (DeAR's halves of an allreduce).
     chunk = torch.zeros(2, dtype=torch.float64)
     comm.reduce_scatter(
@@ -82,20 +86,45 @@ def test_collectives_values_packing_buckets_and_accounting() -> None:
         exact = torch.linspace(0, 1, 8) * world + sum(range(world))
         torch.testing.assert_close(out["bf16"], exact, rtol=1e-2, atol=0)
         assert float(out["group"]) == (1.0 if rank in (0, 1) else float(rank))
+        assert out["max"].tolist() == [world - 1.0, 0.0]
         stats = out["stats"]
-        assert stats["p/allreduce"] == {"bytes": 8 * (15 + 3), "calls": 1}
-        assert stats["alone/allreduce"] == {"bytes": 8 * 6, "calls": 3}
-        assert stats["reduce/reduce"] == {"bytes": 32, "calls": 1}
-        assert stats["bcast/broadcast"] == {"bytes": 8 * 10, "calls": 1}
-        assert stats["bf16/allreduce"] == {"bytes": 2 * 8, "calls": 1}
+
+        def sent(payload: int, factor: int, ranks: int = world) -> int:
+            # Ring allreduce: each rank sends 2(P-1)/P of the payload; reduce, broadcast,
+            # reduce-scatter, all-gather: (P-1)/P.
+            return factor * payload * (ranks - 1) // ranks
+
+        assert stats["p/allreduce"] == {
+            "bytes": 8 * (15 + 3),
+            "calls": 1,
+            "wire_bytes": sent(8 * 18, 2),
+        }
+        assert stats["alone/allreduce"] == {
+            "bytes": 8 * 6,
+            "calls": 3,
+            "wire_bytes": 3 * sent(16, 2),
+        }
+        assert stats["reduce/reduce"] == {"bytes": 32, "calls": 1, "wire_bytes": sent(32, 1)}
+        assert stats["bcast/broadcast"] == {"bytes": 8 * 10, "calls": 1, "wire_bytes": sent(80, 1)}
+        assert stats["bf16/allreduce"] == {"bytes": 2 * 8, "calls": 1, "wire_bytes": sent(16, 2)}
         assert ("group/allreduce" in stats) == (rank in (0, 1))
+        if rank in (0, 1):
+            assert stats["group/allreduce"]["wire_bytes"] == sent(4, 2, ranks=2)
         summed = torch.arange(2.0 * world, dtype=torch.float64) * world + sum(range(world))
         torch.testing.assert_close(out["reduce_scatter"], summed[2 * rank : 2 * rank + 2])
         torch.testing.assert_close(
             out["all_gather"], torch.arange(world, dtype=torch.float64).repeat_interleave(2)
         )
-        assert stats["rs/reduce_scatter"] == {"bytes": 8 * 2 * world, "calls": 1}
-        assert stats["ag/all_gather"] == {"bytes": 8 * 2 * world, "calls": 1}
+        assert stats["rs/reduce_scatter"] == {
+            "bytes": 8 * 2 * world,
+            "calls": 1,
+            "wire_bytes": sent(16 * world, 1),
+        }
+        assert stats["ag/all_gather"] == {
+            "bytes": 8 * 2 * world,
+            "calls": 1,
+            "wire_bytes": sent(16 * world, 1),
+        }
 
 
 def test_fusion_bucket_packs_the_upper_triangle_and_restores_both() -> None:

@@ -142,6 +142,24 @@ def owners_of(model: nn.Module, world_size: int) -> dict[str, int]:
     return dict(zip(dims, owners, strict=True))
 
 
+def entry(op: str, payloads: list[int], world_size: int) -> dict[str, int]:
+    """Accounting of ``len(payloads)`` collectives of ``op`` with these float64 value counts.
+
+    Wire bytes per rank of a bandwidth-optimal algorithm: allreduce sends 2(P-1)/P of the
+    payload, reduce and broadcast (P-1)/P (rounded down per call).
+    """
+    factor = 2 if op == "allreduce" else 1
+    return {
+        "bytes": 8 * sum(payloads),
+        "calls": len(payloads),
+        "wire_bytes": sum(factor * 8 * n * (world_size - 1) // world_size for n in payloads),
+    }
+
+
+def tri(d: int) -> int:
+    return d * (d + 1) // 2
+
+
 def expected_bytes(
     config: dict[str, Any], world_size: int, model: nn.Module
 ) -> list[dict[str, dict[str, int]]]:
@@ -150,35 +168,37 @@ def expected_bytes(
     owners = owners_of(model, world_size)
     g_workers = round(config.get("grad_worker_fraction", 1.0) * world_size)
     eigen = config["inverse_method"] == "eigen"
-
-    def tri(d: int) -> int:
-        return d * (d + 1) // 2
-
     factor_values = sum(tri(a) + tri(g) for a, g in dims.values())
     per_rank = []
     for rank in range(world_size):
         stats = {
-            "factor_comm/allreduce": {"bytes": 8 * (factor_values + 2 * len(dims)), "calls": 2}
+            "factor_comm/allreduce": entry("allreduce", [factor_values, 2 * len(dims)], world_size)
         }
         my_row = rank // g_workers
         row_owners = [o for o in range(world_size) if o // g_workers == my_row]
         if g_workers > 1:
-            values, calls = 0, 0
+            payloads = []
             for owner in row_owners:
                 mine = [dims[name] for name, o in owners.items() if o == owner]
                 if mine:
-                    calls += 1
-                    values += sum(
-                        (a * a + a + g * g + g) if eigen else (tri(a) + tri(g)) for a, g in mine
-                    ) + len(mine)  # + one validity flag each
-            if calls:
-                stats["inverse_comm/broadcast"] = {"bytes": 8 * values, "calls": calls}
+                    payloads.append(
+                        sum(
+                            (a * a + a + g * g + g) if eigen else (tri(a) + tri(g)) for a, g in mine
+                        )
+                        + len(mine)  # + one validity flag each
+                    )
+            if payloads:
+                stats["inverse_comm/broadcast"] = entry("broadcast", payloads, g_workers)
         if g_workers < world_size:
-            rows = {o // g_workers for o in owners.values()}
-            stats["grad_comm/broadcast"] = {
-                "bytes": 8 * sum(a * g for a, g in dims.values()),
-                "calls": len(rows),
-            }
+            rows = sorted({o // g_workers for o in owners.values()})
+            stats["grad_comm/broadcast"] = entry(
+                "broadcast",
+                [
+                    sum(a * g for name, (a, g) in dims.items() if owners[name] // g_workers == row)
+                    for row in rows
+                ],
+                world_size // g_workers,
+            )
         per_rank.append(dict(sorted(stats.items())))
     return per_rank
 

@@ -150,6 +150,7 @@ class KFACConfig:
     grad_worker_fraction: float = 1.0
     bucket_cap_mb: float = 25.0
     comm_dtype: torch.dtype | None = None
+    profile_steps: int = 5
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
     factor_decay_at: FloatSchedule = field(init=False, repr=False)
@@ -182,6 +183,7 @@ class KFACConfig:
                 "torch.float32 or torch.float64"
             )
         check_int("accumulation_steps", self.accumulation_steps)
+        check_int("profile_steps", self.profile_steps, low=0)
         check_float(
             "grad_worker_fraction",
             self.grad_worker_fraction,

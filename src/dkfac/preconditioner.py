@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed import StepRecorder, make_strategy
+from dkfac.distributed import ClusterCostModel, StepRecorder, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,11 @@ class KFACPreconditioner:
         bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
         comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None`` sends
             tensors in their own dtype.
+        profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured factor ready
+            times re-plan the fusion buckets (alpha-beta merge rule); 0 keeps the size plan.
+        cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.distributed.ClusterCostModel` to plan
+            with; ``None`` measures the process group and the decompositions at construction
+            (about a second, collective: every rank builds its preconditioner together).
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (the number of completed ``step()`` calls).
@@ -111,6 +116,8 @@ class KFACPreconditioner:
         grad_worker_fraction: float = 1.0,
         bucket_cap_mb: float = 25.0,
         comm_dtype: torch.dtype | None = None,
+        profile_steps: int = 5,
+        cost_model: ClusterCostModel | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -120,6 +127,11 @@ class KFACPreconditioner:
             raise ValueError(
                 f"grad_scaler={grad_scaler!r} is not allowed: expected a "
                 "torch.amp.GradScaler or None"
+            )
+        if cost_model is not None and not isinstance(cost_model, ClusterCostModel):
+            raise ValueError(
+                f"cost_model={cost_model!r} is not allowed: expected a "
+                "dkfac.distributed.ClusterCostModel or None"
             )
         self.config = KFACConfig(
             strategy=strategy,
@@ -138,6 +150,7 @@ class KFACPreconditioner:
             grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
             comm_dtype=comm_dtype,
+            profile_steps=profile_steps,
         )
         self._recorder = StepRecorder()
         self._strategy = make_strategy(
@@ -146,6 +159,10 @@ class KFACPreconditioner:
             grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
             comm_dtype=comm_dtype,
+            inverse_method=inverse_method,
+            inv_dtype=inv_dtype,
+            cost_model=cost_model,
+            profile_steps=profile_steps,
         )
         self._model = _unwrap(model)
         self._grad_scaler = grad_scaler
@@ -211,6 +228,7 @@ class KFACPreconditioner:
             return
         with self._recorder.phase("factor_compute"):
             layer.accumulate_a(inputs[0])
+        self._maybe_ready(layer, "a")
         if output.requires_grad:
             hook = functools.partial(self._output_grad_hook, layer)
             output.register_hook(hook)  # type: ignore[no-untyped-call]
@@ -219,6 +237,12 @@ class KFACPreconditioner:
         if not self._removed:
             with self._recorder.phase("factor_compute"):
                 layer.accumulate_g(grad, self._loss_scale())
+            self._maybe_ready(layer, "g")
+
+    def _maybe_ready(self, layer: LayerCurvature, side: str) -> None:
+        """Tell the strategy when the window's last micro-batch completed a factor."""
+        if layer.statistic_updates(side) == self.config.accumulation_steps:
+            self._strategy.statistic_ready(layer, side, self.config.loss_reduction)
 
     def _loss_scale(self) -> Tensor | float | None:
         scaler = self._grad_scaler
@@ -374,6 +398,15 @@ class KFACPreconditioner:
         """Write a Chrome trace (JSON) of the recent steps, one lane per phase."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._recorder.export_trace(path, rank=rank)
+
+    def plan(self) -> dict[str, Any]:
+        """The strategy's placement as plain data.
+
+        ``"factors"``: one entry per factor with its owner(s); ``"buckets"``: the fused
+        collectives in launch order with predicted times (``"spd"``/``"pad"``), plus the cost
+        model behind them. ``"local"`` has no placement (empty lists).
+        """
+        return self._strategy.plan()
 
     @property
     def layers(self) -> list[LayerCurvature]:

@@ -13,16 +13,28 @@ from dkfac.curvature.blocks import (
 )
 from dkfac.curvature.inverse import (
     EigenInverse,
+    FactorDecomposition,
     KroneckerInverse,
     TikhonovInverse,
+    combine_factors,
     decompose,
-    tikhonov_pi,
+    decompose_factor,
+    tikhonov_shifts,
+    trace_mean,
 )
-from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.curvature.layer import (
+    FactorRequest,
+    LayerCurvature,
+    decompose_factors,
+    factor_requests,
+    update_inverses,
+)
 
 __all__ = [
     "Conv2dBlock",
     "EigenInverse",
+    "FactorDecomposition",
+    "FactorRequest",
     "FactorStatistic",
     "KroneckerBlock",
     "KroneckerInverse",
@@ -30,8 +42,13 @@ __all__ = [
     "LinearBlock",
     "TikhonovInverse",
     "UnsupportedLayerError",
+    "combine_factors",
     "decompose",
+    "decompose_factor",
+    "decompose_factors",
+    "factor_requests",
     "make_block",
-    "tikhonov_pi",
+    "tikhonov_shifts",
+    "trace_mean",
     "update_inverses",
 ]

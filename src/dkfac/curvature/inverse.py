@@ -10,14 +10,20 @@ Two methods, one interface (:class:`KroneckerInverse`):
   Tikhonov damping, Martens & Grosse 2015 §6.3) computed through Cholesky, with
   ``π = sqrt((tr A / d_A) / (tr G / d_G))``; it applies ``G_d⁻¹ ∇ A_d⁻¹``.
 
-Decompositions report success as a device boolean so the caller can check many layers with a
-single host synchronisation.
+Both methods decompose each factor on its own (:func:`decompose_factor`), which lets
+distributed strategies place the two factors of one layer on different workers; only the
+Tikhonov shift couples them, through ``π``, which the caller computes from both traces
+(:func:`tikhonov_shifts`). Decompositions report success as a device boolean so the caller can
+check many layers with a single host synchronisation.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -26,6 +32,85 @@ from torch import Tensor
 
 class DecompositionError(RuntimeError):
     """A factor could not be decomposed (not finite, or the algorithm failed)."""
+
+
+#: Per method and factor side: the names of the tensors that define one factor's
+#: decomposition, in transport order, and whether each is a symmetric matrix.
+FACTOR_LAYOUT: Mapping[str, Mapping[str, tuple[tuple[str, bool], ...]]] = MappingProxyType(
+    {
+        "eigen": MappingProxyType(
+            {"a": (("qa", False), ("la", False)), "g": (("qg", False), ("lg", False))}
+        ),
+        "inverse": MappingProxyType({"a": (("a_inv", True),), "g": (("g_inv", True),)}),
+    }
+)
+
+#: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
+FACTOR_SIDES: tuple[str, str] = ("a", "g")
+
+
+@dataclass
+class FactorDecomposition:
+    """The decomposition of one Kronecker factor.
+
+    Attributes:
+        tensors: named as in :data:`FACTOR_LAYOUT` for the method and side.
+        ok: device boolean: finite, and the factorisation succeeded.
+    """
+
+    tensors: dict[str, Tensor]
+    ok: Tensor
+
+
+def decompose_factor(
+    matrix: Tensor, side: str, method: str, dtype: torch.dtype, shift: Tensor | None = None
+) -> FactorDecomposition:
+    """Decompose one factor in ``dtype``.
+
+    ``"eigen"``: ``F = Q Λ Qᵀ``, tiny negative eigenvalues from round-off clamped to zero (which
+    keeps ``λ_G λ_A + γ >= γ > 0``); eigenvectors stored row-major like any received copy, so
+    every worker's GEMMs take the same path and round identically. ``"inverse"``:
+    ``(F + shift·I)⁻¹`` through Cholesky (``shift`` from :func:`tikhonov_shifts`).
+
+    Raises:
+        torch.linalg.LinAlgError: the eigensolver did not converge.
+    """
+    q_name, *rest = (name for name, _ in FACTOR_LAYOUT[method][side])
+    if method == "eigen":
+        eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
+        tensors = {q_name: eigenvectors.contiguous(), rest[0]: eigenvalues.clamp_min(0.0)}
+        ok = torch.isfinite(eigenvectors).all() & torch.isfinite(eigenvalues).all()
+        return FactorDecomposition(tensors, ok)
+    if shift is None:
+        raise ValueError("decompose_factor(method='inverse') needs the Tikhonov shift")
+    inverse, info = _cholesky_inverse(matrix.to(dtype), shift.to(dtype))
+    return FactorDecomposition(
+        {q_name: inverse.contiguous()}, torch.isfinite(inverse).all() & (info == 0)
+    )
+
+
+def tikhonov_shifts(mean_a: Tensor, mean_g: Tensor, damping: float) -> tuple[Tensor, Tensor]:
+    """Shifts ``√γ·π`` (for A) and ``√γ/π`` (for G), ``π = sqrt(mean_a / mean_g)``.
+
+    ``mean_a``, ``mean_g`` are ``tr(F)/d`` of the factors (see :func:`trace_mean`); ``π = 1``
+    when either is not positive.
+    """
+    valid = (mean_a > 0) & (mean_g > 0)
+    pi = torch.sqrt(torch.where(valid, mean_a / torch.where(valid, mean_g, 1.0), 1.0))
+    root = math.sqrt(damping)
+    return root * pi, root / pi
+
+
+def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tr(F) / d`` of a factor in ``dtype`` (the input of ``π``)."""
+    return torch.diagonal(matrix.to(dtype)).sum() / matrix.shape[0]
+
+
+def combine_factors(
+    method: str, a: FactorDecomposition, g: FactorDecomposition
+) -> KroneckerInverse:
+    """The layer's inverse from its two factor decompositions."""
+    return inverse_from_tensors(method, {**a.tensors, **g.tensors})
 
 
 class KroneckerInverse(ABC):
@@ -54,22 +139,6 @@ class EigenInverse(KroneckerInverse):
     def __init__(self, qa: Tensor, la: Tensor, qg: Tensor, lg: Tensor) -> None:
         self.qa, self.la, self.qg, self.lg = qa, la, qg, lg
 
-    @classmethod
-    def from_factors(cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype) -> EigenInverse:
-        """Eigendecompose ``A`` and ``G`` in ``dtype``.
-
-        Tiny negative eigenvalues from round-off are clamped to zero, which keeps
-        ``λ_G λ_A + γ >= γ > 0``.
-
-        Raises:
-            torch.linalg.LinAlgError: the eigensolver did not converge.
-        """
-        la, qa = torch.linalg.eigh(a.to(dtype))
-        lg, qg = torch.linalg.eigh(g.to(dtype))
-        # eigh returns column-major eigenvectors; store them row-major like any received copy,
-        # so that every worker's GEMMs take the same path and round identically.
-        return cls(qa.contiguous(), la.clamp_min(0.0), qg.contiguous(), lg.clamp_min(0.0))
-
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
         g = grad.to(self.qa.dtype)
@@ -86,35 +155,13 @@ class EigenInverse(KroneckerInverse):
         return torch.stack([torch.isfinite(t).all() for t in self.tensors().values()]).all()
 
 
-def tikhonov_pi(a: Tensor, g: Tensor) -> Tensor:
-    """``π = sqrt((tr A / d_A) / (tr G / d_G))``, 1 when either trace is not positive."""
-    mean_a = torch.diagonal(a).sum() / a.shape[0]
-    mean_g = torch.diagonal(g).sum() / g.shape[0]
-    valid = (mean_a > 0) & (mean_g > 0)
-    ratio = torch.where(valid, mean_a / torch.where(valid, mean_g, 1.0), 1.0)
-    return torch.sqrt(ratio)
-
-
 class TikhonovInverse(KroneckerInverse):
     """Inverses of the π-damped factors, through Cholesky."""
 
     method = "inverse"
 
-    def __init__(self, a_inv: Tensor, g_inv: Tensor, info: Tensor | None = None) -> None:
+    def __init__(self, a_inv: Tensor, g_inv: Tensor) -> None:
         self.a_inv, self.g_inv = a_inv, g_inv
-        self.info = info
-
-    @classmethod
-    def from_factors(
-        cls, a: Tensor, g: Tensor, damping: float, dtype: torch.dtype
-    ) -> TikhonovInverse:
-        """``(A + √γ·π I)⁻¹`` and ``(G + √γ/π I)⁻¹`` in ``dtype``."""
-        a, g = a.to(dtype), g.to(dtype)
-        pi = tikhonov_pi(a, g)
-        root = math.sqrt(damping)
-        a_inv, a_info = _cholesky_inverse(a, root * pi)
-        g_inv, g_info = _cholesky_inverse(g, root / pi)
-        return cls(a_inv.contiguous(), g_inv.contiguous(), a_info | g_info)
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
         """``(G + √γ/π I)⁻¹ ∇ (A + √γ·π I)⁻¹`` (damping fixed at decomposition time)."""
@@ -126,9 +173,8 @@ class TikhonovInverse(KroneckerInverse):
         return {"a_inv": self.a_inv, "g_inv": self.g_inv}
 
     def ok(self) -> Tensor:
-        """Both Cholesky factorisations succeeded and the inverses are finite."""
-        finite = torch.isfinite(self.a_inv).all() & torch.isfinite(self.g_inv).all()
-        return finite if self.info is None else finite & (self.info == 0)
+        """Both inverses are finite."""
+        return torch.isfinite(self.a_inv).all() & torch.isfinite(self.g_inv).all()
 
 
 def _cholesky_inverse(matrix: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
@@ -140,15 +186,18 @@ def _cholesky_inverse(matrix: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
 
 def decompose(
     a: Tensor, g: Tensor, damping: float, method: str, dtype: torch.dtype
-) -> KroneckerInverse:
-    """Decompose a factor pair with ``method`` in ``dtype``.
+) -> tuple[KroneckerInverse, Tensor]:
+    """Decompose a factor pair with ``method`` in ``dtype``; also the device success flag.
 
     Raises:
         torch.linalg.LinAlgError: the decomposition algorithm itself failed.
     """
-    if method == "eigen":
-        return EigenInverse.from_factors(a, g, damping, dtype)
-    return TikhonovInverse.from_factors(a, g, damping, dtype)
+    shift_a = shift_g = None
+    if method == "inverse":
+        shift_a, shift_g = tikhonov_shifts(trace_mean(a, dtype), trace_mean(g, dtype), damping)
+    a_part = decompose_factor(a, "a", method, dtype, shift_a)
+    g_part = decompose_factor(g, "g", method, dtype, shift_g)
+    return combine_factors(method, a_part, g_part), a_part.ok & g_part.ok
 
 
 def inverse_from_tensors(method: str, tensors: dict[str, Tensor]) -> KroneckerInverse:

@@ -19,7 +19,15 @@ from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
 from dkfac.curvature.factors import running_average
-from dkfac.curvature.inverse import KroneckerInverse, decompose, inverse_from_tensors
+from dkfac.curvature.inverse import (
+    FactorDecomposition,
+    KroneckerInverse,
+    combine_factors,
+    decompose_factor,
+    inverse_from_tensors,
+    tikhonov_shifts,
+    trace_mean,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +74,7 @@ class LayerCurvature:
     inverse: KroneckerInverse | None = None
     _a_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
     _g_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
-    _nonfinite: Tensor | None = field(default=None, repr=False)
+    _nonfinite: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
 
     # -- statistics ---------------------------------------------------------------------
@@ -118,11 +126,23 @@ class LayerCurvature:
         batches exactly, whatever each worker's batch size (each worker's loss being the mean
         over its own examples, as under DDP).
         """
-        a_acc, g_acc = self._a_acc, self._g_acc
-        assert a_acc.total is not None and g_acc.total is not None
+        a, rows = self.summed_factor("a", loss_reduction)
+        g, examples = self.summed_factor("g", loss_reduction)
+        return a, g, rows, examples
+
+    def statistic_updates(self, side: str) -> int:
+        """Micro-batches accumulated into factor ``side`` (``"a"`` or ``"g"``) this window."""
+        return (self._a_acc if side == "a" else self._g_acc).updates
+
+    def summed_factor(self, side: str, loss_reduction: str) -> tuple[Tensor, int]:
+        """One factor of :meth:`summed_statistics`: ``(R·A, R)`` or ``(N·G, N)``."""
+        if side == "a":
+            assert self._a_acc.total is not None
+            return self._a_acc.total, self._a_acc.rows
+        g_acc = self._g_acc
+        assert g_acc.total is not None
         n = g_acc.examples
-        g = g_acc.total * (n * n) if loss_reduction == "mean" else g_acc.total
-        return a_acc.total, g, a_acc.rows, n
+        return (g_acc.total * (n * n) if loss_reduction == "mean" else g_acc.total), n
 
     def clear_statistics(self) -> None:
         """Forget the statistics of the current window."""
@@ -131,10 +151,31 @@ class LayerCurvature:
 
     def fold(self, a_batch: Tensor, g_batch: Tensor, decay: float) -> None:
         """Fold batch factors into the running averages (see :func:`running_average`)."""
-        bad = ~(torch.isfinite(a_batch).all() & torch.isfinite(g_batch).all())
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
-        self.a = running_average(self.a, a_batch, decay)
-        self.g = running_average(self.g, g_batch, decay)
+        self.fold_factor("a", a_batch, decay)
+        self.fold_factor("g", g_batch, decay)
+
+    def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
+        """Fold one batch factor into its running average; a non-finite batch is dropped."""
+        bad = ~torch.isfinite(batch).all()
+        previous = self._nonfinite.get(side)
+        self._nonfinite[side] = bad if previous is None else previous | bad
+        self.set_factor(side, running_average(self.factor(side), batch, decay))
+
+    def factor(self, side: str) -> Tensor | None:
+        """The running factor ``A`` (``side="a"``) or ``G`` (``"g"``)."""
+        return self.a if side == "a" else self.g
+
+    def set_factor(self, side: str, value: Tensor | None) -> None:
+        """Replace the running factor of ``side``."""
+        if side == "a":
+            self.a = value
+        else:
+            self.g = value
+
+    def trace_means(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``tr(A)/d_A`` and ``tr(G)/d_G`` in ``dtype`` (the inputs of the Tikhonov ``π``)."""
+        assert self.a is not None and self.g is not None
+        return trace_mean(self.a, dtype), trace_mean(self.g, dtype)
 
     # -- preconditioning ----------------------------------------------------------------
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
@@ -191,10 +232,9 @@ class LayerCurvature:
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def take_nonfinite_flag(self) -> Tensor | None:
-        """The device flag "a non-finite batch factor was dropped" since the last call."""
-        flag, self._nonfinite = self._nonfinite, None
-        return flag
+    def take_nonfinite_flag(self, side: str) -> Tensor | None:
+        """Device flag "a non-finite batch of factor ``side`` was dropped" since the last call."""
+        return self._nonfinite.pop(side, None)
 
 
 def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
@@ -210,29 +250,37 @@ def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
     return result
 
 
-def update_inverses(
-    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
-) -> None:
-    """Decompose the running factors of ``layers``; never raises for numerical trouble.
+@dataclass(frozen=True)
+class FactorRequest:
+    """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift."""
 
-    A layer whose factors are not finite keeps its last good decomposition (or none, so its
-    gradient passes unchanged). A decomposition that fails in ``dtype`` is retried in float64;
-    if that fails too the last good one is kept. Each kind of trouble is reported once per
-    layer. The happy path costs two host synchronisations for all layers together.
+    layer: LayerCurvature
+    side: str
+    shift: Tensor | None = None
+
+
+def decompose_factors(
+    requests: Sequence[FactorRequest], method: str, dtype: torch.dtype
+) -> list[FactorDecomposition | None]:
+    """Decompose the running factors of ``requests``; never raises for numerical trouble.
+
+    A factor that is not finite is not decomposed (``None``). A decomposition that fails in
+    ``dtype`` is retried in float64; if that fails too the result is ``None``. Each kind of
+    trouble is reported once per layer. The happy path costs two host synchronisations for all
+    requests together.
     """
-    ready = [layer for layer in layers if layer.a is not None and layer.g is not None]
-    if not ready:
-        return
-    dropped = [layer.take_nonfinite_flag() for layer in ready]
-    flags = [
-        torch.isfinite(layer.a).all() & torch.isfinite(layer.g).all()  # type: ignore[arg-type]
-        for layer in ready
-    ]
+    if not requests:
+        return []
+    factors = [request.layer.factor(request.side) for request in requests]
+    assert all(factor is not None for factor in factors), "decompose_factors: missing factor"
+    dropped = [request.layer.take_nonfinite_flag(request.side) for request in requests]
+    flags = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
     flags += [flag for flag in dropped if flag is not None]
     host = _host_flags(flags)
-    finite, dropped_host = host[: len(ready)], iter(host[len(ready) :])
-    attempts: list[tuple[LayerCurvature, KroneckerInverse | None]] = []
-    for layer, factors_ok, flag in zip(ready, finite, dropped, strict=True):
+    finite, dropped_host = host[: len(requests)], iter(host[len(requests) :])
+    results: list[FactorDecomposition | None] = [None] * len(requests)
+    for index, (request, factor_ok, flag) in enumerate(zip(requests, finite, dropped, strict=True)):
+        layer = request.layer
         if flag is not None and next(dropped_host):
             layer.warn_once(
                 "nonfinite-batch",
@@ -241,7 +289,7 @@ def update_inverses(
                     "used (the running average kept its last value)"
                 ),
             )
-        if not factors_ok:
+        if not factor_ok:
             layer.warn_once(
                 "nonfinite-factor",
                 (
@@ -250,21 +298,15 @@ def update_inverses(
                 ),
             )
             continue
-        attempts.append((layer, _try_decompose(layer, damping, method, dtype)))
-    if not attempts:
-        return
-    decomposed = [inverse for _, inverse in attempts if inverse is not None]
-    ok_iter = iter(_host_flags([inverse.ok() for inverse in decomposed]))
-    for layer, inverse in attempts:
-        if inverse is not None and next(ok_iter):
-            layer.inverse = inverse
+        results[index] = _try_decompose(request, method, dtype)
+    attempted = [i for i, result in enumerate(results) if result is not None]
+    ok = dict(zip(attempted, _host_flags([results[i].ok for i in attempted]), strict=True))  # type: ignore[union-attr]
+    for index, request in enumerate(requests):
+        if not finite[index] or ok.get(index, False):
             continue
-        retry = (
-            None
-            if dtype == torch.float64
-            else _try_decompose(layer, damping, method, torch.float64)
-        )
-        if retry is not None and bool(retry.ok()):
+        layer = request.layer
+        retry = None if dtype == torch.float64 else _try_decompose(request, method, torch.float64)
+        if retry is not None and bool(retry.ok):
             layer.warn_once(
                 "retried",
                 (
@@ -272,7 +314,7 @@ def update_inverses(
                     "recomputed in float64"
                 ),
             )
-            layer.inverse = retry
+            results[index] = retry
         else:
             layer.warn_once(
                 "failed",
@@ -281,14 +323,51 @@ def update_inverses(
                     "the last good decomposition (or the plain gradient before the first one)"
                 ),
             )
+            results[index] = None
+    return results
+
+
+def factor_requests(
+    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+) -> list[FactorRequest]:
+    """Requests for both factors of each layer, with Tikhonov shifts for ``"inverse"``."""
+    requests = []
+    for layer in layers:
+        shift_a = shift_g = None
+        if method == "inverse":
+            shift_a, shift_g = tikhonov_shifts(*layer.trace_means(dtype), damping)
+        requests += [FactorRequest(layer, "a", shift_a), FactorRequest(layer, "g", shift_g)]
+    return requests
+
+
+def update_inverses(
+    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+) -> None:
+    """Decompose the running factors of ``layers`` here (see :func:`decompose_factors`).
+
+    A layer keeps its last good decomposition (or none, so its gradient passes unchanged)
+    unless both of its factors decomposed.
+    """
+    ready = [layer for layer in layers if layer.a is not None and layer.g is not None]
+    results = decompose_factors(factor_requests(ready, damping, method, dtype), method, dtype)
+    for layer, a, g in zip(ready, results[0::2], results[1::2], strict=True):
+        if a is not None and g is not None:
+            layer.inverse = combine_factors(method, a, g)
 
 
 def _try_decompose(
-    layer: LayerCurvature, damping: float, method: str, dtype: torch.dtype
-) -> KroneckerInverse | None:
-    assert layer.a is not None and layer.g is not None
+    request: FactorRequest, method: str, dtype: torch.dtype
+) -> FactorDecomposition | None:
+    factor = request.layer.factor(request.side)
+    assert factor is not None
     try:
-        return decompose(layer.a, layer.g, damping, method, dtype)
+        return decompose_factor(factor, request.side, method, dtype, request.shift)
     except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
-        logger.debug("decomposition of %s in %s failed: %s", layer.name, dtype, error)
+        logger.debug(
+            "decomposition of %s/%s in %s failed: %s",
+            request.layer.name,
+            request.side,
+            dtype,
+            error,
+        )
         return None

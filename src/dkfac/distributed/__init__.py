@@ -11,13 +11,16 @@ import torch
 import torch.distributed as dist
 
 from dkfac.distributed.communicator import Communicator, require_distributed
+from dkfac.distributed.cost_model import ClusterCostModel
 from dkfac.distributed.d_kfac import DKFACStrategy
 from dkfac.distributed.kaisa import KAISAStrategy
 from dkfac.distributed.local import LocalStrategy
+from dkfac.distributed.pad import PADStrategy
 from dkfac.distributed.recorder import StepRecorder
+from dkfac.distributed.spd import SPDStrategy
 from dkfac.distributed.strategy import Strategy
 
-STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa")
+STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa", "spd", "pad")
 
 
 def make_strategy(
@@ -27,8 +30,16 @@ def make_strategy(
     grad_worker_fraction: float = 1.0,
     bucket_cap_mb: float = 25.0,
     comm_dtype: torch.dtype | None = None,
+    inverse_method: str = "eigen",
+    inv_dtype: torch.dtype = torch.float32,
+    cost_model: ClusterCostModel | None = None,
+    profile_steps: int = 5,
 ) -> Strategy:
     """The strategy called ``name``, with its communicator when it needs one.
+
+    SPD and PAD launch collectives from autograd hooks, while DDP may be allreducing
+    gradients on the default group: they get a process group of their own so the two
+    streams of collectives can never interleave differently on different ranks.
 
     Raises:
         ValueError: unknown name, or a fraction the world size does not allow.
@@ -50,6 +61,20 @@ def make_strategy(
             f"{', '.join(map(repr, STRATEGY_NAMES))}"
         )
     require_distributed(name)
+    if name in (SPDStrategy.name, PADStrategy.name):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        comm = Communicator(
+            recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype, group=group
+        )
+        pipelined = SPDStrategy if name == SPDStrategy.name else PADStrategy
+        return pipelined(
+            comm,
+            recorder,
+            inverse_method=inverse_method,
+            inv_dtype=inv_dtype,
+            cost_model=cost_model,
+            profile_steps=profile_steps,
+        )
     comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
     if name == DKFACStrategy.name:
         return DKFACStrategy(comm, recorder)
@@ -58,10 +83,13 @@ def make_strategy(
 
 __all__ = [
     "STRATEGY_NAMES",
+    "ClusterCostModel",
     "Communicator",
     "DKFACStrategy",
     "KAISAStrategy",
     "LocalStrategy",
+    "PADStrategy",
+    "SPDStrategy",
     "StepRecorder",
     "Strategy",
     "make_strategy",

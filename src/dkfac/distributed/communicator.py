@@ -41,6 +41,15 @@ def require_distributed(strategy: str) -> None:
         )
 
 
+#: Bytes one rank sends per payload byte in a bandwidth-optimal algorithm, times P/(P-1).
+_WIRE_FACTOR = {"allreduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "reduce_scatter": 1}
+
+
+def wire_bytes(op: str, nbytes: int, ranks: int) -> int:
+    """Bytes each rank sends for a collective of ``nbytes`` payload over ``ranks`` ranks."""
+    return _WIRE_FACTOR[op] * nbytes * (ranks - 1) // max(ranks, 1)
+
+
 def packed_numel(tensor: Tensor, symmetric: bool) -> int:
     """Values a tensor occupies on the wire."""
     if symmetric:
@@ -192,18 +201,21 @@ class Communicator:
         phase: str,
         symmetric: Sequence[bool] | None = None,
         average: bool = False,
+        maximum: bool = False,
         group: ProcessGroup | None = None,
     ) -> CollectiveHandle:
-        """Sum (or average) ``tensors`` over ``group``; every rank gets the result in place."""
+        """Sum (average, or element-wise maximum) ``tensors`` over ``group``, in place."""
         size = dist.get_world_size(group) if group is not None else self.world_size
         scale = 1.0 / size if average else None
+        op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
         return self._launch(
             "allreduce",
             tensors,
             symmetric,
             phase,
-            lambda b: dist.all_reduce(b.flat, group=group or self.group, async_op=True),
+            lambda b: dist.all_reduce(b.flat, op=op, group=group or self.group, async_op=True),
             scale,
+            group=group,
         )
 
     def reduce(
@@ -227,6 +239,7 @@ class Communicator:
             lambda b: dist.reduce(b.flat, dst, group=group or self.group, async_op=True),
             scale if self.rank == dst else None,
             unpack=self.rank == dst,
+            group=group,
         )
         return handle
 
@@ -248,6 +261,7 @@ class Communicator:
             lambda b: dist.broadcast(b.flat, src, group=group or self.group, async_op=True),
             None,
             unpack=self.rank != src,
+            group=group,
         )
 
     def all_gather(
@@ -257,7 +271,7 @@ class Communicator:
         # all_gather_single replaces all_gather_into_tensor in newer torch (same signature).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(output, chunk, group=group or self.group, async_op=True)
-        self.recorder.count(phase, "all_gather", output.numel() * output.element_size())
+        self._count(phase, "all_gather", output.numel() * output.element_size(), group)
         return CollectiveHandle([(work, lambda: None)])
 
     def reduce_scatter(
@@ -266,8 +280,12 @@ class Communicator:
         """Sum ``flat`` over ranks; rank ``r`` receives the ``r``-th equal slice in ``chunk``."""
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         work = scatter(chunk, flat, group=group or self.group, async_op=True)
-        self.recorder.count(phase, "reduce_scatter", flat.numel() * flat.element_size())
+        self._count(phase, "reduce_scatter", flat.numel() * flat.element_size(), group)
         return CollectiveHandle([(work, lambda: None)])
+
+    def _count(self, phase: str, op: str, nbytes: int, group: ProcessGroup | None) -> None:
+        ranks = dist.get_world_size(group) if group is not None else self.world_size
+        self.recorder.count(phase, op, nbytes, wire_bytes(op, nbytes, ranks))
 
     def _launch(
         self,
@@ -278,12 +296,13 @@ class Communicator:
         start: Callable[[FusionBucket], Any],
         scale: float | None,
         unpack: bool = True,
+        group: ProcessGroup | None = None,
     ) -> CollectiveHandle:
         pending: list[tuple[Any, Callable[[], None]]] = []
         if not tensors:
             return CollectiveHandle(pending)
         for bucket in self.buckets(tensors, symmetric):
-            self.recorder.count(phase, op, bucket.nbytes)
+            self._count(phase, op, bucket.nbytes, group)
             work = start(bucket)
 
             def finish(bucket: FusionBucket = bucket) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dkfac.curvature.inverse import decompose_factor
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -123,10 +125,12 @@ def calibrate_decomposition(
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    method: str = "eigen",
 ) -> CubicCost:
-    """Time ``torch.linalg.eigh`` on random SPD matrices of ``dims`` and fit ``c0 + c3·d³``.
+    """Time one factor's decomposition (``method``) at ``dims`` and fit ``c0 + c3·d³``.
 
-    Under ``torch.distributed`` the times are max-reduced so all ranks agree.
+    ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Under
+    ``torch.distributed`` the times are max-reduced so all ranks agree.
     """
     target = device or torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -135,8 +139,48 @@ def calibrate_decomposition(
         x = torch.randn(d, d, generator=generator, dtype=dtype).to(target)
         matrix = x @ x.t() + torch.eye(d, dtype=dtype, device=target)
 
-        def decompose(matrix: torch.Tensor = matrix) -> None:
-            torch.linalg.eigh(matrix)
+        shift = torch.tensor(1e-3, dtype=dtype, device=target)
+
+        def decompose(matrix: torch.Tensor = matrix, shift: torch.Tensor = shift) -> None:
+            decompose_factor(matrix, "a", method, dtype, shift)
 
         measured.append(_fastest_seconds(decompose, repeats))
     return fit_cubic(list(dims), _agree(measured, target))
+
+
+@dataclass(frozen=True)
+class ClusterCostModel:
+    """What the planners need to know about the running cluster.
+
+    Attributes:
+        collective: time of one collective on the strategy's process group.
+        decomposition: time of decomposing one ``d × d`` factor.
+    """
+
+    collective: AlphaBeta
+    decomposition: CubicCost
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain numbers (for ``pre.plan()`` and logs)."""
+        return {
+            "alpha_s": self.collective.alpha,
+            "beta_s_per_byte": self.collective.beta,
+            "decomposition_c0_s": self.decomposition.c0,
+            "decomposition_c3_s": self.decomposition.c3,
+        }
+
+
+def calibrate_cluster(
+    method: str,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    group: object | None = None,
+) -> ClusterCostModel:
+    """Measure the alpha-beta model of ``group`` and the decomposition cost (about a second).
+
+    Every rank must call it; all ranks return the same model.
+    """
+    return ClusterCostModel(
+        calibrate_alpha_beta(device=device, group=group),
+        calibrate_decomposition(dtype=dtype, device=device, method=method),
+    )

@@ -18,26 +18,27 @@ broadcasts the preconditioned gradient to all.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import KroneckerInverse, inverse_from_tensors
+from dkfac.curvature.inverse import (
+    FACTOR_LAYOUT,
+    FACTOR_SIDES,
+    KroneckerInverse,
+    inverse_from_tensors,
+)
 from dkfac.curvature.layer import LayerCurvature, update_inverses
 from dkfac.distributed.communicator import CollectiveHandle, Communicator
 from dkfac.distributed.placement import longest_processing_time
 from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
 
-#: Names of the tensors of each inverse method, in transport order, and their symmetry.
-_INVERSE_LAYOUT: Mapping[str, tuple[tuple[str, bool], ...]] = MappingProxyType(
-    {
-        "eigen": (("qa", False), ("la", False), ("qg", False), ("lg", False)),
-        "inverse": (("a_inv", True), ("g_inv", True)),
-    }
-)
+
+def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
+    """Names and symmetry of the tensors of a layer's inverse, in transport order."""
+    return tuple(entry for side in FACTOR_SIDES for entry in FACTOR_LAYOUT[method][side])
 
 
 def grad_workers_for(fraction: float, world_size: int) -> int:
@@ -227,7 +228,7 @@ def _inverse_payload(
         "a_inv": (block.a_dim, block.a_dim),
         "g_inv": (block.g_dim, block.g_dim),
     }
-    layout = _INVERSE_LAYOUT[method]
+    layout = _inverse_layout(method)
     inverse = layer.inverse if send else None
     if inverse is not None:
         stored = inverse.tensors()
@@ -240,5 +241,5 @@ def _inverse_payload(
 
 def _inverse_from_payload(method: str, tensors: Sequence[Tensor]) -> KroneckerInverse:
     """Rebuild the decomposition a payload carries (without its validity flag)."""
-    names = [name for name, _ in _INVERSE_LAYOUT[method]]
+    names = [name for name, _ in _inverse_layout(method)]
     return inverse_from_tensors(method, dict(zip(names, tensors, strict=True)))

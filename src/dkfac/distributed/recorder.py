@@ -29,10 +29,17 @@ PHASES: tuple[str, ...] = (
 
 @dataclass
 class CommCount:
-    """Bytes (payload on this rank) and number of collective calls."""
+    """Payload bytes on this rank, bytes this rank sends, and number of collective calls.
+
+    ``wire_bytes`` is what a bandwidth-optimal algorithm sends per rank for the payload ``n``
+    over ``P`` ranks: ``2(P-1)/P·n`` for allreduce, ``(P-1)/P·n`` for reduce, broadcast,
+    reduce-scatter (``n``: the full input) and all-gather (``n``: the full output). It is how
+    an allreduce and a reduce of the same tensor differ.
+    """
 
     bytes: int = 0
     calls: int = 0
+    wire_bytes: int = 0
 
 
 @dataclass
@@ -57,11 +64,12 @@ class StepRecorder:
         self._finished: deque[StepRecord] = deque(maxlen=keep_steps)
         self._origin = time.perf_counter()
 
-    def count(self, phase: str, op: str, nbytes: int) -> None:
-        """Record one collective of ``nbytes`` payload in ``phase``."""
+    def count(self, phase: str, op: str, nbytes: int, wire_bytes: int | None = None) -> None:
+        """Record one collective of ``nbytes`` payload (``wire_bytes`` sent) in ``phase``."""
         entry = self._current.comm.setdefault((phase, op), CommCount())
         entry.bytes += nbytes
         entry.calls += 1
+        entry.wire_bytes += nbytes if wire_bytes is None else wire_bytes
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -86,12 +94,12 @@ class StepRecorder:
         return self._finished[-1] if self._finished else None
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """``{"phase/collective": {"bytes": ..., "calls": ...}}`` of the last finished step."""
+        """``{"phase/collective": {"bytes", "calls", "wire_bytes"}}`` of the last finished step."""
         record = self.last()
         if record is None:
             return {}
         return {
-            f"{phase}/{op}": {"bytes": c.bytes, "calls": c.calls}
+            f"{phase}/{op}": {"bytes": c.bytes, "calls": c.calls, "wire_bytes": c.wire_bytes}
             for (phase, op), c in sorted(record.comm.items())
         }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -26,6 +26,20 @@ class Strategy(ABC):
 
     def setup(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
         """Plan ownership once the preconditioned layers are known (default: nothing)."""
+
+    def statistic_ready(  # noqa: B027
+        self, layer: LayerCurvature, side: str, loss_reduction: str
+    ) -> None:
+        """Factor ``side`` of ``layer`` holds this window's complete statistics (from a hook).
+
+        Called from the forward hook (``"a"``) or the backward hook (``"g"``) once the last
+        micro-batch of the window has been accumulated, so a strategy can start moving the
+        factor while forward/backward go on. Default: nothing (work waits for ``step()``).
+        """
+
+    def plan(self) -> dict[str, Any]:
+        """The placement (and fusion) plan as plain data; see ``KFACPreconditioner.plan``."""
+        return {"strategy": self.name, "factors": [], "buckets": []}
 
     def captures(self, layer: LayerCurvature) -> bool:
         """Whether this worker collects ``layer``'s factor statistics in the hooks."""

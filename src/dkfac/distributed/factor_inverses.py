@@ -1,0 +1,159 @@
+"""Per-factor decomposition placement: owners decompose, results broadcast in fused buckets.
+
+Shared by SPD-KFAC and PAD-KFAC, which place the two factors of a layer independently (a
+factor may also be decomposed redundantly by every worker, :data:`EVERY_WORKER`). Every worker
+ends with every layer's inverse and preconditions every layer, as in D-KFAC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.inverse import (
+    FACTOR_LAYOUT,
+    FACTOR_SIDES,
+    FactorDecomposition,
+    combine_factors,
+    tikhonov_shifts,
+    trace_mean,
+)
+from dkfac.curvature.layer import FactorRequest, LayerCurvature, decompose_factors
+from dkfac.distributed.communicator import Communicator
+from dkfac.distributed.recorder import StepRecorder
+
+#: Owner value of a factor decomposed by every worker (nothing broadcast).
+EVERY_WORKER = -1
+
+FactorKey = tuple[int, str]  # (layer index, side)
+
+
+def _trace_means(
+    comm: Communicator,
+    layers: Sequence[LayerCurvature],
+    owners: dict[FactorKey, int],
+    dtype: torch.dtype,
+    factors_everywhere: bool,
+) -> Tensor:
+    """``tr(F)/d`` of every factor, ``(L, 2)``; one allreduce when factors live on owners.
+
+    The value is computed by the factor's owner exactly as a single worker would and summed
+    with zeros, so every rank's ``π`` is bitwise that of a single worker.
+    """
+    device = layers[0].block.weight.device
+    means = torch.zeros(len(layers), 2, dtype=dtype, device=device)
+    for (index, side), owner in owners.items():
+        factor = layers[index].factor(side)
+        mine = owner == comm.rank or (owner == EVERY_WORKER and comm.rank == 0)
+        if factor is not None and (factors_everywhere or mine):
+            means[index, FACTOR_SIDES.index(side)] = trace_mean(factor, dtype)
+    if not factors_everywhere:
+        comm.allreduce([means], phase="inverse_comm").wait()
+    return means
+
+
+def _payload(
+    layer: LayerCurvature,
+    side: str,
+    method: str,
+    dtype: torch.dtype,
+    result: FactorDecomposition | None,
+    send: bool,
+) -> tuple[list[Tensor], list[bool]]:
+    """Tensors carrying one factor's decomposition, plus a validity flag last."""
+    dim = layer.block.a_dim if side == "a" else layer.block.g_dim
+    device = layer.block.weight.device
+    layout = FACTOR_LAYOUT[method][side]
+    parts = []
+    for position, (name, _) in enumerate(layout):
+        if send and result is not None:
+            parts.append(result.tensors[name].to(dtype).contiguous())
+        else:  # eigen: (Q, λ); inverse: (F⁻¹,)
+            shape = (dim, dim) if position == 0 else (dim,)
+            parts.append(torch.zeros(shape, dtype=dtype, device=device))
+    flag = torch.tensor([1.0 if send and result is not None else 0.0], dtype=dtype, device=device)
+    return [*parts, flag], [sym for _, sym in layout] + [False]
+
+
+def update_factor_inverses(
+    comm: Communicator,
+    recorder: StepRecorder,
+    layers: Sequence[LayerCurvature],
+    owners: dict[FactorKey, int],
+    damping: float,
+    method: str,
+    dtype: torch.dtype,
+    factors_everywhere: bool,
+) -> None:
+    """Decompose the factors this rank owns, broadcast them, and rebuild every layer's inverse.
+
+    Args:
+        comm: the strategy's communicator.
+        recorder: phase timing.
+        layers: every preconditioned layer, in plan index order.
+        owners: per ``(layer index, side)``, the decomposing rank or :data:`EVERY_WORKER`.
+        damping: γ (for the Tikhonov shifts of ``"inverse"``).
+        method: ``"eigen"`` or ``"inverse"``.
+        dtype: dtype of the decompositions.
+        factors_everywhere: every rank holds every running factor (SPD); otherwise only the
+            owners do (PAD) and the Tikhonov traces are exchanged first.
+
+    A layer keeps its last inverse unless both factors arrived valid; the decision is the
+    same on every rank because validity travels with the payload.
+    """
+    rank = comm.rank
+    means = None
+    if method == "inverse":
+        with recorder.phase("inverse_comm"):
+            means = _trace_means(comm, layers, owners, dtype, factors_everywhere)
+    requests: list[FactorRequest] = []
+    keys: list[FactorKey] = []
+    for (index, side), owner in owners.items():
+        layer = layers[index]
+        if owner not in (rank, EVERY_WORKER) or layer.factor(side) is None:
+            continue
+        shift = None
+        if means is not None:
+            shift_a, shift_g = tikhonov_shifts(means[index, 0], means[index, 1], damping)
+            shift = shift_a if side == "a" else shift_g
+        requests.append(FactorRequest(layer, side, shift))
+        keys.append((index, side))
+    with recorder.phase("inverse_compute"):
+        results = dict(zip(keys, decompose_factors(requests, method, dtype), strict=True))
+    parts: dict[FactorKey, FactorDecomposition | None] = {
+        key: result for key, result in results.items() if owners[key] == EVERY_WORKER
+    }
+    received: list[tuple[FactorKey, list[Tensor]]] = []
+    with recorder.phase("inverse_comm"):
+        handles = []
+        for source in range(comm.world_size):
+            owned = sorted(key for key, owner in owners.items() if owner == source)
+            if not owned:
+                continue
+            payloads = [
+                _payload(layers[i], side, method, dtype, results.get((i, side)), source == rank)
+                for i, side in owned
+            ]
+            tensors = [t for tensors, _ in payloads for t in tensors]
+            symmetric = [s for _, flags in payloads for s in flags]
+            handles.append(
+                comm.broadcast(tensors, source, phase="inverse_comm", symmetric=symmetric)
+            )
+            received += [(key, payload) for key, (payload, _) in zip(owned, payloads, strict=True)]
+        for handle in handles:
+            handle.wait()
+    if received:  # one host synchronisation for every validity flag
+        valid = torch.cat([payload[-1] for _, payload in received]).tolist()
+        for ((index, side), payload), ok in zip(received, valid, strict=True):
+            names = [name for name, _ in FACTOR_LAYOUT[method][side]]
+            parts[(index, side)] = (
+                FactorDecomposition(dict(zip(names, payload[:-1], strict=True)), payload[-1] > 0)
+                if ok
+                else None
+            )
+    for index, layer in enumerate(layers):
+        a, g = parts.get((index, "a")), parts.get((index, "g"))
+        if a is not None and g is not None:
+            layer.inverse = combine_factors(method, a, g)

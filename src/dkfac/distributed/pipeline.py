@@ -1,0 +1,183 @@
+"""Factor communication launched from the module hooks, in fused buckets (SPD/PAD-KFAC).
+
+A :class:`FactorPipeline` owns the ready-ordered list of factor slots (one per factor: A of
+each layer in forward order, G in reverse) and a bucket plan over it. The hooks hand it each
+factor's summed statistic as soon as the window's last micro-batch produced it; a bucket's
+collective (allreduce, or reduce to the bucket's owner) is launched as soon as the bucket is
+complete **and every earlier bucket has been launched**.
+
+Why the collective order is the same on every rank: buckets are launched strictly in plan
+order, and the plan is identical on every rank (computed from the same inputs, or from values
+agreed by an allreduce). Hook order only decides *when* a bucket goes, never *which* goes
+next. A factor that never becomes ready (a layer unused in this forward pass, on one rank or
+on all) holds its bucket back until :meth:`flush` in ``step()``, which fills it with zeros
+(zero rows/examples) and launches the rest in order. The pipeline's collectives run on a
+process group of their own, so they never interleave with DDP's gradient allreduces on the
+default group.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.distributed.communicator import CollectiveHandle, Communicator
+from dkfac.distributed.recorder import StepRecorder
+
+
+@dataclass(frozen=True)
+class FactorSlot:
+    """One Kronecker factor in the ready order: layer index, side (``"a"``/``"g"``), dim."""
+
+    layer: int
+    side: str
+    dim: int
+
+    def packed_bytes(self, element_size: int) -> int:
+        """Bytes of the factor's upper triangle on the wire."""
+        return self.dim * (self.dim + 1) // 2 * element_size
+
+
+def ready_order(layers: Sequence[LayerCurvature]) -> list[FactorSlot]:
+    """A of every layer in forward (registration) order, then G in reverse order."""
+    slots = [FactorSlot(i, "a", layer.block.a_dim) for i, layer in enumerate(layers)]
+    slots += [
+        FactorSlot(i, "g", layer.block.g_dim) for i, layer in reversed(list(enumerate(layers)))
+    ]
+    return slots
+
+
+@dataclass(frozen=True)
+class ReceivedFactor:
+    """A factor after communication: the summed statistic (valid where it was delivered)."""
+
+    slot: FactorSlot
+    total: Tensor
+    count: float
+
+
+class FactorPipeline:
+    """Launches each complete bucket's collective from the hooks, in plan order.
+
+    Args:
+        comm: the communicator (on the strategy's own process group).
+        recorder: phase timing and the trace.
+        slots: the factor slots; bucket entries index this list.
+        buckets: the plan: lists of slot indices, launched in this order.
+        destinations: per bucket, the rank that receives a reduce, or ``None`` (allreduce).
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        recorder: StepRecorder,
+        slots: Sequence[FactorSlot],
+        buckets: Sequence[Sequence[int]],
+        destinations: Sequence[int | None],
+    ) -> None:
+        self.comm = comm
+        self.recorder = recorder
+        self.slots = list(slots)
+        self._index = {(slot.layer, slot.side): i for i, slot in enumerate(self.slots)}
+        self.profile: list[list[float]] = []
+        self.set_plan(buckets, destinations)
+        self._reset()
+
+    def set_plan(
+        self, buckets: Sequence[Sequence[int]], destinations: Sequence[int | None]
+    ) -> None:
+        """Replace the bucket plan (between steps; the same on every rank)."""
+        covered = sorted(i for bucket in buckets for i in bucket)
+        if covered != list(range(len(self.slots))) or len(destinations) != len(buckets):
+            raise ValueError("a fusion plan must cover every factor slot exactly once")
+        self.buckets = [list(bucket) for bucket in buckets]
+        self.destinations = list(destinations)
+
+    def _reset(self) -> None:
+        self._totals: list[Tensor | None] = [None] * len(self.slots)
+        self._counts = [0] * len(self.slots)
+        self._ready_at = [float("nan")] * len(self.slots)
+        self._origin: float | None = None
+        self._next = 0
+        self._handles: list[CollectiveHandle] = []
+
+    def has(self, layer: int, side: str) -> bool:
+        """Whether the factor was handed over in the current window."""
+        return self._totals[self._index[(layer, side)]] is not None
+
+    def ready(self, layer: int, side: str, total: Tensor, count: int) -> None:
+        """Hand over one factor's summed statistic; launch every bucket that is now due."""
+        now = time.perf_counter()
+        if self._origin is None:
+            self._origin = now
+        slot = self._index[(layer, side)]
+        self._totals[slot], self._counts[slot] = total, count
+        self._ready_at[slot] = now - self._origin
+        self._launch_due()
+
+    def _launch_due(self) -> None:
+        while self._next < len(self.buckets) and all(
+            self._totals[i] is not None for i in self.buckets[self._next]
+        ):
+            bucket, destination = self.buckets[self._next], self.destinations[self._next]
+            tensors = [self._totals[i] for i in bucket]
+            with self.recorder.phase("factor_comm"):
+                if destination is None:
+                    handle = self.comm.allreduce(
+                        tensors,  # type: ignore[arg-type]
+                        phase="factor_comm",
+                        symmetric=[True] * len(bucket),
+                    )
+                else:
+                    handle = self.comm.reduce(
+                        tensors,  # type: ignore[arg-type]
+                        destination,
+                        phase="factor_comm",
+                        symmetric=[True] * len(bucket),
+                    )
+            self._handles.append(handle)
+            self._next += 1
+
+    def finish(self, layers: Sequence[LayerCurvature], profile: bool) -> list[ReceivedFactor]:
+        """Launch what is left (zeros for factors never ready), wait, return every factor.
+
+        Called from ``step()`` on every rank. Counts travel in one float64 allreduce (exact
+        integers). With ``profile``, this window's ready times are kept for re-planning.
+        """
+        for i, slot in enumerate(self.slots):
+            if self._totals[i] is None:
+                block = layers[slot.layer].block
+                self._totals[i] = torch.zeros(
+                    slot.dim,
+                    slot.dim,
+                    dtype=layers[slot.layer].factor_dtype,
+                    device=block.weight.device,
+                )
+        self._launch_due()
+        device = self._totals[0].device  # type: ignore[union-attr]
+        counts = torch.tensor(self._counts, dtype=torch.float64, device=device)
+        with self.recorder.phase("factor_comm"):
+            count_handle = self.comm.allreduce([counts], phase="factor_comm")
+            for handle in self._handles:
+                handle.wait()
+            count_handle.wait()
+        if profile:
+            ended = time.perf_counter() - (self._origin or time.perf_counter())
+            self.profile.append([ended if t != t else t for t in self._ready_at])  # NaN: late
+        totals = counts.tolist()
+        received = [
+            ReceivedFactor(slot, total, count)  # type: ignore[arg-type]
+            for slot, total, count in zip(self.slots, self._totals, totals, strict=True)
+        ]
+        self._reset()
+        return received
+
+    def median_ready_times(self) -> list[float]:
+        """Per slot, the median ready time over the profiled windows (seconds from the first)."""
+        return [statistics.median(column) for column in zip(*self.profile, strict=True)]

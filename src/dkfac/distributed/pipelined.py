@@ -1,0 +1,265 @@
+"""What SPD-KFAC and PAD-KFAC share.
+
+Hook-launched fused factor communication, per-factor decomposition placement from a
+calibrated cost model, and re-planning of the fusion after profiling. Both compute exactly
+what D-KFAC computes. A subclass only says where each factor's collective goes (allreduce to
+all, or reduce to an owner) and who decomposes each factor.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.distributed.communicator import Communicator
+from dkfac.distributed.cost_model import ClusterCostModel, calibrate_cluster
+from dkfac.distributed.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
+from dkfac.distributed.fusion import (
+    plan_buckets_alpha_beta,
+    plan_buckets_by_size,
+    predict_timeline,
+)
+from dkfac.distributed.pipeline import FactorPipeline, ready_order
+from dkfac.distributed.recorder import StepRecorder
+from dkfac.distributed.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def decomposition_bytes(dim: int, method: str, dtype: torch.dtype) -> int:
+    """Bytes of one factor's broadcast decomposition: ``(Q, λ)`` or a packed inverse."""
+    size = torch.empty((), dtype=dtype).element_size()
+    values = dim * dim + dim if method == "eigen" else dim * (dim + 1) // 2
+    return values * size
+
+
+class PipelinedStrategy(Strategy):
+    """Factor collectives launched from the hooks; factors decomposed where the plan says.
+
+    Args:
+        comm: communicator on a process group of its own (see :mod:`.pipeline`).
+        recorder: accounting.
+        inverse_method: the preconditioner's method (the cost model times it).
+        inv_dtype: dtype of the decompositions.
+        cost_model: the cluster's measured costs; ``None`` measures them in :meth:`setup`.
+        profile_steps: factor-update windows whose ready times are measured before the
+            fusion plan is re-planned with the alpha-beta merge rule (0: keep the size plan).
+    """
+
+    #: Every rank keeps every running factor (SPD) or only its own (PAD).
+    factors_everywhere: bool = True
+
+    def __init__(
+        self,
+        comm: Communicator,
+        recorder: StepRecorder,
+        *,
+        inverse_method: str = "eigen",
+        inv_dtype: torch.dtype = torch.float32,
+        cost_model: ClusterCostModel | None = None,
+        profile_steps: int = 5,
+    ) -> None:
+        self.comm = comm
+        self.recorder = recorder
+        self.inverse_method = inverse_method
+        self.inv_dtype = inv_dtype
+        self.cost: ClusterCostModel | None = cost_model
+        self.profile_steps = profile_steps
+        self.factor_steps = 0
+        self.layers: list[LayerCurvature] = []
+        self.measured_ready: list[float] | None = None
+
+    # -- planning ----------------------------------------------------------------------------
+    def setup(self, layers: Sequence[LayerCurvature]) -> None:
+        """Measure the cluster (unless given), place the factors, make the size-first plan."""
+        self.layers = list(layers)
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
+        if self.cost is None:
+            device = self.layers[0].block.weight.device
+            self.cost = calibrate_cluster(
+                self.inverse_method, self.inv_dtype, device, group=self.comm.group
+            )
+            logger.info("%s: calibrated cost model %s", self.name, self.cost.as_dict())
+        self.slots = ready_order(self.layers)
+        dtype = self.comm.comm_dtype or self.layers[0].factor_dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        self.wire = [slot.packed_bytes(element) for slot in self.slots]
+        self.decomposition_s = [self.cost.decomposition.seconds(slot.dim) for slot in self.slots]
+        self.destination = self.plan_destinations()
+        self.decomposer = self.plan_decomposers()
+        order = list(range(len(self.slots)))
+        buckets = plan_buckets_by_size(
+            self.wire, self.comm.bucket_cap_bytes, self._boundaries(order)
+        )
+        self.pipeline = FactorPipeline(
+            self.comm,
+            self.recorder,
+            self.slots,
+            buckets,
+            [self.destination[bucket[0]] for bucket in buckets],
+        )
+
+    @abstractmethod
+    def plan_destinations(self) -> list[int | None]:
+        """Per slot: the rank its factor is reduced to, or ``None`` for an allreduce."""
+
+    @abstractmethod
+    def plan_decomposers(self) -> list[int]:
+        """Per slot: the rank that decomposes the factor, or ``EVERY_WORKER``."""
+
+    def replan_order(self, ready: Sequence[float]) -> list[int]:
+        """Slot indices in the order the plan walks them after profiling."""
+        return list(range(len(self.slots)))
+
+    def _boundaries(self, order: Sequence[int]) -> list[int]:
+        """Positions in ``order`` where the destination changes (a bucket must start)."""
+        return [
+            p
+            for p in range(1, len(order))
+            if self.destination[order[p]] != self.destination[order[p - 1]]
+        ]
+
+    def _replan(self) -> None:
+        """Alpha-beta merge plan from the median ready times, agreed (max) over ranks."""
+        assert self.cost is not None
+        medians = self.pipeline.median_ready_times()
+        device = self.layers[0].block.weight.device
+        agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+        self.comm.allreduce([agreed], phase="factor_comm", maximum=True).wait()
+        ready = agreed.tolist()
+        order = self.replan_order(ready)
+        positions = plan_buckets_alpha_beta(
+            [ready[i] for i in order],
+            [self.wire[i] for i in order],
+            self.cost.collective,
+            self.comm.bucket_cap_bytes,
+            self._boundaries(order),
+        )
+        buckets = [[order[p] for p in bucket] for bucket in positions]
+        self.pipeline.set_plan(buckets, [self.destination[bucket[0]] for bucket in buckets])
+        self.measured_ready = ready
+        logger.info(
+            "%s: fusion re-planned from %d profiled windows: %d buckets",
+            self.name,
+            len(self.pipeline.profile),
+            len(buckets),
+        )
+
+    # -- factors -----------------------------------------------------------------------------
+    def statistic_ready(self, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
+        """Hand the factor's summed statistic to the pipeline (may launch a collective)."""
+        total, count = layer.summed_factor(side, loss_reduction)
+        self.pipeline.ready(self._index[id(layer)], side, total, count)
+
+    def update_factors(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+    ) -> None:
+        """Wait for the factor collectives, fold where this rank keeps the factor."""
+        for index, layer in enumerate(self.layers):
+            for side in FACTOR_SIDES:
+                # Statistics the hooks did not hand over (fewer micro-batches than
+                # accumulation_steps) go now; the pipeline keeps the plan order.
+                if layer.statistic_updates(side) and not self.pipeline.has(index, side):
+                    self.statistic_ready(layer, side, loss_reduction)
+        profile = self.factor_steps < self.profile_steps
+        for index, received in enumerate(self.pipeline.finish(self.layers, profile)):
+            slot = received.slot
+            if received.count > 0 and self.keeps(index):
+                layer = self.layers[slot.layer]
+                layer.fold_factor(slot.side, received.total / received.count, decay)
+        for layer in self.layers:
+            layer.clear_statistics()
+        self.factor_steps += 1
+        if self.profile_steps and self.factor_steps == self.profile_steps:
+            self._replan()
+
+    def keeps(self, slot: int) -> bool:
+        """Whether this rank holds the running average of factor slot ``slot``."""
+        destination = self.destination[slot]
+        return destination is None or destination == self.comm.rank
+
+    # -- decompositions and preconditioning ---------------------------------------------------
+    def update_inverses(
+        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+    ) -> None:
+        """Owners decompose their factors, results broadcast (fused per owner)."""
+        owners: dict[FactorKey, int] = {
+            (slot.layer, slot.side): owner
+            for slot, owner in zip(self.slots, self.decomposer, strict=True)
+        }
+        update_factor_inverses(
+            self.comm,
+            self.recorder,
+            self.layers,
+            owners,
+            damping,
+            method,
+            dtype,
+            factors_everywhere=self.factors_everywhere,
+        )
+
+    def precondition(
+        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
+    ) -> list[Tensor]:
+        """Every worker preconditions every layer with the shared decompositions."""
+        with self.recorder.phase("precondition"):
+            return [
+                layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
+            ]
+
+    # -- inspection --------------------------------------------------------------------------
+    def plan(self) -> dict[str, Any]:
+        """Owner per factor, buckets in launch order, and the predicted times behind them."""
+        assert self.cost is not None
+        names = [f"{self.layers[slot.layer].name}/{slot.side.upper()}" for slot in self.slots]
+        bucket_of = {i: k for k, bucket in enumerate(self.pipeline.buckets) for i in bucket}
+        ready = self.measured_ready or [0.0] * len(self.slots)
+        timeline = predict_timeline(ready, self.wire, self.pipeline.buckets, self.cost.collective)
+        factors = [
+            {
+                "layer": self.layers[slot.layer].name,
+                "factor": slot.side.upper(),
+                "dim": slot.dim,
+                "wire_bytes": self.wire[i],
+                "reduced_to": "all" if self.destination[i] is None else self.destination[i],
+                "decomposed_by": "all"
+                if self.decomposer[i] == EVERY_WORKER
+                else self.decomposer[i],
+                "bucket": bucket_of[i],
+                "predicted_decomposition_s": self.decomposition_s[i],
+                "measured_ready_s": None if self.measured_ready is None else ready[i],
+            }
+            for i, slot in enumerate(self.slots)
+        ]
+        buckets = [
+            {
+                "factors": [names[i] for i in bucket],
+                "collective": "allreduce" if destination is None else "reduce",
+                "destination": "all" if destination is None else destination,
+                "wire_bytes": sum(self.wire[i] for i in bucket),
+                "predicted_s": timing.end - timing.start,
+                "predicted_start_s": timing.start if self.measured_ready is not None else None,
+            }
+            for bucket, destination, timing in zip(
+                self.pipeline.buckets, self.pipeline.destinations, timeline, strict=True
+            )
+        ]
+        loads = [0.0] * self.comm.world_size
+        for seconds, owner in zip(self.decomposition_s, self.decomposer, strict=True):
+            for rank in range(self.comm.world_size) if owner == EVERY_WORKER else (owner,):
+                loads[rank] += seconds
+        return {
+            "strategy": self.name,
+            "cost_model": self.cost.as_dict(),
+            "fusion": "alpha-beta (profiled)" if self.measured_ready is not None else "size",
+            "factors": factors,
+            "buckets": buckets,
+            "predicted_decomposition_load_s": loads,
+        }

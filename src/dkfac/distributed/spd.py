@@ -1,0 +1,54 @@
+"""``strategy="spd"``: SPD-KFAC (Shi, Zhang, Li, ICDCS 2021), ALGORITHMS.md §4.
+
+* Pipelining with tensor fusion: each factor's summed statistic is handed over in the hook
+  that completes it (A in the forward hook, G in the backward hook) and its bucket's
+  asynchronous allreduce starts as soon as the bucket is complete, under the rest of the
+  forward/backward pass. Buckets are planned first by size (``bucket_cap_mb``), then, after
+  ``profile_steps`` measured windows, by the alpha-beta merge rule on the measured ready times
+  (:func:`~dkfac.distributed.fusion.plan_buckets_alpha_beta`).
+* Load-balanced decompositions: a factor whose decomposition is predicted cheaper than
+  broadcasting its result is decomposed by every worker; the others go to owners by
+  longest-processing-time on the predicted decomposition time, results broadcast fused.
+
+Every worker keeps every running factor (allreduce), as in D-KFAC: the same factor bytes.
+"""
+
+from __future__ import annotations
+
+from dkfac.distributed.factor_inverses import EVERY_WORKER
+from dkfac.distributed.pipelined import PipelinedStrategy, decomposition_bytes
+from dkfac.distributed.placement import longest_processing_time
+
+
+class SPDStrategy(PipelinedStrategy):
+    """SPD-KFAC: hook-launched fused allreduces, redundant-or-LPT decompositions."""
+
+    name = "spd"
+    factors_everywhere = True
+
+    def plan_destinations(self) -> list[int | None]:
+        """Allreduce every factor."""
+        return [None] * len(self.slots)
+
+    def plan_decomposers(self) -> list[int]:
+        """Redundant where decomposing beats broadcasting; LPT on predicted time otherwise."""
+        assert self.cost is not None
+        placed = [
+            i
+            for i, slot in enumerate(self.slots)
+            if self.cost.collective.seconds(
+                decomposition_bytes(slot.dim, self.inverse_method, self.inv_dtype)
+            )
+            <= self.decomposition_s[i]
+        ]
+        owners = longest_processing_time(
+            [self.decomposition_s[i] for i in placed], self.comm.world_size
+        )
+        decomposer = [EVERY_WORKER] * len(self.slots)
+        for i, owner in zip(placed, owners, strict=True):
+            decomposer[i] = owner
+        return decomposer
+
+    def replan_order(self, ready: list[float]) -> list[int]:  # type: ignore[override]
+        """Slots sorted by their agreed measured ready time (registration order breaks ties)."""
+        return sorted(range(len(self.slots)), key=lambda i: (ready[i], i))
