@@ -279,7 +279,7 @@ def troubled_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in model.parameters()], "warned": warned}
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa"])
+@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd", "pad"])
 def test_unused_layer_and_nan_statistics_on_one_worker_stay_consistent(strategy: str) -> None:
     results = run_workers(troubled_run, 2, args=(strategy,), timeout=90)
     for got, want in zip(results[1]["params"], results[0]["params"], strict=True):
@@ -297,7 +297,7 @@ def float32_run(rank: int, world_size: int, strategy: str) -> list[torch.Tensor]
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa"])
+@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd", "pad"])
 def test_float32_strategies_match_single_process(strategy: str) -> None:
     results = run_workers(float32_run, 2, args=(strategy,), timeout=90)
     reference = uneven_model().float()

@@ -92,3 +92,63 @@ def test_round_robin_and_determinism() -> None:
 def test_bad_planner_input_raises(call) -> None:
     with pytest.raises(ValueError, match="is not allowed"):
         call()
+
+
+def resnet50_factor_dims() -> list[int]:
+    """Factor widths of torchvision's ResNet-50 in ready order: A forward, then G reversed."""
+    layers = [(3 * 7 * 7, 64)]  # conv1: (d_A, d_G); convs have no bias
+    channels = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for block in range(blocks):
+            layers += [(channels, width), (9 * width, width), (width, 4 * width)]
+            if block == 0:
+                layers.append((channels, 4 * width))  # downsample, run after conv3
+            channels = 4 * width
+    layers.append((2048 + 1, 1000))  # fc with bias
+    return [a for a, _ in layers] + [g for _, g in reversed(layers)]
+
+
+def bottleneck_by_search(costs: list[float], workers: int) -> float:
+    """Optimal largest block, independently of the DP: the smallest candidate (a contiguous
+    sum) for which greedy left-to-right packing needs at most ``workers`` blocks."""
+    candidates = sorted(
+        {sum(costs[i:j]) for i in range(len(costs)) for j in range(i + 1, len(costs) + 1)}
+    )
+
+    def blocks_needed(limit: float) -> int:
+        count, load = 1, 0.0
+        for cost in costs:
+            if cost > limit:
+                return len(costs) + 1
+            if load + cost > limit:
+                count, load = count + 1, 0.0
+            load += cost
+        return count
+
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if blocks_needed(candidates[middle]) <= workers:
+            high = middle
+        else:
+            low = middle + 1
+    return candidates[low]
+
+
+def test_contiguous_partition_of_the_real_resnet50_factor_list() -> None:
+    dims = resnet50_factor_dims()
+    assert len(dims) == 2 * 54 and max(dims) == 4608
+    costs = [float(d) ** 3 for d in dims]  # decomposition ~ d³, in units of one multiply-add
+    for workers in (2, 4, 8, 64):
+        owners = plan_contiguous_partition(costs, workers)
+        assert owners == sorted(owners)
+        assert largest_block_cost(owners, costs) == bottleneck_by_search(costs, workers)
+    # By hand: the three 4608-wide A factors are the 3x3 convs of the last stage, layers 44,
+    # 48 and 51 (after conv1 and 3+4+6 blocks of 3 convs plus 3 downsamples). They cost
+    # 4608³ each and nothing else comes close (the 2304-wide ones are 8x cheaper), so with
+    # 64 workers the optimum is one of them alone: 4608³.
+    assert [i for i, d in enumerate(dims) if d == 4608] == [44, 48, 51]
+    assert largest_block_cost(plan_contiguous_partition(costs, 64), costs) == 4608.0**3
+    # With 2 workers the cut must separate them: the best block holds at least two of the
+    # three (2·4608³) plus everything around them on its side of the cut.
+    assert largest_block_cost(plan_contiguous_partition(costs, 2), costs) >= 2 * 4608.0**3

@@ -129,7 +129,8 @@ def update_factor_inverses(
     with recorder.phase("inverse_comm"):
         handles = []
         for source in range(comm.world_size):
-            owned = sorted(key for key, owner in owners.items() if owner == source)
+            # In the order of ``owners`` (the plan's), identical on every rank.
+            owned = [key for key, owner in owners.items() if owner == source]
             if not owned:
                 continue
             payloads = [

@@ -1,0 +1,288 @@
+"""SPD-KFAC and PAD-KFAC (gloo, CPU): equal to the single-process run, fewer/overlapped bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dkfac
+from distributed_harness import run_workers
+from dkfac.distributed import ClusterCostModel
+from dkfac.distributed.cost_model import AlphaBeta, CubicCost
+from test_distributed import (
+    F64,
+    LOCAL_BATCH,
+    entry,
+    global_batch,
+    layer_dims,
+    train,
+    tri,
+    uneven_model,
+)
+
+# A fixed model keeps plans deterministic: with it the 64-wide factor is placed on an owner
+# (decomposing, 2.6 ms, costs more than broadcasting, 1.3 ms) and the small ones are decomposed
+# by every worker in SPD-KFAC.
+COST = ClusterCostModel(AlphaBeta(alpha=1e-3, beta=1e-8), CubicCost(c0=0.0, c3=1e-8))
+
+
+def configurations() -> list[dict[str, Any]]:
+    configs = [
+        {"strategy": strategy, "inverse_method": method, "bucket_cap_mb": cap}
+        for strategy in ("spd", "pad")
+        for method in ("eigen", "inverse")
+        for cap in (25.0, 0.0)  # 0: every factor in a collective of its own
+    ]
+    configs += [
+        {"strategy": strategy, "inverse_method": "eigen", "bucket_cap_mb": 0.01}
+        for strategy in ("spd", "pad")
+    ]
+    return configs
+
+
+def pipelined_run(
+    rank: int, world_size: int, configs: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    out = []
+    for config in configs:
+        model = uneven_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        # profile_steps=2: the fusion plan changes in the middle of the run.
+        pre = dkfac.KFACPreconditioner(
+            ddp, lr=0.1, profile_steps=2, cost_model=COST, **F64, **config
+        )
+        train(ddp, pre, world_size, rank)
+        out.append(
+            {
+                "params": [p.detach().clone() for p in model.parameters()],
+                "comm": pre.comm_stats(),
+                "plan": pre.plan(),
+                "held": {
+                    f"{layer.name}/{side.upper()}": layer.factor(side) is not None
+                    for layer in pre.layers
+                    for side in ("a", "g")
+                },
+                "factors": sorted(pre.factors()),
+                "inverses": all(layer.inverse is not None for layer in pre.layers),
+            }
+        )
+        pre.remove()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: int) -> None:
+    configs = configurations()
+    results = run_workers(pipelined_run, world_size, args=(configs,), timeout=300)
+    dims = layer_dims(uneven_model())
+    # D-KFAC's factor allreduce, counted the same way: every packed factor plus two counts.
+    dkfac_factor_bytes = 8 * (sum(tri(a) + tri(g) for a, g in dims.values()) + 2 * len(dims))
+    dkfac_wire = entry(
+        "allreduce", [dkfac_factor_bytes // 8 - 2 * len(dims), 2 * len(dims)], world_size
+    )["wire_bytes"]
+    for index, config in enumerate(configs):
+        label = f"{config} P={world_size}"
+        reference = uneven_model()
+        pre = dkfac.KFACPreconditioner(
+            reference, lr=0.1, inverse_method=config["inverse_method"], **F64
+        )
+        train(reference, pre, world_size, None)
+        for rank in range(world_size):
+            got = results[rank][index]
+            for param, want in zip(got["params"], reference.parameters(), strict=True):
+                torch.testing.assert_close(param, want.detach(), rtol=0, atol=1e-10, msg=label)
+            assert got["inverses"], label
+        for rank in range(1, world_size):  # replicas agree to the last bit
+            for param, first in zip(
+                results[rank][index]["params"], results[0][index]["params"], strict=True
+            ):
+                assert torch.equal(param, first), (label, rank)
+            assert results[rank][index]["plan"] == results[0][index]["plan"], label
+        plan = results[0][index]["plan"]
+        assert plan["fusion"] == "alpha-beta (profiled)", label
+        if config["bucket_cap_mb"] == 0:
+            assert all(len(bucket["factors"]) == 1 for bucket in plan["buckets"]), label
+        for rank in range(world_size):
+            comm = results[rank][index]["comm"]
+            factor_bytes = sum(v["bytes"] for k, v in comm.items() if k.startswith("factor_comm"))
+            factor_wire = sum(
+                v["wire_bytes"] for k, v in comm.items() if k.startswith("factor_comm")
+            )
+            calls = sum(v["calls"] for k, v in comm.items() if k.startswith("factor_comm"))
+            assert calls == len(plan["buckets"]) + 1, label  # + the counts
+            if config["strategy"] == "spd":
+                assert factor_bytes == dkfac_factor_bytes, label
+                # Wire bytes are rounded down per call: equal up to one byte per collective.
+                assert abs(factor_wire - dkfac_wire) < calls, label
+            else:
+                assert factor_bytes <= dkfac_factor_bytes, label
+                assert factor_wire < dkfac_wire, label  # a reduce sends half an allreduce
+            assert comm.get("inverse_comm/broadcast") == expected_broadcast(
+                plan, config["inverse_method"], world_size, config["bucket_cap_mb"]
+            ), label
+            check_ownership(config, plan, results[rank][index], rank)
+
+
+def expected_broadcast(
+    plan: dict[str, Any], method: str, world_size: int, cap_mb: float
+) -> dict[str, int] | None:
+    """Per owner: (Q, λ) or a packed inverse and a validity flag per factor, fused in order
+    into collectives of at most ``cap_mb`` (a tensor over the cap travels alone)."""
+    cap = cap_mb * 2**20
+    payloads = []
+    for owner in range(world_size):
+        tensors = []
+        for f in plan["factors"]:
+            if f["decomposed_by"] == owner:
+                d = f["dim"]
+                tensors += [d * d, d, 1] if method == "eigen" else [tri(d), 1]
+        size = 0
+        for index, values in enumerate(tensors):
+            if index == 0 or 8 * (size + values) > cap:
+                payloads.append(0)
+                size = 0
+            payloads[-1] += values
+            size += values
+    return entry("broadcast", payloads, world_size) if payloads else None
+
+
+def check_ownership(
+    config: dict[str, Any], plan: dict[str, Any], result: dict[str, Any], rank: int
+) -> None:
+    factors = plan["factors"]
+    if config["strategy"] == "spd":
+        assert all(f["reduced_to"] == "all" for f in factors)
+        assert all(result["held"].values())  # every worker keeps every running factor
+        by_dim = {f["dim"]: f["decomposed_by"] for f in factors}
+        assert by_dim[64] != "all" and by_dim[5] == "all"  # the cost model's verdicts
+        return
+    owners = [f["reduced_to"] for f in factors]
+    assert owners == sorted(owners)  # contiguous blocks of the ready order
+    assert [f["decomposed_by"] for f in factors] == owners
+    for f in factors:  # only the owner keeps a running factor
+        assert result["held"][f"{f['layer']}/{f['factor']}"] == (f["reduced_to"] == rank)
+    for name in result["factors"]:
+        assert result["held"][f"{name}/A"] and result["held"][f"{name}/G"]
+
+
+def accumulation_run(rank: int, world_size: int, strategy: str) -> list[torch.Tensor]:
+    model = uneven_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = dkfac.KFACPreconditioner(
+        ddp, strategy=strategy, accumulation_steps=2, cost_model=COST, **F64
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step, world_size)
+        x = x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+        y = y[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+        opt.zero_grad()
+        with ddp.no_sync():
+            (F.cross_entropy(ddp(x[:2]), y[:2]) / 2).backward()
+        (F.cross_entropy(ddp(x[2:]), y[2:]) / 2).backward()
+        pre.step()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("strategy", ["spd", "pad"])
+def test_gradient_accumulation_launches_after_the_last_micro_batch(strategy: str) -> None:
+    results = run_workers(accumulation_run, 2, args=(strategy,), timeout=120)
+    reference = uneven_model()
+    pre = dkfac.KFACPreconditioner(reference, **F64)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step, 2)
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        pre.step()
+        opt.step()
+    for params in results:
+        for got, want in zip(params, reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-10)
+
+
+class RankDependentBranch(nn.Module):
+    """``extra`` runs only on rank 0 and only on odd steps: data-dependent unused layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 5)
+        self.extra = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+        self.never = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def branch_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    model = RankDependentBranch().double()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, **F64)  # calibrated cost model
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        out = ddp(x, use_extra=rank == 0 and step % 2 == 1)
+        F.cross_entropy(out, torch.randint(0, 3, (4,), generator=g)).backward()
+        pre.step()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "plan": pre.plan()}
+
+
+@pytest.mark.parametrize("strategy", ["spd", "pad"])
+def test_layers_unused_on_some_ranks_do_not_hang(strategy: str) -> None:
+    results = run_workers(branch_run, 2, args=(strategy,), timeout=120)
+    assert results[0]["plan"] == results[1]["plan"]  # measured cost model agreed by all ranks
+    for got, want in zip(results[1]["params"], results[0]["params"], strict=True):
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want)
+
+
+def trace_run(rank: int, world_size: int, strategy: str, directory: str) -> None:
+    model = uneven_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, bucket_cap_mb=0, cost_model=COST, **F64)
+    train(ddp, pre, world_size, rank)
+    pre.export_trace(Path(directory) / f"{strategy}-{rank}.json")
+
+
+@pytest.mark.parametrize("strategy", ["spd", "pad", "dkfac"])
+def test_trace_shows_factor_collectives_launched_during_backward(
+    strategy: str, tmp_path: Path
+) -> None:
+    run_workers(trace_run, 2, args=(strategy, str(tmp_path)), timeout=120)
+    for rank in range(2):
+        events = json.loads((tmp_path / f"{strategy}-{rank}.json").read_text())["traceEvents"]
+        steps: dict[int, dict[str, list[tuple[float, float]]]] = {}
+        for event in events:
+            if event["ph"] == "X":
+                spans = steps.setdefault(event["args"]["step"], {})
+                spans.setdefault(event["name"], []).append(
+                    (event["ts"], event["ts"] + event["dur"])
+                )
+        for spans in steps.values():
+            # The last factor_compute span is the G of the first layer: the end of backward.
+            backward_end = max(end for _, end in spans["factor_compute"])
+            first_launch = min(start for start, _ in spans["factor_comm"])
+            overlapped = first_launch < backward_end
+            assert overlapped == (strategy != "dkfac"), (strategy, rank)
+
+
+def test_bad_cost_model_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"cost_model=.*ClusterCostModel"):
+        dkfac.KFACPreconditioner(uneven_model(), cost_model=(1e-3, 1e-9))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="profile_steps=-1"):
+        dkfac.KFACPreconditioner(uneven_model(), profile_steps=-1)
