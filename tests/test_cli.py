@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import dkfac
 from dkfac.cli.launch import WorkerError, spawn_local
 from dkfac.cli.main import main
+from dkfac.cli.train import restore_checkpoint
 
 pytest.importorskip("sklearn")
 
@@ -60,7 +64,7 @@ def test_train_writes_config_metrics_plots_and_checkpoint(tmp_path: Path, capsys
     assert "test acc" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa"])
+@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "pad"])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, strategy: str) -> None:
     common = [
         *QUICK,
@@ -109,6 +113,34 @@ def test_resume_on_a_different_world_size(tmp_path: Path) -> None:
     assert main(["train", *common, "--nproc", "1", "--resume"]) == 0
     steps = [s["step"] for s in steps_of(out)]
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-1] == 12
+
+
+def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> None:
+    # PAD-KFAC keeps each factor on its owner only: rank 0 saved A, rank 1 saved G.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    pre = dkfac.KFACPreconditioner(model)
+    a, g = torch.eye(4) * 2, torch.eye(2) * 3
+    states = [
+        {"version": 1, "steps": 7, "inverse_method": "eigen", "layers": {"0": {"A": a, "G": None}}},
+        {"version": 1, "steps": 7, "inverse_method": "eigen", "layers": {"0": {"A": None, "G": g}}},
+    ]
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "ranks": [{"pre": state, "rng": None, "totals": torch.zeros(3)} for state in states],
+        "epoch": 0,
+        "batch": 3,
+        "step": 7,
+        "world_size": 2,
+    }
+    restore_checkpoint(saved, model, optimizer, scheduler, pre, rank=0, world=1)
+    assert pre.steps == 7
+    restored_a, restored_g = pre.factors()["0"]
+    assert torch.equal(restored_a, a) and torch.equal(restored_g, g)
 
 
 def test_compare_reports_both_runs_with_plots(tmp_path: Path, capsys) -> None:

@@ -70,6 +70,7 @@ def pipelined_run(
                 },
                 "factors": sorted(pre.factors()),
                 "inverses": all(layer.inverse is not None for layer in pre.layers),
+                "repr": repr(pre),
             }
         )
         pre.remove()
@@ -106,6 +107,9 @@ def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: i
             assert results[rank][index]["plan"] == results[0][index]["plan"], label
         plan = results[0][index]["plan"]
         assert plan["fusion"] == "alpha-beta (profiled)", label
+        collective = "allreduce" if config["strategy"] == "spd" else "reduce"
+        assert f"{len(plan['buckets'])} fused {collective} bucket(s)" in results[0][index]["repr"]
+        assert "decomposed by" in results[0][index]["repr"]
         if config["bucket_cap_mb"] == 0:
             assert all(len(bucket["factors"]) == 1 for bucket in plan["buckets"]), label
         for rank in range(world_size):

@@ -424,31 +424,46 @@ class KFACPreconditioner:
             f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
             f"layers={len(self._layers)}, skipped={len(self._skipped)})"
         )
-        rows = [("layer", "type", "A", "G", "status")]
+        plan = self._strategy.plan()
+        owners: dict[str, dict[str, str]] = {}
+        for factor in plan["factors"]:
+            owners.setdefault(factor["layer"], {})[factor["factor"]] = str(factor["decomposed_by"])
+        rows = [("layer", "type", "A", "G", "status", "decomposed by" if owners else "")]
         by_path = dict(zip(self._paths, self._layers, strict=True))
         skipped = {s.name: s for s in self._skipped}
         for path, _ in self._model.named_modules():
             if path in by_path:
-                block = by_path[path].block
+                layer = by_path[path]
+                block = layer.block
+                owner = owners.get(layer.name, {})
                 rows.append(
                     (
-                        by_path[path].name,
+                        layer.name,
                         block.describe(),
                         f"{block.a_dim}x{block.a_dim}",
                         f"{block.g_dim}x{block.g_dim}",
                         "preconditioned",
+                        owner.get("A", "")
+                        if owner.get("A") == owner.get("G")
+                        else f"A:{owner.get('A')} G:{owner.get('G')}",
                     )
                 )
             elif path in skipped:
                 entry = skipped[path]
                 rows.append(
-                    (entry.name or entry.kind, entry.kind, "-", "-", f"skipped: {entry.reason}")
+                    (entry.name or entry.kind, entry.kind, "-", "-", f"skipped: {entry.reason}", "")
                 )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
             "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
             for row in rows
         ]
+        if plan["buckets"]:
+            collectives = sorted({bucket["collective"] for bucket in plan["buckets"]})
+            lines.append(
+                f"  factor communication: {len(plan['buckets'])} fused "
+                f"{'/'.join(collectives)} bucket(s), planned by {plan['fusion']}"
+            )
         return "\n".join([header, *lines])
 
     # -- state ---------------------------------------------------------------------------------
@@ -489,9 +504,10 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(self._steps)
         # A state with factors but no decomposition (e.g. saved on another world size, where
         # decompositions live on their owners) is decomposed at the next step, on every rank.
-        self._force_inverse = any(layer.a is not None for layer in self._layers) and all(
-            layer.inverse is None for layer in self._layers
-        )
+        self._force_inverse = any(
+            layer.a is not None or layer.g is not None for layer in self._layers
+        ) and all(layer.inverse is None for layer in self._layers)
+        self._strategy.after_load(self._layers)
 
     def remove(self) -> None:
         """Detach every hook; the model is left exactly as it was before."""

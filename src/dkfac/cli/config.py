@@ -15,7 +15,7 @@ from typing import Any
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
-STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa")
+STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa", "spd", "pad")
 GRAD_SYNCS: tuple[str, ...] = ("ddp",)
 
 

@@ -175,7 +175,7 @@ def run_training(
     if resume and out is not None:
         saved = load_checkpoint(out)
         if saved is not None:
-            start_epoch, start_batch, step, totals = _restore(
+            start_epoch, start_batch, step, totals = restore_checkpoint(
                 saved, model, optimizer, scheduler, pre, rank, world
             )
             result.epochs = list(saved["epochs"])
@@ -369,7 +369,7 @@ def _checkpoint(
         dist.barrier()
 
 
-def _restore(
+def restore_checkpoint(
     saved: dict[str, Any],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -387,12 +387,26 @@ def _restore(
     mine = ranks[rank] if same_world else ranks[0]
     if pre is not None and mine["pre"] is not None:
         state = mine["pre"]
-        if not same_world:  # decompositions live on owners of the old layout: recompute
+        if not same_world:
+            # Factors may live on their owners only (pad) and decompositions on the owners of
+            # the old layout: gather every factor from whichever rank held it, recompute the
+            # decompositions, and let the new layout keep what it needs.
+            states = [r["pre"] for r in ranks]
             state = {
                 **state,
                 "layers": {
-                    name: {"A": entry["A"], "G": entry["G"]}
-                    for name, entry in state["layers"].items()
+                    name: {
+                        key: next(
+                            (
+                                s["layers"][name][key]
+                                for s in states
+                                if s["layers"][name][key] is not None
+                            ),
+                            None,
+                        )
+                        for key in ("A", "G")
+                    }
+                    for name in state["layers"]
                 },
             }
         pre.load_state_dict(state)

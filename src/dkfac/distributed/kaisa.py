@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,6 +92,27 @@ class KAISAStrategy(Strategy):
         costs = [float(layer.block.a_dim**3 + layer.block.g_dim**3) for layer in layers]
         owners = longest_processing_time(costs, self.comm.world_size)
         self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
+        self.dims = {layer.name: (layer.block.a_dim, layer.block.g_dim) for layer in layers}
+
+    def plan(self) -> dict[str, Any]:
+        """Owner of each layer's factors; one fused allreduce of all factors at ``step()``."""
+        factors = [
+            {
+                "layer": name,
+                "factor": side,
+                "dim": dim,
+                "reduced_to": "all",
+                "decomposed_by": self.owner[name],
+            }
+            for name, dims in self.dims.items()
+            for side, dim in zip("AG", dims, strict=True)
+        ]
+        return {
+            "strategy": self.name,
+            "grad_workers": self.grad_workers,
+            "factors": factors,
+            "buckets": [],
+        }
 
     def row_of(self, layer: LayerCurvature) -> int:
         """The grid row (gradient-worker group) of the layer's owner."""

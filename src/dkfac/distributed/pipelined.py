@@ -180,6 +180,12 @@ class PipelinedStrategy(Strategy):
         if self.profile_steps and self.factor_steps == self.profile_steps:
             self._replan()
 
+    def after_load(self, layers: Sequence[LayerCurvature]) -> None:
+        """Forget loaded running factors that another rank owns (PAD after a resume)."""
+        for index, slot in enumerate(self.slots):
+            if not self.keeps(index):
+                self.layers[slot.layer].set_factor(slot.side, None)
+
     def keeps(self, slot: int) -> bool:
         """Whether this rank holds the running average of factor slot ``slot``."""
         destination = self.destination[slot]

@@ -37,6 +37,9 @@ class Strategy(ABC):
         factor while forward/backward go on. Default: nothing (work waits for ``step()``).
         """
 
+    def after_load(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
+        """Drop loaded state this worker does not keep (default: keep everything)."""
+
     def plan(self) -> dict[str, Any]:
         """The placement (and fusion) plan as plain data; see ``KFACPreconditioner.plan``."""
         return {"strategy": self.name, "factors": [], "buckets": []}
