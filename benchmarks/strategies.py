@@ -1,14 +1,18 @@
-"""Cost of the distributed K-FAC strategies (``dkfac``, ``kaisa``) against DDP + SGD.
+"""Cost of the distributed K-FAC strategies (dkfac, kaisa, spd, pad) against DDP + SGD.
 
 A thin front end of ``dkfac bench`` (:mod:`dkfac.cli.bench`, which launches
 ``python -m torch.distributed.run ... -m dkfac.cli.bench_worker`` per world size; the
-measurement is described in :mod:`dkfac.cli.bench_worker`). This script keeps its own defaults
-(ResNet-20 and ResNet-32, P in 2 and 4), prints the same table and reference/target lines and
-writes the combined report to ``--json`` instead of a results folder with a chart.
+measurement is described in :mod:`dkfac.cli.bench_worker`). This script keeps its own defaults:
+ResNet-20, ResNet-32 and MLP-6 (a 6-layer MLP with 1024-wide layers, the communication-bound
+case), P in 2 and 4, every strategy (``dkfac``, ``kaisa``, ``spd`` = SPD-KFAC, ``pad`` =
+PAD-KFAC) at schedules (1,1) and (10,100). It prints the same table, the reference line and
+both targets (dkfac's ResNet-20 P=2 overhead; spd and pad at least 10% faster than dkfac per
+factor-update iteration at P=4, with the phase breakdown of every comparison) and writes the
+combined report to ``--json`` instead of a results folder with a chart.
 
 Usage::
 
-    .venv/bin/python benchmarks/strategies.py            # full run (tens of minutes)
+    .venv/bin/python benchmarks/strategies.py            # full run (long: every model, P, strategy)
     .venv/bin/python benchmarks/strategies.py --quick    # smoke test (ResNet-20, P=2)
     .venv/bin/dkfac bench --quick --out runs/bench       # the same, plus bench.png
 """
@@ -33,14 +37,15 @@ from dkfac.cli.config import ConfigError
 __all__ = ["PHASES", "main"]
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "strategies.json"
-MODELS = "resnet20,resnet32"
+MODELS = "resnet20,resnet32,mlp6"
 NPROCS = "2,4"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Launch every world size, print the table, write the JSON; return the exit code."""
     parser = argparse.ArgumentParser(
-        description="Time DDP + SGD vs dkfac/kaisa K-FAC strategies on CIFAR ResNets (gloo, CPU)."
+        description="Time DDP + SGD vs the dkfac/kaisa/spd/pad K-FAC strategies on CIFAR "
+        "ResNets and a wide 6-layer MLP (gloo, CPU)."
     )
     add_bench_options(parser, models=MODELS, nprocs=NPROCS)
     parser.add_argument(

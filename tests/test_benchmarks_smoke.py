@@ -1,7 +1,9 @@
-"""Smoke test of benchmarks/step_overhead.py: it runs end to end and writes a complete JSON."""
+"""Smoke tests of benchmarks/step_overhead.py and benchmarks/strategies.py: they run end to end
+and write a complete JSON."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -10,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from dkfac.cli.bench import add_bench_options, options_from_args
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_overhead.py"
 
@@ -99,16 +103,36 @@ def _torchrun_available() -> bool:
     return importlib.util.find_spec("torch.distributed.run") is not None
 
 
+def _load_strategies(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("strategies_under_test", STRATEGIES_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_strategies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load_strategies(monkeypatch)
+    parser = argparse.ArgumentParser()
+    add_bench_options(parser, models=bench.MODELS, nprocs=bench.NPROCS)
+    full = options_from_args(parser.parse_args([]), models=bench.MODELS, nprocs=bench.NPROCS)
+    assert full.models == ("resnet20", "resnet32", "mlp6")
+    assert full.nprocs == (2, 4)
+    assert full.strategies == ("dkfac", "kaisa", "spd", "pad")
+    assert full.schedules == ((1, 1), (10, 100))
+    quick = options_from_args(
+        parser.parse_args(["--quick"]), models=bench.MODELS, nprocs=bench.NPROCS
+    )
+    assert (quick.models, quick.nprocs, quick.rounds) == (("resnet20",), (2,), 1)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
 def test_strategies_quick_run_writes_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = importlib.util.spec_from_file_location("strategies_under_test", STRATEGIES_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)
-    spec.loader.exec_module(bench)
+    bench = _load_strategies(monkeypatch)
 
     out = tmp_path / "strategies.json"
     # warm-up 1 + 10 long iterations: the (10,100) windows hold the factor update of step 10.
@@ -117,6 +141,7 @@ def test_strategies_quick_run_writes_json(
     printed = capsys.readouterr().out
     assert "kfac-pytorch 0.4.2 on this machine class" in printed
     assert "dkfac ResNet-20 P=2 (1,1)" in printed
+    assert "target spd/pad vs dkfac (P=4, (1,1)" in printed and "not evaluated" in printed
 
     report = json.loads(out.read_text())
     assert {
@@ -127,9 +152,11 @@ def test_strategies_quick_run_writes_json(
         "summary",
         "reference",
         "target",
+        "pipelined_target",
     } <= report.keys()
     assert report["settings"]["nprocs"] == [2]
     assert report["settings"]["models"] == ["resnet20"]
+    assert report["settings"]["input_shapes"] == {"resnet20": [3, 32, 32]}
     (launch,) = report["launches"]
     assert launch["nprocs"] == 2
     assert launch["ok"] is True
@@ -138,7 +165,9 @@ def test_strategies_quick_run_writes_json(
     assert worker_report["world_size"] == 2
     assert worker_report["environment"]["torch_num_threads"] == 1
 
-    keys = ["sgd", "dkfac_1_1", "kaisa_1of2_1_1", "dkfac_10_100", "kaisa_1of2_10_100"]
+    keys = ["sgd"]
+    for schedule in ("1_1", "10_100"):
+        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad")]
     assert [c["key"] for c in worker_report["configurations"]] == keys
     (round_,) = worker_report["rounds"]
     windows = round_["windows"]["resnet20"]
@@ -164,10 +193,10 @@ def test_strategies_quick_run_writes_json(
         assert {"total", "factor", "inverse", "grad"} <= row["bytes_per_step"].keys()
         assert row["bytes_per_step"]["total"] > 0
         assert row["kfac_memory_bytes"] > 0
-    for key in ("dkfac_1_1", "dkfac_10_100"):
+    for key in ("dkfac_1_1", "dkfac_10_100", "spd_1_1", "spd_10_100", "pad_1_1", "pad_10_100"):
         sent = rows[("resnet20", 2, key)]["bytes_per_step"]
         assert sent["factor"] > 0
-        assert sent["grad"] == 0  # D-KFAC sends decompositions, never gradients
+        assert sent["grad"] == 0  # D-KFAC, SPD and PAD send decompositions, never gradients
     assert rows[("resnet20", 2, "dkfac_1_1")]["bytes_per_step"]["inverse"] > 0
     # P=2, f=1/2 is MEM-OPT: preconditioned gradients travel, decompositions do not.
     assert rows[("resnet20", 2, "kaisa_1of2_1_1")]["bytes_per_step"]["grad"] > 0
@@ -175,3 +204,6 @@ def test_strategies_quick_run_writes_json(
     target = report["target"]
     assert isinstance(target["measured_overhead_s"], float)
     assert isinstance(target["met"], bool)
+    pipelined = report["pipelined_target"]
+    assert (pipelined["evaluated"], pipelined["met"]) == (False, None)
+    assert pipelined["reason"] == "P=4 was not run"

@@ -1,4 +1,5 @@
-"""``dkfac bench``: a minimal end-to-end run (JSON, PNG, table) and every bad input."""
+"""``dkfac bench``: a minimal end-to-end run (JSON, PNG, table), every bad input, the
+configurations and models, and the spd/pad vs dkfac target on hand-made rows."""
 
 from __future__ import annotations
 
@@ -6,11 +7,26 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
-from dkfac.cli.bench import options_from_args
-from dkfac.cli.bench_configs import PHASES
+import dkfac
+from dkfac.cli.bench import BenchOptions, options_from_args
+from dkfac.cli.bench_configs import (
+    INPUT_SHAPES,
+    MODEL_LABELS,
+    MODELS,
+    NUM_CLASSES,
+    PHASES,
+    STRATEGIES,
+    configurations,
+    mlp6,
+)
+from dkfac.cli.bench_report import evaluate_pipelined_target, format_pipelined_target
+from dkfac.cli.bench_worker import make_batch
 from dkfac.cli.main import BENCH_MODELS, BENCH_NPROCS, build_parser, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,13 +42,17 @@ def _torchrun_available() -> bool:
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
-def test_bench_quick_writes_json_chart_and_table(tmp_path: Path, capsys) -> None:
+def test_bench_quick_writes_json_chart_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"
     argv = ["bench", "--quick", "--rounds", "1", "--warmup", "1", "--iters", "1"]
     assert main([*argv, "--iters-long", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "amort s/it" in printed and "kfac-pytorch 0.4.2 on this machine class" in printed
+    assert "target spd/pad vs dkfac (P=4, (1,1)" in printed
+    assert "not evaluated (P=4 was not run)" in printed
     assert str(out / "bench.json") in printed and str(out / "bench.png") in printed
 
     report = json.loads((out / "bench.json").read_text())
@@ -44,15 +64,19 @@ def test_bench_quick_writes_json_chart_and_table(tmp_path: Path, capsys) -> None
         "summary",
         "reference",
         "target",
+        "pipelined_target",
     } <= report.keys()
     assert report["settings"]["models"] == ["resnet20"]
     assert report["settings"]["nprocs"] == [2]
-    assert report["settings"]["strategies"] == ["dkfac", "kaisa"]
+    assert report["settings"]["strategies"] == ["dkfac", "kaisa", "spd", "pad"]
+    assert report["settings"]["input_shapes"] == {"resnet20": [3, 32, 32]}
     (launch,) = report["launches"]
     assert launch["ok"] is True
     # The workers run from the package, not from the benchmarks/ folder.
     assert launch["command"][5:7] == ["-m", "dkfac.cli.bench_worker"]
-    keys = ["sgd", "dkfac_1_1", "kaisa_1of2_1_1", "dkfac_10_100", "kaisa_1of2_10_100"]
+    keys = ["sgd"]
+    for schedule in ("1_1", "10_100"):
+        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad")]
     assert [row["key"] for row in report["summary"]] == keys
     for row in report["summary"]:
         assert {"model", "nprocs", "label", "strategy", "amortized_s", "median_s"} <= row.keys()
@@ -64,6 +88,9 @@ def test_bench_quick_writes_json_chart_and_table(tmp_path: Path, capsys) -> None
             assert set(PHASES) <= row["phase_s"].keys()
             assert math.isfinite(row["overhead_s"])
     assert isinstance(report["target"]["met"], bool)
+    pipelined = report["pipelined_target"]
+    assert pipelined["evaluated"] is False and pipelined["met"] is None
+    assert pipelined["reason"] == "P=4 was not run"
 
     png = out / "bench.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -76,7 +103,7 @@ def test_bench_defaults() -> None:
     options = options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
     assert options.models == ("resnet20",)
     assert options.nprocs == (2,)
-    assert options.strategies == ("dkfac", "kaisa")
+    assert options.strategies == ("dkfac", "kaisa", "spd", "pad")
     assert options.schedules == ((1, 1), (10, 100))
     assert (options.rounds, options.iters, options.iters_long) == (2, 10, 100)
 
@@ -98,6 +125,7 @@ def test_bench_selects_strategies_and_schedules() -> None:
     ("option", "message"),
     [
         (["--models", "resnet99"], "--models"),
+        (["--models", "mlp7"], "--models"),
         (["--nprocs", "0"], "--nprocs"),
         (["--nprocs", "2,-1"], "--nprocs"),
         (["--nprocs", "two"], "--nprocs"),
@@ -109,7 +137,7 @@ def test_bench_selects_strategies_and_schedules() -> None:
     ],
 )
 def test_bench_bad_input_is_one_line_and_exit_2(
-    option: list[str], message: str, tmp_path: Path, capsys
+    option: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(["bench", "--quick", *option, "--out", str(tmp_path / "bench")])
     assert code == 2
@@ -118,3 +146,241 @@ def test_bench_bad_input_is_one_line_and_exit_2(
     assert len(lines) == 1
     assert lines[0].startswith("dkfac: error: ") and message in lines[0]
     assert not (tmp_path / "bench").exists()  # refused before anything is launched or written
+
+
+def test_bench_selects_spd_and_pad() -> None:
+    argv = ["bench", "--strategies", "pad,spd", "--schedules", "1:1"]
+    options = options_from_args(
+        build_parser().parse_args(argv), models=BENCH_MODELS, nprocs=BENCH_NPROCS
+    )
+    assert options.strategies == ("spd", "pad")  # the order of STRATEGIES
+    worker_argv = options.worker_argv(Path("x.json"))
+    assert worker_argv[worker_argv.index("--strategies") + 1] == "spd,pad"
+
+
+def test_configurations_include_spd_and_pad() -> None:
+    assert STRATEGIES == ("dkfac", "kaisa", "spd", "pad")
+    configs = configurations(4)
+    keys = ["sgd"]
+    for f, i in ((1, 1), (10, 100)):
+        keys += [f"dkfac_{f}_{i}", f"kaisa_1of4_{f}_{i}", f"kaisa_1of2_{f}_{i}"]
+        keys += [f"spd_{f}_{i}", f"pad_{f}_{i}"]
+    assert [c.key for c in configs] == keys
+    by_key = {c.key: c for c in configs}
+    for name in ("spd", "pad"):
+        one, periodic = by_key[f"{name}_1_1"], by_key[f"{name}_10_100"]
+        assert (one.label, one.strategy, one.grad_worker_fraction) == (name, name, 1.0)
+        assert one.kfac and not one.periodic and one.schedule == "(1,1)"
+        assert periodic.periodic and periodic.schedule == "(10,100)"
+        assert periodic.to_json()["strategy"] == name
+    only = configurations(2, strategies=("pad", "dkfac"), schedules=((1, 1),))
+    assert [c.key for c in only] == ["sgd", "dkfac_1_1", "pad_1_1"]
+
+
+def test_every_model_has_an_input_shape_and_a_label() -> None:
+    assert set(MODELS) == set(INPUT_SHAPES) == set(MODEL_LABELS)
+    assert MODEL_LABELS["mlp6"] == "MLP-6 (1024 wide)"
+    assert INPUT_SHAPES["resnet32"] == (3, 32, 32) and INPUT_SHAPES["mlp6"] == (1024,)
+
+
+def test_mlp6_builds_and_takes_a_batch_of_its_shape() -> None:
+    torch.manual_seed(0)
+    net = MODELS["mlp6"](num_classes=NUM_CLASSES)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(1024, 1024)] * 5 + [
+        (1024, NUM_CLASSES)
+    ]
+    assert sum(isinstance(m, nn.ReLU) for m in net.modules()) == 5
+    assert [m.out_features for m in mlp6(num_classes=3).modules() if isinstance(m, nn.Linear)][
+        -1
+    ] == 3
+
+    x, y = make_batch(4, 1000, INPUT_SHAPES["mlp6"])
+    assert x.shape == (4, 1024) and y.shape == (4,)
+    assert int(y.min()) >= 0 and int(y.max()) < NUM_CLASSES
+    with torch.no_grad():
+        assert net(x).shape == (4, NUM_CLASSES)
+    # K-FAC finds all six layers (no step: eigendecompositions of 1025x1025 are slow).
+    pre = dkfac.KFACPreconditioner(net, strategy="local")
+    try:
+        assert len(pre.layers) == 6
+    finally:
+        pre.remove()
+
+
+def test_make_batch_uses_each_models_shape_and_the_seed() -> None:
+    x, y = make_batch(2, 1007, INPUT_SHAPES["resnet20"])
+    generator = torch.Generator().manual_seed(1007)
+    expected_x = torch.randn(2, 3, 32, 32, generator=generator)
+    expected_y = torch.randint(0, NUM_CLASSES, (2,), generator=generator)
+    assert torch.equal(x, expected_x) and torch.equal(y, expected_y)
+    again, _ = make_batch(2, 1007, INPUT_SHAPES["mlp6"])
+    assert again.shape == (2, 1024)
+    assert torch.equal(again, make_batch(2, 1007, (1024,))[0])
+
+
+def test_settings_record_the_input_shape_of_every_model() -> None:
+    options = BenchOptions(
+        models=("resnet20", "mlp6"),
+        nprocs=(2, 4),
+        rounds=1,
+        warmup=0,
+        iters=1,
+        iters_long=1,
+        timeout=1.0,
+    )
+    settings = json.loads(json.dumps(options.settings()))
+    assert "input_shape" not in settings
+    assert settings["input_shapes"] == {"resnet20": [3, 32, 32], "mlp6": [1024]}
+    assert settings["strategies"] == ["dkfac", "kaisa", "spd", "pad"]
+
+
+def _row(
+    model: str, nprocs: int, key: str, median_s: float, phase_s: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """A summary row as summary_rows makes it, with only what the targets read."""
+    strategy = None if key == "sgd" else key.split("_")[0]
+    return {
+        "model": model,
+        "nprocs": nprocs,
+        "key": key,
+        "label": strategy or "SGD (DDP)",
+        "strategy": strategy,
+        "factor_update_steps": None if strategy is None else int(key.split("_")[-2]),
+        "inv_update_steps": None if strategy is None else int(key.split("_")[-1]),
+        "amortized_s": median_s,
+        "median_s": median_s,
+        "phase_s": {name: 0.0 for name in PHASES} | (phase_s or {}),
+    }
+
+
+# Exact binary fractions, so every difference below is exact in floating point.
+DKFAC_PHASES = {
+    "factor_comm": 0.125,
+    "factor_compute": 0.25,
+    "inverse_compute": 0.25,
+    "inverse_comm": 0.125,
+    "precondition": 0.0625,
+}
+SPD_PHASES = DKFAC_PHASES | {"factor_comm": 0.0625}
+PAD_PHASES = DKFAC_PHASES | {"factor_comm": 0.25}
+
+
+def _pipelined_rows() -> list[dict[str, Any]]:
+    return [
+        # P=2 is not part of the target: a slow spd here must not count.
+        _row("mlp6", 2, "dkfac_1_1", 1.0),
+        _row("mlp6", 2, "spd_1_1", 10.0),
+        _row("mlp6", 4, "sgd", 0.125),
+        _row("mlp6", 4, "dkfac_1_1", 1.25, DKFAC_PHASES),
+        _row("mlp6", 4, "spd_1_1", 1.0, SPD_PHASES),
+        _row("mlp6", 4, "pad_1_1", 1.25, PAD_PHASES),
+        # (10,100) is not part of the target either.
+        _row("mlp6", 4, "dkfac_10_100", 1.0),
+        _row("mlp6", 4, "spd_10_100", 0.5),
+        _row("resnet32", 4, "dkfac_1_1", 0.5),
+        _row("resnet32", 4, "spd_1_1", 0.25),
+        _row("resnet32", 4, "pad_1_1", 1.0),
+    ]
+
+
+def test_pipelined_target_met_and_not_met() -> None:
+    verdict = evaluate_pipelined_target(_pipelined_rows())
+    assert verdict["evaluated"] is True and verdict["reason"] is None
+    assert verdict["met"] is False  # pad misses on both models
+    compared = {(c["model"], c["strategy"]): c for c in verdict["comparisons"]}
+    assert list(compared) == [
+        ("mlp6", "spd"),
+        ("mlp6", "pad"),
+        ("resnet32", "spd"),
+        ("resnet32", "pad"),
+    ]
+    speedups = {pair: c["speedup"] for pair, c in compared.items()}
+    assert speedups == {
+        ("mlp6", "spd"): 0.25,  # 1.25 / 1.0 - 1
+        ("mlp6", "pad"): 0.0,  # 1.25 / 1.25 - 1
+        ("resnet32", "spd"): 1.0,  # 0.5 / 0.25 - 1
+        ("resnet32", "pad"): -0.5,  # 0.5 / 1.0 - 1
+    }
+    assert {pair: c["met"] for pair, c in compared.items()} == {
+        ("mlp6", "spd"): True,
+        ("mlp6", "pad"): False,
+        ("resnet32", "spd"): True,
+        ("resnet32", "pad"): False,
+    }
+    spd = compared[("mlp6", "spd")]
+    assert (spd["key"], spd["baseline_key"]) == ("spd_1_1", "dkfac_1_1")
+    assert (spd["strategy_s"], spd["baseline_s"]) == (1.0, 1.25)
+    # other = median_s minus every recorded phase: 1.25 - 0.8125 and 1.0 - 0.75.
+    assert spd["baseline_phase_s"] == DKFAC_PHASES | {"other": 0.4375}
+    assert spd["phase_s"] == SPD_PHASES | {"other": 0.25}
+    assert spd["phase_delta_s"] == {
+        "factor_comm": -0.0625,
+        "factor_compute": 0.0,
+        "inverse_compute": 0.0,
+        "inverse_comm": 0.0,
+        "precondition": 0.0,
+        "other": -0.1875,
+    }
+    json.dumps(verdict)  # stored as is in the report
+
+    text = format_pipelined_target(verdict)
+    lines = text.splitlines()
+    assert lines[0].startswith(
+        "target spd/pad vs dkfac (P=4, (1,1), >= 10% faster per factor-update iteration): "
+        "NOT MET (2 of 4)"
+    )
+    assert lines[1] == (
+        "target spd vs dkfac, MLP-6 (1024 wide), P=4, (1,1): 1.000 vs 1.250 s/iter -> 25.0% "
+        "faster (>= 10%): MET; factor_comm 125.0 -> 62.5 ms (-62.5), factor_compute 250.0 -> "
+        "250.0 ms (+0.0), inverse_compute 250.0 -> 250.0 ms (+0.0), inverse_comm 125.0 -> 125.0 "
+        "ms (+0.0), precondition 62.5 -> 62.5 ms (+0.0), other 437.5 -> 250.0 ms (-187.5)"
+    )
+    # 1.25 s would have to be at most 1.25 / 1.1 s: 113.6 ms short; factor_comm got slower.
+    assert lines[2].startswith(
+        "target pad vs dkfac, MLP-6 (1024 wide), P=4, (1,1): 1.250 vs 1.250 s/iter -> 0.0% "
+        "faster (>= 10%): NOT MET (113.6 ms/iter short; slower: factor_comm +125.0 ms); "
+        "factor_comm 125.0 -> 250.0 ms (+125.0)"
+    )
+    assert "ResNet-32, P=4, (1,1): 0.250 vs 0.500 s/iter -> 100.0% faster" in lines[3]
+    assert "ResNet-32, P=4, (1,1): 1.000 vs 0.500 s/iter -> 50.0% slower" in lines[4]
+    assert "NOT MET (545.5 ms/iter short; slower: other +500.0 ms)" in lines[4]
+    assert len(lines) == 5
+
+
+def test_pipelined_target_all_met() -> None:
+    rows = [r for r in _pipelined_rows() if r["key"] != "pad_1_1"]
+    verdict = evaluate_pipelined_target(rows)
+    assert verdict["met"] is True
+    assert [(c["model"], c["strategy"]) for c in verdict["comparisons"]] == [
+        ("mlp6", "spd"),
+        ("resnet32", "spd"),
+    ]
+    assert "MET (2 of 2)" in format_pipelined_target(verdict).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ([], "P=4 was not run"),
+        ([_row("resnet20", 2, "dkfac_1_1", 1.0), _row("resnet20", 2, "spd_1_1", 0.5)], "P=4"),
+        (
+            [_row("mlp6", 4, "sgd", 0.1), _row("mlp6", 4, "dkfac_1_1", 1.0)],
+            "dkfac and spd/pad at (1,1) were not both run at P=4",
+        ),
+        (
+            [_row("mlp6", 4, "spd_1_1", 1.0), _row("mlp6", 4, "pad_10_100", 1.0)],
+            "dkfac and spd/pad at (1,1) were not both run at P=4",
+        ),
+    ],
+)
+def test_pipelined_target_not_evaluated(rows: list[dict[str, Any]], reason: str) -> None:
+    verdict = evaluate_pipelined_target(rows)
+    assert verdict["evaluated"] is False and verdict["met"] is None
+    assert verdict["comparisons"] == []
+    assert reason in verdict["reason"]
+    text = format_pipelined_target(verdict, quick=True)
+    assert text == (
+        "target spd/pad vs dkfac (P=4, (1,1), >= 10% faster per factor-update iteration): "
+        f"not evaluated ({verdict['reason']})"
+    )

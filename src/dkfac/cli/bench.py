@@ -1,11 +1,16 @@
-"""``dkfac bench``: the cost of the K-FAC strategies (``dkfac``, ``kaisa``) against DDP + SGD.
+"""``dkfac bench``: the cost of the K-FAC strategies against DDP + SGD.
+
+The strategies are ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC) and ``pad`` (PAD-KFAC); the models
+the CIFAR ResNets ``resnet20`` and ``resnet32`` and ``mlp6``, a 6-layer MLP with 1024-wide
+layers (the communication-bound case).
 
 For every world size ``P`` in ``--nprocs`` this process starts its own workers with
 ``python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.cli.bench_worker``
 (``OMP_NUM_THREADS=1``, a timeout per launch), collects the JSON report that rank 0 writes and
 combines the launches into one report. What a worker measures is described in
-:mod:`dkfac.cli.bench_worker`; the table, the reference line and the chart are in
-:mod:`dkfac.cli.bench_report`. ``benchmarks/strategies.py`` is a thin front end of this module.
+:mod:`dkfac.cli.bench_worker`; the table, the reference line, the two targets (dkfac's
+overhead; spd and pad against dkfac) and the chart are in :mod:`dkfac.cli.bench_report`.
+``benchmarks/strategies.py`` is a thin front end of this module.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import dkfac
 from dkfac.cli.bench_configs import (
-    IMAGE_SHAPE,
+    INPUT_SHAPES,
     INVERSE_METHOD,
     LR,
     MODELS,
@@ -36,7 +41,13 @@ from dkfac.cli.bench_configs import (
     STRATEGIES,
     environment,
 )
-from dkfac.cli.bench_report import MB, REFERENCE, evaluate_target, summary_rows
+from dkfac.cli.bench_report import (
+    MB,
+    REFERENCE,
+    evaluate_pipelined_target,
+    evaluate_target,
+    summary_rows,
+)
 from dkfac.cli.config import ConfigError
 
 WORKER_MODULE = "dkfac.cli.bench_worker"
@@ -125,7 +136,7 @@ class BenchOptions:
             "inverse_method": INVERSE_METHOD,
             "lr": LR,
             "momentum": MOMENTUM,
-            "input_shape": list(IMAGE_SHAPE),
+            "input_shapes": {model: list(INPUT_SHAPES[model]) for model in self.models},
             "num_classes": NUM_CLASSES,
             "schedules": [list(s) for s in self.schedules],
             "gc_disabled_in_window": True,
@@ -147,8 +158,8 @@ def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: s
         "--strategies",
         default=",".join(STRATEGIES),
         help="K-FAC strategies besides the SGD reference, comma-separated, from "
-        f"{', '.join(STRATEGIES)}; kaisa runs with fraction 1/P (and 1/2 when P > 2 is even) "
-        f"(default {','.join(STRATEGIES)})",
+        f"{', '.join(STRATEGIES)} (spd = SPD-KFAC, pad = PAD-KFAC); kaisa runs with fraction "
+        f"1/P (and 1/2 when P > 2 is even) (default {','.join(STRATEGIES)})",
     )
     default_schedules = ",".join(f"{f}:{i}" for f, i in SCHEDULES)
     parser.add_argument(
@@ -193,7 +204,8 @@ def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: s
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke test: resnet20, P=2, 1 round, 2 warm-up, iters 3, iters-long 10",
+        help="smoke test: resnet20, P=2, 1 round, 2 warm-up, iters 3, iters-long 10 (every "
+        "strategy of --strategies)",
     )
 
 
@@ -418,6 +430,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "summary": rows,
         "reference": REFERENCE,
         "target": evaluate_target(rows),
+        "pipelined_target": evaluate_pipelined_target(rows),
     }
 
 

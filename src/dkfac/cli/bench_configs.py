@@ -1,5 +1,10 @@
 """What ``dkfac bench`` measures: models, strategies, schedules and the configurations.
 
+Models: the CIFAR ResNets ``resnet20`` and ``resnet32`` (3x32x32 images) and ``mlp6``, a
+6-layer MLP with 1024-wide layers on 1024-feature vectors (large factors, small compute: the
+communication-bound case). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC) and ``pad``
+(PAD-KFAC), always next to the DDP + SGD reference.
+
 Shared by the launcher (:mod:`dkfac.cli.bench`), the workers (:mod:`dkfac.cli.bench_worker`) and
 the table and chart (:mod:`dkfac.cli.bench_report`).
 """
@@ -17,18 +22,49 @@ import torch
 from torch import nn
 
 import dkfac
-from dkfac.models import resnet20, resnet32
+from dkfac.models import MLP, resnet20, resnet32
 
 NUM_CLASSES = 10
-IMAGE_SHAPE = (3, 32, 32)
 LR = 0.1
 MOMENTUM = 0.9
 INVERSE_METHOD = "eigen"
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"resnet20": resnet20, "resnet32": resnet32}
-MODEL_LABELS = {"resnet20": "ResNet-20", "resnet32": "ResNet-32"}
+#: Width of the input and of every hidden layer of ``mlp6``.
+MLP6_WIDTH = 1024
+#: Hidden layers of ``mlp6`` (six ``nn.Linear`` in all, counting the classifier).
+MLP6_HIDDEN_LAYERS = 5
+
+
+def mlp6(num_classes: int = NUM_CLASSES) -> nn.Module:
+    """A 6-layer MLP with wide layers: 1024 -> 1024 (x5) -> ``num_classes``, ReLU between.
+
+    Large K-FAC factors (1025x1025 and 1024x1024 per layer) for little forward and backward
+    compute: the communication-bound case of the benchmark.
+
+    Args:
+        num_classes: Number of output classes.
+
+    Returns:
+        The model, whose inputs are vectors of :data:`MLP6_WIDTH` features.
+
+    """
+    return MLP(MLP6_WIDTH, [MLP6_WIDTH] * MLP6_HIDDEN_LAYERS, num_classes=num_classes)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet20": resnet20,
+    "resnet32": resnet32,
+    "mlp6": mlp6,
+}
+MODEL_LABELS = {"resnet20": "ResNet-20", "resnet32": "ResNet-32", "mlp6": "MLP-6 (1024 wide)"}
+#: Shape of one synthetic input of each model, without the batch dimension.
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {
+    "resnet20": (3, 32, 32),
+    "resnet32": (3, 32, 32),
+    "mlp6": (MLP6_WIDTH,),
+}
 #: K-FAC strategies that can be measured (SGD is always measured as the reference).
-STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa")
+STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad")
 #: Default ``(factor_update_steps, inv_update_steps)`` schedules.
 SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (10, 100))
 
@@ -105,17 +141,42 @@ def configurations(
     strategies: Sequence[str] = STRATEGIES,
     schedules: Sequence[tuple[int, int]] = SCHEDULES,
 ) -> list[Configuration]:
-    """SGD, then the chosen strategies (dkfac, the KAISA fractions) at every schedule."""
+    """SGD, then the chosen strategies at every schedule.
+
+    Per schedule, in the order of :data:`STRATEGIES`: ``dkfac``, the KAISA fractions of
+    :func:`kaisa_fractions`, ``spd`` and ``pad``. ``dkfac``, ``spd`` and ``pad`` get one
+    configuration each (key ``"{strategy}_{f}_{i}"``, label the strategy's name).
+
+    Args:
+        world_size: Number of workers ``P`` (it picks the KAISA fractions).
+        strategies: Strategies to measure; others in :data:`STRATEGIES` are left out.
+        schedules: ``(factor_update_steps, inv_update_steps)`` pairs.
+
+    Returns:
+        The configurations, SGD first.
+
+    """
     configs = [SGD]
     for f, i in schedules:
-        if "dkfac" in strategies:
-            configs.append(Configuration(f"dkfac_{f}_{i}", "dkfac", "dkfac", 1.0, "1", f, i))
-        if "kaisa" in strategies:
-            for d in kaisa_fractions(world_size):
-                configs.append(
-                    Configuration(
-                        f"kaisa_1of{d}_{f}_{i}", f"kaisa f=1/{d}", "kaisa", 1.0 / d, f"1/{d}", f, i
+        for strategy in STRATEGIES:
+            if strategy not in strategies:
+                continue
+            if strategy == "kaisa":
+                for d in kaisa_fractions(world_size):
+                    configs.append(
+                        Configuration(
+                            f"kaisa_1of{d}_{f}_{i}",
+                            f"kaisa f=1/{d}",
+                            "kaisa",
+                            1.0 / d,
+                            f"1/{d}",
+                            f,
+                            i,
+                        )
                     )
+            else:
+                configs.append(
+                    Configuration(f"{strategy}_{f}_{i}", strategy, strategy, 1.0, "1", f, i)
                 )
     return configs
 

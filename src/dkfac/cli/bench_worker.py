@@ -1,15 +1,19 @@
-"""One rank of ``dkfac bench``: time DDP + SGD against the K-FAC strategies on CIFAR ResNets.
+"""One rank of ``dkfac bench``: time DDP + SGD against the K-FAC strategies.
 
 Started by :mod:`dkfac.cli.bench` through torchrun, as a module so that it runs from an
 installed package::
 
     python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.cli.bench_worker ...
 
-gloo process group, one intra-op thread, a fixed synthetic batch per rank (3x32x32,
-``--batch-size`` per worker), SGD (momentum 0.9, lr 0.1) on a DDP-wrapped CIFAR ResNet.
-Configurations: SGD alone (DDP, no K-FAC), then per ``(f, i)`` schedule ``strategy="dkfac"``
-and ``strategy="kaisa"`` with ``grad_worker_fraction`` 1/P (and 1/2 when P > 2 is even), all
-with ``inverse_method="eigen"``.
+gloo process group, one intra-op thread, a fixed synthetic batch per rank and model
+(``--batch-size`` per worker, each model's input shape from
+:data:`~dkfac.cli.bench_configs.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
+1024 features for ``mlp6``), SGD (momentum 0.9, lr 0.1) on a DDP-wrapped model.
+Configurations: SGD alone (DDP, no K-FAC), then per ``(f, i)`` schedule ``strategy="dkfac"``,
+``strategy="kaisa"`` with ``grad_worker_fraction`` 1/P (and 1/2 when P > 2 is even),
+``strategy="spd"`` and ``strategy="pad"``, all with ``inverse_method="eigen"``. SPD-KFAC and
+PAD-KFAC calibrate their cost model when the preconditioner is built (all ranks together),
+before the warm-up.
 
 Every configuration gets a freshly built model (same seed), its own warm-up and a timed window
 that starts after a ``dist.barrier()``. Periodic configurations (``f > 1`` or ``i > 1``) time
@@ -41,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
 from dkfac.cli.bench_configs import (
-    IMAGE_SHAPE,
+    INPUT_SHAPES,
     INVERSE_METHOD,
     LR,
     MODELS,
@@ -61,10 +65,20 @@ from dkfac.cli.bench_configs import (
 BYTE_SPLIT = {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
 
 
-def make_batch(batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Return one random input batch and random labels drawn from ``seed``."""
+def make_batch(batch_size: int, seed: int, shape: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """One random input batch and random labels, drawn from ``seed``.
+
+    Args:
+        batch_size: Number of samples.
+        seed: Seed of the generator the inputs and then the labels are drawn from.
+        shape: Shape of one input without the batch dimension (see ``INPUT_SHAPES``).
+
+    Returns:
+        Inputs of shape ``(batch_size, *shape)`` and labels in ``[0, NUM_CLASSES)``.
+
+    """
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch_size, *IMAGE_SHAPE, generator=generator)
+    x = torch.randn(batch_size, *shape, generator=generator)
     y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
     return x, y
 
@@ -294,7 +308,10 @@ def summarize(
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run every round on this rank (process group up); the report on rank 0, else None."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    x, y = make_batch(args.batch_size, args.seed + 1000 * (rank + 1))
+    batches = {
+        model: make_batch(args.batch_size, args.seed + 1000 * (rank + 1), INPUT_SHAPES[model])
+        for model in args.models
+    }
     configs = configurations(world_size, args.strategies, args.schedules)
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
@@ -302,6 +319,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         order = configs[shift:] + configs[:shift]
         windows: dict[str, dict[str, Any]] = {}
         for model in args.models:
+            x, y = batches[model]
             model_windows: dict[str, Any] = {}
             for config in order:
                 iters = args.iters_long if config.periodic else args.iters
