@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_options(compare)
     bench = sub.add_parser(
         "bench",
-        help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets and a wide MLP (torchrun, gloo)",
+        help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets and a wide MLP "
+        "(torchrun, gloo)",
         description="Launch torchrun workers per world size, time SGD and every K-FAC "
         "configuration (model, P, strategy, schedule), print the table and write "
         "OUT/bench.json and the stacked bar chart OUT/bench.png.",
