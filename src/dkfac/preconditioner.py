@@ -510,10 +510,16 @@ class KFACPreconditioner:
         self._strategy.after_load(self._layers)
 
     def remove(self) -> None:
-        """Detach every hook; the model is left exactly as it was before."""
+        """Detach every hook and release the strategy's process group, if it made one.
+
+        The model is left exactly as it was before. Under ``torch.distributed`` every rank
+        calls it (like building the preconditioner).
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if not self._removed:
+            self._strategy.close()
         self._removed = True
         for layer in self._layers:
             layer.clear_statistics()

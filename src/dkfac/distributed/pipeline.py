@@ -18,6 +18,7 @@ default group.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -169,7 +170,8 @@ class FactorPipeline:
             count_handle.wait()
         if profile:
             ended = time.perf_counter() - (self._origin or time.perf_counter())
-            self.profile.append([ended if t != t else t for t in self._ready_at])  # NaN: late
+            # A factor never handed over by the hooks counts as ready when step() sent it.
+            self.profile.append([ended if math.isnan(t) else t for t in self._ready_at])
         totals = counts.tolist()
         received = [
             ReceivedFactor(slot, total, count)  # type: ignore[arg-type]

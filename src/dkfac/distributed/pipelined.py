@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dkfac.curvature.inverse import FACTOR_SIDES
@@ -179,6 +180,12 @@ class PipelinedStrategy(Strategy):
         self.factor_steps += 1
         if self.profile_steps and self.factor_steps == self.profile_steps:
             self._replan()
+
+    def close(self) -> None:
+        """Destroy the process group made for this strategy (see ``make_strategy``)."""
+        if self.comm.group is not None:
+            dist.destroy_process_group(self.comm.group)
+            self.comm.group = None
 
     def after_load(self, layers: Sequence[LayerCurvature]) -> None:
         """Forget loaded running factors that another rank owns (PAD after a resume)."""

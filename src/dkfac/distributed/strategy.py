@@ -37,6 +37,9 @@ class Strategy(ABC):
         factor while forward/backward go on. Default: nothing (work waits for ``step()``).
         """
 
+    def close(self) -> None:  # noqa: B027
+        """Release what the strategy created (process groups); default: nothing."""
+
     def after_load(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
         """Drop loaded state this worker does not keep (default: keep everything)."""
 
