@@ -28,7 +28,9 @@ from dkfac.models import SmallCNN
 def main(argv: list[str] | None = None) -> int:
     """Train, print the K-FAC layer table and per-epoch accuracy on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="dkfac", choices=["local", "dkfac", "kaisa", "spd", "pad"])
+    parser.add_argument(
+        "--strategy", default="dkfac", choices=["local", "dkfac", "kaisa", "spd", "pad"]
+    )
     parser.add_argument("--grad-worker-fraction", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05)
