@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dkfac.distributed.communicator import Communicator, require_distributed
 from dkfac.distributed.cost_model import ClusterCostModel
 from dkfac.distributed.d_kfac import DKFACStrategy
+from dkfac.distributed.dp import DPStrategy
 from dkfac.distributed.kaisa import KAISAStrategy
 from dkfac.distributed.local import LocalStrategy
 from dkfac.distributed.pad import PADStrategy
@@ -20,7 +21,7 @@ from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.spd import SPDStrategy
 from dkfac.distributed.strategy import Strategy
 
-STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa", "spd", "pad")
+STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa", "spd", "pad", "dp")
 
 
 def make_strategy(
@@ -78,6 +79,8 @@ def make_strategy(
     comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
     if name == DKFACStrategy.name:
         return DKFACStrategy(comm, recorder)
+    if name == DPStrategy.name:
+        return DPStrategy(comm, recorder)
     return KAISAStrategy(comm, recorder, grad_worker_fraction)
 
 
@@ -86,6 +89,7 @@ __all__ = [
     "ClusterCostModel",
     "Communicator",
     "DKFACStrategy",
+    "DPStrategy",
     "KAISAStrategy",
     "LocalStrategy",
     "PADStrategy",

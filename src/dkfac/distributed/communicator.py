@@ -264,6 +264,34 @@ class Communicator:
             group=group,
         )
 
+    def broadcast_from(
+        self,
+        tensors: Sequence[Tensor],
+        sources: Sequence[int],
+        *,
+        phase: str,
+        group: ProcessGroup | None = None,
+    ) -> list[Tensor]:
+        """Every rank ends with tensor ``i`` of global rank ``sources[i]``; blocks until done.
+
+        One fused broadcast per source, in ascending source order (the same on every rank of
+        ``group``). Tensors of other sources are replaced by fresh buffers, so the inputs of
+        non-sources are only used for their shapes.
+        """
+        results = list(tensors)
+        handles = []
+        for source in sorted(set(sources)):
+            indices = [i for i, s in enumerate(sources) if s == source]
+            buffers = [
+                tensors[i] if source == self.rank else torch.empty_like(tensors[i]) for i in indices
+            ]
+            handles.append(self.broadcast(buffers, source, phase=phase, group=group))
+            for i, buffer in zip(indices, buffers, strict=True):
+                results[i] = buffer
+        for handle in handles:
+            handle.wait()
+        return results
+
     def all_gather(
         self, chunk: Tensor, output: Tensor, *, phase: str, group: ProcessGroup | None = None
     ) -> CollectiveHandle:

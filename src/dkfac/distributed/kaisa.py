@@ -216,23 +216,10 @@ class KAISAStrategy(Strategy):
         if self.column_group is None:
             return results
         with self.recorder.phase("grad_comm"):
-            handles = []
-            for row in range(len(self.rows)):
-                indices = [i for i, layer in enumerate(layers) if self.row_of(layer) == row]
-                if not indices:
-                    continue
-                src = self.rows[row][self.my_column]
-                buffers = [
-                    results[i] if row == self.my_row else torch.empty_like(grads[i])
-                    for i in indices
-                ]
-                handles.append(
-                    self.comm.broadcast(buffers, src, phase="grad_comm", group=self.column_group)
-                )
-                for i, buffer in zip(indices, buffers, strict=True):
-                    results[i] = buffer
-            for handle in handles:
-                handle.wait()
+            sources = [self.rows[self.row_of(layer)][self.my_column] for layer in layers]
+            results = self.comm.broadcast_from(
+                results, sources, phase="grad_comm", group=self.column_group
+            )
         return results
 
 

@@ -7,8 +7,9 @@
   ``profile_steps`` measured windows, by the alpha-beta merge rule on the measured ready times
   (:func:`~dkfac.distributed.fusion.plan_buckets_alpha_beta`).
 * Load-balanced decompositions: a factor whose decomposition is predicted cheaper than
-  broadcasting its result is decomposed by every worker; the others go to owners by
-  longest-processing-time on the predicted decomposition time, results broadcast fused.
+  receiving its result (its share ``β·bytes`` of a fused broadcast) is decomposed by every
+  worker; the others go to owners by longest-processing-time on the predicted decomposition
+  time, results broadcast fused.
 
 Every worker keeps every running factor (allreduce), as in D-KFAC: the same factor bytes.
 """
@@ -31,14 +32,19 @@ class SPDStrategy(PipelinedStrategy):
         return [None] * len(self.slots)
 
     def plan_decomposers(self) -> list[int]:
-        """Redundant where decomposing beats broadcasting; LPT on predicted time otherwise."""
+        """Redundant where decomposing beats receiving; LPT on predicted time otherwise.
+
+        A worker either decomposes a factor itself (``c0 + c3·d³``) or receives it in one of
+        the owners' fused broadcasts, where one more factor costs ``β·bytes`` (the start-up
+        ``α`` is shared by the whole bucket, so charging it to each factor would make far too
+        many factors redundant).
+        """
         assert self.cost is not None
+        beta = self.cost.collective.beta
         placed = [
             i
             for i, slot in enumerate(self.slots)
-            if self.cost.collective.seconds(
-                decomposition_bytes(slot.dim, self.inverse_method, self.inv_dtype)
-            )
+            if beta * decomposition_bytes(slot.dim, self.inverse_method, self.inv_dtype)
             <= self.decomposition_s[i]
         ]
         owners = longest_processing_time(

@@ -1,0 +1,117 @@
+"""``strategy="dp"``: DP-KFAC, distributed preconditioning (Zhang, Shi, Wang, Li, 2022).
+
+ALGORITHMS.md §6. Every layer has one owner (longest-processing-time on its predicted cost:
+decompositions ``d_A³ + d_G³`` plus preconditioning ``d_G·d_A·(d_G + d_A)``). Only the owner
+captures the layer's ``a`` and ``g`` in the hooks; it builds ``A`` and ``G`` from **its own
+local mini-batch**, keeps the running averages, decomposes them, preconditions the layer's
+(already averaged) gradient and broadcasts the preconditioned gradient, fused per owner.
+Factors are never communicated; a worker holds factors, decompositions and captured
+activations only for the layers it owns.
+
+Statistical difference: each layer's factors estimate the curvature from ``1/P`` of the global
+batch (the owner's shard) instead of all of it, so a single batch factor is noisier; the
+running average over steps smooths it (the authors report unchanged convergence). With
+``P = 1`` it is exactly ``strategy="local"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.distributed.communicator import Communicator
+from dkfac.distributed.placement import longest_processing_time
+from dkfac.distributed.recorder import StepRecorder
+from dkfac.distributed.strategy import Strategy
+
+
+def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
+    """Relative cost of owning a layer: both decompositions plus preconditioning (§8)."""
+    return float(a_dim**3 + g_dim**3 + g_dim * a_dim * (g_dim + a_dim))
+
+
+class DPStrategy(Strategy):
+    """DP-KFAC: owners build, decompose and apply their layers' factors; no factor traffic."""
+
+    name = "dp"
+
+    def __init__(self, comm: Communicator, recorder: StepRecorder) -> None:
+        self.comm = comm
+        self.recorder = recorder
+        self.owner: dict[str, int] = {}
+        self.dims: dict[str, tuple[int, int]] = {}
+
+    def setup(self, layers: Sequence[LayerCurvature]) -> None:
+        """Owners by longest-processing-time on :func:`predicted_layer_cost`."""
+        costs = [predicted_layer_cost(layer.block.a_dim, layer.block.g_dim) for layer in layers]
+        owners = longest_processing_time(costs, self.comm.world_size)
+        self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
+        self.dims = {layer.name: (layer.block.a_dim, layer.block.g_dim) for layer in layers}
+
+    def owns(self, layer: LayerCurvature) -> bool:
+        """Whether this worker owns ``layer``."""
+        return self.owner[layer.name] == self.comm.rank
+
+    def captures(self, layer: LayerCurvature) -> bool:
+        """Only the owner captures statistics."""
+        return self.owns(layer)
+
+    def holds_factors(self, layer: LayerCurvature) -> bool:
+        """Only the owner keeps factors."""
+        return self.owns(layer) and layer.a is not None
+
+    def after_load(self, layers: Sequence[LayerCurvature]) -> None:
+        """Forget loaded factors and decompositions of layers another worker owns."""
+        for layer in layers:
+            if not self.owns(layer):
+                layer.a = layer.g = None
+                layer.inverse = None
+
+    def update_factors(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+    ) -> None:
+        """Fold the owner's local batch factors; nothing is sent."""
+        for layer in layers:
+            if self.owns(layer) and layer.has_statistics:
+                layer.fold(*layer.batch_factors(loss_reduction), decay)
+            layer.clear_statistics()
+
+    def update_inverses(
+        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+    ) -> None:
+        """Decompose the owned layers here."""
+        with self.recorder.phase("inverse_compute"):
+            update_inverses([layer for layer in layers if self.owns(layer)], damping, method, dtype)
+
+    def precondition(
+        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
+    ) -> list[Tensor]:
+        """Owners precondition; each broadcasts its layers' directions in fused buckets."""
+        results: list[Tensor] = list(grads)
+        with self.recorder.phase("precondition"):
+            for index, layer in enumerate(layers):
+                if self.owns(layer):
+                    results[index] = layer.precondition(grads[index], damping)
+        with self.recorder.phase("grad_comm"):
+            sources = [self.owner[layer.name] for layer in layers]
+            results = self.comm.broadcast_from(results, sources, phase="grad_comm")
+        return results
+
+    def plan(self) -> dict[str, Any]:
+        """The owner of each layer (it captures, decomposes and preconditions it)."""
+        factors = [
+            {
+                "layer": name,
+                "factor": side,
+                "dim": dim,
+                "reduced_to": "none (owner's shard only)",
+                "decomposed_by": self.owner[name],
+            }
+            for name, dims in self.dims.items()
+            for side, dim in zip("AG", dims, strict=True)
+        ]
+        return {"strategy": self.name, "factors": factors, "buckets": []}
