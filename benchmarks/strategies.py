@@ -1,4 +1,4 @@
-"""Cost of the distributed K-FAC strategies (dkfac, kaisa, spd, pad) against DDP + SGD.
+"""Cost of the distributed K-FAC strategies (dkfac, kaisa, spd, pad, dp) against DDP + SGD.
 
 A thin front end of ``dkfac bench`` (:mod:`dkfac.cli.bench`, which launches
 ``python -m torch.distributed.run ... -m dkfac.cli.bench_worker`` per world size; the
@@ -44,7 +44,7 @@ NPROCS = "2,4"
 def main(argv: list[str] | None = None) -> int:
     """Launch every world size, print the table, write the JSON; return the exit code."""
     parser = argparse.ArgumentParser(
-        description="Time DDP + SGD vs the dkfac/kaisa/spd/pad K-FAC strategies on CIFAR "
+        description="Time DDP + SGD vs the dkfac/kaisa/spd/pad/dp K-FAC strategies on CIFAR "
         "ResNets and a wide 6-layer MLP (gloo, CPU)."
     )
     add_bench_options(parser, models=MODELS, nprocs=NPROCS)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     """Train, print the K-FAC layer table and per-epoch accuracy on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--strategy", default="dkfac", choices=["local", "dkfac", "kaisa", "spd", "pad"]
+        "--strategy", default="dkfac", choices=["local", "dkfac", "kaisa", "spd", "pad", "dp"]
     )
     parser.add_argument("--grad-worker-fraction", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=3)

@@ -119,7 +119,7 @@ def test_strategies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     full = options_from_args(parser.parse_args([]), models=bench.MODELS, nprocs=bench.NPROCS)
     assert full.models == ("resnet20", "resnet32", "mlp6")
     assert full.nprocs == (2, 4)
-    assert full.strategies == ("dkfac", "kaisa", "spd", "pad")
+    assert full.strategies == ("dkfac", "kaisa", "spd", "pad", "dp")
     assert full.schedules == ((1, 1), (10, 100))
     quick = options_from_args(
         parser.parse_args(["--quick"]), models=bench.MODELS, nprocs=bench.NPROCS
@@ -167,7 +167,7 @@ def test_strategies_quick_run_writes_json(
 
     keys = ["sgd"]
     for schedule in ("1_1", "10_100"):
-        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad")]
+        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad", "dp")]
     assert [c["key"] for c in worker_report["configurations"]] == keys
     (round_,) = worker_report["rounds"]
     windows = round_["windows"]["resnet20"]
@@ -198,6 +198,9 @@ def test_strategies_quick_run_writes_json(
         assert sent["factor"] > 0
         assert sent["grad"] == 0  # D-KFAC, SPD and PAD send decompositions, never gradients
     assert rows[("resnet20", 2, "dkfac_1_1")]["bytes_per_step"]["inverse"] > 0
+    for key in ("dp_1_1", "dp_10_100"):  # DP-KFAC: only preconditioned gradients travel
+        sent = rows[("resnet20", 2, key)]["bytes_per_step"]
+        assert sent["factor"] == 0 and sent["inverse"] == 0 and sent["grad"] > 0
     # P=2, f=1/2 is MEM-OPT: preconditioned gradients travel, decompositions do not.
     assert rows[("resnet20", 2, "kaisa_1of2_1_1")]["bytes_per_step"]["grad"] > 0
 

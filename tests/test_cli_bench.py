@@ -68,7 +68,7 @@ def test_bench_quick_writes_json_chart_and_table(
     } <= report.keys()
     assert report["settings"]["models"] == ["resnet20"]
     assert report["settings"]["nprocs"] == [2]
-    assert report["settings"]["strategies"] == ["dkfac", "kaisa", "spd", "pad"]
+    assert report["settings"]["strategies"] == ["dkfac", "kaisa", "spd", "pad", "dp"]
     assert report["settings"]["input_shapes"] == {"resnet20": [3, 32, 32]}
     (launch,) = report["launches"]
     assert launch["ok"] is True
@@ -76,7 +76,7 @@ def test_bench_quick_writes_json_chart_and_table(
     assert launch["command"][5:7] == ["-m", "dkfac.cli.bench_worker"]
     keys = ["sgd"]
     for schedule in ("1_1", "10_100"):
-        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad")]
+        keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad", "dp")]
     assert [row["key"] for row in report["summary"]] == keys
     for row in report["summary"]:
         assert {"model", "nprocs", "label", "strategy", "amortized_s", "median_s"} <= row.keys()
@@ -103,7 +103,7 @@ def test_bench_defaults() -> None:
     options = options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
     assert options.models == ("resnet20",)
     assert options.nprocs == (2,)
-    assert options.strategies == ("dkfac", "kaisa", "spd", "pad")
+    assert options.strategies == ("dkfac", "kaisa", "spd", "pad", "dp")
     assert options.schedules == ((1, 1), (10, 100))
     assert (options.rounds, options.iters, options.iters_long) == (2, 10, 100)
 
@@ -158,16 +158,16 @@ def test_bench_selects_spd_and_pad() -> None:
     assert worker_argv[worker_argv.index("--strategies") + 1] == "spd,pad"
 
 
-def test_configurations_include_spd_and_pad() -> None:
-    assert STRATEGIES == ("dkfac", "kaisa", "spd", "pad")
+def test_configurations_include_spd_pad_and_dp() -> None:
+    assert STRATEGIES == ("dkfac", "kaisa", "spd", "pad", "dp")
     configs = configurations(4)
     keys = ["sgd"]
     for f, i in ((1, 1), (10, 100)):
         keys += [f"dkfac_{f}_{i}", f"kaisa_1of4_{f}_{i}", f"kaisa_1of2_{f}_{i}"]
-        keys += [f"spd_{f}_{i}", f"pad_{f}_{i}"]
+        keys += [f"spd_{f}_{i}", f"pad_{f}_{i}", f"dp_{f}_{i}"]
     assert [c.key for c in configs] == keys
     by_key = {c.key: c for c in configs}
-    for name in ("spd", "pad"):
+    for name in ("spd", "pad", "dp"):
         one, periodic = by_key[f"{name}_1_1"], by_key[f"{name}_10_100"]
         assert (one.label, one.strategy, one.grad_worker_fraction) == (name, name, 1.0)
         assert one.kfac and not one.periodic and one.schedule == "(1,1)"
@@ -232,7 +232,7 @@ def test_settings_record_the_input_shape_of_every_model() -> None:
     settings = json.loads(json.dumps(options.settings()))
     assert "input_shape" not in settings
     assert settings["input_shapes"] == {"resnet20": [3, 32, 32], "mlp6": [1024]}
-    assert settings["strategies"] == ["dkfac", "kaisa", "spd", "pad"]
+    assert settings["strategies"] == ["dkfac", "kaisa", "spd", "pad", "dp"]
 
 
 def _row(

@@ -2,8 +2,8 @@
 
 Models: the CIFAR ResNets ``resnet20`` and ``resnet32`` (3x32x32 images) and ``mlp6``, a
 6-layer MLP with 1024-wide layers on 1024-feature vectors (large factors, small compute: the
-communication-bound case). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC) and ``pad``
-(PAD-KFAC), always next to the DDP + SGD reference.
+communication-bound case). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC), ``pad``
+(PAD-KFAC) and ``dp`` (DP-KFAC), always next to the DDP + SGD reference.
 
 Shared by the launcher (:mod:`dkfac.cli.bench`), the workers (:mod:`dkfac.cli.bench_worker`) and
 the table and chart (:mod:`dkfac.cli.bench_report`).
@@ -64,7 +64,7 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "mlp6": (MLP6_WIDTH,),
 }
 #: K-FAC strategies that can be measured (SGD is always measured as the reference).
-STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad")
+STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad", "dp")
 #: Default ``(factor_update_steps, inv_update_steps)`` schedules.
 SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (10, 100))
 
@@ -144,8 +144,8 @@ def configurations(
     """SGD, then the chosen strategies at every schedule.
 
     Per schedule, in the order of :data:`STRATEGIES`: ``dkfac``, the KAISA fractions of
-    :func:`kaisa_fractions`, ``spd`` and ``pad``. ``dkfac``, ``spd`` and ``pad`` get one
-    configuration each (key ``"{strategy}_{f}_{i}"``, label the strategy's name).
+    :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``. ``dkfac``, ``spd``, ``pad`` and ``dp``
+    get one configuration each (key ``"{strategy}_{f}_{i}"``, label the strategy's name).
 
     Args:
         world_size: Number of workers ``P`` (it picks the KAISA fractions).

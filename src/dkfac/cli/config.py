@@ -15,7 +15,7 @@ from typing import Any
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
-STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa", "spd", "pad")
+STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa", "spd", "pad", "dp")
 GRAD_SYNCS: tuple[str, ...] = ("ddp",)
 
 

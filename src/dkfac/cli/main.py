@@ -45,7 +45,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer",
         "dataset": "digits (bundled), synthetic, cifar10, npz, tokens",
         "data_root": "folder of cifar10 python batches, or the .npz file",
-        "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad",
+        "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp",
         "steps_per_epoch": "cap on steps per epoch (0: the whole shard)",
         "nproc": "local worker processes to start (ignored under torchrun/Slurm)",
         "checkpoint_every": "also checkpoint every N steps (0: at epoch ends only)",
