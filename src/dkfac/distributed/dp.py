@@ -24,9 +24,10 @@ from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature, update_inverses
 from dkfac.distributed.communicator import Communicator
+from dkfac.distributed.local import fold_local_factors
 from dkfac.distributed.placement import longest_processing_time
 from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy
+from dkfac.distributed.strategy import Strategy, layer_owner_factors
 
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
@@ -75,9 +76,8 @@ class DPStrategy(Strategy):
         self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
     ) -> None:
         """Fold the owner's local batch factors; nothing is sent."""
+        fold_local_factors([layer for layer in layers if self.owns(layer)], decay, loss_reduction)
         for layer in layers:
-            if self.owns(layer) and layer.has_statistics:
-                layer.fold(*layer.batch_factors(loss_reduction), decay)
             layer.clear_statistics()
 
     def update_inverses(
@@ -103,15 +103,5 @@ class DPStrategy(Strategy):
 
     def plan(self) -> dict[str, Any]:
         """The owner of each layer (it captures, decomposes and preconditions it)."""
-        factors = [
-            {
-                "layer": name,
-                "factor": side,
-                "dim": dim,
-                "reduced_to": "none (owner's shard only)",
-                "decomposed_by": self.owner[name],
-            }
-            for name, dims in self.dims.items()
-            for side, dim in zip("AG", dims, strict=True)
-        ]
+        factors = layer_owner_factors(self.dims, self.owner, "none (owner's shard only)")
         return {"strategy": self.name, "factors": factors, "buckets": []}

@@ -34,7 +34,7 @@ from dkfac.curvature.layer import LayerCurvature, update_inverses
 from dkfac.distributed.communicator import CollectiveHandle, Communicator
 from dkfac.distributed.placement import longest_processing_time
 from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy
+from dkfac.distributed.strategy import Strategy, layer_owner_factors
 
 
 def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
@@ -96,17 +96,7 @@ class KAISAStrategy(Strategy):
 
     def plan(self) -> dict[str, Any]:
         """Owner of each layer's factors; one fused allreduce of all factors at ``step()``."""
-        factors = [
-            {
-                "layer": name,
-                "factor": side,
-                "dim": dim,
-                "reduced_to": "all",
-                "decomposed_by": self.owner[name],
-            }
-            for name, dims in self.dims.items()
-            for side, dim in zip("AG", dims, strict=True)
-        ]
+        factors = layer_owner_factors(self.dims, self.owner, "all")
         return {
             "strategy": self.name,
             "grad_workers": self.grad_workers,

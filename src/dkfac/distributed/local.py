@@ -15,6 +15,26 @@ from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
 
 
+def fold_local_factors(layers: Sequence[LayerCurvature], decay: float, loss_reduction: str) -> None:
+    """Fold the batch factors each of ``layers`` captured on this worker alone."""
+    for layer in layers:
+        if layer.has_statistics:
+            layer.fold(*layer.batch_factors(loss_reduction), decay)
+
+
+def precondition_here(
+    recorder: StepRecorder,
+    layers: Sequence[LayerCurvature],
+    grads: Sequence[Tensor],
+    damping: float,
+) -> list[Tensor]:
+    """Precondition every one of ``layers`` on this worker (timed as ``precondition``)."""
+    with recorder.phase("precondition"):
+        return [
+            layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
+        ]
+
+
 class LocalStrategy(Strategy):
     """Single-worker K-FAC (or independent K-FAC per worker when run under DDP)."""
 
@@ -27,9 +47,8 @@ class LocalStrategy(Strategy):
         self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
     ) -> None:
         """Fold each layer's batch factors into its running averages."""
+        fold_local_factors(layers, decay, loss_reduction)
         for layer in layers:
-            if layer.has_statistics:
-                layer.fold(*layer.batch_factors(loss_reduction), decay)
             layer.clear_statistics()
 
     def update_inverses(
@@ -43,7 +62,4 @@ class LocalStrategy(Strategy):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Precondition every layer here."""
-        with self.recorder.phase("precondition"):
-            return [
-                layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
-            ]
+        return precondition_here(self.recorder, layers, grads, damping)

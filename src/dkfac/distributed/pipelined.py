@@ -27,6 +27,7 @@ from dkfac.distributed.fusion import (
     plan_buckets_by_size,
     predict_timeline,
 )
+from dkfac.distributed.local import precondition_here
 from dkfac.distributed.pipeline import FactorPipeline, ready_order
 from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
@@ -222,10 +223,7 @@ class PipelinedStrategy(Strategy):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Every worker preconditions every layer with the shared decompositions."""
-        with self.recorder.phase("precondition"):
-            return [
-                layer.precondition(grad, damping) for layer, grad in zip(layers, grads, strict=True)
-            ]
+        return precondition_here(self.recorder, layers, grads, damping)
 
     # -- inspection --------------------------------------------------------------------------
     def plan(self) -> dict[str, Any]:

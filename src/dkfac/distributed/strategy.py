@@ -72,3 +72,20 @@ class Strategy(ABC):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
+
+
+def layer_owner_factors(
+    dims: dict[str, tuple[int, int]], owner: dict[str, int], reduced_to: str
+) -> list[dict[str, Any]]:
+    """``plan()["factors"]`` of a strategy that places whole layers: both factors, one owner."""
+    return [
+        {
+            "layer": name,
+            "factor": side,
+            "dim": dim,
+            "reduced_to": reduced_to,
+            "decomposed_by": owner[name],
+        }
+        for name, pair in dims.items()
+        for side, dim in zip("AG", pair, strict=True)
+    ]
