@@ -25,7 +25,7 @@ from dkfac.cli.bench_configs import (
     configurations,
     mlp6,
 )
-from dkfac.cli.bench_report import evaluate_pipelined_target, format_pipelined_target
+from dkfac.cli.bench_targets import evaluate_pipelined_target, format_pipelined_target
 from dkfac.cli.bench_worker import make_batch
 from dkfac.cli.main import BENCH_MODELS, BENCH_NPROCS, build_parser, main
 

@@ -7,7 +7,8 @@
 """
 
 from dkfac.config import KFACConfig
-from dkfac.preconditioner import KFACPreconditioner, SkippedModule
+from dkfac.layer_table import SkippedModule
+from dkfac.preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,6 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,19 +18,11 @@ from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.distributed import ClusterCostModel, StepRecorder, make_strategy
+from dkfac.layer_table import SkippedModule, format_layer_table
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SkippedModule:
-    """A module with parameters that K-FAC leaves to the plain gradient, and why."""
-
-    name: str
-    kind: str
-    reason: str
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -424,46 +415,12 @@ class KFACPreconditioner:
             f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
             f"layers={len(self._layers)}, skipped={len(self._skipped)})"
         )
-        plan = self._strategy.plan()
-        owners: dict[str, dict[str, str]] = {}
-        for factor in plan["factors"]:
-            owners.setdefault(factor["layer"], {})[factor["factor"]] = str(factor["decomposed_by"])
-        rows = [("layer", "type", "A", "G", "status", "decomposed by" if owners else "")]
-        by_path = dict(zip(self._paths, self._layers, strict=True))
-        skipped = {s.name: s for s in self._skipped}
-        for path, _ in self._model.named_modules():
-            if path in by_path:
-                layer = by_path[path]
-                block = layer.block
-                owner = owners.get(layer.name, {})
-                rows.append(
-                    (
-                        layer.name,
-                        block.describe(),
-                        f"{block.a_dim}x{block.a_dim}",
-                        f"{block.g_dim}x{block.g_dim}",
-                        "preconditioned",
-                        owner.get("A", "")
-                        if owner.get("A") == owner.get("G")
-                        else f"A:{owner.get('A')} G:{owner.get('G')}",
-                    )
-                )
-            elif path in skipped:
-                entry = skipped[path]
-                rows.append(
-                    (entry.name or entry.kind, entry.kind, "-", "-", f"skipped: {entry.reason}", "")
-                )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = [
-            "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows
-        ]
-        if plan["buckets"]:
-            collectives = sorted({bucket["collective"] for bucket in plan["buckets"]})
-            lines.append(
-                f"  factor communication: {len(plan['buckets'])} fused "
-                f"{'/'.join(collectives)} bucket(s), planned by {plan['fusion']}"
-            )
+        lines = format_layer_table(
+            self._model,
+            dict(zip(self._paths, self._layers, strict=True)),
+            self._skipped,
+            self._strategy.plan(),
+        )
         return "\n".join([header, *lines])
 
     # -- state ---------------------------------------------------------------------------------

@@ -41,13 +41,8 @@ from dkfac.cli.bench_configs import (
     STRATEGIES,
     environment,
 )
-from dkfac.cli.bench_report import (
-    MB,
-    REFERENCE,
-    evaluate_pipelined_target,
-    evaluate_target,
-    summary_rows,
-)
+from dkfac.cli.bench_report import MB, summary_rows
+from dkfac.cli.bench_targets import REFERENCE, evaluate_pipelined_target, evaluate_target
 from dkfac.cli.config import ConfigError
 
 WORKER_MODULE = "dkfac.cli.bench_worker"

@@ -1,0 +1,75 @@
+"""The table ``repr(KFACPreconditioner)`` prints: each layer, its factors, its owner."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from dkfac.curvature.layer import LayerCurvature
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """A module with parameters that K-FAC leaves to the plain gradient, and why."""
+
+    name: str
+    kind: str
+    reason: str
+
+
+def format_layer_table(
+    model: nn.Module,
+    layers: Mapping[str, LayerCurvature],
+    skipped: Sequence[SkippedModule],
+    plan: Mapping[str, Any],
+) -> list[str]:
+    """One line per module with parameters, in module order, plus the fusion summary.
+
+    Args:
+        model: the unwrapped model.
+        layers: preconditioned layers by module path.
+        skipped: modules left to the plain gradient.
+        plan: the strategy's ``plan()`` (owners per factor, buckets).
+    """
+    owners: dict[str, dict[str, str]] = {}
+    for factor in plan["factors"]:
+        owners.setdefault(factor["layer"], {})[factor["factor"]] = str(factor["decomposed_by"])
+    rows = [("layer", "type", "A", "G", "status", "decomposed by" if owners else "")]
+    by_name = {entry.name: entry for entry in skipped}
+    for path, _ in model.named_modules():
+        if path in layers:
+            layer = layers[path]
+            block = layer.block
+            owner = owners.get(layer.name, {})
+            rows.append(
+                (
+                    layer.name,
+                    block.describe(),
+                    f"{block.a_dim}x{block.a_dim}",
+                    f"{block.g_dim}x{block.g_dim}",
+                    "preconditioned",
+                    owner.get("A", "")
+                    if owner.get("A") == owner.get("G")
+                    else f"A:{owner.get('A')} G:{owner.get('G')}",
+                )
+            )
+        elif path in by_name:
+            entry = by_name[path]
+            rows.append(
+                (entry.name or entry.kind, entry.kind, "-", "-", f"skipped: {entry.reason}", "")
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if plan["buckets"]:
+        collectives = sorted({bucket["collective"] for bucket in plan["buckets"]})
+        lines.append(
+            f"  factor communication: {len(plan['buckets'])} fused "
+            f"{'/'.join(collectives)} bucket(s), planned by {plan['fusion']}"
+        )
+    return lines
