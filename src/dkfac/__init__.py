@@ -4,12 +4,16 @@
 
     pre = dkfac.KFACPreconditioner(model, lr=0.1)
     loss.backward(); pre.step(); optimizer.step()
+
+``dkfac.DeAR`` replaces DDP + ``optimizer.step()`` with decoupled, overlapped gradient
+aggregation (reduce-scatter under backward, all-gather under the next forward).
 """
 
 from dkfac.config import KFACConfig
+from dkfac.distributed.dear import DeAR
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 
-__all__ = ["KFACConfig", "KFACPreconditioner", "SkippedModule", "__version__"]
+__all__ = ["DeAR", "KFACConfig", "KFACPreconditioner", "SkippedModule", "__version__"]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dkfac.distributed.communicator import Communicator, require_distributed
 from dkfac.distributed.cost_model import ClusterCostModel
 from dkfac.distributed.d_kfac import DKFACStrategy
+from dkfac.distributed.dear import DeAR
 from dkfac.distributed.dp import DPStrategy
 from dkfac.distributed.kaisa import KAISAStrategy
 from dkfac.distributed.local import LocalStrategy
@@ -61,7 +62,7 @@ def make_strategy(
             f"strategy={name!r} is not allowed: expected one of "
             f"{', '.join(map(repr, STRATEGY_NAMES))}"
         )
-    require_distributed(name)
+    require_distributed(f"strategy={name!r}")
     if name in (SPDStrategy.name, PADStrategy.name):
         group = dist.new_group(list(range(dist.get_world_size())))
         comm = Communicator(
@@ -90,6 +91,7 @@ __all__ = [
     "Communicator",
     "DKFACStrategy",
     "DPStrategy",
+    "DeAR",
     "KAISAStrategy",
     "LocalStrategy",
     "PADStrategy",

@@ -57,9 +57,12 @@ class StepRecorder:
 
     Args:
         keep_steps: how many finished steps the trace keeps.
+        phases: the phase names :meth:`timings` always lists and the trace's first lanes
+            (default: the K-FAC phases).
     """
 
-    def __init__(self, keep_steps: int = 20) -> None:
+    def __init__(self, keep_steps: int = 20, phases: tuple[str, ...] = PHASES) -> None:
+        self.phases = phases
         self._current = StepRecord(step=0)
         self._finished: deque[StepRecord] = deque(maxlen=keep_steps)
         self._origin = time.perf_counter()
@@ -82,6 +85,17 @@ class StepRecorder:
             seconds = self._current.seconds
             seconds[name] = seconds.get(name, 0.0) + (end - start)
             self._current.events.append((name, start - self._origin, end - self._origin))
+
+    def now(self) -> float:
+        """The recorder's clock (``time.perf_counter``), for spans timed outside :meth:`phase`."""
+        return time.perf_counter()
+
+    def span(self, lane: str, start: float, end: float) -> None:
+        """Add a trace span on ``lane`` (clock: :meth:`now`) without counting it as phase time.
+
+        For work that runs in the background, e.g. a collective from launch to completion.
+        """
+        self._current.events.append((lane, start - self._origin, end - self._origin))
 
     def finish_step(self, step: int) -> None:
         """Close the record of ``step`` and open the next one."""
@@ -107,8 +121,8 @@ class StepRecorder:
         """Seconds per phase of the last finished step (every phase listed, 0 if absent)."""
         record = self.last()
         seconds = {} if record is None else record.seconds
-        return {name: seconds.get(name, 0.0) for name in PHASES} | {
-            name: value for name, value in seconds.items() if name not in PHASES
+        return {name: seconds.get(name, 0.0) for name in self.phases} | {
+            name: value for name, value in seconds.items() if name not in self.phases
         }
 
     def export_trace(self, path: str | os.PathLike[str], rank: int = 0) -> None:
@@ -116,30 +130,24 @@ class StepRecorder:
 
         One lane (thread) per phase; times in microseconds since the recorder started.
         """
-        lanes = {name: index for index, name in enumerate(PHASES)}
-        events: list[dict[str, Any]] = []
-        for name, index in lanes.items():
-            events.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": rank,
-                    "tid": index,
-                    "args": {"name": name},
-                }
-            )
+        lanes = {name: index for index, name in enumerate(self.phases)}
+        spans: list[dict[str, Any]] = []
         for record in self._finished:
             for name, start, end in record.events:
-                tid = lanes.setdefault(name, len(lanes))
-                events.append(
+                spans.append(
                     {
                         "name": name,
                         "ph": "X",
                         "pid": rank,
-                        "tid": tid,
+                        "tid": lanes.setdefault(name, len(lanes)),
                         "ts": start * 1e6,
                         "dur": (end - start) * 1e6,
                         "args": {"step": record.step},
                     }
                 )
+        names = [
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": index, "args": {"name": name}}
+            for name, index in lanes.items()
+        ]
+        events = names + spans
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -1,0 +1,613 @@
+"""DeAR: data-parallel gradient aggregation with the all-reduce decoupled (ALGORITHMS.md §7).
+
+An all-reduce is a reduce-scatter followed by an all-gather. :class:`DeAR` runs the first half
+under the backward pass and the second under the *next* forward pass:
+
+1. Gradients are fused into buckets in forward order (parameter registration order).
+2. During backward, a post-accumulate-grad hook marks each gradient ready; a bucket whose
+   gradients all exist starts its reduce-scatter at once (buckets are launched strictly from
+   the last to the first, so every rank issues the same collectives in the same order even
+   when some parameter is unused on one rank).
+3. :meth:`DeAR.step` (where ``optimizer.step()`` used to be) waits for the reduce-scatters and
+   starts every bucket's all-gather, first bucket first.
+4. In the next forward pass, the forward pre-hook of each module waits for the all-gathers of
+   the buckets holding its parameters and applies the optimizer update to exactly those
+   parameters, just before they are used.
+
+Numerically this is DDP (``find_unused_parameters=True``) followed by ``optimizer.step()``:
+gradients are averaged over ranks; a parameter no rank used keeps ``grad=None`` and is skipped
+by the optimizer. The update of each step is applied exactly once: by the pre-hook, by
+:meth:`DeAR.finish` (call it before evaluation that bypasses the modules' forward, at the end
+of training, or let ``model.state_dict()``/``optimizer.state_dict()`` call it), or at the
+latest before the same bucket's next reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dkfac.distributed.bucket_search import (
+    BucketSizeSearch,
+    distinct_candidates,
+    power_of_two_sizes,
+)
+from dkfac.distributed.communicator import (
+    CollectiveHandle,
+    Communicator,
+    ProcessGroup,
+    require_distributed,
+)
+from dkfac.distributed.fusion import plan_buckets_by_size
+from dkfac.distributed.recorder import StepRecorder
+
+logger = logging.getLogger(__name__)
+
+#: Phases of a DeAR step: time spent *waiting* (exposed communication) and updating.
+DEAR_PHASES: tuple[str, ...] = (
+    "grad_reduce_scatter",
+    "grad_all_gather",
+    "update",
+    "buffer_broadcast",
+)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class GradientBucket:
+    """Parameters whose gradients travel in one reduce-scatter and one all-gather.
+
+    ``flat`` holds the gradients (pre-divided by the world size), then one "used" flag per
+    parameter, then zero padding to a multiple of the world size; ``shard`` is this rank's
+    slice of the reduced ``flat``. After the all-gather a flag is positive iff some rank
+    produced that parameter's gradient.
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    flat: Tensor
+    shard: Tensor
+    ready: set[int] = field(default_factory=set)
+    launched: bool = False
+    reduce: CollectiveHandle | None = None
+    gather: CollectiveHandle | None = None
+    pending: bool = False
+    reduce_started: float = 0.0
+    gather_started: float = 0.0
+
+    @property
+    def flags(self) -> Tensor:
+        """The per-parameter used flags inside ``flat``."""
+        return self.flat[self.numel : self.numel + len(self.params)]
+
+    def grad_view(self, position: int) -> Tensor:
+        """Parameter ``position``'s averaged gradient as a view of ``flat``."""
+        param = self.params[position]
+        start = self.offsets[position]
+        return self.flat[start : start + param.numel()].view_as(param)
+
+
+class DeAR:
+    """Drop-in replacement of DDP + ``optimizer.step()`` that overlaps both halves of the allreduce.
+
+    Example::
+
+        model = MyModel()
+        dear = dkfac.DeAR(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)   # pre-hooks apply last step's update
+            loss.backward()                       # reduce-scatters start under backward
+            dear.step()                           # all-gathers start; replaces optimizer.step()
+        dear.finish()                             # apply the last update (evaluation, saving)
+
+    With K-FAC, the preconditioner needs every averaged gradient before it runs, so the
+    all-gathers cannot wait for the next forward pass::
+
+        loss.backward()
+        dear.gather_gradients()   # .grad = averaged gradients (only reduce-scatter overlapped)
+        pre.step()
+        dear.step()               # the update is applied now, nothing is deferred
+
+    Gradients belong to DeAR from :meth:`step` until the update is applied: ``.grad`` is
+    ``None`` after :meth:`step` and after each update, so ``optimizer.zero_grad()`` is optional.
+    Hyperparameters (``lr``, ...) are those of the optimizer when :meth:`step` was called, even if
+    a scheduler changes them before the deferred update runs. Parameters must be used through
+    their own module's ``forward`` (as with FSDP): that is where their update is applied.
+
+    Args:
+        model: the model (not wrapped in DDP). Its parameters and buffers are broadcast from
+            rank 0 now; buffers again after every :meth:`step`, received by the next forward
+            pass that runs with gradients enabled (as DDP's ``broadcast_buffers``).
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters, or a factory
+            ``params -> Optimizer``. Its update must be per-parameter (SGD, Adam, AdamW, ...).
+        bucket_cap_mb: bucket size in MiB, or ``"auto"``: each power-of-two size in
+            ``auto_range_mb`` that gives a distinct layout is timed for ``auto_trial_steps``
+            iterations, then the fastest (median, agreed over ranks) is kept for the rest of
+            the run.
+        auto_range_mb: ``(low, high)`` MiB searched by ``"auto"``.
+        auto_trial_steps: timed iterations per candidate size.
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) each step.
+        process_group: the ranks that share the model; default: a new group of all ranks, so
+            DeAR's collectives, launched from hooks, never interleave with other traffic.
+
+    Raises:
+        ValueError: an argument is not allowed (message names it).
+        RuntimeError: no initialised ``torch.distributed`` process group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        *,
+        bucket_cap_mb: float | str = 25.0,
+        auto_range_mb: tuple[float, float] = (1.0, 64.0),
+        auto_trial_steps: int = 5,
+        broadcast_buffers: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module) or isinstance(
+            model, nn.parallel.DistributedDataParallel
+        ):
+            raise ValueError(
+                f"model={type(model).__name__} is not allowed: expected a torch.nn.Module "
+                "that is not wrapped in DistributedDataParallel (DeAR replaces DDP)"
+            )
+        search = self._validate_bucket_cap(bucket_cap_mb, auto_range_mb, auto_trial_steps)
+        self._params = _trainable_parameters(model)
+        self.optimizer = self._make_optimizer(model, optimizer)
+        self.module = model
+        require_distributed(
+            "DeAR",
+            builder="DeAR",
+            alternative="in a single process, call optimizer.step() directly",
+        )
+        self._own_group = process_group is None
+        group = (
+            dist.new_group(list(range(dist.get_world_size())))
+            if process_group is None
+            else (process_group)
+        )
+        self._recorder = StepRecorder(phases=DEAR_PHASES)
+        self._comm = Communicator(self._recorder, group=group)
+        self._world = self._comm.world_size
+        self._broadcast_buffers = broadcast_buffers
+        self._sync_enabled = True
+        self._steps = 0
+        self._gathered = False
+        self._hyperparameters: list[dict[str, Any]] = []
+        self._buffer_sync: CollectiveHandle | None = None
+        self._last_step_at: float | None = None
+        self._backward_started: float | None = None
+        self._forward_started: float | None = None
+        self._broadcast_state()
+
+        self._search: BucketSizeSearch | None = None
+        if search:
+            candidates = distinct_candidates(
+                power_of_two_sizes(*auto_range_mb), lambda mb: tuple(map(tuple, self._layout(mb)))
+            )
+            self._search = BucketSizeSearch(candidates, trial_steps=auto_trial_steps)
+            self.bucket_cap_mb = self._search.current
+        else:
+            self.bucket_cap_mb = float(bucket_cap_mb)
+        self.tuning: list[tuple[float, float]] = []
+        self._buckets: list[GradientBucket] = []
+        self._bucket_of: dict[int, tuple[GradientBucket, int]] = {}
+        self._next_launch = -1
+        self._build_buckets()
+        self._handles: list[RemovableHandle] = self._register_hooks()
+
+    # -- construction ----------------------------------------------------------------------
+    @staticmethod
+    def _validate_bucket_cap(
+        bucket_cap_mb: float | str, auto_range_mb: tuple[float, float], auto_trial_steps: int
+    ) -> bool:
+        """Check the bucket options; True when the size is searched online."""
+        if isinstance(bucket_cap_mb, str):
+            if bucket_cap_mb != "auto":
+                raise ValueError(
+                    f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected a positive "
+                    "number of MiB or 'auto'"
+                )
+            if len(auto_range_mb) != 2:
+                raise ValueError(
+                    f"auto_range_mb={auto_range_mb!r} is not allowed: expected (low, high) MiB"
+                )
+            power_of_two_sizes(*auto_range_mb)
+            if (
+                isinstance(auto_trial_steps, bool)
+                or not isinstance(auto_trial_steps, int)
+                or (auto_trial_steps < 1)
+            ):
+                raise ValueError(
+                    f"auto_trial_steps={auto_trial_steps!r} is not allowed: expected an int >= 1"
+                )
+            return True
+        if (
+            isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, (int, float))
+            or not 0 < bucket_cap_mb < float("inf")
+        ):
+            raise ValueError(
+                f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected a positive number "
+                "of MiB or 'auto'"
+            )
+        return False
+
+    @staticmethod
+    def _make_optimizer(
+        model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory
+    ) -> torch.optim.Optimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise ValueError(
+                    f"optimizer={optimizer!r} is not allowed: expected a torch.optim.Optimizer "
+                    "or a callable params -> Optimizer"
+                )
+            optimizer = optimizer(model.parameters())
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError(
+                    f"optimizer factory returned {type(optimizer).__name__}: expected a "
+                    "torch.optim.Optimizer"
+                )
+        owned = {id(p) for p in model.parameters()}
+        foreign = [
+            tuple(p.shape)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in owned
+        ]
+        if foreign:
+            raise ValueError(
+                f"optimizer is not allowed: it updates {len(foreign)} tensor(s) that are not "
+                f"parameters of the model (shapes {foreign[:3]}); DeAR applies updates from "
+                "the model's hooks, so every optimized tensor must be a model parameter"
+            )
+        return optimizer
+
+    def _broadcast_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
+        tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+        if tensors and self._world > 1:
+            with torch.no_grad():
+                self._comm.broadcast(tensors, 0, phase="broadcast").wait()
+
+    def _layout(self, cap_mb: float) -> list[list[int]]:
+        """Buckets of parameter positions in forward order, cut at dtype/device changes."""
+        nbytes = [p.numel() * p.element_size() for p in self._params]
+        kinds = [(p.dtype, p.device) for p in self._params]
+        boundaries = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
+        return plan_buckets_by_size(nbytes, int(cap_mb * 2**20), boundaries)
+
+    def _build_buckets(self) -> None:
+        self._buckets, self._bucket_of = [], {}
+        for index, positions in enumerate(self._layout(self.bucket_cap_mb)):
+            params = [self._params[i] for i in positions]
+            offsets, numel = [], 0
+            for param in params:
+                offsets.append(numel)
+                numel += param.numel()
+            padded = -(-(numel + len(params)) // self._world) * self._world
+            first = params[0]
+            flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            shard = torch.empty(padded // self._world, dtype=first.dtype, device=first.device)
+            bucket = GradientBucket(index, params, offsets, numel, flat, shard)
+            self._buckets.append(bucket)
+            for position, param in enumerate(params):
+                self._bucket_of[id(param)] = (bucket, position)
+        self._next_launch = len(self._buckets) - 1
+
+    def _register_hooks(self) -> list[RemovableHandle]:
+        register = nn.Parameter.register_post_accumulate_grad_hook
+        handles = [register(param, self._on_gradient) for param in self._params]  # type: ignore[no-untyped-call]
+        handles.append(self.module.register_forward_pre_hook(self._before_model_forward))
+        handles.append(self.module.register_forward_hook(self._after_model_forward))
+        for module in self.module.modules():
+            if any(id(p) in self._bucket_of for p in module.parameters(recurse=False)):
+                hook = functools.partial(self._before_module_forward, module)
+                handles.append(module.register_forward_pre_hook(hook))
+        # Saving or loading while an update is pending would lose it: apply it first.
+        for owner in (self.module, self.optimizer):
+            handles.append(owner.register_state_dict_pre_hook(self._finish_hook))
+            handles.append(owner.register_load_state_dict_pre_hook(self._finish_hook))
+        return handles
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _finish_hook(self, *_: Any, **__: Any) -> None:
+        self.finish()
+
+    def _on_gradient(self, param: Tensor) -> None:
+        if not self._sync_enabled:
+            return
+        if self._backward_started is None:
+            self._backward_started = self._recorder.now()
+        bucket, position = self._bucket_of[id(param)]
+        if bucket.launched:
+            raise RuntimeError(
+                "a gradient was accumulated again after its bucket's reduce-scatter started: "
+                "call dear.step() after each backward pass, or run the extra backward passes "
+                "of gradient accumulation inside `with dear.no_sync():`"
+            )
+        bucket.ready.add(position)
+        while self._next_launch >= 0:
+            candidate = self._buckets[self._next_launch]
+            if len(candidate.ready) < len(candidate.params):
+                break
+            self._launch_reduce_scatter(candidate)
+
+    def _before_model_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_started = self._recorder.now()
+        # As DDP: rank 0's buffers replace this rank's at the next forward that builds a
+        # graph (not in evaluation under no_grad, which sees this rank's own buffers).
+        if torch.is_grad_enabled():
+            self._receive_buffers()
+
+    def _receive_buffers(self) -> None:
+        if self._buffer_sync is not None:
+            handle, self._buffer_sync = self._buffer_sync, None
+            with self._recorder.phase("buffer_broadcast"):
+                handle.wait()
+
+    def _after_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._forward_started is not None:
+            self._recorder.span("forward", self._forward_started, self._recorder.now())
+            self._forward_started = None
+
+    def _before_module_forward(self, module: nn.Module, *_: Any) -> None:
+        for param in module.parameters(recurse=False):
+            entry = self._bucket_of.get(id(param))
+            if entry is not None and entry[0].pending:
+                self._apply(entry[0])
+
+    # -- collectives -----------------------------------------------------------------------
+    def _launch_reduce_scatter(self, bucket: GradientBucket) -> None:
+        """Pack this rank's gradients and used flags (1/P each) and start the reduce-scatter."""
+        if bucket.pending:  # last step's update was never needed by a forward: apply it now
+            self._apply(bucket)
+        with torch.no_grad():
+            bucket.flat.zero_()
+            for position, param in enumerate(bucket.params):
+                if param.grad is not None:
+                    start = bucket.offsets[position]
+                    bucket.flat[start : start + param.numel()].copy_(param.grad.reshape(-1))
+                    bucket.flags[position] = 1
+            bucket.flat.div_(self._world)
+        bucket.reduce = self._comm.reduce_scatter(
+            bucket.flat, bucket.shard, phase="grad_reduce_scatter"
+        )
+        bucket.launched = True
+        bucket.reduce_started = self._recorder.now()
+        self._next_launch = bucket.index - 1
+
+    def _launch_remaining_reduce_scatters(self) -> None:
+        """Buckets not complete in backward (unused parameters) go now, last bucket first."""
+        while self._next_launch >= 0:
+            self._launch_reduce_scatter(self._buckets[self._next_launch])
+
+    def _launch_all_gathers(self) -> None:
+        """Wait for each reduce-scatter and start its all-gather, first bucket first."""
+        for bucket in self._buckets:
+            assert bucket.reduce is not None
+            with self._recorder.phase("grad_reduce_scatter"):
+                bucket.reduce.wait()
+            self._recorder.span(
+                "reduce_scatter in flight", bucket.reduce_started, self._recorder.now()
+            )
+            bucket.reduce = None
+            bucket.gather = self._comm.all_gather(
+                bucket.shard, bucket.flat, phase="grad_all_gather"
+            )
+            bucket.gather_started = self._recorder.now()
+
+    def _wait_gather(self, bucket: GradientBucket) -> None:
+        if bucket.gather is None:
+            return
+        with self._recorder.phase("grad_all_gather"):
+            bucket.gather.wait()
+        self._recorder.span("all_gather in flight", bucket.gather_started, self._recorder.now())
+        bucket.gather = None
+
+    def _install_gradients(self, bucket: GradientBucket) -> list[nn.Parameter]:
+        """Averaged gradients into ``.grad`` (views of ``flat``); the parameters some rank used."""
+        self._wait_gather(bucket)
+        used = bucket.flags.gt(0).tolist()
+        installed = []
+        for position, param in enumerate(bucket.params):
+            if used[position]:
+                param.grad = bucket.grad_view(position)
+                installed.append(param)
+        return installed
+
+    def _apply(self, bucket: GradientBucket) -> None:
+        """The deferred optimizer update of ``bucket``'s parameters, exactly once.
+
+        The optimizer steps every parameter that has a ``.grad``, so gradients of other
+        parameters (a backward pass may be under way when a late update runs) are set aside
+        and put back afterwards.
+        """
+        bucket.pending = False
+        aside = [(param, param.grad) for param in self._params if param.grad is not None]
+        for param, _ in aside:
+            param.grad = None
+        self._install_gradients(bucket)
+        self._optimizer_step()
+        for param in bucket.params:
+            param.grad = None
+        for param, grad in aside:
+            param.grad = grad
+
+    def _optimizer_step(self) -> None:
+        """``optimizer.step()`` with the hyperparameters of the step that produced the grads.
+
+        Only parameters whose ``.grad`` is set are touched: every other ``.grad`` is ``None``.
+        """
+        with self._recorder.phase("update"):
+            groups = self.optimizer.param_groups
+            current = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+            for group, saved in zip(groups, self._hyperparameters, strict=True):
+                group.update(saved)
+            try:
+                self.optimizer.step()
+            finally:
+                for group, values in zip(groups, current, strict=True):
+                    group.update(values)
+
+    # -- public ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward (the model can also be called directly)."""
+        return self.module(*args, **kwargs)
+
+    @property
+    def steps(self) -> int:
+        """Number of completed :meth:`step` calls."""
+        return self._steps
+
+    def gather_gradients(self) -> None:
+        """Finish the allreduce now: ``.grad`` holds the averaged gradients, as after DDP.
+
+        For code that reads or changes gradients before the update (K-FAC, clipping). The
+        reduce-scatters still overlapped the backward pass; the all-gathers do not overlap
+        anything. The following :meth:`step` applies the update at once.
+        """
+        if self._gathered:
+            return
+        self._launch_remaining_reduce_scatters()
+        self._launch_all_gathers()
+        for bucket in self._buckets:
+            self._install_gradients(bucket)
+        self._gathered = True
+
+    def step(self) -> None:
+        """Take the optimizer step of this iteration (call it instead of ``optimizer.step()``).
+
+        Starts the all-gathers; each bucket's update is applied in the next forward pass just
+        before its parameters are used (or at once after :meth:`gather_gradients`, and on the
+        first step, so that an LR scheduler sees ``optimizer.step()`` before its own step).
+        """
+        now = self._recorder.now()
+        if self._backward_started is not None:
+            self._recorder.span("backward (gradients ready)", self._backward_started, now)
+            self._backward_started = None
+        deferred = not self._gathered
+        if deferred:  # may apply last step's late updates, with last step's hyperparameters
+            self._launch_remaining_reduce_scatters()
+        self._hyperparameters = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
+        # Before the all-gathers: on a backend that runs a group's collectives in order
+        # (NCCL), the next forward must not wait behind every all-gather for the buffers.
+        buffers = list(self.module.buffers()) if self._broadcast_buffers else []
+        if buffers and self._world > 1:
+            self._receive_buffers()  # normally done by the forward pass before this step
+            self._buffer_sync = self._comm.broadcast(buffers, 0, phase="buffer_broadcast")
+        if deferred:
+            self._launch_all_gathers()
+        else:
+            self._optimizer_step()
+        self._gathered = False
+        for param in self._params:
+            param.grad = None
+        self._reset_buckets(pending=deferred)
+        if self._steps == 0:
+            self.finish()
+        self._tune(now)
+        self._recorder.finish_step(self._steps)
+        self._steps += 1
+
+    def _reset_buckets(self, *, pending: bool) -> None:
+        for bucket in self._buckets:
+            bucket.ready.clear()
+            bucket.launched = False
+            bucket.pending = pending
+        self._next_launch = len(self._buckets) - 1
+
+    def finish(self) -> None:
+        """Apply every pending update now (before evaluation, saving, or the end of training)."""
+        for bucket in self._buckets:
+            if bucket.pending:
+                self._apply(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate ``.grad`` (gradient accumulation), as in DDP."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _tune(self, now: float) -> None:
+        """Feed the iteration time to the bucket-size search; switch or freeze when it says."""
+        previous, self._last_step_at = self._last_step_at, now
+        if self._search is None or previous is None or not self._search.record(now - previous):
+            return
+        search = self._search
+        if search.measured_all:
+            medians = torch.tensor(search.medians, dtype=torch.float64)
+            self._comm.allreduce([medians], phase="tuning", maximum=True).wait()
+            self.tuning = list(zip(search.candidates, medians.tolist(), strict=True))
+            chosen = search.choose(medians.tolist())
+            self._search = None
+            logger.info(
+                "DeAR bucket size: %.3g MiB (median s/iteration per size: %s)",
+                chosen,
+                ", ".join(f"{mb:g}: {s:.4f}" for mb, s in self.tuning),
+            )
+        else:
+            chosen = search.current
+        if chosen != self.bucket_cap_mb:
+            self.finish()
+            self.bucket_cap_mb = chosen
+            self._build_buckets()
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""
+        return self._recorder.comm_stats()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds of the last step spent waiting for collectives and in optimizer updates."""
+        return self._recorder.timings()
+
+    def export_trace(self, path: str) -> None:
+        """Chrome trace of recent steps: forward, backward, waits and collectives in flight."""
+        self._recorder.export_trace(path, rank=dist.get_rank())
+
+    def remove(self) -> None:
+        """Apply what is pending, detach every hook and release DeAR's process group."""
+        self.finish()
+        self._receive_buffers()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._own_group and self._comm.group is not None:
+            dist.destroy_process_group(self._comm.group)
+            self._own_group = False
+
+
+def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that require grad, once each, in module (forward) registration order."""
+    seen: set[int] = set()
+    params = []
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    if not params:
+        raise ValueError(
+            f"model={type(model).__name__} is not allowed: it has no parameter that requires grad"
+        )
+    return params
