@@ -17,6 +17,9 @@ from dkfac.distributed.fusion import (
 def test_size_plan_fills_buckets_up_to_the_cap_in_order() -> None:
     assert plan_buckets_by_size([4, 4, 4, 9, 1], cap_bytes=8) == [[0, 1], [2], [3], [4]]
     assert plan_buckets_by_size([4, 4, 4], cap_bytes=0) == [[0], [1], [2]]  # every one alone
+    # A lower cap for the first bucket only (DeAR, like DDP, keeps its first bucket short).
+    assert plan_buckets_by_size([2, 2, 2, 2, 2, 2], 8, first_cap_bytes=4) == [[0, 1], [2, 3, 4, 5]]
+    assert plan_buckets_by_size([2, 2, 2], 3, first_cap_bytes=8) == [[0], [1], [2]]
     assert plan_buckets_by_size([4, 4, 4, 4], cap_bytes=100, boundaries=[2]) == [[0, 1], [2, 3]]
     assert plan_buckets_by_size([], cap_bytes=8) == []
 

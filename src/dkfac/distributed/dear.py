@@ -3,7 +3,8 @@
 An all-reduce is a reduce-scatter followed by an all-gather. :class:`DeAR` runs the first half
 under the backward pass and the second under the *next* forward pass:
 
-1. Gradients are fused into buckets in forward order (parameter registration order).
+1. Gradients are fused into buckets in forward order (parameter registration order); the
+   first bucket is capped at 1 MiB.
 2. During backward, a post-accumulate-grad hook marks each gradient ready; a bucket whose
    gradients all exist starts its reduce-scatter at once (buckets are launched strictly from
    the last to the first, so every rank issues the same collectives in the same order even
@@ -59,6 +60,10 @@ DEAR_PHASES: tuple[str, ...] = (
     "update",
     "buffer_broadcast",
 )
+
+#: Cap of the first bucket: its reduce-scatter is the last of a backward pass and its
+#: all-gather the first thing the next forward waits for, so it is kept short (as DDP's).
+FIRST_BUCKET_BYTES = 2**20
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -290,7 +295,9 @@ class DeAR:
         nbytes = [p.numel() * p.element_size() for p in self._params]
         kinds = [(p.dtype, p.device) for p in self._params]
         boundaries = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
-        return plan_buckets_by_size(nbytes, int(cap_mb * 2**20), boundaries)
+        return plan_buckets_by_size(
+            nbytes, int(cap_mb * 2**20), boundaries, first_cap_bytes=FIRST_BUCKET_BYTES
+        )
 
     def _build_buckets(self) -> None:
         self._buckets, self._bucket_of = [], {}
@@ -469,6 +476,11 @@ class DeAR:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (the model can also be called directly)."""
         return self.module(*args, **kwargs)
+
+    @property
+    def searching(self) -> bool:
+        """Whether ``bucket_cap_mb="auto"`` is still timing candidate sizes."""
+        return self._search is not None
 
     @property
     def steps(self) -> int:

@@ -26,17 +26,25 @@ def _check(nbytes: Sequence[int], cap_bytes: int, boundaries: Sequence[int]) -> 
 
 
 def plan_buckets_by_size(
-    nbytes: Sequence[int], cap_bytes: int, boundaries: Sequence[int] = ()
+    nbytes: Sequence[int],
+    cap_bytes: int,
+    boundaries: Sequence[int] = (),
+    first_cap_bytes: int | None = None,
 ) -> list[list[int]]:
     """Greedy buckets in list order: a bucket closes before the item that would exceed the cap.
 
     An item larger than the cap travels alone; ``cap_bytes=0`` puts every item alone.
+    ``first_cap_bytes`` caps the first bucket lower (as DDP's 1 MiB first bucket: the last
+    collective of a backward pass, or the first one a forward pass waits for, stays short).
     """
     starts = _check(nbytes, cap_bytes, boundaries)
     buckets: list[list[int]] = []
     size = 0
     for position, item_bytes in enumerate(nbytes):
-        if not buckets or position in starts or size + item_bytes > cap_bytes:
+        limit = cap_bytes
+        if len(buckets) == 1 and first_cap_bytes is not None:
+            limit = min(cap_bytes, first_cap_bytes)
+        if not buckets or position in starts or size + item_bytes > limit:
             buckets.append([])
             size = 0
         buckets[-1].append(position)
