@@ -4,16 +4,25 @@ A thin front end of ``dkfac bench`` (:mod:`dkfac.cli.bench`, which launches
 ``python -m torch.distributed.run ... -m dkfac.cli.bench_worker`` per world size; the
 measurement is described in :mod:`dkfac.cli.bench_worker`). This script keeps its own defaults:
 ResNet-20, ResNet-32 and MLP-6 (a 6-layer MLP with 1024-wide layers, the communication-bound
-case), P in 2 and 4, every strategy (``dkfac``, ``kaisa``, ``spd`` = SPD-KFAC, ``pad`` =
-PAD-KFAC) at schedules (1,1) and (10,100). It prints the same table, the reference line and
-both targets (dkfac's ResNet-20 P=2 overhead; spd and pad at least 10% faster than dkfac per
-factor-update iteration at P=4, with the phase breakdown of every comparison) and writes the
-combined report to ``--json`` instead of a results folder with a chart.
+case), P in 2 and 4, every strategy (``dkfac``; ``kaisa`` at f = 1/P, and 1/2 when P > 2
+is even; ``spd`` = SPD-KFAC; ``pad`` = PAD-KFAC; ``dp`` = DP-KFAC) at schedules (1,1) and
+(10,100). It prints the same table, the reference line and both targets (dkfac's ResNet-20
+P=2 overhead; spd and pad at least 10% faster than dkfac per factor-update iteration at P=4,
+with the phase breakdown of every comparison) and writes the combined report to ``--json``
+instead of a results folder with a chart.
+
+``--layers resnet50`` is a dry run instead (no training, no process group, seconds): from
+ImageNet ResNet-50's layer shapes it computes, with the strategies' own planners and packing
+rules, each strategy's bytes per worker, decomposition work and factor + decomposition memory
+of one second-order update at P = 64 (``--nprocs`` to change), prints the table and the
+dp vs dkfac ratios against the DP-KFAC paper's 2.79x / 1.14x, and writes
+``results/resnet50_dry_run.json`` (:mod:`dkfac.cli.bench_dry_run`).
 
 Usage::
 
     .venv/bin/python benchmarks/strategies.py            # full run (long: every model, P, strategy)
     .venv/bin/python benchmarks/strategies.py --quick    # smoke test (ResNet-20, P=2)
+    .venv/bin/python benchmarks/strategies.py --layers resnet50   # dry run, P=64
     .venv/bin/dkfac bench --quick --out runs/bench       # the same, plus bench.png
 """
 
@@ -37,6 +46,8 @@ from dkfac.cli.config import ConfigError
 __all__ = ["PHASES", "main"]
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "strategies.json"
+#: Where a dry run (``--layers NAME``) writes by default: ``NAME_dry_run.json``.
+RESULTS = DEFAULT_JSON.parent
 MODELS = "resnet20,resnet32,mlp6"
 NPROCS = "2,4"
 
@@ -45,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     """Launch every world size, print the table, write the JSON; return the exit code."""
     parser = argparse.ArgumentParser(
         description="Time DDP + SGD vs the dkfac/kaisa/spd/pad/dp K-FAC strategies on CIFAR "
-        "ResNets and a wide 6-layer MLP (gloo, CPU)."
+        "ResNets and a wide 6-layer MLP (gloo, CPU), or (--layers) compute their bytes, "
+        "decomposition work and memory from a model's layer shapes."
     )
     add_bench_options(parser, models=MODELS, nprocs=NPROCS)
     parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})"
+        "--json",
+        type=Path,
+        default=None,
+        help=f"output JSON (default {DEFAULT_JSON}; with --layers NAME: "
+        f"{RESULTS / 'NAME_dry_run.json'})",
     )
     args = parser.parse_args(argv)
     try:
@@ -62,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_summary(report))
-    path = write_json(report, args.json)
+    json_path = args.json
+    if json_path is None:
+        json_path = RESULTS / f"{options.layers}_dry_run.json" if options.layers else DEFAULT_JSON
+    path = write_json(report, json_path)
     print(f"\nJSON: {path}")
     return 1 if failed_launches(report) else 0
 

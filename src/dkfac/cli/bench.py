@@ -11,6 +11,10 @@ combines the launches into one report. What a worker measures is described in
 :mod:`dkfac.cli.bench_worker`; the table, the reference line, the two targets (dkfac's
 overhead; spd and pad against dkfac) and the chart are in :mod:`dkfac.cli.bench_report`.
 ``benchmarks/strategies.py`` is a thin front end of this module.
+
+``--layers resnet50`` launches nothing: it is a dry run that computes each strategy's bytes
+per worker, decomposition work and memory of one second-order update from the model's layer
+shapes (:mod:`dkfac.cli.bench_dry_run`), at ``P = 64`` unless ``--nprocs`` says otherwise.
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ from dkfac.cli.bench_configs import (
     STRATEGIES,
     environment,
 )
+from dkfac.cli.bench_dry_run import (
+    DRY_RUN_NPROCS,
+    NOMINAL_COST_MODEL,
+    dry_run_models,
+    dry_run_report,
+)
 from dkfac.cli.bench_report import MB, summary_rows
 from dkfac.cli.bench_targets import REFERENCE, evaluate_pipelined_target, evaluate_target
 from dkfac.cli.config import ConfigError
+from dkfac.distributed.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 
 WORKER_MODULE = "dkfac.cli.bench_worker"
 
@@ -83,6 +94,8 @@ class BenchOptions:
     seed: int = 0
     bucket_cap_mb: float = 25.0
     quick: bool = False
+    layers: str | None = None
+    cost_model: ClusterCostModel = NOMINAL_COST_MODEL
 
     def worker_argv(self, out: Path) -> list[str]:
         """The options of :mod:`dkfac.cli.bench_worker`, rank 0 writing to ``out``."""
@@ -202,6 +215,46 @@ def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: s
         help="smoke test: resnet20, P=2, 1 round, 2 warm-up, iters 3, iters-long 10 (every "
         "strategy of --strategies)",
     )
+    dry = parser.add_argument_group(
+        "dry run",
+        "--layers computes, without training or a process group, each strategy's bytes per "
+        "worker, decomposition work and factor + decomposition memory of one second-order "
+        "update from the model's layer shapes, with the strategies' own planners (P from "
+        f"--nprocs, default {DRY_RUN_NPROCS}); the cost model below only places spd/pad's "
+        "factors and is nominal, not measured",
+    )
+    dry.add_argument(
+        "--layers",
+        choices=sorted(dry_run_models()),
+        default=None,
+        help="dry run on this model's layer shapes instead of timing (resnet50: ImageNet "
+        "ResNet-50, 53 Conv2d + the Linear classifier)",
+    )
+    nominal = NOMINAL_COST_MODEL
+    dry.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help=f"collective start-up in s (default {nominal.collective.alpha:g})",
+    )
+    dry.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help=f"collective s per payload byte (default {nominal.collective.beta:g})",
+    )
+    dry.add_argument(
+        "--decomposition-c0",
+        type=float,
+        default=None,
+        help=f"fixed s per decomposition (default {nominal.decomposition.c0:g})",
+    )
+    dry.add_argument(
+        "--decomposition-c3",
+        type=float,
+        default=None,
+        help=f"s per d^3 of a decomposition (default {nominal.decomposition.c3:g})",
+    )
 
 
 def _csv(value: str) -> list[str]:
@@ -229,12 +282,49 @@ def _parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
     return tuple(schedules)
 
 
+def _cost_model_from_args(args: argparse.Namespace) -> ClusterCostModel:
+    """The dry run's cost model: the nominal constants, with those given on the command line."""
+    given = {
+        name: getattr(args, name, None)
+        for name in ("alpha", "beta", "decomposition_c0", "decomposition_c3")
+    }
+    if getattr(args, "layers", None) is None:
+        flags = [
+            f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None
+        ]
+        if flags:
+            raise ConfigError(f"{', '.join(flags)}: options of a dry run, which needs --layers")
+        return NOMINAL_COST_MODEL
+    for name, value in given.items():
+        if value is not None and not value >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value!r}")
+    nominal = NOMINAL_COST_MODEL
+
+    def pick(name: str, default: float) -> float:
+        value = given[name]
+        return default if value is None else float(value)
+
+    return ClusterCostModel(
+        AlphaBeta(pick("alpha", nominal.collective.alpha), pick("beta", nominal.collective.beta)),
+        CubicCost(
+            pick("decomposition_c0", nominal.decomposition.c0),
+            pick("decomposition_c3", nominal.decomposition.c3),
+        ),
+    )
+
+
 def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> BenchOptions:
-    """Fill in the defaults (which depend on ``--quick``) and validate.
+    """Fill in the defaults (which depend on ``--quick`` and ``--layers``) and validate.
 
     Raises:
         ConfigError: a bad option, with the one line the user sees.
     """
+    layers = getattr(args, "layers", None)
+    cost_model = _cost_model_from_args(args)
+    if layers is not None:
+        if args.quick:
+            raise ConfigError("--quick times a small run; a dry run (--layers) times nothing")
+        nprocs = str(DRY_RUN_NPROCS)
     defaults = (
         QUICK_DEFAULTS if args.quick else {**FULL_DEFAULTS, "models": models, "nprocs": nprocs}
     )
@@ -254,6 +344,8 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         ) from None
     if not world_sizes or min(world_sizes) < 1:
         raise ConfigError("--nprocs needs at least one world size >= 1")
+    if layers is not None and min(world_sizes) < 2:
+        raise ConfigError("--nprocs: a dry run (--layers) needs world sizes of at least 2")
     strategies = _csv(args.strategies)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
@@ -284,6 +376,8 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
         quick=args.quick,
+        layers=layers,
+        cost_model=cost_model,
     )
 
 
@@ -404,9 +498,20 @@ def launch(nprocs: int, options: BenchOptions, folder: Path) -> Launch:
 def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Launch every world size in turn; the combined report (JSON-ready).
 
+    With ``options.layers`` nothing is launched: the report is the dry run's
+    (:func:`dkfac.cli.bench_dry_run.dry_run_report`, ``"benchmark": "dry_run"``).
+
     Raises:
         ConfigError: this process is itself a rank of a torch.distributed launch.
     """
+    if options.layers is not None:
+        return dry_run_report(
+            options.layers,
+            options.nprocs,
+            options.strategies,
+            cost_model=options.cost_model,
+            bucket_cap_mb=options.bucket_cap_mb,
+        )
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         raise ConfigError(
             "started inside a torch.distributed launch; run the benchmark directly, it "

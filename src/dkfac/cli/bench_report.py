@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dkfac.cli.bench_configs import INVERSE_METHOD, LR, MODEL_LABELS, MOMENTUM, PHASES
+from dkfac.cli.bench_dry_run import format_dry_run, write_dry_run_chart
 from dkfac.cli.bench_targets import format_ms, format_pipelined_target, format_target
 
 MB = 1e6
@@ -109,7 +110,12 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def format_summary(report: Mapping[str, Any]) -> str:
-    """Everything printed after a run: setting, table, reference line, both targets, failures."""
+    """Everything printed after a run: setting, table, reference line, both targets, failures.
+
+    A dry run's report (``--layers``) is rendered by :func:`~.bench_dry_run.format_dry_run`.
+    """
+    if report.get("benchmark") == "dry_run":
+        return format_dry_run(report)
     env, settings = report["environment"], report["settings"]
     schedules = [tuple(s) for s in settings["schedules"]]
     short = ", ".join(["SGD", *(f"({f},{i})" for f, i in schedules if f == i == 1)])
@@ -154,7 +160,13 @@ def phase_ms(row: Mapping[str, Any]) -> dict[str, float]:
 def write_chart(
     rows: Sequence[Mapping[str, Any]], path: Path, *, subtitle: str = ""
 ) -> Path | None:
-    """A stacked horizontal bar per configuration (ms/iter by phase); None without matplotlib."""
+    """A stacked horizontal bar per configuration (ms/iter by phase); None without matplotlib.
+
+    Rows of a dry run (``--layers``) get :func:`~.bench_dry_run.write_dry_run_chart` instead
+    (bytes and memory per worker; ``subtitle`` does not apply).
+    """
+    if rows and rows[0].get("dry_run"):
+        return write_dry_run_chart(rows, path)
     try:
         import matplotlib
 

@@ -17,6 +17,7 @@ contract); the strategies guarantee it by iterating over layers and owners in a 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,12 +62,80 @@ def wire_bytes(op: str, nbytes: int, ranks: int) -> int:
     return _WIRE_FACTOR[op] * nbytes * (ranks - 1) // max(ranks, 1)
 
 
+def packed_values(shape: Sequence[int], symmetric: bool) -> int:
+    """Values a tensor of ``shape`` occupies on the wire: the upper triangle if symmetric."""
+    if symmetric:
+        d = shape[0]
+        return d * (d + 1) // 2
+    return math.prod(shape)
+
+
 def packed_numel(tensor: Tensor, symmetric: bool) -> int:
     """Values a tensor occupies on the wire."""
-    if symmetric:
-        d = tensor.shape[0]
-        return d * (d + 1) // 2
-    return tensor.numel()
+    return packed_values(tensor.shape, symmetric)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes of one value of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FusedPayload:
+    """One fused collective of a plan: tensors ``[start, end)``, its dtype and payload bytes."""
+
+    start: int
+    end: int
+    dtype: torch.dtype
+    nbytes: int
+
+
+def plan_fusion(
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype],
+    symmetric: Sequence[bool],
+    cap_bytes: int,
+    comm_dtype: torch.dtype | None = None,
+) -> list[FusedPayload]:
+    """How :meth:`Communicator.buckets` fuses tensors, from their shapes and dtypes alone.
+
+    In order, a bucket closes before the tensor that would take it past ``cap_bytes`` (a
+    tensor larger than the cap travels alone). A bucket travels in ``comm_dtype`` or else in
+    the promoted dtype of its tensors; symmetric tensors send their upper triangle only.
+    Pure (no tensors, no process group): the dry run (:mod:`dkfac.distributed.accounting`)
+    counts bytes with it exactly as the communicator does.
+    """
+    flags = list(symmetric)
+    result: list[FusedPayload] = []
+
+    def close(start: int, end: int) -> None:
+        dtype = comm_dtype or functools.reduce(torch.promote_types, dtypes[start:end])
+        values = sum(packed_values(shapes[i], flags[i]) for i in range(start, end))
+        result.append(FusedPayload(start, end, dtype, values * element_size(dtype)))
+
+    start, size = 0, 0
+    for index, (shape, dtype, sym) in enumerate(zip(shapes, dtypes, flags, strict=True)):
+        nbytes = packed_values(shape, sym) * element_size(comm_dtype or dtype)
+        if index > start and size + nbytes > cap_bytes:
+            close(start, index)
+            start, size = index, 0
+        size += nbytes
+    if start < len(flags):
+        close(start, len(flags))
+    return result
+
+
+def group_by_source(sources: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(source, indices)`` per distinct source, ascending: one fused broadcast each."""
+    return [
+        (source, [i for i, s in enumerate(sources) if s == source])
+        for source in sorted(set(sources))
+    ]
+
+
+def record_collective(recorder: StepRecorder, phase: str, op: str, nbytes: int, ranks: int) -> None:
+    """Count one collective of ``nbytes`` payload over ``ranks`` ranks (and its wire bytes)."""
+    recorder.count(phase, op, nbytes, wire_bytes(op, nbytes, ranks))
 
 
 @dataclass
@@ -187,22 +256,17 @@ class Communicator:
     ) -> list[FusionBucket]:
         """Split ``tensors`` in order into buckets of at most ``bucket_cap_mb`` each."""
         flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
-        result: list[FusionBucket] = []
-        start, size = 0, 0
-        for index, (tensor, sym) in enumerate(zip(tensors, flags, strict=True)):
-            dtype = self.comm_dtype or tensor.dtype
-            nbytes = packed_numel(tensor, sym) * torch.empty((), dtype=dtype).element_size()
-            if index > start and size + nbytes > self.bucket_cap_bytes:
-                result.append(self._bucket(tensors[start:index], flags[start:index]))
-                start, size = index, 0
-            size += nbytes
-        if start < len(tensors):
-            result.append(self._bucket(tensors[start:], flags[start:]))
-        return result
-
-    def _bucket(self, tensors: Sequence[Tensor], symmetric: Sequence[bool]) -> FusionBucket:
-        dtype = self.comm_dtype or functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-        return FusionBucket(list(tensors), list(symmetric), dtype)
+        plan = plan_fusion(
+            [tuple(t.shape) for t in tensors],
+            [t.dtype for t in tensors],
+            flags,
+            self.bucket_cap_bytes,
+            self.comm_dtype,
+        )
+        return [
+            FusionBucket(list(tensors[p.start : p.end]), flags[p.start : p.end], p.dtype)
+            for p in plan
+        ]
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(
@@ -291,8 +355,7 @@ class Communicator:
         """
         results = list(tensors)
         handles = []
-        for source in sorted(set(sources)):
-            indices = [i for i, s in enumerate(sources) if s == source]
+        for source, indices in group_by_source(sources):
             buffers = [
                 tensors[i] if source == self.rank else torch.empty_like(tensors[i]) for i in indices
             ]
@@ -340,7 +403,7 @@ class Communicator:
 
     def _count(self, phase: str, op: str, nbytes: int, group: ProcessGroup | None) -> None:
         ranks = dist.get_world_size(group) if group is not None else self.world_size
-        self.recorder.count(phase, op, nbytes, wire_bytes(op, nbytes, ranks))
+        record_collective(self.recorder, phase, op, nbytes, ranks)
 
     def _launch(
         self,

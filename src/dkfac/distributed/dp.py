@@ -35,6 +35,16 @@ def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
     return float(a_dim**3 + g_dim**3 + g_dim * a_dim * (g_dim + a_dim))
 
 
+def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[int]:
+    """Owner of each layer: longest-processing-time on :func:`predicted_layer_cost`.
+
+    Args:
+        dims: ``(d_A, d_G)`` of each layer, in registration order.
+        world_size: number of workers.
+    """
+    return longest_processing_time([predicted_layer_cost(a, g) for a, g in dims], world_size)
+
+
 class DPStrategy(Strategy):
     """DP-KFAC: owners build, decompose and apply their layers' factors; no factor traffic."""
 
@@ -48,8 +58,8 @@ class DPStrategy(Strategy):
 
     def setup(self, layers: Sequence[LayerCurvature]) -> None:
         """Owners by longest-processing-time on :func:`predicted_layer_cost`."""
-        costs = [predicted_layer_cost(layer.block.a_dim, layer.block.g_dim) for layer in layers]
-        owners = longest_processing_time(costs, self.comm.world_size)
+        dims = [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
+        owners = plan_layer_owners(dims, self.comm.world_size)
         self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
         self.dims = {layer.name: (layer.block.a_dim, layer.block.g_dim) for layer in layers}
 

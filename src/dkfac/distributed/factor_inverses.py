@@ -54,6 +54,34 @@ def _trace_means(
     return means
 
 
+def factor_payload_shapes(dim: int, side: str, method: str) -> list[tuple[tuple[int, ...], bool]]:
+    """Shapes and symmetry of the tensors carrying one factor's decomposition, flag last.
+
+    eigen: ``(Q, λ)``; inverse: the packed ``F⁻¹``; then a one-value validity flag.
+    """
+    layout = FACTOR_LAYOUT[method][side]
+    shapes: list[tuple[tuple[int, ...], bool]] = [
+        ((dim, dim) if position == 0 else (dim,), sym) for position, (_, sym) in enumerate(layout)
+    ]
+    return [*shapes, ((1,), False)]
+
+
+def broadcast_sources(
+    owners: dict[FactorKey, int], world_size: int
+) -> list[tuple[int, list[FactorKey]]]:
+    """``(source, factors)`` of every rank that decomposes factors, ascending.
+
+    One fused broadcast each; factors in the order of ``owners`` (the plan's), identical on
+    every rank. Factors of :data:`EVERY_WORKER` are not broadcast.
+    """
+    result = []
+    for source in range(world_size):
+        owned = [key for key, owner in owners.items() if owner == source]
+        if owned:
+            result.append((source, owned))
+    return result
+
+
 def _payload(
     layer: LayerCurvature,
     side: str,
@@ -66,15 +94,15 @@ def _payload(
     dim = layer.block.a_dim if side == "a" else layer.block.g_dim
     device = layer.block.weight.device
     layout = FACTOR_LAYOUT[method][side]
+    *specs, _ = factor_payload_shapes(dim, side, method)
     parts = []
-    for position, (name, _) in enumerate(layout):
+    for (name, _), (shape, _) in zip(layout, specs, strict=True):
         if send and result is not None:
             parts.append(result.tensors[name].to(dtype).contiguous())
         else:  # eigen: (Q, λ); inverse: (F⁻¹,)
-            shape = (dim, dim) if position == 0 else (dim,)
             parts.append(torch.zeros(shape, dtype=dtype, device=device))
     flag = torch.tensor([1.0 if send and result is not None else 0.0], dtype=dtype, device=device)
-    return [*parts, flag], [sym for _, sym in layout] + [False]
+    return [*parts, flag], [sym for _, sym in specs] + [False]
 
 
 def update_factor_inverses(
@@ -128,11 +156,7 @@ def update_factor_inverses(
     received: list[tuple[FactorKey, list[Tensor]]] = []
     with recorder.phase("inverse_comm"):
         handles = []
-        for source in range(comm.world_size):
-            # In the order of ``owners`` (the plan's), identical on every rank.
-            owned = [key for key, owner in owners.items() if owner == source]
-            if not owned:
-                continue
+        for source, owned in broadcast_sources(owners, comm.world_size):
             payloads = [
                 _payload(layers[i], side, method, dtype, results.get((i, side)), source == rank)
                 for i, side in owned

@@ -66,6 +66,61 @@ def grad_workers_for(fraction: float, world_size: int) -> int:
     return rounded
 
 
+def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[int]:
+    """Owner of each layer: longest-processing-time on the decomposition cost ``d_A³ + d_G³``.
+
+    Args:
+        dims: ``(d_A, d_G)`` of each layer, in registration order.
+        world_size: number of workers.
+    """
+    return longest_processing_time([float(a**3 + g**3) for a, g in dims], world_size)
+
+
+def grid(world_size: int, grad_workers: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows (gradient-worker groups) and columns (receiver groups) of the worker grid."""
+    g = grad_workers
+    rows = [list(range(r * g, (r + 1) * g)) for r in range(world_size // g)]
+    columns = [list(range(c, world_size, g)) for c in range(g)]
+    return rows, columns
+
+
+def row_broadcasts(
+    owners: Sequence[int], grad_workers: int, row: int, world_size: int
+) -> list[tuple[int, list[int]]]:
+    """``(owner, layer indices)`` of every owner in grid row ``row`` that owns layers.
+
+    One fused decomposition broadcast each, inside the row, in this (ascending) order.
+    """
+    result = []
+    for owner in range(world_size):
+        if owner // grad_workers != row:
+            continue
+        owned = [index for index, o in enumerate(owners) if o == owner]
+        if owned:
+            result.append((owner, owned))
+    return result
+
+
+def column_sources(owners: Sequence[int], grad_workers: int, column: int) -> list[int]:
+    """Per layer, the rank of grid column ``column`` that preconditions it (in the owner's row)."""
+    return [(owner // grad_workers) * grad_workers + column for owner in owners]
+
+
+def inverse_payload_shapes(
+    a_dim: int, g_dim: int, method: str
+) -> list[tuple[tuple[int, ...], bool]]:
+    """Shapes and symmetry of the tensors carrying a layer's decomposition, flag last."""
+    shapes = {
+        "qa": (a_dim, a_dim),
+        "la": (a_dim,),
+        "qg": (g_dim, g_dim),
+        "lg": (g_dim,),
+        "a_inv": (a_dim, a_dim),
+        "g_inv": (g_dim, g_dim),
+    }
+    return [(shapes[name], sym) for name, sym in _inverse_layout(method)] + [((1,), False)]
+
+
 class KAISAStrategy(Strategy):
     """Gradient-worker fraction ``f``: decompositions shared by ``f·P`` workers per layer."""
 
@@ -79,8 +134,7 @@ class KAISAStrategy(Strategy):
         world, rank = comm.world_size, comm.rank
         self.grad_workers = grad_workers_for(grad_worker_fraction, world)
         g = self.grad_workers
-        self.rows = [list(range(r * g, (r + 1) * g)) for r in range(world // g)]
-        self.columns = [list(range(c, world, g)) for c in range(g)]
+        self.rows, self.columns = grid(world, g)
         groups = comm.new_groups(self.rows + self.columns)
         self.row_group = [groups[tuple(row)] for row in self.rows]
         self.column_group = groups[tuple(self.columns[rank % g])]
@@ -89,8 +143,8 @@ class KAISAStrategy(Strategy):
 
     def setup(self, layers: Sequence[LayerCurvature]) -> None:
         """Owners by longest-processing-time on the decomposition cost ``d_A³ + d_G³``."""
-        costs = [float(layer.block.a_dim**3 + layer.block.g_dim**3) for layer in layers]
-        owners = longest_processing_time(costs, self.comm.world_size)
+        dims = [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
+        owners = plan_layer_owners(dims, self.comm.world_size)
         self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
         self.dims = {layer.name: (layer.block.a_dim, layer.block.g_dim) for layer in layers}
 
@@ -158,20 +212,17 @@ class KAISAStrategy(Strategy):
                 CollectiveHandle | None, list[LayerCurvature], list[tuple[list[Tensor], list[bool]]]
             ]
         ] = []
+        owners = [self.owner[layer.name] for layer in layers]
+        broadcasts = row_broadcasts(owners, self.grad_workers, self.my_row, self.comm.world_size)
         with self.recorder.phase("inverse_comm"):
-            for owner in range(self.comm.world_size):
-                row = owner // self.grad_workers
-                if row != self.my_row:
-                    continue
-                owned = [layer for layer in layers if self.owner[layer.name] == owner]
-                if not owned:
-                    continue
+            for owner, indices in broadcasts:
+                owned = [layers[index] for index in indices]
                 payload = [
                     _inverse_payload(layer, method, dtype, send=owner == rank) for layer in owned
                 ]
                 tensors = [t for p in payload for t in p[0]]
                 symmetric = [s for p in payload for s in p[1]]
-                group = self.row_group[row]
+                group = self.row_group[self.my_row]
                 launched = (
                     None
                     if group is None
@@ -206,7 +257,8 @@ class KAISAStrategy(Strategy):
         if self.column_group is None:
             return results
         with self.recorder.phase("grad_comm"):
-            sources = [self.rows[self.row_of(layer)][self.my_column] for layer in layers]
+            owners = [self.owner[layer.name] for layer in layers]
+            sources = column_sources(owners, self.grad_workers, self.my_column)
             results = self.comm.broadcast_from(
                 results, sources, phase="grad_comm", group=self.column_group
             )
@@ -219,23 +271,16 @@ def _inverse_payload(
     """Tensors (plus a validity flag) that carry ``layer``'s decomposition."""
     block = layer.block
     device = block.weight.device
-    shapes = {
-        "qa": (block.a_dim, block.a_dim),
-        "la": (block.a_dim,),
-        "qg": (block.g_dim, block.g_dim),
-        "lg": (block.g_dim,),
-        "a_inv": (block.a_dim, block.a_dim),
-        "g_inv": (block.g_dim, block.g_dim),
-    }
+    *specs, _ = inverse_payload_shapes(block.a_dim, block.g_dim, method)
     layout = _inverse_layout(method)
     inverse = layer.inverse if send else None
     if inverse is not None:
         stored = inverse.tensors()
         parts = [stored[name].to(dtype).contiguous() for name, _ in layout]
     else:
-        parts = [torch.zeros(shapes[name], dtype=dtype, device=device) for name, _ in layout]
+        parts = [torch.zeros(shape, dtype=dtype, device=device) for shape, _ in specs]
     flag = torch.tensor([1.0 if inverse is not None else 0.0], dtype=dtype, device=device)
-    return [*parts, flag], [sym for _, sym in layout] + [False]
+    return [*parts, flag], [sym for _, sym in specs] + [False]
 
 
 def _inverse_from_payload(method: str, tensors: Sequence[Tensor]) -> KroneckerInverse:

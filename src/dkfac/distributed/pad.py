@@ -14,7 +14,9 @@ owner's contiguous block is split into buckets.
 
 from __future__ import annotations
 
-from dkfac.distributed.pipelined import PipelinedStrategy
+from collections.abc import Sequence
+
+from dkfac.distributed.pipelined import PipelinedStrategy, SlotCosts
 from dkfac.distributed.placement import plan_contiguous_partition
 
 
@@ -24,16 +26,17 @@ class PADStrategy(PipelinedStrategy):
     name = "pad"
     factors_everywhere = False
 
-    def plan_destinations(self) -> list[int | None]:
+    @staticmethod
+    def plan_destinations(costs: SlotCosts) -> list[int | None]:
         """Owner of each slot: optimal contiguous partition of the ready order."""
-        assert self.cost is not None
-        beta = self.cost.collective.beta
-        costs = [
+        beta = costs.cost.collective.beta
+        cost = [
             seconds + beta * nbytes
-            for seconds, nbytes in zip(self.decomposition_s, self.wire, strict=True)
+            for seconds, nbytes in zip(costs.decomposition_s, costs.wire, strict=True)
         ]
-        return list(plan_contiguous_partition(costs, self.comm.world_size))
+        return list(plan_contiguous_partition(cost, costs.world_size))
 
-    def plan_decomposers(self) -> list[int]:
+    @staticmethod
+    def plan_decomposers(costs: SlotCosts, destination: Sequence[int | None]) -> list[int]:
         """The owner that received the factor decomposes it."""
-        return [int(owner) for owner in self.destination if owner is not None]
+        return [int(owner) for owner in destination if owner is not None]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed.communicator import CollectiveHandle, Communicator
+from dkfac.distributed.communicator import CollectiveHandle, Communicator, packed_values
 from dkfac.distributed.recorder import StepRecorder
 
 
@@ -42,16 +42,19 @@ class FactorSlot:
 
     def packed_bytes(self, element_size: int) -> int:
         """Bytes of the factor's upper triangle on the wire."""
-        return self.dim * (self.dim + 1) // 2 * element_size
+        return packed_values((self.dim, self.dim), symmetric=True) * element_size
+
+
+def ready_order_of(dims: Sequence[tuple[int, int]]) -> list[FactorSlot]:
+    """Slots of layers given as ``(d_A, d_G)``: every A in forward order, then G in reverse."""
+    slots = [FactorSlot(i, "a", a_dim) for i, (a_dim, _) in enumerate(dims)]
+    slots += [FactorSlot(i, "g", g_dim) for i, (_, g_dim) in reversed(list(enumerate(dims)))]
+    return slots
 
 
 def ready_order(layers: Sequence[LayerCurvature]) -> list[FactorSlot]:
     """A of every layer in forward (registration) order, then G in reverse order."""
-    slots = [FactorSlot(i, "a", layer.block.a_dim) for i, layer in enumerate(layers)]
-    slots += [
-        FactorSlot(i, "g", layer.block.g_dim) for i, layer in reversed(list(enumerate(layers)))
-    ]
-    return slots
+    return ready_order_of([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from dkfac.distributed.fusion import (
     predict_timeline,
 )
 from dkfac.distributed.local import precondition_here
-from dkfac.distributed.pipeline import FactorPipeline, ready_order
+from dkfac.distributed.pipeline import FactorPipeline, FactorSlot, ready_order_of
 from dkfac.distributed.recorder import StepRecorder
 from dkfac.distributed.strategy import Strategy
 
@@ -40,6 +41,49 @@ def decomposition_bytes(dim: int, method: str, dtype: torch.dtype) -> int:
     size = torch.empty((), dtype=dtype).element_size()
     values = dim * dim + dim if method == "eigen" else dim * (dim + 1) // 2
     return values * size
+
+
+def destination_boundaries(destination: Sequence[int | None], order: Sequence[int]) -> list[int]:
+    """Positions in ``order`` where the destination changes (a bucket must start there)."""
+    return [p for p in range(1, len(order)) if destination[order[p]] != destination[order[p - 1]]]
+
+
+@dataclass(frozen=True)
+class SlotCosts:
+    """What the placement of factor slots is planned from (pure data, the same on every rank).
+
+    Attributes:
+        slots: the factors in ready order.
+        wire: packed bytes of each factor on the wire.
+        decomposition_s: predicted decomposition time of each factor.
+        cost: the cluster's cost model.
+        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inv_dtype: dtype of the decompositions.
+        world_size: number of workers.
+    """
+
+    slots: list[FactorSlot]
+    wire: list[int]
+    decomposition_s: list[float]
+    cost: ClusterCostModel
+    inverse_method: str
+    inv_dtype: torch.dtype
+    world_size: int
+
+
+@dataclass(frozen=True)
+class FactorPlacement:
+    """A pipelined strategy's plan: per slot its destination and decomposer; size buckets."""
+
+    costs: SlotCosts
+    destination: list[int | None]
+    decomposer: list[int]
+    buckets: list[list[int]]
+
+
+def keeps_factor(destination: int | None, rank: int) -> bool:
+    """Whether ``rank`` holds a running factor reduced to ``destination`` (``None``: all)."""
+    return destination is None or destination == rank
 
 
 class PipelinedStrategy(Strategy):
@@ -89,31 +133,77 @@ class PipelinedStrategy(Strategy):
                 self.inverse_method, self.inv_dtype, device, group=self.comm.group
             )
             logger.info("%s: calibrated cost model %s", self.name, self.cost.as_dict())
-        self.slots = ready_order(self.layers)
-        dtype = self.comm.comm_dtype or self.layers[0].factor_dtype
-        element = torch.empty((), dtype=dtype).element_size()
-        self.wire = [slot.packed_bytes(element) for slot in self.slots]
-        self.decomposition_s = [self.cost.decomposition.seconds(slot.dim) for slot in self.slots]
-        self.destination = self.plan_destinations()
-        self.decomposer = self.plan_decomposers()
-        order = list(range(len(self.slots)))
-        buckets = plan_buckets_by_size(
-            self.wire, self.comm.bucket_cap_bytes, self._boundaries(order)
+        placement = self.place_factors(
+            [(layer.block.a_dim, layer.block.g_dim) for layer in self.layers],
+            self.comm.world_size,
+            self.cost,
+            inverse_method=self.inverse_method,
+            inv_dtype=self.inv_dtype,
+            factor_dtype=self.comm.comm_dtype or self.layers[0].factor_dtype,
+            cap_bytes=self.comm.bucket_cap_bytes,
         )
+        self.slots = placement.costs.slots
+        self.wire = placement.costs.wire
+        self.decomposition_s = placement.costs.decomposition_s
+        self.destination = placement.destination
+        self.decomposer = placement.decomposer
         self.pipeline = FactorPipeline(
             self.comm,
             self.recorder,
             self.slots,
-            buckets,
-            [self.destination[bucket[0]] for bucket in buckets],
+            placement.buckets,
+            [self.destination[bucket[0]] for bucket in placement.buckets],
         )
 
+    @classmethod
+    def place_factors(
+        cls,
+        dims: Sequence[tuple[int, int]],
+        world_size: int,
+        cost: ClusterCostModel,
+        *,
+        inverse_method: str,
+        inv_dtype: torch.dtype,
+        factor_dtype: torch.dtype,
+        cap_bytes: int,
+    ) -> FactorPlacement:
+        """The placement and size-first fusion plan of layers ``dims`` (pure: no process group).
+
+        Args:
+            dims: ``(d_A, d_G)`` of each layer, in registration order.
+            world_size: number of workers.
+            cost: the cost model the placement is planned with.
+            inverse_method: ``"eigen"`` or ``"inverse"``.
+            inv_dtype: dtype of the decompositions.
+            factor_dtype: dtype the factors travel in.
+            cap_bytes: largest fused collective.
+        """
+        slots = ready_order_of(dims)
+        element = torch.empty((), dtype=factor_dtype).element_size()
+        wire = [slot.packed_bytes(element) for slot in slots]
+        costs = SlotCosts(
+            slots=slots,
+            wire=wire,
+            decomposition_s=[cost.decomposition.seconds(slot.dim) for slot in slots],
+            cost=cost,
+            inverse_method=inverse_method,
+            inv_dtype=inv_dtype,
+            world_size=world_size,
+        )
+        destination = cls.plan_destinations(costs)
+        decomposer = cls.plan_decomposers(costs, destination)
+        boundaries = destination_boundaries(destination, range(len(slots)))
+        buckets = plan_buckets_by_size(wire, cap_bytes, boundaries)
+        return FactorPlacement(costs, destination, decomposer, buckets)
+
+    @staticmethod
     @abstractmethod
-    def plan_destinations(self) -> list[int | None]:
+    def plan_destinations(costs: SlotCosts) -> list[int | None]:
         """Per slot: the rank its factor is reduced to, or ``None`` for an allreduce."""
 
+    @staticmethod
     @abstractmethod
-    def plan_decomposers(self) -> list[int]:
+    def plan_decomposers(costs: SlotCosts, destination: Sequence[int | None]) -> list[int]:
         """Per slot: the rank that decomposes the factor, or ``EVERY_WORKER``."""
 
     def replan_order(self, ready: Sequence[float]) -> list[int]:
@@ -122,11 +212,7 @@ class PipelinedStrategy(Strategy):
 
     def _boundaries(self, order: Sequence[int]) -> list[int]:
         """Positions in ``order`` where the destination changes (a bucket must start)."""
-        return [
-            p
-            for p in range(1, len(order))
-            if self.destination[order[p]] != self.destination[order[p - 1]]
-        ]
+        return destination_boundaries(self.destination, order)
 
     def _replan(self) -> None:
         """Alpha-beta merge plan from the median ready times, agreed (max) over ranks."""
@@ -196,8 +282,7 @@ class PipelinedStrategy(Strategy):
 
     def keeps(self, slot: int) -> bool:
         """Whether this rank holds the running average of factor slot ``slot``."""
-        destination = self.destination[slot]
-        return destination is None or destination == self.comm.rank
+        return keeps_factor(self.destination[slot], self.comm.rank)
 
     # -- decompositions and preconditioning ---------------------------------------------------
     def update_inverses(

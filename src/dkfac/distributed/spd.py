@@ -16,8 +16,10 @@ Every worker keeps every running factor (allreduce), as in D-KFAC: the same fact
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dkfac.distributed.factor_inverses import EVERY_WORKER
-from dkfac.distributed.pipelined import PipelinedStrategy, decomposition_bytes
+from dkfac.distributed.pipelined import PipelinedStrategy, SlotCosts, decomposition_bytes
 from dkfac.distributed.placement import longest_processing_time
 
 
@@ -27,11 +29,13 @@ class SPDStrategy(PipelinedStrategy):
     name = "spd"
     factors_everywhere = True
 
-    def plan_destinations(self) -> list[int | None]:
+    @staticmethod
+    def plan_destinations(costs: SlotCosts) -> list[int | None]:
         """Allreduce every factor."""
-        return [None] * len(self.slots)
+        return [None] * len(costs.slots)
 
-    def plan_decomposers(self) -> list[int]:
+    @staticmethod
+    def plan_decomposers(costs: SlotCosts, destination: Sequence[int | None]) -> list[int]:
         """Redundant where decomposing beats receiving; LPT on predicted time otherwise.
 
         A worker either decomposes a factor itself (``c0 + c3·d³``) or receives it in one of
@@ -39,18 +43,17 @@ class SPDStrategy(PipelinedStrategy):
         ``α`` is shared by the whole bucket, so charging it to each factor would make far too
         many factors redundant).
         """
-        assert self.cost is not None
-        beta = self.cost.collective.beta
+        beta = costs.cost.collective.beta
         placed = [
             i
-            for i, slot in enumerate(self.slots)
-            if beta * decomposition_bytes(slot.dim, self.inverse_method, self.inv_dtype)
-            <= self.decomposition_s[i]
+            for i, slot in enumerate(costs.slots)
+            if beta * decomposition_bytes(slot.dim, costs.inverse_method, costs.inv_dtype)
+            <= costs.decomposition_s[i]
         ]
         owners = longest_processing_time(
-            [self.decomposition_s[i] for i in placed], self.comm.world_size
+            [costs.decomposition_s[i] for i in placed], costs.world_size
         )
-        decomposer = [EVERY_WORKER] * len(self.slots)
+        decomposer = [EVERY_WORKER] * len(costs.slots)
         for i, owner in zip(placed, owners, strict=True):
             decomposer[i] = owner
         return decomposer

@@ -1,0 +1,268 @@
+"""Dry-run accounting (single process): hand-computed bytes and memory, agreement with the
+analytic byte counts the distributed tests assert on real runs, ResNet-50's shapes, and the
+``--layers resnet50`` front ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dkfac.cli.bench_dry_run import dry_run_report, format_dry_run
+from dkfac.cli.main import main as dkfac_main
+from dkfac.distributed import dp
+from dkfac.distributed.accounting import (
+    DryRunSettings,
+    LayerShape,
+    account_strategy,
+    conv2d_shape,
+    layer_shapes_of,
+    linear_shape,
+    resnet50_layer_shapes,
+    summarize_accounts,
+)
+from dkfac.distributed.cost_model import AlphaBeta, ClusterCostModel
+from dkfac.distributed.factor_inverses import EVERY_WORKER
+from dkfac.distributed.pad import PADStrategy
+from dkfac.distributed.pipeline import ready_order_of
+from dkfac.distributed.spd import SPDStrategy
+from test_benchmarks_smoke import _load_strategies
+from test_distributed import configurations, entry, expected_bytes, tri, uneven_model
+from test_pipelined import COST, expected_broadcast
+from test_placement import resnet50_factor_dims
+
+TINY = [LayerShape("l0", 3, 2), LayerShape("l1", 5, 4)]
+
+
+def test_dkfac_and_dp_on_two_layers_at_p2_by_hand() -> None:
+    settings = DryRunSettings(2)  # float32 factors, decompositions and gradients; eigen
+    # Owners (LPT, larger cost first to worker 0): l1 -> 0, l0 -> 1, for both strategies
+    # (dkfac: d_A³+d_G³ = 189 vs 35; dp adds d_G·d_A·(d_G+d_A): 369 vs 65).
+    dkfac = account_strategy("dkfac", TINY, settings)
+    for account in dkfac:
+        assert account.comm == {
+            # 4 float64 counts (32 B) + the upper triangles 6+3+15+10 = 34 float32 (136 B);
+            # an allreduce sends 2(P-1)/P = 1x its payload.
+            "factor_comm/allreduce": {"bytes": 32 + 136, "calls": 2, "wire_bytes": 32 + 136},
+            # Owner 0 sends l1: Q_A 25 + λ_A 5 + Q_G 16 + λ_G 4 + flag 1 = 51 values (204 B);
+            # owner 1 sends l0: 9 + 3 + 4 + 2 + 1 = 19 values (76 B); a broadcast sends 1/2.
+            "inverse_comm/broadcast": {"bytes": 204 + 76, "calls": 2, "wire_bytes": 102 + 38},
+        }
+        # Every factor (9+4+25+16 values) and every decomposition (18+50 values), float32.
+        assert (account.factor_bytes, account.inverse_bytes) == (4 * 54, 4 * 68)
+    assert [a.decomposition_work for a in dkfac] == [125 + 64, 27 + 8]
+
+    dp_accounts = account_strategy("dp", TINY, settings)
+    for account in dp_accounts:
+        # One broadcast per owner of its preconditioned gradients: l1 4x5 (80 B), l0 2x3 (24 B).
+        assert account.comm == {
+            "grad_comm/broadcast": {"bytes": 80 + 24, "calls": 2, "wire_bytes": 40 + 12}
+        }
+    # Owners hold only their layers: rank 0 l1 (25+16 | 25+5+16+4), rank 1 l0 (9+4 | 9+3+4+2).
+    assert [(a.factor_bytes, a.inverse_bytes) for a in dp_accounts] == [
+        (4 * 41, 4 * 50),
+        (4 * 13, 4 * 18),
+    ]
+    assert [a.memory_bytes for a in dp_accounts] == [364, 124]
+    assert [a.decomposition_work for a in dp_accounts] == [189, 35]
+    summary = summarize_accounts(dp_accounts)
+    assert summary["memory_bytes"]["max"] == 364 and summary["memory_bytes"]["mean"] == 244
+    assert summary["wire_bytes"]["per_rank"] == [52, 52]
+
+
+def test_bucket_cap_splits_like_the_communicator() -> None:
+    # Packed factors in order 24, 12, 60, 40 bytes: 24+12+60 = 96 fit in 100 bytes, 40 not.
+    settings = DryRunSettings(2, bucket_cap_mb=100 / 2**20)
+    (account, _) = account_strategy("dkfac", TINY, settings)
+    assert account.comm["factor_comm/allreduce"] == {"bytes": 168, "calls": 3, "wire_bytes": 168}
+    # Owner 0's l1 tensors, 100 (Q_A) 20 64 16 4 bytes, go as 100 | 20+64+16 | 4; owner 1's
+    # l0 (76 bytes in all) in one: four broadcasts of the same 280 bytes.
+    assert account.comm["inverse_comm/broadcast"] == {"bytes": 280, "calls": 4, "wire_bytes": 140}
+
+
+def test_kaisa_mem_opt_at_p3_by_hand() -> None:
+    layers = [*TINY, LayerShape("l2", 2, 2)]
+    # f = 1/3 (MEM-OPT): no decomposition broadcast; preconditioned gradients from the owners.
+    accounts = account_strategy("kaisa", layers, DryRunSettings(3), grad_worker_fraction=1 / 3)
+    # LPT on d³: l1 (189) -> 0, l0 (35) -> 1, l2 (16) -> 2.
+    for account in accounts:
+        assert account.comm["grad_comm/broadcast"] == {
+            "bytes": 4 * (20 + 6 + 4),
+            "calls": 3,
+            "wire_bytes": 4 * 20 * 2 // 3 + 4 * 6 * 2 // 3 + 4 * 4 * 2 // 3,
+        }
+        assert "inverse_comm/broadcast" not in account.comm
+    assert [a.inverse_bytes for a in accounts] == [4 * 50, 4 * 18, 4 * 12]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_kaisa_and_dkfac_equal_the_byte_counts_of_real_runs(world_size: int) -> None:
+    # test_distributed asserts that real runs' comm_stats() equal expected_bytes (float64).
+    model = uneven_model()
+    shapes = layer_shapes_of(model)
+    settings = DryRunSettings(
+        world_size,
+        factor_dtype=torch.float64,
+        inv_dtype=torch.float64,
+        grad_dtype=torch.float64,
+    )
+    for config in configurations(world_size):
+        method_settings = dataclasses.replace(settings, inverse_method=config["inverse_method"])
+        accounts = account_strategy(
+            config["strategy"],
+            shapes,
+            method_settings,
+            grad_worker_fraction=config.get("grad_worker_fraction", 1.0),
+        )
+        assert [a.comm for a in accounts] == expected_bytes(config, world_size, model), config
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dp_equals_the_byte_count_of_real_runs(world_size: int) -> None:
+    # test_dp asserts this count on real runs, with the owners of the run's plan.
+    shapes = layer_shapes_of(uneven_model())
+    owners = dp.plan_layer_owners([s.dims for s in shapes], world_size)
+    payloads = [
+        sum(s.a_dim * s.g_dim for s, o in zip(shapes, owners, strict=True) if o == owner)
+        for owner in range(world_size)
+        if owner in owners
+    ]
+    settings = DryRunSettings(world_size, grad_dtype=torch.float64)
+    for account in account_strategy("dp", shapes, settings):
+        assert account.comm == {"grad_comm/broadcast": entry("broadcast", payloads, world_size)}
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_size: int) -> None:
+    # The checks test_pipelined makes on real runs with the same fixed cost model.
+    shapes = layer_shapes_of(uneven_model())
+    settings = DryRunSettings(
+        world_size,
+        inverse_method=method,
+        factor_dtype=torch.float64,
+        inv_dtype=torch.float64,
+        cost_model=COST,
+    )
+    factor_values = sum(tri(s.a_dim) + tri(s.g_dim) for s in shapes)
+    dkfac_wire = entry("allreduce", [factor_values, 2 * len(shapes)], world_size)["wire_bytes"]
+    for strategy in (SPDStrategy, PADStrategy):
+        placement = strategy.place_factors(
+            [s.dims for s in shapes],
+            world_size,
+            COST,
+            inverse_method=method,
+            inv_dtype=torch.float64,
+            factor_dtype=torch.float64,
+            cap_bytes=settings.cap_bytes,
+        )
+        plan = {
+            "factors": [
+                {"dim": slot.dim, "decomposed_by": "all" if owner == EVERY_WORKER else owner}
+                for slot, owner in zip(placement.costs.slots, placement.decomposer, strict=True)
+            ]
+        }
+        if strategy is SPDStrategy:
+            by_dim = {f["dim"]: f["decomposed_by"] for f in plan["factors"]}
+            assert by_dim[64] != "all" and by_dim[5] == "all"  # as asserted on real runs
+        for account in account_strategy(strategy.name, shapes, settings):
+            factor = {k: v for k, v in account.comm.items() if k.startswith("factor_comm")}
+            assert sum(v["bytes"] for v in factor.values()) == 8 * (factor_values + 2 * len(shapes))
+            wire = sum(v["wire_bytes"] for v in factor.values())
+            calls = sum(v["calls"] for v in factor.values())
+            assert calls == len(placement.buckets) + 1
+            if strategy is SPDStrategy:
+                assert abs(wire - dkfac_wire) < calls
+            else:
+                assert wire < dkfac_wire  # reduces
+            assert account.comm.get("inverse_comm/broadcast") == expected_broadcast(
+                plan, method, world_size, settings.bucket_cap_mb
+            )
+
+
+def test_resnet50_shapes() -> None:
+    shapes = resnet50_layer_shapes()
+    assert len(shapes) == 54 and shapes[0].name == "conv1" and shapes[-1].name == "fc"
+    assert sum(s.a_dim * s.g_dim for s in shapes) == 25_557_032 - 53_120  # minus BatchNorm
+    assert [slot.dim for slot in ready_order_of([s.dims for s in shapes])] == (
+        resnet50_factor_dims()
+    )
+    # conv2d_shape / linear_shape follow the preconditioner's own block rule.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(64, 128, 3, bias=True),
+            nn.BatchNorm2d(128),
+            nn.Conv2d(128, 256, 1, bias=False),
+            nn.Flatten(),
+            nn.Linear(2048, 1000),
+        )
+    assert layer_shapes_of(model) == [
+        conv2d_shape("0", 64, 128, 3, bias=True),
+        conv2d_shape("2", 128, 256, 1),
+        linear_shape("4", 2048, 1000),
+    ]
+
+
+def _check_dry_run_output(printed: str, report: dict[str, Any], nprocs: int) -> None:
+    printed = " ".join(printed.split())  # prose lines are wrapped
+    assert f"ratios dp vs dkfac at P={nprocs}" in printed
+    assert "2.79x" in printed and "1.14x" in printed
+    assert ("communication MET" in printed) or ("communication NOT MET" in printed)
+    assert "NOMINAL (not measured)" in printed and "EXCLUDED: DDP's gradient allreduce" in printed
+    assert report["benchmark"] == "dry_run" and report["launches"] == []
+    (verdict,) = report["target"]
+    assert verdict["nprocs"] == nprocs and isinstance(verdict["met"], bool)
+    labels = [row["label"] for row in report["summary"]]
+    assert labels == ["dkfac", f"kaisa f=1/{nprocs}", "kaisa f=1", "spd", "pad", "dp"]
+    rows = {row["key"]: row for row in report["summary"]}
+    assert verdict["communication"] == pytest.approx(
+        rows["dkfac"]["wire_bytes"]["max"] / rows["dp"]["wire_bytes"]["max"]
+    )
+    assert rows["kaisa_1of1"]["wire_bytes"] == rows["dkfac"]["wire_bytes"]
+
+
+def test_benchmark_script_dry_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = _load_strategies(monkeypatch)
+    out = tmp_path / "dry.json"
+    assert bench.main(["--layers", "resnet50", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    _check_dry_run_output(capsys.readouterr().out, report, 64)
+    assert report["settings"]["cost_model"]["measured"] is False
+
+
+def test_dkfac_bench_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench"
+    assert dkfac_main(["bench", "--layers", "resnet50", "--nprocs", "8", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    _check_dry_run_output(capsys.readouterr().out, report, 8)
+
+
+def test_dry_run_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert dkfac_main(["bench", "--alpha", "1e-5"]) == 2
+    assert "needs --layers" in capsys.readouterr().err
+    assert dkfac_main(["bench", "--layers", "resnet50", "--quick"]) == 2
+    assert dkfac_main(["bench", "--layers", "resnet50", "--nprocs", "1"]) == 2
+
+
+def test_nominal_constants_move_only_spd_and_pad() -> None:
+    base = dry_run_report("resnet50", [4], ["dkfac", "spd", "dp"])
+    # Decomposing beats receiving for every factor: spd decomposes them all everywhere.
+    cheap = dry_run_report(
+        "resnet50",
+        [4],
+        ["dkfac", "spd", "dp"],
+        cost_model=ClusterCostModel(AlphaBeta(0.0, 1.0), COST.decomposition),
+    )
+    rows = {r["key"]: r for r in base["summary"]}
+    cheap_rows = {r["key"]: r for r in cheap["summary"]}
+    for key in ("dkfac", "dp"):
+        assert rows[key] == cheap_rows[key]
+    assert "inverse_comm/broadcast" not in cheap_rows["spd"]["comm_max_per_rank"]
+    assert "alpha = 0 s, beta = 1 s/byte" in format_dry_run(cheap)
