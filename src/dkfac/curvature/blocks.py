@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.curvature.factors import conv2d_patch_gram, gram_with_ones
+from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram, gram_with_ones
 
 
 class UnsupportedLayerError(ValueError):
@@ -168,6 +168,9 @@ class Conv2dBlock(KroneckerBlock):
         self.kernel = kernel
         self.dilation = dilation
         self.stride = (int(module.stride[0]), int(module.stride[1]))
+        # Stride-1 index plans per input size: computed once, so the forward hook of a
+        # factor-update step reads nothing back from the device.
+        self.gram_plans = ShiftedGramPlans()
 
     def padded_input(self, x: Tensor) -> Tensor:
         """The input as the convolution sees it after padding (``padding_mode`` respected)."""
@@ -189,6 +192,7 @@ class Conv2dBlock(KroneckerBlock):
             stride=self.stride,
             pad=self.pad if zero_padded else (0, 0, 0, 0),
             with_ones=self.has_bias,
+            plans=self.gram_plans,
         )
         return FactorStatistic(total, rows, int(x.shape[0]))
 

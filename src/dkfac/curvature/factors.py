@@ -7,6 +7,8 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +45,7 @@ def conv2d_patch_gram(
     stride: tuple[int, int],
     pad: tuple[int, int, int, int],
     with_ones: bool,
+    plans: ShiftedGramPlans | None = None,
 ) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
@@ -53,13 +56,21 @@ def conv2d_patch_gram(
         stride: ``(sh, sw)``.
         pad: zero padding ``(left, right, top, bottom)`` as for ``F.pad``.
         with_ones: append a constant 1 to every patch (the bias input).
+        plans: the layer's cache of stride-1 index plans; with it, a repeated input size reads
+            nothing back from the device. ``None`` plans afresh on every call.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
     if stride == (1, 1):
-        return _shifted_patch_gram(x, kernel, dilation, pad, with_ones)
+        geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
+        plan = (
+            plan_shifted_gram(geometry, x.device)
+            if plans is None
+            else plans.get(geometry, x.device)
+        )
+        return _shifted_patch_gram(x, plan, with_ones)
     return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones)
 
 
@@ -99,25 +110,153 @@ def _strided_patch_gram(
     return bordered_gram(reordered.reshape(size, size), sums, flat.shape[0]), flat.shape[0]
 
 
-def _window_mask(
-    size: int, kernel: int, dilation: int, pad_before: int, out: int, device: torch.device
-) -> Tensor:
+class ConvGeometry(NamedTuple):
+    """What the index plan of a stride-1 patch Gram depends on (not the batch or channels)."""
+
+    height: int
+    width: int
+    kernel: tuple[int, int]
+    dilation: tuple[int, int]
+    pad: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class ShiftedGramPlan:
+    """Index data of :func:`_shifted_patch_gram` for one geometry, already on the device.
+
+    Everything here depends on the geometry only, so it is computed once on the CPU (where
+    ``unique``, ``nonzero`` and friends cost no device synchronisation) and reused by every
+    factor update; the Gram itself then runs without reading anything back from the device.
+
+    Attributes:
+        geometry: the geometry this plan is for.
+        h_out: output height (``<= 0``: the convolution has no output position).
+        w_out: output width.
+        hp: height of the zero-padded position layout of one example.
+        wp: width of that layout.
+        shifts: kernel offset differences ``(D1, D2)`` with one GEMM each.
+        offsets: ``(S,)`` position offset of each shift in the flat layout.
+        offset_list: the same offsets as Python ints (GEMM operand slices).
+        max_offset: the largest offset (zero rows appended to the layout).
+        border: ``(B,)`` flat layout positions of the border pixels some window misses,
+            grouped by which windows miss them.
+        group_sizes: pixels in each border group.
+        border_patterns: ``(kh·kw, G)`` bool: does the window of offset ``u`` miss group ``g``.
+        inside: ``(kh·kw, H, W)`` bool: pixel inside the output window of offset ``u``.
+        which: shift index of each Gram block filled from a shifted product.
+        first: first kernel offset of each such block.
+        second: second kernel offset of each such block.
+    """
+
+    geometry: ConvGeometry
+    h_out: int
+    w_out: int
+    hp: int
+    wp: int
+    shifts: tuple[tuple[int, int], ...]
+    offsets: Tensor
+    offset_list: tuple[int, ...]
+    max_offset: int
+    border: Tensor
+    group_sizes: tuple[int, ...]
+    border_patterns: Tensor
+    inside: Tensor
+    which: Tensor
+    first: Tensor
+    second: Tensor
+
+
+def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: int) -> Tensor:
     """``mask[i, r]``: image row ``r`` lies outside the output window of kernel offset ``i``.
 
     With stride 1, offset ``i`` sees image rows ``[d·i − pad_before, d·i − pad_before + out)``.
     """
-    start = torch.arange(kernel, device=device)[:, None] * dilation - pad_before
-    rows = torch.arange(size, device=device)[None, :]
+    start = torch.arange(kernel)[:, None] * dilation - pad_before
+    rows = torch.arange(size)[None, :]
     return (rows < start) | (rows >= start + out)
 
 
-def _shifted_patch_gram(
-    x: Tensor,
-    kernel: tuple[int, int],
-    dilation: tuple[int, int],
-    pad: tuple[int, int, int, int],
-    with_ones: bool,
-) -> tuple[Tensor, int]:
+def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan:
+    """Compute the index plan of a stride-1 patch Gram on the CPU and move it to ``device``.
+
+    The only device work is the copy of a few small index tensors; call it once per geometry
+    (see :class:`ShiftedGramPlans`).
+    """
+    h, w, (kh, kw), (dh, dw), (left, right, top, bottom) = geometry
+    h_out = h + top + bottom - dh * (kh - 1)
+    w_out = w + left + right - dw * (kw - 1)
+    hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
+    shifts = tuple((d1, d2) for d1 in range(kh) for d2 in range(-kw + 1, kw) if d1 > 0 or d2 >= 0)
+    offset_list = tuple(dh * d1 * wp + dw * d2 for d1, d2 in shifts)
+    # Positions some window misses, grouped by which offsets miss them: a border row or
+    # column of the image, or a corner.
+    row_out = _window_mask(h, kh, dh, top, h_out)  # (kh, h)
+    col_out = _window_mask(w, kw, dw, left, w_out)  # (kw, w)
+    missed = (row_out[:, None, :, None] | col_out[None, :, None, :]).flatten(0, 1)  # (U, h, w)
+    patterns, group_of = torch.unique(missed.flatten(1), dim=1, return_inverse=True)
+    border_groups = [g for g in range(patterns.shape[1]) if bool(patterns[:, g].any())]
+    positions = [(group_of == g).nonzero().squeeze(1) for g in border_groups]
+    border = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    which, first, second = [], [], []
+    for index_s, (d1, d2) in enumerate(shifts):
+        for i in range(max(0, -d1), min(kh, kh - d1)):
+            for j in range(max(0, -d2), min(kw, kw - d2)):
+                which.append(index_s)
+                first.append(i * kw + j)
+                second.append((i + d1) * kw + (j + d2))
+
+    def here(values: Tensor | list[int]) -> Tensor:
+        tensor = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
+        return tensor.to(device)
+
+    return ShiftedGramPlan(
+        geometry=geometry,
+        h_out=h_out,
+        w_out=w_out,
+        hp=hp,
+        wp=wp,
+        shifts=shifts,
+        offsets=here(list(offset_list)),
+        offset_list=offset_list,
+        max_offset=max(offset_list),
+        border=here((border // w) * wp + border % w),
+        group_sizes=tuple(len(p) for p in positions),
+        border_patterns=here(patterns[:, border_groups]),
+        inside=here(~missed),
+        which=here(which),
+        first=here(first),
+        second=here(second),
+    )
+
+
+class ShiftedGramPlans:
+    """One layer's cache of :class:`ShiftedGramPlan`, keyed by geometry and device.
+
+    A layer sees one input size in most models; the cache keeps the most recent
+    :data:`MAX_PLANS` so that varying sizes (multi-scale training) cannot grow it unboundedly.
+    """
+
+    MAX_PLANS = 8
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[ConvGeometry, torch.device], ShiftedGramPlan] = {}
+
+    def get(self, geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan:
+        """The plan for ``geometry`` on ``device``, computed on first use."""
+        key = (geometry, device)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = plan_shifted_gram(geometry, device)
+            if len(self._plans) >= self.MAX_PLANS:
+                del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan  # most recently used last
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def _shifted_patch_gram(x: Tensor, plan: ShiftedGramPlan, with_ones: bool) -> tuple[Tensor, int]:
     """Patch Gram of a stride-1 convolution without materialising im2col.
 
     Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
@@ -127,70 +266,50 @@ def _shifted_patch_gram(
     each block then subtracts the image positions its window misses, which lie in a few rows
     and columns at the border. The input is laid out once as a flat zero-padded
     ``(C, positions)`` matrix, so every shifted GEMM operand is a strided view (no copy) and
-    a shifted position outside the image reads a zero.
+    a shifted position outside the image reads a zero. All index data comes from ``plan``:
+    nothing is read back from the device here.
     """
     n, c, h, w = x.shape
-    kh, kw = kernel
-    dh, dw = dilation
-    left, right, top, bottom = pad
-    h_out = h + top + bottom - dh * (kh - 1)
-    w_out = w + left + right - dw * (kw - 1)
+    kh, kw = plan.geometry.kernel
+    h_out, w_out, hp, wp = plan.h_out, plan.w_out, plan.hp, plan.wp
     rows = n * h_out * w_out
     size = c * kh * kw
     if h_out <= 0 or w_out <= 0:
         return x.new_zeros(size + with_ones, size + with_ones), 0
-    hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
     span = n * hp * wp
-    shifts = [(d1, d2) for d1 in range(kh) for d2 in range(-kw + 1, kw) if d1 > 0 or d2 >= 0]
-    offsets = torch.tensor([dh * d1 * wp + dw * d2 for d1, d2 in shifts], device=x.device)
+    shifts = plan.shifts
     # Positions-major layout: a GEMM reads it transposed for free, and gathering positions
     # gathers contiguous channel vectors.
-    flat = x.new_zeros(span + int(offsets.max()), c)
+    flat = x.new_zeros(span + plan.max_offset, c)
     flat[:span].view(n, hp, wp, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
     base = flat[:span].t()
-    full = torch.stack([base @ flat[o : o + span] for o in offsets.tolist()])  # (S, C, C)
+    full = torch.stack([base @ flat[o : o + span] for o in plan.offset_list])  # (S, C, C)
 
-    # Positions some window misses, grouped by which offsets miss them: a border row or
-    # column of the image, or a corner. Each group's correction is one GEMM contracting over
-    # all its positions and examples.
-    row_out = _window_mask(h, kh, dh, top, h_out, x.device)  # (kh, h)
-    col_out = _window_mask(w, kw, dw, left, w_out, x.device)  # (kw, w)
-    missed = (row_out[:, None, :, None] | col_out[None, :, None, :]).flatten(0, 1)  # (U, h, w)
-    patterns, group_of = torch.unique(missed.flatten(1), dim=1, return_inverse=True)
-    border_groups = [g for g in range(patterns.shape[1]) if bool(patterns[:, g].any())]
-    if border_groups:
-        positions = [(group_of == g).nonzero().squeeze(1) for g in border_groups]
-        sizes = [len(p) * n for p in positions]
-        border = torch.cat(positions)
-        flat_position = (border // w) * wp + border % w
-        index = (flat_position[:, None] + torch.arange(n, device=x.device) * (hp * wp)).flatten()
+    # Each border group's correction is one GEMM contracting over all its positions and
+    # examples.
+    if plan.group_sizes:
+        sizes = [size_g * n for size_g in plan.group_sizes]
+        index = (plan.border[:, None] + torch.arange(n, device=x.device) * (hp * wp)).flatten()
         at_border = flat[index]  # (B·N, C)
-        shifted = flat[index[:, None] + offsets].flatten(1)  # (B·N, S·C)
+        shifted = flat[index[:, None] + plan.offsets].flatten(1)  # (B·N, S·C)
         bounds = [0, *itertools.accumulate(sizes)]
         per_group = torch.stack(
             [at_border[i:j].t() @ shifted[i:j] for i, j in itertools.pairwise(bounds)]
         )  # (G, C, S·C)
-        weights = patterns[:, border_groups].to(x.dtype)  # (U, G)
+        weights = plan.border_patterns.to(x.dtype)  # (U, G)
         corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
         values = full[:, None] - corrections.permute(2, 0, 1, 3)
     else:
         values = full[:, None].expand(len(shifts), kh * kw, c, c)
-    which, first, second = [], [], []
-    for index_s, (d1, d2) in enumerate(shifts):
-        for i in range(max(0, -d1), min(kh, kh - d1)):
-            for j in range(max(0, -d2), min(kw, kw - d2)):
-                which.append(index_s)
-                first.append(i * kw + j)
-                second.append((i + d1) * kw + (j + d2))
-    chosen = values[which, first]
+    chosen = values[plan.which, plan.first]
     blocks = x.new_empty(kh * kw, kh * kw, c, c)
-    blocks[second, first] = chosen.transpose(1, 2)
-    blocks[first, second] = chosen
+    blocks[plan.second, plan.first] = chosen.transpose(1, 2)
+    blocks[plan.first, plan.second] = chosen
     gram = blocks.permute(2, 0, 3, 1).reshape(size, size)
     if not with_ones:
         return gram, rows
     # Bias row: the patch sums, i.e. channel sums over each offset's window.
-    inside = (~missed).to(x.dtype)  # (kh·kw, h, w)
+    inside = plan.inside.to(x.dtype)  # (kh·kw, h, w)
     sums = torch.einsum("chw,uhw->cu", x.sum(0), inside).reshape(-1)
     return bordered_gram(gram, sums, rows), rows
 

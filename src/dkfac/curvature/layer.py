@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -252,11 +252,24 @@ def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
 
 @dataclass(frozen=True)
 class FactorRequest:
-    """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift."""
+    """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift.
+
+    ``damping`` (``"inverse"`` only, when both factors of the layer are held here) lets a
+    float64 retry recompute the shift from float64 traces instead of reusing the one
+    computed in the failed dtype.
+    """
 
     layer: LayerCurvature
     side: str
     shift: Tensor | None = None
+    damping: float | None = None
+
+    def in_float64(self) -> FactorRequest:
+        """This request for a float64 retry (shift recomputed when the damping is known)."""
+        if self.shift is None or self.damping is None:
+            return self
+        shift_a, shift_g = tikhonov_shifts(*self.layer.trace_means(torch.float64), self.damping)
+        return replace(self, shift=shift_a if self.side == "a" else shift_g)
 
 
 def decompose_factors(
@@ -264,21 +277,27 @@ def decompose_factors(
 ) -> list[FactorDecomposition | None]:
     """Decompose the running factors of ``requests``; never raises for numerical trouble.
 
-    A factor that is not finite is not decomposed (``None``). A decomposition that fails in
+    A factor that is not finite is not used (``None``). A decomposition that fails in
     ``dtype`` is retried in float64; if that fails too the result is ``None``. Each kind of
-    trouble is reported once per layer. The happy path costs two host synchronisations for all
-    requests together.
+    trouble is reported once per layer. Every factor is decomposed before anything is read
+    back, so the finiteness of the factors, the dropped-batch flags and the success of every
+    decomposition reach the host in one synchronisation for all requests together (plus one
+    per float64 retry, on the failure path only).
     """
     if not requests:
         return []
     factors = [request.layer.factor(request.side) for request in requests]
     assert all(factor is not None for factor in factors), "decompose_factors: missing factor"
     dropped = [request.layer.take_nonfinite_flag(request.side) for request in requests]
+    results = [_try_decompose(request, method, dtype) for request in requests]
+    attempted = {index: result for index, result in enumerate(results) if result is not None}
     flags = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
     flags += [flag for flag in dropped if flag is not None]
+    flags += [result.ok for result in attempted.values()]
     host = _host_flags(flags)
-    finite, dropped_host = host[: len(requests)], iter(host[len(requests) :])
-    results: list[FactorDecomposition | None] = [None] * len(requests)
+    count, reported = len(requests), sum(flag is not None for flag in dropped)
+    finite, dropped_host = host[:count], iter(host[count : count + reported])
+    ok = dict(zip(attempted, host[count + reported :], strict=True))
     for index, (request, factor_ok, flag) in enumerate(zip(requests, finite, dropped, strict=True)):
         layer = request.layer
         if flag is not None and next(dropped_host):
@@ -297,15 +316,16 @@ def decompose_factors(
                     "decomposition (or the plain gradient before the first one)"
                 ),
             )
-            continue
-        results[index] = _try_decompose(request, method, dtype)
-    attempted = [i for i, result in enumerate(results) if result is not None]
-    ok = dict(zip(attempted, _host_flags([results[i].ok for i in attempted]), strict=True))  # type: ignore[union-attr]
+            results[index] = None
     for index, request in enumerate(requests):
         if not finite[index] or ok.get(index, False):
             continue
         layer = request.layer
-        retry = None if dtype == torch.float64 else _try_decompose(request, method, torch.float64)
+        retry = (
+            None
+            if dtype == torch.float64
+            else _try_decompose(request.in_float64(), method, torch.float64)
+        )
         if retry is not None and bool(retry.ok):
             layer.warn_once(
                 "retried",
@@ -333,10 +353,14 @@ def factor_requests(
     """Requests for both factors of each layer, with Tikhonov shifts for ``"inverse"``."""
     requests = []
     for layer in layers:
-        shift_a = shift_g = None
         if method == "inverse":
             shift_a, shift_g = tikhonov_shifts(*layer.trace_means(dtype), damping)
-        requests += [FactorRequest(layer, "a", shift_a), FactorRequest(layer, "g", shift_g)]
+            requests += [
+                FactorRequest(layer, "a", shift_a, damping),
+                FactorRequest(layer, "g", shift_g, damping),
+            ]
+        else:
+            requests += [FactorRequest(layer, "a"), FactorRequest(layer, "g")]
     return requests
 
 
