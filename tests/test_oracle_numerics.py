@@ -661,3 +661,200 @@ def test_sum_and_mean_reduction_give_same_factors() -> None:
     for n in p1.factors():
         assert_close(p2.factors()[n][0], p1.factors()[n][0], what=f"A {n}")
         assert_close(p2.factors()[n][1], p1.factors()[n][1], what=f"G {n}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. callable factor_decay, kl_clip and update intervals against a hand-written schedule
+# ---------------------------------------------------------------------------------------------
+def run_against_reference(
+    model: nn.Sequential,
+    pre: dkfac.KFACPreconditioner,
+    gen: torch.Generator,
+    *,
+    steps: int,
+    factor_steps: set[int],
+    inverse_steps: set[int],
+    decay_at,
+    damping_at,
+    lr_at=lambda k: 0.1,
+    kl_at=None,
+    method: str = "eigen",
+) -> list[float]:
+    """Train ``steps`` steps and compare every preconditioned gradient with a float64 reference.
+
+    The reference keeps its own running averages (batch factors from
+    :func:`oracle_layer_factors`, folded with ``decay_at(k)`` at the steps in ``factor_steps``,
+    the first fold taking the batch as it is), decomposes them at the steps in
+    ``inverse_steps`` (dense solves), and clips with ``kl_at(k)``. Returns ν of every step.
+    """
+    names = [str(i) for i in kfac_layers(model)]
+    run: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    decomposed: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    nus = []
+    for k in range(steps):
+        x, t = conv_batch(3, gen)
+        if k in factor_steps:
+            for n in names:
+                a, g = oracle_layer_factors(model, int(n), x, t)
+                if n in run:
+                    eps = decay_at(k)
+                    a, g = eps * run[n][0] + (1 - eps) * a, eps * run[n][1] + (1 - eps) * g
+                run[n] = (a, g)
+        if k in inverse_steps:
+            decomposed = {n: (*run[n], damping_at(k)) for n in names}
+        batch_loss(model(x), t).backward()
+        grads = {n: grad_matrix(model[int(n)]) for n in names}
+        pre.step()
+        vs = {}
+        for n in names:
+            a, g, gamma_decomposed = decomposed[n]
+            if method == "eigen":  # damping applied when preconditioning
+                vs[n] = eigen_direction(a, g, grads[n], damping_at(k))
+            else:  # damping fixed when decomposed
+                vs[n] = inverse_direction(a, g, grads[n], gamma_decomposed)
+        nu = 1.0
+        if kl_at is not None:
+            vg = sum((vs[n] * grads[n]).sum().item() for n in names)
+            nu = min(1.0, math.sqrt(kl_at(k) / (lr_at(k) ** 2 * vg)))
+        nus.append(nu)
+        for n in names:
+            assert_close(grad_matrix(model[int(n)]), nu * vs[n], rtol=1e-9, what=f"step {k} {n}")
+        sgd_(model)
+    for n in names:
+        assert_close(pre.factors()[n][0], run[n][0], what=f"final A of {n}")
+        assert_close(pre.factors()[n][1], run[n][1], what=f"final G of {n}")
+    return nus
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_callable_factor_decay_running_average(method: str) -> None:
+    """ε is evaluated at the K-FAC step of each factor update (0, 2, 4), not per update."""
+    torch.manual_seed(15)
+    gen = torch.Generator().manual_seed(15)
+    model = small_conv_model()
+    calls: list[int] = []
+
+    def decay(k: int) -> float:
+        calls.append(k)
+        return 0.9 - 0.1 * k
+
+    pre = make_pre(
+        model,
+        inverse_method=method,
+        damping=0.02,
+        factor_decay=decay,
+        factor_update_steps=2,
+        inv_update_steps=2,
+    )
+    run_against_reference(
+        model,
+        pre,
+        gen,
+        steps=6,
+        factor_steps={0, 2, 4},
+        inverse_steps={0, 2, 4},
+        decay_at=lambda k: 0.9 - 0.1 * k,
+        damping_at=lambda k: 0.02,
+        method=method,
+    )
+    assert calls == [0, 2, 4]
+
+
+def test_callable_kl_clip_schedule() -> None:
+    """κ(k) alternates between clipping hard and not clipping at all."""
+    torch.manual_seed(16)
+    gen = torch.Generator().manual_seed(16)
+    model = small_conv_model()
+    kl = lambda k: 1e-7 if k % 2 == 0 else 1e6  # noqa: E731
+    lr = lambda k: 0.05 * (k + 1)  # noqa: E731
+    pre = make_pre(model, damping=0.03, factor_decay=0.8, lr=lr, kl_clip=kl)
+    nus = run_against_reference(
+        model,
+        pre,
+        gen,
+        steps=4,
+        factor_steps={0, 1, 2, 3},
+        inverse_steps={0, 1, 2, 3},
+        decay_at=lambda k: 0.8,
+        damping_at=lambda k: 0.03,
+        lr_at=lr,
+        kl_at=kl,
+    )
+    assert all(nu < 0.5 for nu in nus[0::2]), nus
+    assert all(nu == 1.0 for nu in nus[1::2]), nus
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_callable_update_intervals(method: str) -> None:
+    """Intervals (1, 2) for steps 0-2, then (2, 4): written out as the steps they select."""
+    torch.manual_seed(17)
+    gen = torch.Generator().manual_seed(17)
+    model = small_conv_model()
+    damping = lambda k: 0.01 * (k + 1)  # noqa: E731
+    pre = make_pre(
+        model,
+        inverse_method=method,
+        damping=damping,
+        factor_decay=0.7,
+        factor_update_steps=lambda k: 1 if k < 3 else 2,
+        inv_update_steps=lambda k: 2 if k < 3 else 4,
+    )
+    # k % f(k) == 0: 0, 1, 2 (f = 1), then 4, 6 (f = 2); k % i(k) == 0: 0, 2 (i = 2), 4 (i = 4)
+    run_against_reference(
+        model,
+        pre,
+        gen,
+        steps=8,
+        factor_steps={0, 1, 2, 4, 6},
+        inverse_steps={0, 2, 4},
+        decay_at=lambda k: 0.7,
+        damping_at=damping,
+        method=method,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. recovery: a failed Cholesky is recomputed in float64
+# ---------------------------------------------------------------------------------------------
+def test_failed_cholesky_is_retried_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """inv_dtype=float32 Cholesky reports failure; the float64 retry gives the exact result."""
+    torch.manual_seed(18)
+    gen = torch.Generator().manual_seed(18)
+    model = small_conv_model()
+    pre = dkfac.KFACPreconditioner(
+        model,
+        inverse_method="inverse",
+        damping=0.02,
+        kl_clip=None,
+        factor_dtype=DT,
+        inv_dtype=torch.float32,
+    )
+    real_cholesky_ex = torch.linalg.cholesky_ex
+    attempts: list[torch.dtype] = []
+
+    def failing_in_float32(matrix: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        attempts.append(matrix.dtype)
+        factor, info = real_cholesky_ex(matrix, **kwargs)
+        if matrix.dtype == torch.float32:
+            info = torch.ones_like(info)  # "the leading minor of order 1 is not positive"
+        return factor, info
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing_in_float32)
+    x, t = conv_batch(4, gen)
+    expected_f = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
+    batch_loss(model(x), t).backward()
+    grads = {n: grad_matrix(model[int(n)]) for n in expected_f}
+    with pytest.warns(RuntimeWarning) as record:
+        pre.step()
+    messages = sorted(str(w.message) for w in record)
+    assert len(messages) == 2, messages
+    for name, message in zip(["0", "3"], messages, strict=True):
+        assert message == (
+            f"K-FAC layer '{name}': decomposition failed in torch.float32; recomputed in float64"
+        )
+    assert attempts == [torch.float32] * 4 + [torch.float64] * 4
+    for n, (a, g) in expected_f.items():
+        inverse = pre.layers[[layer.name for layer in pre.layers].index(n)].inverse
+        assert all(t.dtype == DT for t in inverse.tensors().values())
+        v = inverse_direction(a, g, grads[n], 0.02)
+        assert_close(grad_matrix(model[int(n)]), v, rtol=1e-9, what=f"V of {n}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
+import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -50,28 +53,67 @@ F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 
 
 # -- bad input ---------------------------------------------------------------------------------
+POSITIVE = r"is not allowed: expected a finite number > 0 or a callable of the step"
+KL_CLIP = r"is not allowed: expected a finite number > 0, a callable of the step, or None"
+DECAY = r"is not allowed: expected a number in \[0, 1\) or a callable of the step"
+AT_LEAST_ONE = r"is not allowed: expected an integer >= 1"
+FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*torch\.float64\)"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"damping": -1.0}, r"damping=-1\.0 .*> 0"),
-        ({"damping": 0.0}, r"damping=0\.0"),
-        ({"damping": "big"}, r"damping='big'"),
-        ({"factor_decay": 1.0}, r"factor_decay=1\.0 .*\[0, 1\)"),
-        ({"factor_decay": -0.1}, r"factor_decay=-0\.1"),
-        ({"kl_clip": 0.0}, r"kl_clip=0\.0"),
-        ({"lr": -0.1}, r"lr=-0\.1"),
-        ({"factor_update_steps": 0}, r"factor_update_steps=0 .*integer >= 1"),
-        ({"inv_update_steps": 2.5}, r"inv_update_steps=2\.5"),
-        ({"accumulation_steps": 0}, r"accumulation_steps=0"),
-        ({"factor_update_steps": 10, "inv_update_steps": 15}, r"inv_update_steps=15 .*multiple"),
-        ({"strategy": "magic"}, r"strategy='magic' .*'local'"),
-        ({"inverse_method": "svd"}, r"inverse_method='svd' .*'eigen', 'inverse'"),
-        ({"loss_reduction": "max"}, r"loss_reduction='max'"),
-        ({"factor_dtype": torch.int32}, r"factor_dtype=torch\.int32"),
-        ({"inv_dtype": torch.float16}, r"inv_dtype=torch\.float16"),
-        ({"skip_layers": "fc"}, r"skip_layers='fc' .*sequence"),
-        ({"skip_layers": ["("]}, r"skip_layers entry '\('"),
-        ({"grad_scaler": object()}, r"grad_scaler=.*GradScaler"),
+        ({"damping": -1.0}, rf"damping=-1\.0 {POSITIVE}"),
+        ({"damping": 0.0}, rf"damping=0\.0 {POSITIVE}"),
+        ({"damping": math.inf}, rf"damping=inf {POSITIVE}"),
+        ({"damping": math.nan}, rf"damping=nan {POSITIVE}"),
+        ({"damping": "big"}, rf"damping='big' {POSITIVE}"),
+        ({"factor_decay": 1.0}, rf"factor_decay=1\.0 {DECAY}"),
+        ({"factor_decay": -0.1}, rf"factor_decay=-0\.1 {DECAY}"),
+        ({"kl_clip": 0.0}, rf"kl_clip=0\.0 {KL_CLIP}"),
+        ({"kl_clip": -0.5}, rf"kl_clip=-0\.5 {KL_CLIP}"),
+        ({"kl_clip": math.inf}, rf"kl_clip=inf {KL_CLIP}"),
+        ({"lr": -0.1}, rf"lr=-0\.1 {POSITIVE}"),
+        ({"lr": math.inf}, rf"lr=inf {POSITIVE}"),
+        ({"factor_update_steps": 0}, rf"factor_update_steps=0 {AT_LEAST_ONE}"),
+        ({"inv_update_steps": 0}, rf"inv_update_steps=0 {AT_LEAST_ONE}"),
+        ({"inv_update_steps": 2.5}, rf"inv_update_steps=2\.5 {AT_LEAST_ONE}"),
+        ({"accumulation_steps": 0}, rf"accumulation_steps=0 {AT_LEAST_ONE}"),
+        (
+            {"factor_update_steps": 10, "inv_update_steps": 15},
+            r"inv_update_steps=15 is not allowed: expected a multiple of factor_update_steps=10 ",
+        ),
+        ({"strategy": "magic"}, r"strategy='magic' is not allowed: expected one of 'local'"),
+        (
+            {"inverse_method": "svd"},
+            r"inverse_method='svd' is not allowed: expected one of 'eigen', 'inverse'",
+        ),
+        (
+            {"loss_reduction": "max"},
+            r"loss_reduction='max' is not allowed: expected one of 'mean', 'sum'",
+        ),
+        ({"factor_dtype": torch.int32}, rf"factor_dtype=torch\.int32 {FLOAT_DTYPE}"),
+        (
+            {"inv_dtype": torch.float16},
+            r"inv_dtype=torch\.float16 is not allowed: decompositions need torch\.float32 or "
+            r"torch\.float64",
+        ),
+        (
+            {"skip_layers": "fc"},
+            r"skip_layers='fc' is not allowed: expected a sequence of regular expressions",
+        ),
+        (
+            {"skip_layers": ["("]},
+            r"skip_layers entry '\(' is not allowed: expected a regular expression",
+        ),
+        (
+            {"grad_scaler": object()},
+            r"grad_scaler=.* is not allowed: expected a torch\.amp\.GradScaler or None",
+        ),
+        (
+            {"bucket_cap_mb": math.inf},
+            r"bucket_cap_mb=inf is not allowed: expected a finite number of MiB >= 0",
+        ),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, pattern: str) -> None:
@@ -80,15 +122,23 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, pattern: str)
 
 
 def test_model_without_supported_layers_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"no layer K-FAC can precondition.*BatchNorm1d"):
+    with pytest.raises(
+        ValueError,
+        match=r"model=Sequential is not allowed: it has no layer K-FAC can precondition "
+        r"\(nn\.Linear, nn\.Conv2d\); found: BatchNorm1d",
+    ):
         dkfac.KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3)))
-    with pytest.raises(ValueError, match="model=int"):
+    with pytest.raises(ValueError, match=r"model=int is not allowed: expected a torch\.nn\.Module"):
         dkfac.KFACPreconditioner(3)  # type: ignore[arg-type]
 
 
 def test_grouped_convolution_is_refused_with_its_name() -> None:
     model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"layer '0' \(Conv2d\).*groups=2.*skip_layers"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '0' \(Conv2d\): grouped convolution \(groups=2\) is not supported; "
+        r"add its name to skip_layers",
+    ):
         dkfac.KFACPreconditioner(model)
     pre = dkfac.KFACPreconditioner(model, skip_layers=["^0$"])
     assert [layer.name for layer in pre.layers] == ["2"]
@@ -98,8 +148,72 @@ def test_callable_hyperparameter_is_validated_when_used() -> None:
     model = small_model()
     pre = dkfac.KFACPreconditioner(model, damping=lambda step: -1.0, **F64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"damping=-1\.0"):
+    with pytest.raises(
+        ValueError, match=rf"damping=-1\.0 \(returned by the callable at step 0\) {POSITIVE}"
+    ):
         train_step(model, pre, opt, 0)
+
+
+def test_callable_kl_clip_returning_inf_is_refused_at_its_step() -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, kl_clip=lambda k: 1e-3 if k < 1 else math.inf, **F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, pre, opt, 0)
+    with pytest.raises(
+        ValueError, match=rf"kl_clip=inf \(returned by the callable at step 1\) {KL_CLIP}"
+    ):
+        train_step(model, pre, opt, 1)
+
+
+@pytest.mark.parametrize(
+    ("intervals", "bad_step", "pattern"),
+    [
+        (
+            {"factor_update_steps": lambda k: 2, "inv_update_steps": lambda k: 4 if k < 4 else 3},
+            4,
+            r"inv_update_steps=3 \(at step 4\) is not allowed: expected a multiple of "
+            r"factor_update_steps=2 at that step",
+        ),
+        (
+            {"factor_update_steps": lambda k: 1 if k < 2 else 3, "inv_update_steps": 2},
+            2,
+            r"inv_update_steps=2 \(at step 2\) is not allowed: expected a multiple of "
+            r"factor_update_steps=3 at that step",
+        ),
+        (
+            # step k also decides whether step k + 1 captures statistics: checked before
+            # anything changes
+            {"factor_update_steps": lambda k: 1 if k < 3 else 0},
+            2,
+            rf"factor_update_steps=0 \(returned by the callable at step 3\) {AT_LEAST_ONE}",
+        ),
+        (
+            {"inv_update_steps": lambda k: 1 if k < 1 else -2},
+            1,
+            rf"inv_update_steps=-2 \(returned by the callable at step 1\) {AT_LEAST_ONE}",
+        ),
+    ],
+    ids=["not-multiple", "not-multiple-constant-inv", "zero", "negative"],
+)
+def test_callable_intervals_are_validated_at_each_step_before_anything_changes(
+    intervals: dict, bad_step: int, pattern: str
+) -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, **intervals, **F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for seed in range(bad_step):
+        train_step(model, pre, opt, seed)
+    x, y = batch(bad_step)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    factors = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+    with pytest.raises(ValueError, match=pattern):
+        pre.step()
+    assert pre.steps == bad_step
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    for name, (a, g) in pre.factors().items():
+        assert torch.equal(a, factors[name][0]) and torch.equal(g, factors[name][1])
 
 
 def test_step_before_backward_and_changed_model_raise_runtime_error() -> None:
@@ -200,6 +314,107 @@ def test_unused_layer_keeps_its_gradient_none_and_others_are_preconditioned() ->
     assert model.unused.weight.grad is None
     assert not torch.equal(before, model.used.weight.grad)
     assert set(pre.factors()) == {"body", "used"}
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` applies ``out_proj`` through ``F.linear``, not its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(y.mean(dim=1))
+
+
+SUGGESTED = r"^attn\.out_proj$"
+
+
+def attention_step(model: nn.Module, pre: dkfac.KFACPreconditioner, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 5, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=g)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    pre.step()
+
+
+def test_layer_used_outside_its_forward_is_reported_once_and_passed_through(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = SelfAttention().double()
+    kwargs = dict(kl_clip=1e-9, **F64)
+    pre = dkfac.KFACPreconditioner(model, **kwargs)
+    assert [layer.name for layer in pre.layers] == ["attn.out_proj", "head"]
+    # References: out_proj skipped on purpose; and the same without KL clipping.
+    skipped_model, unclipped_model = copy.deepcopy(model), copy.deepcopy(model)
+    skipped = dkfac.KFACPreconditioner(skipped_model, skip_layers=[SUGGESTED], **kwargs)
+    unclipped = dkfac.KFACPreconditioner(
+        unclipped_model, skip_layers=[SUGGESTED], kl_clip=None, **F64
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=g)
+    F.cross_entropy(model(x), y).backward()
+    raw = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="dkfac"), pytest.warns(RuntimeWarning) as record:
+        pre.step()
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1, messages
+    assert re.search(
+        r"K-FAC layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\) has a gradient but "
+        r"captured no factor statistics: .*outside its forward",
+        messages[0],
+    )
+    # What to do, with the skip_layers entry the references above use.
+    assert "passes through unpreconditioned and unclipped; add it to skip_layers" in messages[0]
+    assert f"skip_layers=[{SUGGESTED!r}]" in messages[0]
+    assert [r.getMessage() for r in caplog.records if "attn.out_proj" in r.getMessage()] == messages
+    # Its gradient is exactly the one backward produced; nothing else is touched.
+    assert torch.equal(model.attn.out_proj.weight.grad, raw["attn.out_proj.weight"])
+    assert torch.equal(model.attn.out_proj.bias.grad, raw["attn.out_proj.bias"])
+    assert torch.equal(model.attn.in_proj_weight.grad, raw["attn.in_proj_weight"])
+    # The other layer is preconditioned and clipped as if out_proj were in skip_layers: the
+    # pass-through gradient does not enter ν.
+    for reference in (skipped_model, unclipped_model):
+        F.cross_entropy(reference(x), y).backward()
+    skipped.step()
+    unclipped.step()
+    assert torch.equal(model.head.weight.grad, skipped_model.head.weight.grad)
+    assert not torch.equal(model.head.weight.grad, raw["head.weight"])
+    assert not torch.allclose(model.head.weight.grad, unclipped_model.head.weight.grad)
+    assert set(pre.factors()) == {"head"}
+    assert re.search(
+        r"attn\.out_proj\s+NonDynamicallyQuantizableLinear\s+9x9\s+8x8\s+"
+        r"passed through: used outside its forward",
+        repr(pre),
+    )
+    assert re.search(r"head\s+Linear\s+9x9\s+3x3\s+preconditioned", repr(pre))
+    # Reported once; later steps (factor updates or not) keep passing it through.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in (1, 2):
+            attention_step(model, pre, seed)
+            attention_step(skipped_model, skipped, seed)
+            assert torch.equal(model.head.weight.grad, skipped_model.head.weight.grad)
+            for name, p in model.attn.named_parameters():
+                assert torch.equal(p.grad, dict(skipped_model.attn.named_parameters())[name].grad)
+
+
+def test_layer_forwarded_in_eval_mode_is_not_reported_as_used_outside_its_forward() -> None:
+    model = small_model()
+    model[6].eval()  # its forward runs, but K-FAC does not capture eval-mode forwards
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(model, pre, opt, 0)
+    assert set(pre.factors()) == {"0", "4"}
+    assert re.search(r"6\s+Linear\s+7x7\s+3x3\s+preconditioned", repr(pre))
 
 
 # -- state -------------------------------------------------------------------------------------
@@ -339,6 +554,106 @@ def test_cholesky_failure_is_detected_without_exceptions() -> None:
     assert not bool(ok)
 
 
+# -- host synchronisation -------------------------------------------------------------------------
+#: Tensor methods that copy device data to the host (a synchronisation on CUDA).
+HOST_READ_METHODS = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "nonzero",
+    "unique",
+    "cpu",
+    "numpy",
+)
+#: torch functions that read device data back, or build a device tensor from host data.
+HOST_READ_FUNCTIONS = ("nonzero", "unique", "unique_consecutive", "masked_select", "tensor")
+
+
+class HostReadSpy:
+    """Records host reads made directly by dkfac code, whatever the device.
+
+    A call counts when the frame that makes it belongs to a ``dkfac`` module; indexing a
+    tensor with a Python list counts too (on CUDA it copies the list to the device first).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str]] = []
+        for name in HOST_READ_METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), name))
+        for name in HOST_READ_FUNCTIONS:
+            monkeypatch.setattr(torch, name, self._wrap(getattr(torch, name), f"torch.{name}"))
+        for name in ("__getitem__", "__setitem__"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap_index(original, name))
+
+    def _record(self, what: str) -> None:
+        module = sys._getframe(2).f_globals.get("__name__", "")
+        if module.startswith("dkfac"):
+            self.calls.append((what, module))
+
+    def _wrap(self, original: Any, what: str) -> Any:
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            self._record(what)
+            return original(*args, **kwargs)
+
+        return spy
+
+    def _wrap_index(self, original: Any, what: str) -> Any:
+        def spy(tensor: torch.Tensor, index: Any, *rest: Any) -> Any:
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(part, list) for part in parts):
+                self._record(f"{what} with a list")
+            return original(tensor, index, *rest)
+
+        return spy
+
+    def take(self) -> list[tuple[str, str]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def test_factor_steps_of_conv_layers_read_nothing_back_from_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hooks and step() make no per-layer host reads; a decomposition step makes one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),  # stride 1: the shifted patch Gram, border groups
+        nn.ReLU(),
+        nn.Conv2d(4, 4, (3, 2), padding="same", dilation=2, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(4, 3, 3, stride=2),  # im2col path
+        nn.Flatten(),
+        nn.Linear(3 * 2 * 2, 3),
+    )
+    pre = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    spy = HostReadSpy(monkeypatch)
+
+    def step(seed: int) -> list[tuple[str, str]]:
+        x, y = batch(seed, dtype=torch.float32)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+        return spy.take()
+
+    # Step 0 plans each stride-1 layer's patch Gram once (on the CPU), which the spy sees:
+    # it does see host reads made inside the hooks.
+    first = step(0)
+    assert any(module == "dkfac.curvature.factors" for _, module in first), first
+    # Factor-update steps without decompositions: the hooks and step() read nothing back
+    # (KL clipping's ν stays on the device).
+    assert step(1) == []
+    assert step(2) == []
+    # A decomposition step of four layers: one batched read of every flag together.
+    assert step(3) == [("tolist", "dkfac.curvature.layer")]
+    assert len(pre.layers) == 4
+
+
 # -- precision and AMP -------------------------------------------------------------------------
 def test_bf16_model_accumulates_factors_in_factor_dtype() -> None:
     model = small_model(torch.bfloat16)
@@ -386,13 +701,17 @@ def test_accumulation_mismatch_is_reported() -> None:
 # -- convergence on real data ------------------------------------------------------------------
 def test_kfac_reaches_95_percent_on_digits_in_fewer_epochs_than_sgd() -> None:
     pytest.importorskip("sklearn")
-    from dkfac.demo import first_epoch_reaching, train_digits
+    from dkfac.demo import TARGET_ACCURACY, first_epoch_reaching, train_digits
 
+    assert TARGET_ACCURACY == 0.95
     torch.set_num_threads(min(2, torch.get_num_threads()))
     sgd = train_digits(use_kfac=False, epochs=6, lr=0.05, batch_size=64, seed=0)
-    kfac = train_digits(use_kfac=True, epochs=6, lr=0.05, batch_size=64, seed=0)
-    kfac_epoch = first_epoch_reaching(kfac, 0.95)
     sgd_epoch = first_epoch_reaching(sgd, 0.95)
-    assert kfac_epoch is not None, f"K-FAC never reached 95%: {kfac}"
-    assert sgd_epoch is None or kfac_epoch < sgd_epoch, (sgd, kfac)
-    assert math.isfinite(kfac[-1])
+    assert sgd_epoch is not None, f"SGD never reached 95% in 6 epochs: {sgd}"
+    assert sgd_epoch > 1, f"SGD reached 95% after one epoch, leaving K-FAC no room: {sgd}"
+    # K-FAC only needs to run the epochs that would make it strictly earlier than SGD.
+    kfac = train_digits(use_kfac=True, epochs=sgd_epoch - 1, lr=0.05, batch_size=64, seed=0)
+    kfac_epoch = first_epoch_reaching(kfac, 0.95)
+    assert kfac_epoch is not None, f"K-FAC not at 95% by epoch {sgd_epoch - 1}: {kfac} vs {sgd}"
+    assert kfac_epoch < sgd_epoch, (sgd, kfac)
+    assert all(math.isfinite(accuracy) for accuracy in kfac)

@@ -46,8 +46,11 @@ def check_float(
     low_open: bool = False,
     high_open: bool = False,
     allowed: str,
+    where: str = "",
 ) -> float:
-    """Return ``value`` as a float, or raise a ``ValueError`` naming ``name`` and the range.
+    """Return ``value`` as a finite float, or raise a ``ValueError`` naming ``name`` and the range.
+
+    NaN and ±inf are always refused, whatever the bounds.
 
     Args:
         name: parameter name used in the message.
@@ -56,23 +59,56 @@ def check_float(
         high: upper bound.
         low_open: whether ``low`` itself is excluded.
         high_open: whether ``high`` itself is excluded.
-        allowed: human description of the allowed values, e.g. ``"a number >= 0"``.
+        allowed: human description of the allowed values, e.g. ``"a finite number >= 0"``.
+        where: context placed after ``name=value`` in the message, e.g.
+            ``" (returned by the callable at step 3)"``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={_describe(value)} is not allowed: expected {allowed}")
+        raise ValueError(f"{name}={_describe(value)}{where} is not allowed: expected {allowed}")
     number = float(value)
     below = number <= low if low_open else number < low
     above = number >= high if high_open else number > high
-    if math.isnan(number) or below or above:
-        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+    if not math.isfinite(number) or below or above:
+        raise ValueError(f"{name}={value!r}{where} is not allowed: expected {allowed}")
     return number
 
 
-def check_int(name: str, value: object, *, low: int = 1) -> int:
-    """Return ``value`` as an int ``>= low`` or raise a ``ValueError`` naming ``name``."""
+def check_int(name: str, value: object, *, low: int = 1, where: str = "") -> int:
+    """Return ``value`` as an int ``>= low`` or raise a ``ValueError`` naming ``name``.
+
+    Args:
+        name: parameter name used in the message.
+        value: the value to check.
+        low: smallest allowed value.
+        where: context placed after ``name=value`` in the message.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={_describe(value)} is not allowed: expected an integer >= {low}")
+        raise ValueError(
+            f"{name}={_describe(value)}{where} is not allowed: expected an integer >= {low}"
+        )
     return value
+
+
+def check_multiple(factor_steps: int, inv_steps: int, step: int | None = None) -> None:
+    """Raise a ``ValueError`` unless ``inv_steps`` is a multiple of ``factor_steps``.
+
+    Args:
+        factor_steps: value of ``factor_update_steps``.
+        inv_steps: value of ``inv_update_steps``.
+        step: the K-FAC step both values were returned for (callables), named in the message.
+    """
+    if inv_steps % factor_steps:
+        where = "" if step is None else f" (at step {step})"
+        same = "" if step is None else " at that step"
+        raise ValueError(
+            f"inv_update_steps={inv_steps!r}{where} is not allowed: expected a multiple of "
+            f"factor_update_steps={factor_steps!r}{same} (decomposing factors that have not "
+            "changed would be wasted work)"
+        )
+
+
+def _at_step(step: int) -> str:
+    return f" (returned by the callable at step {step})"
 
 
 @dataclass(frozen=True)
@@ -91,7 +127,7 @@ class FloatSchedule:
         if not callable(self.value):
             self._check(self.value)
 
-    def _check(self, value: object) -> float:
+    def _check(self, value: object, where: str = "") -> float:
         return check_float(
             self.name,
             value,
@@ -100,12 +136,13 @@ class FloatSchedule:
             low_open=self.low_open,
             high_open=self.high_open,
             allowed=self.allowed,
+            where=where,
         )
 
     def __call__(self, step: int) -> float:
         """Value at K-FAC step ``step``; a callable's result is validated like a constant."""
         if callable(self.value):
-            return self._check(self.value(step))
+            return self._check(self.value(step), _at_step(step))
         return float(self.value)
 
 
@@ -123,7 +160,7 @@ class IntSchedule:
     def __call__(self, step: int) -> int:
         """Value at K-FAC step ``step``."""
         if callable(self.value):
-            return check_int(self.name, self.value(step))
+            return check_int(self.name, self.value(step), where=_at_step(step))
         return int(self.value)
 
 
@@ -196,7 +233,7 @@ class KFACConfig:
             "bucket_cap_mb",
             self.bucket_cap_mb,
             low=0.0,
-            allowed="a number of MiB >= 0 (0: every tensor in its own collective)",
+            allowed="a finite number of MiB >= 0 (0: every tensor in its own collective)",
         )
         if self.comm_dtype is not None and self.comm_dtype not in FLOAT_DTYPES:
             raise ValueError(
@@ -210,7 +247,7 @@ class KFACConfig:
                 self.damping,
                 low=0.0,
                 low_open=True,
-                allowed="a number > 0 or a callable of the step",
+                allowed="a finite number > 0 or a callable of the step",
             ),
             "factor_decay_at": FloatSchedule(
                 "factor_decay",
@@ -218,14 +255,14 @@ class KFACConfig:
                 low=0.0,
                 high=1.0,
                 high_open=True,
-                allowed="a number in [0, 1) or a callable",
+                allowed="a number in [0, 1) or a callable of the step",
             ),
             "lr_at": FloatSchedule(
                 "lr",
                 self.lr,
                 low=0.0,
                 low_open=True,
-                allowed="a number > 0 or a callable of the step",
+                allowed="a finite number > 0 or a callable of the step",
             ),
             "kl_clip_at": None
             if self.kl_clip is None
@@ -234,7 +271,7 @@ class KFACConfig:
                 self.kl_clip,
                 low=0.0,
                 low_open=True,
-                allowed="a number > 0, a callable of the step, or None",
+                allowed="a finite number > 0, a callable of the step, or None",
             ),
             "factor_update_steps_at": IntSchedule("factor_update_steps", self.factor_update_steps),
             "inv_update_steps_at": IntSchedule("inv_update_steps", self.inv_update_steps),
@@ -242,12 +279,8 @@ class KFACConfig:
         for key, schedule in schedules.items():
             object.__setattr__(self, key, schedule)
         factor_steps, inv_steps = self.factor_update_steps, self.inv_update_steps
-        if not callable(factor_steps) and not callable(inv_steps) and inv_steps % factor_steps:
-            raise ValueError(
-                f"inv_update_steps={inv_steps!r} is not allowed: expected a multiple of "
-                f"factor_update_steps={factor_steps!r} (decomposing factors that have not "
-                "changed would be wasted work)"
-            )
+        if not callable(factor_steps) and not callable(inv_steps):
+            check_multiple(factor_steps, inv_steps)
         if isinstance(self.skip_layers, str):
             raise ValueError(
                 f"skip_layers={self.skip_layers!r} is not allowed: expected a "
@@ -263,3 +296,17 @@ class KFACConfig:
                     f"regular expression ({error})"
                 ) from None
         object.__setattr__(self, "skip_patterns", tuple(patterns))
+
+    def intervals_at(self, step: int) -> tuple[int, int]:
+        """``(factor_update_steps, inv_update_steps)`` at K-FAC step ``step``, checked together.
+
+        Raises:
+            ValueError: a callable returned something other than an integer >= 1, or
+                ``inv_update_steps`` is not a multiple of ``factor_update_steps`` at ``step``
+                (the message names the parameter, the value, the step and what is allowed).
+        """
+        factor_steps = self.factor_update_steps_at(step)
+        inv_steps = self.inv_update_steps_at(step)
+        if callable(self.factor_update_steps) or callable(self.inv_update_steps):
+            check_multiple(factor_steps, inv_steps, step)
+        return factor_steps, inv_steps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ def format_layer_table(
     layers: Mapping[str, LayerCurvature],
     skipped: Sequence[SkippedModule],
     plan: Mapping[str, Any],
+    silent: Collection[str] = (),
 ) -> list[str]:
     """One line per module with parameters, in module order, plus the fusion summary.
 
@@ -33,6 +34,8 @@ def format_layer_table(
         layers: preconditioned layers by module path.
         skipped: modules left to the plain gradient.
         plan: the strategy's ``plan()`` (owners per factor, buckets).
+        silent: names of layers found used outside their ``forward()``: they have gradients
+            but no statistics, and pass their gradients through unpreconditioned.
     """
     owners: dict[str, dict[str, str]] = {}
     for factor in plan["factors"]:
@@ -50,7 +53,9 @@ def format_layer_table(
                     block.describe(),
                     f"{block.a_dim}x{block.a_dim}",
                     f"{block.g_dim}x{block.g_dim}",
-                    "preconditioned",
+                    "passed through: used outside its forward"
+                    if layer.name in silent
+                    else "preconditioned",
                     owner.get("A", "")
                     if owner.get("A") == owner.get("G")
                     else f"A:{owner.get('A')} G:{owner.get('G')}",

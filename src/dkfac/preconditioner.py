@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -52,9 +53,9 @@ class KFACPreconditioner:
         strategy: how work is placed on workers; ``"local"`` runs everything here.
         inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
             factored Tikhonov through Cholesky).
-        damping: γ > 0.
+        damping: γ > 0 (finite).
         factor_decay: running-average decay ε in [0, 1): ``F ← ε·F + (1−ε)·F_batch``.
-        kl_clip: κ > 0 of KL clipping, or ``None`` to disable it.
+        kl_clip: κ > 0 (finite) of KL clipping, or ``None`` to disable it.
         lr: learning rate of the optimizer, used by KL clipping. Pass a callable when it
             changes (e.g. ``lambda step: scheduler.get_last_lr()[0]``).
         factor_update_steps: steps between factor updates.
@@ -83,7 +84,13 @@ class KFACPreconditioner:
             (about a second, collective: every rank builds its preconditioner together).
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
-    of the K-FAC step (the number of completed ``step()`` calls).
+    of the K-FAC step (the number of completed ``step()`` calls). A callable's value is checked
+    like a constant when :meth:`step` evaluates it (``inv_update_steps(k)`` must be a multiple of
+    ``factor_update_steps(k)``); a bad value raises ``ValueError`` before anything changes.
+
+    Raises:
+        ValueError: an argument is not allowed (the message names it, its value and what is
+            allowed).
     """
 
     def __init__(
@@ -164,6 +171,11 @@ class KFACPreconditioner:
         self._steps = 0
         self._removed = False
         self._warned: set[str] = set()
+        # Layers whose forward hook ran in the current capture window (whether or not this
+        # worker captures them), and layers found used outside their forward: these have a
+        # gradient but never statistics, and pass it through unpreconditioned.
+        self._forwarded: set[str] = set()
+        self._silent: set[str] = set()
         self._capture = self._is_factor_step(0)
         self._force_inverse = False
         self._handles: list[RemovableHandle] = [
@@ -207,15 +219,19 @@ class KFACPreconditioner:
     def _forward_hook(
         self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
+        if self._removed or not self._capture:
+            return
+        # Recorded on every worker, capturing or not, so all workers agree on which layers are
+        # used outside their forward (see _find_silent).
+        self._forwarded.add(layer.name)
         if (
-            self._removed
-            or not self._capture
-            or not module.training
+            not module.training
             or not torch.is_grad_enabled()
             or not self._strategy.captures(layer)
+            or not inputs
+            or not isinstance(inputs[0], Tensor)
+            or not isinstance(output, Tensor)
         ):
-            return
-        if not inputs or not isinstance(inputs[0], Tensor) or not isinstance(output, Tensor):
             return
         with self._recorder.phase("factor_compute"):
             layer.accumulate_a(inputs[0])
@@ -250,8 +266,16 @@ class KFACPreconditioner:
     def _is_factor_step(self, step: int) -> bool:
         return step % self.config.factor_update_steps_at(step) == 0
 
-    def _is_inverse_step(self, step: int) -> bool:
-        return step % self.config.inv_update_steps_at(step) == 0
+    def _schedule(self, step: int) -> tuple[bool, bool]:
+        """Whether ``step`` updates factors and decompositions; both intervals validated.
+
+        Raises:
+            ValueError: a callable interval returned a value that is not allowed at ``step``
+                (not an integer >= 1, or ``inv_update_steps`` not a multiple of
+                ``factor_update_steps``).
+        """
+        factor_steps, inv_steps = self.config.intervals_at(step)
+        return step % factor_steps == 0, step % inv_steps == 0
 
     @property
     def steps(self) -> int:
@@ -265,9 +289,15 @@ class KFACPreconditioner:
         Call after ``loss.backward()`` (and ``scaler.unscale_(optimizer)`` with AMP), before
         ``optimizer.step()``.
 
+        A layer found used outside its own ``forward()`` (its parent calls ``F.linear`` on its
+        weight, like ``nn.MultiheadAttention`` does with ``out_proj``) has a gradient but no
+        statistics: it is reported once and its gradient is left exactly as it is, like a
+        layer in ``skip_layers`` (not preconditioned, not KL-clipped, not part of ``ν``).
+
         Raises:
             RuntimeError: called before any backward pass, after :meth:`remove`, or the model
                 changed since the preconditioner was built.
+            ValueError: a callable hyperparameter returned a value that is not allowed.
         """
         if self._removed:
             raise RuntimeError(
@@ -283,24 +313,31 @@ class KFACPreconditioner:
                 "before the backward pass)"
             )
         k, config = self._steps, self.config
-        if self._is_factor_step(k):
+        # Every interval this step needs (including whether the next step captures) is
+        # evaluated and validated before anything changes.
+        factor_step, inverse_step = self._schedule(k)
+        capture_next = self._is_factor_step(k + 1)
+        if factor_step:
             self._check_statistics()
+            self._find_silent(active)
             self._strategy.update_factors(
                 self._layers, config.factor_decay_at(k), config.loss_reduction
             )
-        if self._is_inverse_step(k) or self._force_inverse:
+        if inverse_step or self._force_inverse:
             self._force_inverse = False
             self._strategy.update_inverses(
                 self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype
             )
-        grads = [layer.block.grad_matrix() for layer in active]
-        directions = self._strategy.precondition(active, grads, config.damping_at(k))
-        scale = self._kl_scale(directions, grads, k)
-        for layer, direction in zip(active, directions, strict=True):
-            layer.block.set_grad(direction if scale is None else direction * scale)
+        active = [layer for layer in active if layer.name not in self._silent]
+        if active:
+            grads = [layer.block.grad_matrix() for layer in active]
+            directions = self._strategy.precondition(active, grads, config.damping_at(k))
+            scale = self._kl_scale(directions, grads, k)
+            for layer, direction in zip(active, directions, strict=True):
+                layer.block.set_grad(direction if scale is None else direction * scale)
         self._recorder.finish_step(self._steps)
         self._steps += 1
-        self._capture = self._is_factor_step(self._steps)
+        self._capture = capture_next
 
     def _kl_scale(
         self, directions: Sequence[Tensor], grads: Sequence[Tensor], step: int
@@ -355,6 +392,34 @@ class KFACPreconditioner:
                     f"K-FAC saw {min(calls)} backward pass(es) before step() but "
                     f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
                     "over all of them"
+                ),
+            )
+
+    def _find_silent(self, active: Sequence[LayerCurvature]) -> None:
+        """Mark the layers that have a gradient but whose forward hook never ran this window.
+
+        Such a layer's weight is used by its parent outside the layer's ``forward()``, so no
+        statistics can exist for it; it passes its gradient through until a later factor
+        window sees its forward. When no hook ran at all (no forward since the last factor
+        update), nothing is decided.
+        """
+        if not self._forwarded:
+            return
+        self._silent = {layer.name for layer in active if layer.name not in self._forwarded}
+        self._forwarded.clear()
+        for layer in active:
+            if layer.name not in self._silent:
+                continue
+            kind = type(layer.block.module).__name__
+            pattern = f"^{re.escape(layer.name)}$"
+            self._warn_once(
+                f"silent:{layer.name}",
+                (
+                    f"K-FAC layer {layer.name!r} ({kind}) has a gradient but captured no factor "
+                    "statistics: its forward() did not run, so its parent uses its weight outside "
+                    "its forward (e.g. nn.MultiheadAttention calls F.linear on out_proj.weight). "
+                    "Its gradient passes through unpreconditioned and unclipped; add it to "
+                    f"skip_layers (e.g. skip_layers=[{pattern!r}]) to say so explicitly"
                 ),
             )
 
@@ -420,6 +485,7 @@ class KFACPreconditioner:
             dict(zip(self._paths, self._layers, strict=True)),
             self._skipped,
             self._strategy.plan(),
+            silent=self._silent,
         )
         return "\n".join([header, *lines])
 
@@ -458,6 +524,7 @@ class KFACPreconditioner:
         for layer in self._layers:
             layer.load_state(saved[layer.name])
         self._steps = int(state["steps"])
+        self._forwarded.clear()
         self._capture = self._is_factor_step(self._steps)
         # A state with factors but no decomposition (e.g. saved on another world size, where
         # decompositions live on their owners) is decomposed at the next step, on every rank.
