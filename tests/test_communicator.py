@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,6 +47,10 @@ def collectives(rank: int, world_size: int) -> dict:
     x = torch.linspace(0, 1, 8) + rank
     low.allreduce([x], phase="bf16").wait()
     out["bf16"] = x
+    # exact=True ignores comm_dtype: 257 has 9 significant bits, bf16 keeps 8.
+    counts = torch.tensor([257.0 * (rank + 1)], dtype=torch.float64)
+    low.allreduce([counts], phase="exact", exact=True).wait()
+    out["exact"] = counts
     # Groups: one per pair of ranks, made identically everywhere.
     groups = comm.new_groups([[0, 1], list(range(world_size))])
     g = torch.tensor([float(rank)])
@@ -56,6 +61,23 @@ def collectives(rank: int, world_size: int) -> dict:
     m = torch.tensor([float(rank), float(-rank)], dtype=torch.float64)
     comm.allreduce([m], phase="max", maximum=True).wait()
     out["max"] = m
+    # A communicator with a group of its own: works, and close() destroys only that group.
+    own = Communicator.with_own_group(recorder)
+    o = torch.tensor([float(rank)])
+    own.allreduce([o], phase="own").wait()
+    made = own.group
+    out["own"] = (o, own.owns_group, dist.get_process_group_ranks(made))
+    own.close()
+    own.close()  # idempotent
+    try:
+        dist.get_process_group_ranks(made)
+        destroyed = False
+    except KeyError:  # torch.distributed no longer knows the group
+        destroyed = True
+    out["own_closed"] = (own.group is None, own.owns_group, destroyed)
+    borrowed = Communicator(recorder, group=dist.group.WORLD)
+    borrowed.close()  # a group passed in belongs to the caller
+    out["borrowed"] = (borrowed.group is dist.group.WORLD, borrowed.owns_group)
     # Reduce-scatter and all-gather (DeAR's halves of an allreduce).
     chunk = torch.zeros(2, dtype=torch.float64)
     comm.reduce_scatter(
@@ -87,6 +109,11 @@ def test_collectives_values_packing_buckets_and_accounting() -> None:
         torch.testing.assert_close(out["bf16"], exact, rtol=1e-2, atol=0)
         assert float(out["group"]) == (1.0 if rank in (0, 1) else float(rank))
         assert out["max"].tolist() == [world - 1.0, 0.0]
+        assert out["exact"].item() == 257.0 * sum(r + 1 for r in range(world))
+        own_sum, owned, ranks = out["own"]
+        assert own_sum.item() == sum(range(world)) and owned and ranks == list(range(world))
+        assert out["own_closed"] == (True, False, True)
+        assert out["borrowed"] == (True, False)
         stats = out["stats"]
 
         def sent(payload: int, factor: int, ranks: int = world) -> int:
@@ -107,6 +134,7 @@ def test_collectives_values_packing_buckets_and_accounting() -> None:
         assert stats["reduce/reduce"] == {"bytes": 32, "calls": 1, "wire_bytes": sent(32, 1)}
         assert stats["bcast/broadcast"] == {"bytes": 8 * 10, "calls": 1, "wire_bytes": sent(80, 1)}
         assert stats["bf16/allreduce"] == {"bytes": 2 * 8, "calls": 1, "wire_bytes": sent(16, 2)}
+        assert stats["exact/allreduce"] == {"bytes": 8, "calls": 1, "wire_bytes": sent(8, 2)}
         assert ("group/allreduce" in stats) == (rank in (0, 1))
         if rank in (0, 1):
             assert stats["group/allreduce"]["wire_bytes"] == sent(4, 2, ranks=2)

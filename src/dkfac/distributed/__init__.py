@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dkfac.distributed.communicator import Communicator, require_distributed
-from dkfac.distributed.cost_model import ClusterCostModel
+from dkfac.distributed.cost_model import ClusterCostModel, CostModelCache
 from dkfac.distributed.d_kfac import DKFACStrategy
 from dkfac.distributed.dear import DeAR
 from dkfac.distributed.dp import DPStrategy
@@ -34,14 +34,18 @@ def make_strategy(
     comm_dtype: torch.dtype | None = None,
     inverse_method: str = "eigen",
     inv_dtype: torch.dtype = torch.float32,
-    cost_model: ClusterCostModel | None = None,
+    cost_model: ClusterCostModel | CostModelCache | None = None,
     profile_steps: int = 5,
 ) -> Strategy:
     """The strategy called ``name``, with its communicator when it needs one.
 
     SPD and PAD launch collectives from autograd hooks, while DDP may be allreducing
     gradients on the default group: they get a process group of their own so the two
-    streams of collectives can never interleave differently on different ranks.
+    streams of collectives can never interleave differently on different ranks
+    (:meth:`Communicator.with_own_group`; the strategy's ``close()`` destroys it).
+    ``cost_model`` (SPD/PAD only) is a measured :class:`ClusterCostModel`, a
+    :class:`CostModelCache` that measures on first use and serves every later strategy, or
+    ``None`` to measure for this strategy alone.
 
     Raises:
         ValueError: unknown name, or a fraction the world size does not allow.
@@ -64,9 +68,8 @@ def make_strategy(
         )
     require_distributed(f"strategy={name!r}")
     if name in (SPDStrategy.name, PADStrategy.name):
-        group = dist.new_group(list(range(dist.get_world_size())))
-        comm = Communicator(
-            recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype, group=group
+        comm = Communicator.with_own_group(
+            recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype
         )
         pipelined = SPDStrategy if name == SPDStrategy.name else PADStrategy
         return pipelined(
@@ -89,6 +92,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "ClusterCostModel",
     "Communicator",
+    "CostModelCache",
     "DKFACStrategy",
     "DPStrategy",
     "DeAR",

@@ -211,14 +211,18 @@ class _Ledger:
         op: str,
         tensors: Sequence[tuple[tuple[int, ...], bool, torch.dtype]],
         ranks: int,
+        exact: bool = False,
     ) -> None:
-        """Count the fused collectives of ``tensors`` (shape, symmetric, dtype) over ``ranks``."""
+        """Count the fused collectives of ``tensors`` (shape, symmetric, dtype) over ``ranks``.
+
+        ``exact`` (the float64 counts) ignores ``comm_dtype``, as ``Communicator.allreduce``.
+        """
         plan = plan_fusion(
             [shape for shape, _, _ in tensors],
             [dtype for _, _, dtype in tensors],
             [sym for _, sym, _ in tensors],
             self.settings.cap_bytes,
-            self.settings.comm_dtype,
+            None if exact else self.settings.comm_dtype,
         )
         for payload in plan:
             record_collective(self.recorder, phase, op, payload.nbytes, ranks)
@@ -265,7 +269,7 @@ def account_kaisa(
         my_row, my_column = rank // g, rank % g
         # update_factors: the float64 counts alone, then every packed factor, fused.
         ledger.collective(
-            "factor_comm", "allreduce", [((2 * len(layers),), False, torch.float64)], world
+            "factor_comm", "allreduce", [((2 * len(layers),), False, torch.float64)], world, True
         )
         ledger.collective("factor_comm", "allreduce", factors, world)
         if g > 1:  # a row of one rank has no group: nothing to broadcast
@@ -357,7 +361,7 @@ def account_pipelined(
             op = "allreduce" if destination is None else "reduce"
             ledger.collective("factor_comm", op, factors, world)
         ledger.collective(
-            "factor_comm", "allreduce", [((len(slots),), False, torch.float64)], world
+            "factor_comm", "allreduce", [((len(slots),), False, torch.float64)], world, True
         )
         if settings.inverse_method == "inverse" and not strategy.factors_everywhere:
             # The owners exchange tr(F)/d for the factored Tikhonov damping.

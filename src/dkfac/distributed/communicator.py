@@ -6,12 +6,17 @@ Strategies never call ``torch.distributed`` themselves: they hand lists of tenso
 * fuses them into flat buffers of at most ``bucket_cap_mb`` (:class:`FusionBucket`), one
   collective per bucket;
 * sends only the upper triangle of tensors marked symmetric (``d(d+1)/2`` values);
-* optionally transports in a lower precision (``comm_dtype``) and restores the working dtype;
+* optionally transports in a lower precision (``comm_dtype``) and restores the working dtype
+  (``exact=True`` keeps a collective in its own dtype: counts, agreed values);
 * records bytes and calls per (phase, collective) in the :class:`StepRecorder`;
 * returns a :class:`CollectiveHandle` at once; results land in the given tensors on ``wait()``.
 
 Every rank must issue the same collectives in the same order (the usual ``torch.distributed``
 contract); the strategies guarantee it by iterating over layers and owners in a fixed order.
+
+Process groups are made here too: :meth:`Communicator.new_groups` for sub-groups and
+:meth:`Communicator.with_own_group` for a communicator on a group of its own (strategies and
+DeAR that launch collectives from autograd hooks), released by :meth:`Communicator.close`.
 """
 
 from __future__ import annotations
@@ -168,6 +173,14 @@ class FusionBucket:
         """Payload size of the collective."""
         return self.flat.numel() * self.flat.element_size()
 
+    @property
+    def rounds(self) -> bool:
+        """Whether the transport dtype cannot hold some tensor exactly (float32 in bfloat16)."""
+        return any(
+            torch.promote_types(tensor.dtype, self.comm_dtype) != self.comm_dtype
+            for tensor in self.tensors
+        )
+
     def unpack(self, scale: float | None = None) -> None:
         """Write ``flat`` (times ``scale``) back into the tensors, both triangles if symmetric."""
         offset = 0
@@ -213,7 +226,8 @@ class Communicator:
         recorder: where bytes and calls are counted.
         bucket_cap_mb: largest fused buffer in MiB (``0`` sends each tensor alone).
         comm_dtype: transport dtype (e.g. ``torch.bfloat16``); ``None`` keeps each tensor's.
-        group: the process group of all participants (default: the world).
+        group: the process group of all participants (default: the world). A group passed
+            here belongs to the caller: :meth:`close` leaves it alone.
     """
 
     def __init__(
@@ -230,8 +244,44 @@ class Communicator:
         self.group = group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
+        self._owns_group = False
 
     # -- groups ----------------------------------------------------------------------------
+    @classmethod
+    def with_own_group(
+        cls,
+        recorder: StepRecorder,
+        *,
+        bucket_cap_mb: float = 25.0,
+        comm_dtype: torch.dtype | None = None,
+    ) -> Communicator:
+        """A communicator on a new process group of all ranks, which it owns.
+
+        Collectives launched from autograd hooks need a group of their own: DDP allreduces
+        gradients on the default group from its own hooks, and two streams of collectives on
+        one group could interleave differently on different ranks. Every rank must call it,
+        in the same order as its other group creations; :meth:`close` destroys the group.
+        """
+        group = dist.new_group(list(range(dist.get_world_size())))
+        comm = cls(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype, group=group)
+        comm._owns_group = True
+        return comm
+
+    @property
+    def owns_group(self) -> bool:
+        """Whether :meth:`close` destroys :attr:`group` (made by :meth:`with_own_group`)."""
+        return self._owns_group
+
+    def close(self) -> None:
+        """Destroy the group this communicator made (idempotent; other groups: nothing).
+
+        Afterwards :attr:`group` is ``None``. Every rank calls it, like the group creation.
+        """
+        if self._owns_group and self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self._owns_group = False
+
     def new_groups(self, layouts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
         """Create one process group per rank list, on every rank, in the given order.
 
@@ -252,16 +302,23 @@ class Communicator:
 
     # -- buckets ---------------------------------------------------------------------------
     def buckets(
-        self, tensors: Sequence[Tensor], symmetric: Sequence[bool] | None = None
+        self,
+        tensors: Sequence[Tensor],
+        symmetric: Sequence[bool] | None = None,
+        *,
+        exact: bool = False,
     ) -> list[FusionBucket]:
-        """Split ``tensors`` in order into buckets of at most ``bucket_cap_mb`` each."""
+        """Split ``tensors`` in order into buckets of at most ``bucket_cap_mb`` each.
+
+        Buckets travel in ``comm_dtype`` unless ``exact``, then in their tensors' own dtype.
+        """
         flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
         plan = plan_fusion(
             [tuple(t.shape) for t in tensors],
             [t.dtype for t in tensors],
             flags,
             self.bucket_cap_bytes,
-            self.comm_dtype,
+            None if exact else self.comm_dtype,
         )
         return [
             FusionBucket(list(tensors[p.start : p.end]), flags[p.start : p.end], p.dtype)
@@ -278,8 +335,13 @@ class Communicator:
         average: bool = False,
         maximum: bool = False,
         group: ProcessGroup | None = None,
+        exact: bool = False,
     ) -> CollectiveHandle:
-        """Sum (average, or element-wise maximum) ``tensors`` over ``group``, in place."""
+        """Sum (average, or element-wise maximum) ``tensors`` over ``group``, in place.
+
+        ``exact`` sends the tensors in their own dtype whatever ``comm_dtype`` says: for
+        values that must not be rounded (float64 row/example counts, times all ranks agree on).
+        """
         size = dist.get_world_size(group) if group is not None else self.world_size
         scale = 1.0 / size if average else None
         op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
@@ -291,6 +353,7 @@ class Communicator:
             lambda b: dist.all_reduce(b.flat, op=op, group=group or self.group, async_op=True),
             scale,
             group=group,
+            exact=exact,
         )
 
     def reduce(
@@ -313,7 +376,7 @@ class Communicator:
             phase,
             lambda b: dist.reduce(b.flat, dst, group=group or self.group, async_op=True),
             scale if self.rank == dst else None,
-            unpack=self.rank == dst,
+            unpack=lambda b: self.rank == dst,
             group=group,
         )
         return handle
@@ -327,7 +390,11 @@ class Communicator:
         symmetric: Sequence[bool] | None = None,
         group: ProcessGroup | None = None,
     ) -> CollectiveHandle:
-        """Copy ``tensors`` of global rank ``src`` into the same tensors on every rank."""
+        """Copy ``tensors`` of global rank ``src`` into the same tensors on every rank.
+
+        When the transport dtype rounds them (``comm_dtype``), ``src`` keeps the rounded
+        values too, so every rank ends with bitwise the same tensors.
+        """
         return self._launch(
             "broadcast",
             tensors,
@@ -335,7 +402,7 @@ class Communicator:
             phase,
             lambda b: dist.broadcast(b.flat, src, group=group or self.group, async_op=True),
             None,
-            unpack=self.rank != src,
+            unpack=lambda b: self.rank != src or b.rounds,
             group=group,
         )
 
@@ -413,18 +480,20 @@ class Communicator:
         phase: str,
         start: Callable[[FusionBucket], Any],
         scale: float | None,
-        unpack: bool = True,
+        unpack: Callable[[FusionBucket], bool] = lambda bucket: True,
         group: ProcessGroup | None = None,
+        exact: bool = False,
     ) -> CollectiveHandle:
+        """Start ``op`` on each bucket; on ``wait()`` write back the buckets ``unpack`` says."""
         pending: list[tuple[Any, Callable[[], None]]] = []
         if not tensors:
             return CollectiveHandle(pending)
-        for bucket in self.buckets(tensors, symmetric):
+        for bucket in self.buckets(tensors, symmetric, exact=exact):
             self._count(phase, op, bucket.nbytes, group)
             work = start(bucket)
 
             def finish(bucket: FusionBucket = bucket) -> None:
-                if unpack:
+                if unpack(bucket):
                     bucket.unpack(scale)
 
             pending.append((work, finish))

@@ -3,7 +3,8 @@
 SPD-KFAC's fusion rule and the placement planners need predicted times. Nothing here is a
 hard-coded constant: :func:`calibrate_alpha_beta` times real collectives on the process group
 and :func:`calibrate_decomposition` times real eigendecompositions; the fits are pure
-functions, testable on synthetic data.
+functions, testable on synthetic data. A :class:`CostModelCache` measures each once and hands
+the result to every later SPD/PAD preconditioner of the run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dkfac.curvature.inverse import decompose_factor
+from dkfac.distributed.communicator import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -178,9 +180,68 @@ def calibrate_cluster(
 ) -> ClusterCostModel:
     """Measure the alpha-beta model of ``group`` and the decomposition cost (about a second).
 
-    Every rank must call it; all ranks return the same model.
+    Every rank must call it; all ranks return the same model. Nothing is kept: a
+    :class:`CostModelCache` measures once for several preconditioners.
     """
-    return ClusterCostModel(
-        calibrate_alpha_beta(device=device, group=group),
-        calibrate_decomposition(dtype=dtype, device=device, method=method),
-    )
+    return CostModelCache().get(method, dtype, device, group)
+
+
+class CostModelCache:
+    """Calibrations measured once and reused by every SPD/PAD preconditioner built after.
+
+    Whoever builds several preconditioners owns one (a training script, a benchmark); there is
+    no global cache. A calibration is reused only where it measured the same thing: the
+    alpha-beta model per (ranks of the group, backend, device type), so a new group over the
+    same ranks (each SPD/PAD preconditioner makes one) reuses it; the decomposition cost per
+    (method, dtype, device type). Keys never depend on the rank (``cuda:0`` and ``cuda:1`` are
+    both ``"cuda"``), so every rank hits or misses together: a miss runs collectives, and
+    every rank must call :meth:`get` with the same arguments in the same order, like building
+    the preconditioners themselves.
+
+    Example::
+
+        cache = CostModelCache()
+        for config in configs:  # every rank, same order
+            cost = cache.get("eigen", torch.float32, device)  # measured on the first call only
+            pre = dkfac.KFACPreconditioner(model, strategy="pad", cost_model=cost)
+    """
+
+    def __init__(self) -> None:
+        self._collective: dict[tuple[tuple[int, ...], str, str], AlphaBeta] = {}
+        self._decomposition: dict[tuple[str, torch.dtype, str], CubicCost] = {}
+
+    def get(
+        self,
+        method: str,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        group: ProcessGroup | None = None,
+    ) -> ClusterCostModel:
+        """The cost model of ``group`` for decompositions ``method`` in ``dtype``.
+
+        Measures (:func:`calibrate_alpha_beta`, :func:`calibrate_decomposition`) only what
+        is not cached yet. Every rank must call it.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``, the decomposition that is timed.
+            dtype: dtype of the decompositions.
+            device: where the collectives and decompositions run (default: CPU).
+            group: the process group (default: the world).
+        """
+        target = device or torch.device("cpu")
+        ranks = (
+            tuple(dist.get_process_group_ranks(group))
+            if group is not None
+            else tuple(range(dist.get_world_size()))
+        )
+        collective_key = (ranks, str(dist.get_backend(group)), target.type)
+        if collective_key not in self._collective:
+            self._collective[collective_key] = calibrate_alpha_beta(device=target, group=group)
+        decomposition_key = (method, dtype, target.type)
+        if decomposition_key not in self._decomposition:
+            self._decomposition[decomposition_key] = calibrate_decomposition(
+                dtype=dtype, device=target, method=method
+            )
+        return ClusterCostModel(
+            self._collective[collective_key], self._decomposition[decomposition_key]
+        )

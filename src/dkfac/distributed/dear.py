@@ -179,14 +179,12 @@ class DeAR:
             builder="DeAR",
             alternative="in a single process, call optimizer.step() directly",
         )
-        self._own_group = process_group is None
-        group = (
-            dist.new_group(list(range(dist.get_world_size())))
-            if process_group is None
-            else (process_group)
-        )
         self._recorder = StepRecorder(phases=DEAR_PHASES)
-        self._comm = Communicator(self._recorder, group=group)
+        self._comm = (
+            Communicator.with_own_group(self._recorder)
+            if process_group is None
+            else Communicator(self._recorder, group=process_group)
+        )
         self._world = self._comm.world_size
         self._broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
@@ -604,9 +602,7 @@ class DeAR:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._own_group and self._comm.group is not None:
-            dist.destroy_process_group(self._comm.group)
-            self._own_group = False
+        self._comm.close()  # destroys the group only if DeAR made it
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

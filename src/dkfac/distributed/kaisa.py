@@ -185,11 +185,11 @@ class KAISAStrategy(Strategy):
             symmetric += [True, True]
             counts += [rows, examples]
             layer.clear_statistics()
-        # Counts travel in float64 on their own: exact integers even summed over many workers,
-        # and they do not force the factor bucket into float64.
+        # Counts travel in float64 on their own (also under comm_dtype): exact integers even
+        # summed over many workers, and they do not force the factor bucket into float64.
         counts_tensor = torch.tensor(counts, dtype=torch.float64, device=tensors[0].device)
         with self.recorder.phase("factor_comm"):
-            count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm")
+            count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm", exact=True)
             self.comm.allreduce(tensors, phase="factor_comm", symmetric=symmetric).wait()
             count_handle.wait()
         totals = counts_tensor.tolist()  # one host synchronisation per factor update

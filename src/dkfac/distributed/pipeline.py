@@ -152,7 +152,8 @@ class FactorPipeline:
         """Launch what is left (zeros for factors never ready), wait, return every factor.
 
         Called from ``step()`` on every rank. Counts travel in one float64 allreduce (exact
-        integers). With ``profile``, this window's ready times are kept for re-planning.
+        integers, whatever ``comm_dtype`` is). With ``profile``, this window's ready times are
+        kept for re-planning.
         """
         for i, slot in enumerate(self.slots):
             if self._totals[i] is None:
@@ -167,7 +168,7 @@ class FactorPipeline:
         device = self._totals[0].device  # type: ignore[union-attr]
         counts = torch.tensor(self._counts, dtype=torch.float64, device=device)
         with self.recorder.phase("factor_comm"):
-            count_handle = self.comm.allreduce([counts], phase="factor_comm")
+            count_handle = self.comm.allreduce([counts], phase="factor_comm", exact=True)
             for handle in self._handles:
                 handle.wait()
             count_handle.wait()

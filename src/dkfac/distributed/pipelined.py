@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.cost_model import ClusterCostModel, calibrate_cluster
+from dkfac.distributed.cost_model import ClusterCostModel, CostModelCache
 from dkfac.distributed.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
 from dkfac.distributed.fusion import (
     plan_buckets_alpha_beta,
@@ -94,7 +93,9 @@ class PipelinedStrategy(Strategy):
         recorder: accounting.
         inverse_method: the preconditioner's method (the cost model times it).
         inv_dtype: dtype of the decompositions.
-        cost_model: the cluster's measured costs; ``None`` measures them in :meth:`setup`.
+        cost_model: the cluster's measured costs; a :class:`CostModelCache` to take them from
+            (measured there on first use, then reused by later strategies); ``None`` measures
+            them in :meth:`setup`.
         profile_steps: factor-update windows whose ready times are measured before the
             fusion plan is re-planned with the alpha-beta merge rule (0: keep the size plan).
     """
@@ -109,14 +110,17 @@ class PipelinedStrategy(Strategy):
         *,
         inverse_method: str = "eigen",
         inv_dtype: torch.dtype = torch.float32,
-        cost_model: ClusterCostModel | None = None,
+        cost_model: ClusterCostModel | CostModelCache | None = None,
         profile_steps: int = 5,
     ) -> None:
         self.comm = comm
         self.recorder = recorder
         self.inverse_method = inverse_method
         self.inv_dtype = inv_dtype
-        self.cost: ClusterCostModel | None = cost_model
+        self.cost: ClusterCostModel | None = (
+            cost_model if isinstance(cost_model, ClusterCostModel) else None
+        )
+        self._cost_cache = cost_model if isinstance(cost_model, CostModelCache) else None
         self.profile_steps = profile_steps
         self.factor_steps = 0
         self.layers: list[LayerCurvature] = []
@@ -124,15 +128,14 @@ class PipelinedStrategy(Strategy):
 
     # -- planning ----------------------------------------------------------------------------
     def setup(self, layers: Sequence[LayerCurvature]) -> None:
-        """Measure the cluster (unless given), place the factors, make the size-first plan."""
+        """Measure the cluster (unless given or cached), place the factors, plan by size."""
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         if self.cost is None:
+            cache = self._cost_cache or CostModelCache()
             device = self.layers[0].block.weight.device
-            self.cost = calibrate_cluster(
-                self.inverse_method, self.inv_dtype, device, group=self.comm.group
-            )
-            logger.info("%s: calibrated cost model %s", self.name, self.cost.as_dict())
+            self.cost = cache.get(self.inverse_method, self.inv_dtype, device, self.comm.group)
+            logger.info("%s: cost model %s", self.name, self.cost.as_dict())
         placement = self.place_factors(
             [(layer.block.a_dim, layer.block.g_dim) for layer in self.layers],
             self.comm.world_size,
@@ -220,7 +223,7 @@ class PipelinedStrategy(Strategy):
         medians = self.pipeline.median_ready_times()
         device = self.layers[0].block.weight.device
         agreed = torch.tensor(medians, dtype=torch.float64, device=device)
-        self.comm.allreduce([agreed], phase="factor_comm", maximum=True).wait()
+        self.comm.allreduce([agreed], phase="factor_comm", maximum=True, exact=True).wait()
         ready = agreed.tolist()
         order = self.replan_order(ready)
         positions = plan_buckets_alpha_beta(
@@ -269,10 +272,8 @@ class PipelinedStrategy(Strategy):
             self._replan()
 
     def close(self) -> None:
-        """Destroy the process group made for this strategy (see ``make_strategy``)."""
-        if self.comm.group is not None:
-            dist.destroy_process_group(self.comm.group)
-            self.comm.group = None
+        """Release the communicator's own process group (see ``make_strategy``)."""
+        self.comm.close()
 
     def after_load(self, layers: Sequence[LayerCurvature]) -> None:
         """Forget loaded running factors that another rank owns (PAD after a resume)."""
