@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from dkfac.cli.bench_configs import (
     PHASES,
     STRATEGIES,
     configurations,
+    environment,
+    git_commit,
     mlp6,
 )
 from dkfac.cli.bench_targets import evaluate_pipelined_target, format_pipelined_target
@@ -206,6 +210,30 @@ def test_mlp6_builds_and_takes_a_batch_of_its_shape() -> None:
         assert len(pre.layers) == 6
     finally:
         pre.remove()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_environment_records_the_commit_of_the_measured_code(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "module.py").write_text("x = 1\n")
+    assert git_commit(package) is None  # not a git checkout
+    git("init", "-q")
+    assert git_commit(package) is None  # in a checkout, but not tracked (an installed copy)
+    git("add", "pkg")
+    git("commit", "-q", "-m", "code")
+    assert git_commit(package) == git("rev-parse", "HEAD")
+    assert environment()["git_commit"] == git_commit()  # dkfac's own source
 
 
 def test_make_batch_uses_each_models_shape_and_the_seed() -> None:

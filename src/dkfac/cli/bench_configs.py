@@ -14,8 +14,10 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,12 +188,39 @@ def count_schedule_hits(period: int, start: int, iters: int) -> int:
     return sum(1 for k in range(start, start + iters) if k % period == 0)
 
 
+def git_commit(source: Path | None = None) -> str | None:
+    """The commit checked out where dkfac's source lives (``git rev-parse HEAD``).
+
+    Args:
+        source: a directory of the code; default: the imported ``dkfac`` package.
+
+    Returns:
+        The commit hash, or ``None`` when ``source`` holds no file tracked by a git checkout
+        (an installed package, even one inside another repository's tree) or git is missing.
+    """
+    directory = source or Path(dkfac.__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], cwd=directory, capture_output=True, text=True, timeout=30, check=False
+        )
+
+    try:
+        if git("ls-files", "--error-unmatch", ".").returncode != 0:
+            return None
+        head = git("rev-parse", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() if head.returncode == 0 else None
+
+
 def environment() -> dict[str, Any]:
-    """Describe the software and machine the numbers were measured on."""
+    """Describe the software and machine the numbers were measured on, and the code's commit."""
     affinity = getattr(os, "sched_getaffinity", None)
     return {
         "torch_version": torch.__version__,
         "dkfac_version": dkfac.__version__,
+        "git_commit": git_commit(),
         "torch_num_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),

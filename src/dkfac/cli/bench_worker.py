@@ -60,6 +60,7 @@ from dkfac.cli.bench_configs import (
     count_schedule_hits,
     environment,
 )
+from dkfac.curvature.inverse import FACTOR_SIDES
 
 #: ``comm_stats()`` phase prefix -> name of the byte split.
 BYTE_SPLIT = {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
@@ -84,10 +85,17 @@ def make_batch(batch_size: int, seed: int, shape: Sequence[int]) -> tuple[Tensor
 
 
 def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
-    """Bytes of the running factors and of the decompositions this rank holds."""
-    factor_bytes = sum(
-        t.numel() * t.element_size() for a, g in pre.factors().values() for t in (a, g)
-    )
+    """Bytes of the running factors and of the decompositions this rank holds.
+
+    Factors are counted one by one: under PAD an owner may hold a layer's ``A`` and not its
+    ``G`` (``pre.factors()`` lists only layers with both, so it would miss those).
+    """
+    factor_bytes = 0
+    for layer in pre.layers:
+        for side in FACTOR_SIDES:
+            factor = layer.factor(side)
+            if factor is not None:
+                factor_bytes += factor.numel() * factor.element_size()
     inverse_bytes = 0
     for layer in pre.layers:
         if layer.inverse is not None:
