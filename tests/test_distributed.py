@@ -13,6 +13,9 @@ from torch import nn
 
 import dkfac
 from distributed_harness import WorkerFailedError, run_workers
+from dkfac.cli.bench_worker import kfac_memory_bytes
+from dkfac.distributed import ClusterCostModel
+from dkfac.distributed.accounting import DryRunSettings, account_strategy, layer_shapes_of
 from dkfac.distributed.placement import longest_processing_time
 
 STEPS = 5
@@ -56,6 +59,136 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
     return configs
 
 
+#: bfloat16 keeps 8 significant bits: rounding to it changes a value by at most u = 2^-8.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+#: Damping of the bf16 transport checks (see :func:`check_float32_runs`).
+BF16_DAMPING = 0.03
+
+
+def float32_configurations(strategies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """float32 runs (model, factors, decompositions) of ``strategies``, both methods, and a
+    bfloat16-transport run of the first one next to its float32 twin (damping 0.03).
+
+    Checked by :func:`check_float32_runs`.
+    """
+    configs = [
+        {**strategy, "inverse_method": method, "float32": True}
+        for method in ("eigen", "inverse")
+        for strategy in strategies
+    ]
+    twin = {**strategies[0], "inverse_method": "eigen", "float32": True, "damping": BF16_DAMPING}
+    return [*configs, twin, {**twin, "comm_dtype": torch.bfloat16}]
+
+
+def build(config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """A fresh model and the preconditioner options of ``config`` (float64 unless float32)."""
+    options = dict(config)
+    if options.pop("float32", False):
+        return uneven_model().float(), options
+    return uneven_model(), {**F64, **options}
+
+
+def reference_run(
+    config: dict[str, Any], world_size: int
+) -> tuple[list[torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Parameters and factors of ``strategy="local"`` on the global batch, as ``config``."""
+    local = {k: v for k, v in config.items() if k in ("inverse_method", "float32", "damping")}
+    model, options = build(local)
+    pre = dkfac.KFACPreconditioner(model, lr=0.1, **options)
+    train(model, pre, world_size, None)
+    return [p.detach() for p in model.parameters()], pre.factors()
+
+
+def assert_float32_close(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    """float32 equality: rtol 1e-5 of the tensor's scale (``1e-5 · max|want|``) per entry.
+
+    A parameter is its start minus updates computed from every entry of the layer (factors,
+    eigenbases, gradients summed in another order on P workers than in one process), so its
+    rounding error is float32's times the tensor's scale, not times its own value: entries
+    that happen to be near zero (down to 5e-5 here) carry the same ~1e-6 · max|w| absolute
+    error as the others, up to 4e-3 relative to themselves, which a pure rtol 1e-5 would
+    reject. Measured worst error over P = 2-4, both methods: 6e-6 · max|w|.
+    """
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=label)
+
+
+def damped_amplification(
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]], damping: float
+) -> float:
+    """``max (λmax(A)·λmax(G) + γ)/γ`` over layers: how much eigen's ``1/(λ_A·λ_G + γ)`` can
+    amplify a perturbation of the factors relative to the direction."""
+    return max(
+        float(torch.linalg.eigvalsh(a.double()).max() * torch.linalg.eigvalsh(g.double()).max())
+        / damping
+        + 1
+        for a, g in factors.values()
+    )
+
+
+def check_float32_runs(
+    configs: list[dict[str, Any]],
+    results: list[list[dict[str, Any]]],
+    world_size: int,
+    cost_model: ClusterCostModel | None = None,
+) -> None:
+    """float32 runs equal their float32 reference; bf16 transport halves the bytes.
+
+    ``results[rank][i]`` is the run of ``configs[i]`` (from :func:`float32_configurations`);
+    a ``comm_dtype`` run is compared with its float32 twin, which comes earlier in ``configs``.
+    ``cost_model`` is the one SPD/PAD planned with (for the planned memory).
+
+    bf16 tolerance: bf16 keeps 8 significant bits (unit roundoff ``u = 2^-8``). Each
+    rank's statistic is rounded once and the sum over P ranks P - 1 more times, so a
+    reduced factor is off by about ``P·u`` relative (its decomposition's own rounding,
+    ``u``, is smaller). A perturbation of the factors reaches the preconditioned direction
+    amplified by at most ``κ = (λmax(A)·λmax(G) + γ)/γ`` (directions are divided by
+    ``λ_A·λ_G + γ``), taken from the reference run's factors: ``κ ≈ 14-15`` here with
+    ``γ = 0.03``. So the parameters must stay within ``P·u·κ`` (11% at P = 2, 22% at
+    P = 4) of the distance the float32 run moved from its start; measured: 12-39% of that
+    allowance at P = 2-4. A lost or doubled factor changes the directions by half or more;
+    counts sent in bf16 would show in the bytes.
+    """
+    count_bytes = 8 * 2 * len(layer_dims(uneven_model()))  # float64 (rows, examples) per layer
+    for index, config in enumerate(configs):
+        label = f"{config} P={world_size}"
+        for rank in range(1, world_size):  # replicas agree to the last bit
+            for got, first in zip(
+                results[rank][index]["params"], results[0][index]["params"], strict=True
+            ):
+                assert torch.equal(got, first), (label, rank)
+        planned = planned_accounts(config, world_size, cost_model)
+        for rank in range(world_size):
+            assert results[rank][index]["memory"] == planned[rank], (label, rank)
+        if "comm_dtype" not in config:
+            want_params, _ = reference_run(config, world_size)
+            for got, want in zip(results[0][index]["params"], want_params, strict=True):
+                assert_float32_close(got, want, label)
+            continue
+        twin = configs.index({k: v for k, v in config.items() if k != "comm_dtype"})
+        for rank in range(world_size):
+            low, full = results[rank][index]["comm"], results[rank][twin]["comm"]
+            assert low.keys() == full.keys(), label
+            for key in low:
+                # Every payload in half the bytes; the float64 counts (in the factor
+                # allreduce) travel exact in both. (SPD/PAD may fuse differently: their
+                # buckets are planned from the bytes on the wire.)
+                counts = count_bytes if key == "factor_comm/allreduce" else 0
+                assert 2 * (low[key]["bytes"] - counts) == full[key]["bytes"] - counts, (
+                    label,
+                    key,
+                )
+        _, factors = reference_run(configs[twin], world_size)
+        kappa = damped_amplification(factors, config["damping"])
+        start = build(config)[0].parameters()
+        for got, want, first in zip(
+            results[0][index]["params"], results[0][twin]["params"], start, strict=True
+        ):
+            moved = float((want - first.detach()).abs().max())
+            tolerance = world_size * BF16_UNIT_ROUNDOFF * kappa * moved
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=label)
+
+
 def train(
     model: nn.Module, pre: dkfac.KFACPreconditioner, world_size: int, rank: int | None
 ) -> None:
@@ -76,9 +209,9 @@ def distributed_run(
 ) -> list[dict[str, Any]]:
     out = []
     for config in configs:
-        model = uneven_model()
+        model, options = build(config)
         ddp = nn.parallel.DistributedDataParallel(model)
-        pre = dkfac.KFACPreconditioner(ddp, lr=0.1, **F64, **config)
+        pre = dkfac.KFACPreconditioner(ddp, lr=0.1, **options)
         train(ddp, pre, world_size, rank)
         out.append(
             {
@@ -86,6 +219,7 @@ def distributed_run(
                 "comm": pre.comm_stats(),
                 "inverses": {layer.name: layer.inverse is not None for layer in pre.layers},
                 "factors": sorted(pre.factors()),
+                "memory": kfac_memory_bytes(pre),
             }
         )
         pre.remove()
@@ -95,20 +229,19 @@ def distributed_run(
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_strategies_equal_single_process_on_global_batch(world_size: int) -> None:
     configs = configurations(world_size)
-    results = run_workers(distributed_run, world_size, args=(configs,), timeout=240)
+    extra = float32_configurations(
+        [{"strategy": "dkfac"}, {"strategy": "kaisa", "grad_worker_fraction": 1 / world_size}]
+    )
+    results = run_workers(distributed_run, world_size, args=(configs + extra,), timeout=240)
+    check_float32_runs(extra, [r[len(configs) :] for r in results], world_size)
     for index, config in enumerate(configs):
         reference = uneven_model()
-        pre = dkfac.KFACPreconditioner(
-            reference, lr=0.1, inverse_method=config["inverse_method"], **F64
-        )
-        train(reference, pre, world_size, None)
+        want_params, _ = reference_run(config, world_size)
         for rank in range(world_size):
-            for got, want in zip(
-                results[rank][index]["params"], reference.parameters(), strict=True
-            ):
+            for got, want in zip(results[rank][index]["params"], want_params, strict=True):
                 torch.testing.assert_close(
                     got,
-                    want.detach(),
+                    want,
                     rtol=0,
                     atol=1e-10,
                     msg=lambda m, c=config, r=rank: f"{c} rank {r}: {m}",
@@ -119,12 +252,39 @@ def test_strategies_equal_single_process_on_global_batch(world_size: int) -> Non
             ):
                 assert torch.equal(got, first), (config, rank)
         expected = expected_bytes(config, world_size, reference)
+        planned = planned_accounts(config, world_size)
         for rank in range(world_size):
             assert results[rank][index]["comm"] == expected[rank], (config, rank)
+            # The benchmark's memory column: what the dry run plans this rank to hold.
+            assert results[rank][index]["memory"] == planned[rank], (config, rank)
             if config.get("grad_worker_fraction", 1.0) == 1 / world_size:
                 owners = owners_of(reference, world_size)
                 held = {name for name, has in results[rank][index]["inverses"].items() if has}
                 assert held == {name for name, owner in owners.items() if owner == rank}
+
+
+def planned_accounts(
+    config: dict[str, Any], world_size: int, cost_model: ClusterCostModel | None = None
+) -> list[tuple[int, int]]:
+    """Per rank, the (factor, decomposition) bytes the dry-run accounting plans for ``config``."""
+    dtype = torch.float32 if config.get("float32") else torch.float64
+    settings = DryRunSettings(
+        world_size,
+        inverse_method=config["inverse_method"],
+        factor_dtype=dtype,
+        inv_dtype=dtype,
+        grad_dtype=dtype,
+        bucket_cap_mb=config.get("bucket_cap_mb", 25.0),
+        comm_dtype=config.get("comm_dtype"),
+        cost_model=cost_model,
+    )
+    accounts = account_strategy(
+        config["strategy"],
+        layer_shapes_of(uneven_model()),
+        settings,
+        grad_worker_fraction=config.get("grad_worker_fraction", 1.0),
+    )
+    return [(account.factor_bytes, account.inverse_bytes) for account in accounts]
 
 
 def layer_dims(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -287,23 +447,3 @@ def test_unused_layer_and_nan_statistics_on_one_worker_stay_consistent(strategy:
         # Every worker applied the very same update, to the last bit.
         assert torch.equal(got, want)
     assert any("NaN/Inf" in message for result in results for message in result["warned"])
-
-
-def float32_run(rank: int, world_size: int, strategy: str) -> list[torch.Tensor]:
-    model = uneven_model().float()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, lr=0.1)
-    train(ddp, pre, world_size, rank)
-    return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd", "pad"])
-def test_float32_strategies_match_single_process(strategy: str) -> None:
-    results = run_workers(float32_run, 2, args=(strategy,), timeout=90)
-    reference = uneven_model().float()
-    train(reference, dkfac.KFACPreconditioner(reference, lr=0.1), 2, None)
-    for params in results:
-        for got, want in zip(params, reference.parameters(), strict=True):
-            # rtol 1e-5, measured against the tensor's scale for entries near zero.
-            scale = float(want.detach().abs().max())
-            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5 * scale)

@@ -13,14 +13,20 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
+from dkfac.cli.bench_worker import kfac_memory_bytes
 from dkfac.distributed import ClusterCostModel
 from dkfac.distributed.cost_model import AlphaBeta, CubicCost
 from test_distributed import (
     F64,
     LOCAL_BATCH,
+    build,
+    check_float32_runs,
     entry,
+    float32_configurations,
     global_batch,
     layer_dims,
+    planned_accounts,
+    reference_run,
     train,
     tri,
     uneven_model,
@@ -51,17 +57,16 @@ def pipelined_run(
 ) -> list[dict[str, Any]]:
     out = []
     for config in configs:
-        model = uneven_model()
+        model, options = build(config)
         ddp = nn.parallel.DistributedDataParallel(model)
         # profile_steps=2: the fusion plan changes in the middle of the run.
-        pre = dkfac.KFACPreconditioner(
-            ddp, lr=0.1, profile_steps=2, cost_model=COST, **F64, **config
-        )
+        pre = dkfac.KFACPreconditioner(ddp, lr=0.1, profile_steps=2, cost_model=COST, **options)
         train(ddp, pre, world_size, rank)
         out.append(
             {
                 "params": [p.detach().clone() for p in model.parameters()],
                 "comm": pre.comm_stats(),
+                "memory": kfac_memory_bytes(pre),
                 "plan": pre.plan(),
                 "held": {
                     f"{layer.name}/{side.upper()}": layer.factor(side) is not None
@@ -80,7 +85,9 @@ def pipelined_run(
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: int) -> None:
     configs = configurations()
-    results = run_workers(pipelined_run, world_size, args=(configs,), timeout=300)
+    extra = float32_configurations([{"strategy": "pad"}, {"strategy": "spd"}])
+    results = run_workers(pipelined_run, world_size, args=(configs + extra,), timeout=300)
+    check_float32_runs(extra, [r[len(configs) :] for r in results], world_size, COST)
     dims = layer_dims(uneven_model())
     # D-KFAC's factor allreduce, counted the same way: every packed factor plus two counts.
     dkfac_factor_bytes = 8 * (sum(tri(a) + tri(g) for a, g in dims.values()) + 2 * len(dims))
@@ -89,15 +96,12 @@ def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: i
     )["wire_bytes"]
     for index, config in enumerate(configs):
         label = f"{config} P={world_size}"
-        reference = uneven_model()
-        pre = dkfac.KFACPreconditioner(
-            reference, lr=0.1, inverse_method=config["inverse_method"], **F64
-        )
-        train(reference, pre, world_size, None)
+        want_params, _ = reference_run(config, world_size)
+        planned = planned_accounts(config, world_size, COST)
         for rank in range(world_size):
             got = results[rank][index]
-            for param, want in zip(got["params"], reference.parameters(), strict=True):
-                torch.testing.assert_close(param, want.detach(), rtol=0, atol=1e-10, msg=label)
+            for param, want in zip(got["params"], want_params, strict=True):
+                torch.testing.assert_close(param, want, rtol=0, atol=1e-10, msg=label)
             assert got["inverses"], label
         for rank in range(1, world_size):  # replicas agree to the last bit
             for param, first in zip(
@@ -131,6 +135,9 @@ def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: i
                 plan, config["inverse_method"], world_size, config["bucket_cap_mb"]
             ), label
             check_ownership(config, plan, results[rank][index], rank)
+            # The benchmark's memory column counts every factor a rank holds (PAD: one side
+            # of a layer may live here, the other elsewhere), as the dry run plans it.
+            assert results[rank][index]["memory"] == planned[rank], label
 
 
 def expected_broadcast(
