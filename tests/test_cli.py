@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import dkfac
-from dkfac.cli.launch import WorkerError, spawn_local
-from dkfac.cli.main import main
-from dkfac.cli.train import restore_checkpoint
+import dkfac.cli.launch as launch_module
+from dkfac.cli.checkpoint import load_checkpoint, save_atomic
+from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
+from dkfac.cli.launch import (
+    ExternalRank,
+    WorkerError,
+    backend_for,
+    external_rank,
+    join_external,
+    spawn_local,
+)
+from dkfac.cli.main import build_parser, compare_strategies, main, missing_dependency_message
+from dkfac.cli.rank_logging import configure_logging
+from dkfac.cli.report import compare_table, write_plots
+from dkfac.cli.train import RunResult, restore_checkpoint, run_device, run_training
+
+# The module, not the `main` function that dkfac.cli re-exports under the same name.
+main_module = importlib.import_module("dkfac.cli.main")
 
 pytest.importorskip("sklearn")
 
@@ -59,6 +79,13 @@ def test_train_writes_config_metrics_plots_and_checkpoint(tmp_path: Path, capsys
     steps = steps_of(out)
     assert [s["step"] for s in steps] == list(range(1, 13))
     assert all(s["comm_bytes"] > 0 and "factor_compute" in s["kfac_seconds"] for s in steps)
+    # Step lines: the accuracy of that batch; epoch lines: K-FAC phases summed over the epoch.
+    assert all(s["accuracy"] in {k / 32 for k in range(33)} for s in steps)
+    for epoch in epochs:
+        mine = [s for s in steps if s["epoch"] == epoch["epoch"]]
+        assert epoch["comm_bytes"] == sum(s["comm_bytes"] for s in mine) > 0
+        for phase, seconds in epoch["kfac_seconds"].items():
+            assert seconds == pytest.approx(sum(s["kfac_seconds"][phase] for s in mine))
     assert is_png(out / "plots" / "test_accuracy.png") and is_png(out / "plots" / "train_loss.png")
     assert (out / "checkpoint.pt").is_file()
     assert "test acc" in capsys.readouterr().out
@@ -143,12 +170,71 @@ def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> 
     assert torch.equal(restored_a, a) and torch.equal(restored_g, g)
 
 
-def test_compare_reports_both_runs_with_plots(tmp_path: Path, capsys) -> None:
-    code = main(["compare", *QUICK, "--epochs", "1", "--nproc", "1", "--out", str(tmp_path)])
-    assert code == 0
+def test_compare_runs_every_listed_strategy_with_plots(tmp_path: Path, capsys) -> None:
+    argv = ["compare", *QUICK, "--epochs", "1", "--nproc", "1", "--out", str(tmp_path)]
+    assert main([*argv, "--strategies", "none,local,dkfac"]) == 0
     text = capsys.readouterr().out
-    assert "SGD " in text and "SGD+K-FAC (dkfac)" in text and "final acc" in text
+    rows = [line.split()[0] for line in text.splitlines()[1:4]]
+    assert rows == ["SGD", "SGD+K-FAC", "SGD+K-FAC"] and "final acc" in text.splitlines()[0]
+    assert "SGD+K-FAC (local)" in text and "SGD+K-FAC (dkfac)" in text
+    folders = {"SGD": "none", "SGD_K-FAC_local": "local", "SGD_K-FAC_dkfac": "dkfac"}
+    for folder, strategy in folders.items():
+        assert f'strategy = "{strategy}"' in (tmp_path / folder / "config.toml").read_text()
+        (epoch,) = epochs_of(tmp_path / folder)
+        assert ("comm_bytes" in epoch) == (strategy != "none")
     assert is_png(tmp_path / "plots" / "test_accuracy.png")
+
+
+def test_compare_default_strategies_and_table_of_n_runs(tmp_path: Path) -> None:
+    assert compare_strategies(None, TrainConfig()) == ("none", "dkfac")
+    assert compare_strategies(None, TrainConfig(strategy="none", nproc=1)) == ("none", "local")
+    assert compare_strategies(None, TrainConfig(strategy="kaisa")) == ("none", "kaisa")
+    assert compare_strategies(" none, dkfac,dp", TrainConfig()) == ("none", "dkfac", "dp")
+    for bad in ("none,magic", "none,none", ""):
+        with pytest.raises(ConfigError, match="--strategies"):
+            compare_strategies(bad, TrainConfig())
+    runs = {
+        name: RunResult(
+            epochs=[
+                {"epoch": e, "test_accuracy": acc * e, "train_loss": 1.0 / e, "seconds": 2.0 * e}
+                for e in (1, 2)
+            ],
+            seconds=4.0,
+        )
+        for name, acc in (("A", 0.3), ("B", 0.45), ("C", 0.5), ("D", 0.2))
+    }
+    table = compare_table(runs, 0.9).splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["A", "B", "C", "D"]
+    assert table[2].split()[2:4] == ["2", "4.0"] and table[1].split()[2:4] == ["-", "-"]
+    assert all(is_png(path) for path in write_plots(runs, tmp_path))
+
+
+def test_no_arguments_run_compare(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(main_module, "cmd_compare", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(sys, "argv", ["dkfac"])
+    assert main() == 0 and main([]) == 0
+    assert [args.command for args in seen] == ["compare", "compare"]
+    args = seen[0]
+    assert args.strategies is None and args.nproc is None and args.strategy is None
+    config = main_module._resolve(args)
+    assert compare_strategies(args.strategies, config) == ("none", "dkfac")
+    assert (config.nproc, config.dataset) == (2, "digits")
+
+
+def test_compare_on_other_ranks_returns_without_reporting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, restore_logging: None
+) -> None:
+    # Rank 1 of a torchrun job: the runs give it no results; it must neither fail nor report.
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    runs: list[Any] = []
+    monkeypatch.setattr(main_module, "execute_runs", lambda configs, labels: runs.append(labels))
+    assert main(["compare", *QUICK, "--out", str(tmp_path)]) == 0
+    assert runs == [["SGD", "SGD+K-FAC (dkfac)"]]
+    assert capsys.readouterr().out == ""
+    assert not list(tmp_path.rglob("config.toml"))  # rank 0 writes the files
+    assert logging.getLogger().level == logging.WARNING
 
 
 @pytest.mark.parametrize(
@@ -168,6 +254,15 @@ def test_compare_reports_both_runs_with_plots(tmp_path: Path, capsys) -> None:
         (["train", "--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "data_batch_1"),
         (["train", "--config", "/nonexistent.toml"], "no such file"),
         (["train", "--out", "/proc/version/run"], "cannot write"),
+        (["train", "--nproc", "1", "--batch-size", "5000"], "at most --batch-size 1347"),
+        (["train", "--nproc", "2", "--batch-size", "700"], "too few for 2 worker(s)"),
+        (["train", "--dataset", "synthetic", "--dataset-option", "shape=3,0,4"], "shape="),
+        (["train", "--dataset-option", "bogus=1"], "bogus not accepted by dataset 'digits'"),
+        (["train", "--dataset-option", "shape"], "expected KEY=VALUE"),
+        (["compare", "--strategies", "none,magic"], "--strategies 'none,magic'"),
+        (["compare", "--strategies", "dkfac,dkfac"], "given twice"),
+        (["compare", "--strategies", "dkfac", "--strategy", "kaisa"], "--strategies"),
+        (["compare", "--strategies", "none,local", "--nproc", "2"], "drift apart"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_code_2(
@@ -225,3 +320,226 @@ def test_console_script_runs_as_a_module() -> None:
         check=False,
     )
     assert done.returncode == 0 and "--grad-worker-fraction" in done.stdout
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_rank_0_logs_info_and_other_ranks_only_prefixed_warnings(
+    capsys, restore_logging: None
+) -> None:
+    log = logging.getLogger("dkfac.cli.train")
+    configure_logging(1)
+    log.info("epoch 1/2")
+    log.warning("slow peer")
+    configure_logging(0)  # replaces the handler: one line per record
+    log.info("epoch 2/2")
+    assert capsys.readouterr().err.splitlines() == [
+        "[rank 1] WARNING dkfac.cli.train: slow peer",
+        "epoch 2/2",
+    ]
+
+
+def test_backend_follows_the_run_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    # CUDA being present does not matter: runs train on the CPU, so the group is gloo.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run_device(TrainConfig()) == torch.device("cpu")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    joined: list[str] = []
+
+    def join(rank: ExternalRank, threads: int, backend: str) -> None:
+        joined.append(backend)
+        raise RuntimeError("stop before training")
+
+    monkeypatch.setattr(main_module, "join_external", join)
+    with pytest.raises(RuntimeError, match="stop before training"):
+        main_module.execute(TrainConfig(model="mlp"))
+    assert joined == ["gloo"]
+
+
+def test_external_rank_from_torchrun_and_slurm_environments() -> None:
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "node0", "LOCAL_RANK": "1"}
+    assert external_rank(torchrun) == ExternalRank(3, 4, "torchrun")
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}
+    assert external_rank(slurm) == ExternalRank(5, 8, "slurm")
+    assert external_rank({**slurm, **torchrun}).launcher == "torchrun"  # torchrun inside srun
+    assert external_rank({}) is None
+    assert external_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # one task
+    assert external_rank({"RANK": "0", "WORLD_SIZE": "2"}) is None  # no rendezvous address
+
+
+def test_join_external_under_slurm_sets_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    environ = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+    monkeypatch.setattr(launch_module.os, "environ", environ)  # the whole process environment
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        launch_module.dist,
+        "init_process_group",
+        lambda backend, rank, world_size: calls.append((backend, rank, world_size)),
+    )
+    outside = external_rank()
+    assert outside == ExternalRank(1, 2, "slurm")
+    join_external(outside, torch.get_num_threads(), "gloo")
+    assert calls == [("gloo", 1, 2)]
+    assert {
+        name: environ[name] for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    } == {
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }
+
+
+def test_save_atomic_keeps_the_previous_checkpoint_when_writing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_atomic({"step": 1, "weights": torch.ones(3)}, tmp_path)
+
+    def broken_save(payload: Any, stream: Any) -> None:
+        stream.write(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="No space"):
+        save_atomic({"step": 2, "weights": torch.zeros(3)}, tmp_path)
+    monkeypatch.undo()
+    saved = load_checkpoint(tmp_path)
+    assert saved is not None and saved["step"] == 1 and torch.equal(saved["weights"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
+
+
+def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["train", *QUICK, "--epochs", "2", "--steps-per-epoch", "5", "--strategy", "local"]
+    args = build_parser().parse_args(
+        [*argv, "--nproc", "1", "--checkpoint-every", "3", "--out", str(tmp_path)]
+    )
+    config = main_module._resolve(args)
+    assert config.checkpoint_every == 3
+    written: list[tuple[int, int, int]] = []
+
+    def recording_save(payload: dict[str, Any], folder: Path) -> Path:
+        written.append((payload["step"], payload["epoch"], payload["batch"]))
+        return save_atomic(payload, folder)
+
+    monkeypatch.setattr("dkfac.cli.train.save_atomic", recording_save)
+    run_training(config)  # in this process: one rank, no process group
+    # Every 3 steps (epoch, batch within it), and at both epoch ends.
+    assert written == [(3, 0, 3), (5, 1, 0), (6, 1, 1), (9, 1, 4), (10, 2, 0)]
+
+
+def test_a_crash_in_a_worker_is_exit_code_1_with_its_error(tmp_path: Path, capsys) -> None:
+    torch.save({"model": {}}, tmp_path / "checkpoint.pt")  # not this model's weights
+    code = main(["train", *QUICK, "--nproc", "1", "--resume", "--out", str(tmp_path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "dkfac: worker 0 failed: RuntimeError: Error(s) in loading state_dict" in err
+    assert "Traceback" in err and "Missing key(s)" in err
+
+
+def test_bad_input_found_by_a_worker_is_one_line_and_exit_code_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # Without the parent's check, the worker refuses the batch size itself.
+    monkeypatch.setattr(main_module, "_check_before_start", lambda configs, world: None)
+    argv = ["train", "--model", "mlp", "--nproc", "1", "--batch-size", "5000"]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dkfac: error: --batch-size 5000") and "\n" not in err, err
+
+
+def test_worker_errors_map_to_exit_codes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys):
+    def failing(cause: BaseException) -> Any:
+        def execute(*args: Any, **kwargs: Any) -> None:
+            raise WorkerError(1, f"{type(cause).__name__}: {cause}", "Traceback ...", cause)
+
+        return execute
+
+    argv = ["train", "--model", "mlp", "--out", str(tmp_path)]
+    cases = [
+        (ConfigError("--lr 5 is not allowed\n on rank 1"), 2, "dkfac: error: --lr 5 is not"),
+        (ModuleNotFoundError("No module named 'tqdm'", name="tqdm"), 2, "pip install tqdm"),
+        (RuntimeError("disk on fire"), 1, "dkfac: worker 1 failed: RuntimeError: disk on fire"),
+    ]
+    for cause, code, message in cases:
+        monkeypatch.setattr(main_module, "execute", failing(cause))
+        assert main(argv) == code
+        err = capsys.readouterr().err
+        assert message in err and (code == 1) == ("Traceback" in err), err
+        assert code == 1 or len(err.strip().splitlines()) == 1
+
+
+def test_missing_optional_dependencies_say_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    assert main(["train", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dkfac: error:") and "\n" not in err and "pip install" in err, err
+    plots = missing_dependency_message(
+        ModuleNotFoundError("No module named 'x'", name="matplotlib")
+    )
+    assert "pip install matplotlib" in plots and "dkfac[cli]" in plots
+    assert "scikit-learn" in missing_dependency_message(ModuleNotFoundError(name="sklearn.base"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    main_module._print_plots({"run": RunResult()}, tmp_path / "plots")
+    assert "plots: skipped" in capsys.readouterr().out and not (tmp_path / "plots").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["train", "--epochs", "abc"], ["compare", "--lr", "fast"], ["train", "--nope"], ["fly"]],
+)
+def test_parser_errors_are_one_line(argv: list[str], capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    prog = "dkfac" if argv[0] == "fly" or "--nope" in argv else f"dkfac {argv[0]}"
+    assert err.startswith(f"{prog}: error: ") and "\n" not in err and "usage" not in err, err
+
+
+def test_toml_config_overridden_by_flags_on_the_synthetic_dataset(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'model = "mlp"\ndataset = "synthetic"\nepochs = 4\nbatch_size = 16\nsteps_per_epoch = 2\n'
+        "[dataset_options]\nshape = [2, 4, 4]\nnum_classes = 3\ntrain_size = 64\n"
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--epochs", "1", "--nproc", "1", "--out", str(out)]
+    argv += ["--dataset-option", "shape=3,4,4", "--dataset-option", "test-size=24"]
+    assert main(argv) == 0
+    text = (out / "config.toml").read_text()
+    assert "epochs = 1" in text and "batch_size = 16" in text and 'dataset = "synthetic"' in text
+    options = "dataset_options = { num_classes = 3, shape = [3, 4, 4], test_size = 24, "
+    assert options + "train_size = 64 }" in text
+    # The written file is a valid config: reading it back gives the same configuration.
+    resolved = TrainConfig().with_overrides(load_config_file(str(out / "config.toml")))
+    assert resolved.dataset_kwargs == {
+        "num_classes": 3,
+        "shape": (3, 4, 4),
+        "test_size": 24,
+        "train_size": 64,
+    }
+    assert [e["epoch"] for e in epochs_of(out)] == [1]
+    assert len(steps_of(out)) == 0  # log_every 10 > 2 steps
+
+
+def test_npz_dataset_through_the_cli(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "npz", "--data-root", str(tmp_path / "data.npz"), "--nproc", "1"]
+    argv += ["--model", "mlp", "--epochs", "2", "--batch-size", "8", "--strategy", "local"]
+    assert main([*argv, "--dataset-option", "test_fraction=0.25", "--out", str(out)]) == 0
+    epochs = epochs_of(out)
+    assert [e["epoch"] for e in epochs] == [1, 2] and epochs[-1]["step"] == 2 * (72 // 8)

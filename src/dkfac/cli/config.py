@@ -30,6 +30,10 @@ class TrainConfig:
     model: str = "cnn"
     dataset: str = "digits"
     data_root: str = ""
+    #: ``load_dataset`` options of the dataset as sorted ``(key, value)`` pairs (a tuple keeps
+    #: the configuration immutable); ``--dataset-option KEY=VALUE`` on the command line, a
+    #: ``[dataset_options]`` table in a config file. See :attr:`dataset_kwargs`.
+    dataset_options: tuple[tuple[str, Any], ...] = ()
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -130,6 +134,11 @@ class TrainConfig:
             )
 
     @property
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The dataset options as keyword arguments of :func:`dkfac.datasets.load_dataset`."""
+        return dict(self.dataset_options)
+
+    @property
     def uses_kfac(self) -> bool:
         """Whether a K-FAC preconditioner is built."""
         return self.strategy != "none"
@@ -151,18 +160,89 @@ class TrainConfig:
         lines = ["# dkfac train: fully resolved configuration"]
         for f in fields(self):
             value = getattr(self, f.name)
-            rendered = (
-                json.dumps(value)
-                if isinstance(value, str)
-                else (str(value).lower() if isinstance(value, bool) else repr(value))
-            )
+            if f.name == "dataset_options":
+                rendered = (
+                    "{ " + ", ".join(f"{key} = {_toml_value(v)}" for key, v in value) + " }"
+                    if value
+                    else "{}"
+                )
+            else:
+                rendered = _toml_value(value)
             lines.append(f"{f.name} = {rendered}")
         return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar or a tuple of scalars as TOML (strings quoted as JSON, which TOML accepts)."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _option_value(text: str) -> int | float | str:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, anything else stays a string."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_dataset_option(text: str) -> tuple[str, Any]:
+    """One ``--dataset-option KEY=VALUE``: ``shape=3,32,32`` -> ``("shape", (3, 32, 32))``.
+
+    Numbers become ints or floats; a comma-separated value becomes a tuple. Whether the
+    dataset accepts the key and the value is checked by the dataset itself.
+
+    Raises:
+        ConfigError: ``text`` is not ``KEY=VALUE`` with a non-empty key and value.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key.isidentifier() or not value.strip():
+        raise ConfigError(
+            f"--dataset-option {text!r} is not allowed: expected KEY=VALUE, "
+            "e.g. shape=3,32,32 or train_size=2048"
+        )
+    parts = [part.strip() for part in value.split(",")]
+    if "," in value:
+        return key, tuple(_option_value(part) for part in parts if part)
+    return key, _option_value(parts[0])
+
+
+def _dataset_options(value: Any) -> tuple[tuple[str, Any], ...]:
+    """A table of dataset options (config file, CLI or a previous config) as sorted pairs."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = {str(key).replace("-", "_"): item for key, item in items}
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"option dataset_options = {value!r} is not allowed: expected a table of KEY = VALUE"
+        ) from None
+    for key, item in pairs.items():
+        allowed = (int, float, str)
+        if isinstance(item, list | tuple) and item and all(isinstance(v, allowed) for v in item):
+            pairs[key] = tuple(item)
+        elif not isinstance(item, allowed):
+            raise ConfigError(
+                f"dataset option {key} = {item!r} is not allowed: expected a number, a string "
+                "or a list of them"
+            )
+    return tuple(sorted(pairs.items()))
 
 
 def _convert(config: TrainConfig, key: str, value: Any) -> Any:
     """Coerce a config-file or CLI value to the field's type, with a clear error."""
     current = getattr(config, key)
+    if key == "dataset_options":
+        return _dataset_options(value)
     try:
         if isinstance(current, bool):
             return bool(value)

@@ -3,13 +3,17 @@
 * Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) or Slurm ``srun``
   (``SLURM_PROCID``/``SLURM_NTASKS``), this process is one rank: it joins the job's process group.
 * Otherwise ``--nproc N`` local processes are spawned, rendezvous through a file; a worker that
-  raises stops the others and its error is shown.
+  raises stops the others and its error is shown, with the exception itself when it can be
+  pickled (so that the command can tell bad input from a crash).
+
+The process group backend follows the device the run trains on (:func:`backend_for`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -25,11 +29,20 @@ import torch.multiprocessing as mp
 
 
 class WorkerError(RuntimeError):
-    """A worker failed; ``rank`` and the worker's ``details`` (traceback) are attached."""
+    """A worker failed.
 
-    def __init__(self, rank: int, summary: str, details: str) -> None:
+    Attributes:
+        rank: the worker that failed first.
+        summary: ``"ExceptionType: message"`` (or how the process exited).
+        details: the worker's traceback ("" when it died without one).
+        cause: the worker's exception, when it could be sent to the parent.
+    """
+
+    def __init__(
+        self, rank: int, summary: str, details: str, cause: BaseException | None = None
+    ) -> None:
         super().__init__(f"worker {rank} failed: {summary}")
-        self.rank, self.summary, self.details = rank, summary, details
+        self.rank, self.summary, self.details, self.cause = rank, summary, details, cause
 
 
 @dataclass(frozen=True)
@@ -51,10 +64,20 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
     return None
 
 
-def join_external(rank: ExternalRank, threads: int) -> None:
-    """Initialise the job's process group (NCCL on CUDA, gloo otherwise)."""
+def backend_for(device: torch.device) -> str:
+    """The process group backend for tensors on ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_external(rank: ExternalRank, threads: int, backend: str) -> None:
+    """Initialise the job's process group.
+
+    Args:
+        rank: this process's place in the job (:func:`external_rank`).
+        threads: intra-op threads of this process.
+        backend: ``"gloo"`` or ``"nccl"``, from :func:`backend_for` of the run's device.
+    """
     torch.set_num_threads(threads)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if rank.launcher == "slurm":  # srun sets no rendezvous variables of torch's own
         os.environ.setdefault(
             "MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
@@ -73,11 +96,12 @@ def _worker(
     results: Any,
     args: tuple[Any, ...],
     collective_timeout: float,
+    backend: str,
 ) -> None:
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -87,13 +111,32 @@ def _worker(
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         buffer = io.BytesIO()
         torch.save(value, buffer)
-        results.put((rank, True, buffer.getvalue(), ""))
+        results.put((rank, True, buffer.getvalue(), "", b""))
     except BaseException as error:  # every failure reaches the parent
         summary = f"{type(error).__name__}: {error}"
-        results.put((rank, False, summary, traceback.format_exc()))
+        results.put((rank, False, summary, traceback.format_exc(), _pickled(error)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pickled(error: BaseException) -> bytes:
+    """``error`` pickled (its type, arguments and attributes), or b"" when it cannot be."""
+    try:
+        return pickle.dumps(error)
+    except Exception:  # an exception holding something unpicklable: the summary must do
+        return b""
+
+
+def _unpickled(payload: bytes) -> BaseException | None:
+    """The exception a worker sent, or None."""
+    if not payload:
+        return None
+    try:
+        error = pickle.loads(payload)
+    except Exception:  # e.g. a class whose __init__ needs other arguments
+        return None
+    return error if isinstance(error, BaseException) else None
 
 
 def spawn_workers(
@@ -104,8 +147,9 @@ def spawn_workers(
     *,
     timeout: float | None = None,
     collective_timeout: float = 600.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``target(*args)`` on ``world_size`` local gloo processes; every rank's result.
+    """Run ``target(*args)`` on ``world_size`` local processes; every rank's result.
 
     Args:
         target: a module-level function (spawned processes import it).
@@ -114,6 +158,7 @@ def spawn_workers(
         args: positional arguments of ``target``.
         timeout: seconds after which all workers are killed (``None``: no limit).
         collective_timeout: seconds a collective may wait before the process group fails.
+        backend: process group backend of the workers.
 
     Raises:
         WorkerError: the first worker that failed (the others are stopped).
@@ -137,6 +182,7 @@ def spawn_workers(
                     results,
                     args,
                     collective_timeout,
+                    backend,
                 ),
             )
             for rank in range(world_size)
@@ -150,7 +196,7 @@ def spawn_workers(
                     missing = sorted(set(range(world_size)) - set(values))
                     raise TimeoutError(f"workers {missing} did not finish within {timeout:.0f} s")
                 try:
-                    rank, ok, payload, details = results.get(timeout=1.0)
+                    rank, ok, payload, details, cause = results.get(timeout=1.0)
                 except queue.Empty:
                     dead = [
                         r
@@ -163,7 +209,7 @@ def spawn_workers(
                         ) from None
                     continue
                 if not ok:
-                    raise WorkerError(rank, payload, details)
+                    raise WorkerError(rank, payload, details, _unpickled(cause))
                 values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         finally:
             stop = time.monotonic() + 5
@@ -176,11 +222,16 @@ def spawn_workers(
 
 
 def spawn_local(
-    target: Callable[..., Any], world_size: int, threads: int, args: tuple[Any, ...] = ()
+    target: Callable[..., Any],
+    world_size: int,
+    threads: int,
+    args: tuple[Any, ...] = (),
+    *,
+    backend: str = "gloo",
 ) -> Any:
-    """Run ``target(*args)`` on ``world_size`` local gloo processes; rank 0's return value.
+    """Run ``target(*args)`` on ``world_size`` local processes; rank 0's return value.
 
     Raises:
         WorkerError: the first worker that failed (the others are stopped).
     """
-    return spawn_workers(target, world_size, threads, args)[0]
+    return spawn_workers(target, world_size, threads, args, backend=backend)[0]

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -23,20 +23,42 @@ from dkfac.cli.bench import (
     write_json,
 )
 from dkfac.cli.bench_report import format_summary, write_chart
-from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
-from dkfac.cli.launch import WorkerError, external_rank, join_external, spawn_local
-from dkfac.cli.report import compare_table, epoch_table, first_epoch_reaching, write_plots
-from dkfac.cli.train import RunResult, run_training
-from dkfac.datasets import load_dataset
+from dkfac.cli.config import (
+    STRATEGIES,
+    ConfigError,
+    TrainConfig,
+    load_config_file,
+    parse_dataset_option,
+)
+from dkfac.cli.launch import (
+    WorkerError,
+    backend_for,
+    external_rank,
+    join_external,
+    spawn_local,
+)
+from dkfac.cli.rank_logging import configure_logging, quiet
+from dkfac.cli.report import compare_table, epoch_table, write_plots
+from dkfac.cli.train import RunResult, check_fits, load_run_dataset, run_device, run_training
 from dkfac.models.registry import build_model
 
-logger = logging.getLogger("dkfac")
+logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_WORKER = 1
 #: Defaults of ``dkfac bench`` without ``--quick``.
 BENCH_MODELS = "resnet20"
 BENCH_NPROCS = "2"
+#: Bad input, whether the parent or a worker found it: one line on stderr and exit code 2.
+USAGE_ERRORS: tuple[type[Exception], ...] = (ConfigError, FileNotFoundError, ValueError)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE``, and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line (no usage block) and exit with code 2."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +76,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "target_accuracy": "test accuracy whose first crossing `compare` reports",
     }
     for f in fields(TrainConfig):
+        if f.name == "dataset_options":
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
         parser.add_argument(
@@ -63,10 +87,21 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
             type=kind if kind in (int, float) else str,
             help=f"{helps.get(f.name, '')} (default: {f.default!r})",
         )
+    parser.add_argument(
+        "--dataset-option",
+        dest="dataset_options",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="an option of --dataset, repeatable; synthetic: shape=3,32,32 num_classes=10 "
+        "train_size=1024 test_size=256; tokens: vocab_size, seq_len, num_classes, "
+        "train_size, test_size, key_position; digits and npz: test_fraction; npz: num_classes",
+    )
     parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
 
 
 def _resolve(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+    """Defaults < ``--config`` file < flags (dataset options are merged key by key)."""
     config = base or TrainConfig()
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -75,9 +110,17 @@ def _resolve(args: argparse.Namespace, base: TrainConfig | None = None) -> Train
         {
             f.name: getattr(args, f.name)
             for f in fields(TrainConfig)
-            if getattr(args, f.name, None) is not None
+            if f.name != "dataset_options" and getattr(args, f.name, None) is not None
         }
     )
+    flags = getattr(args, "dataset_options", None)
+    if flags:
+        from_file = values.get("dataset_options", {})
+        if not isinstance(from_file, dict):
+            raise ConfigError(
+                f"--config {args.config}: dataset_options must be a table of KEY = VALUE"
+            )
+        values["dataset_options"] = {**from_file, **dict(map(parse_dataset_option, flags))}
     return config.with_overrides(values)
 
 
@@ -92,10 +135,18 @@ def _prepare_out(folder: str) -> Path:
     return path
 
 
+def _is_lead() -> bool:
+    """Whether this process reports and writes files (rank 0, or the parent of spawned workers)."""
+    outside = external_rank()
+    return outside is None or outside.rank == 0
+
+
 def _progress_factory() -> Any:
     try:
         from tqdm import tqdm
     except ImportError:  # plain logging without the cli extra
+        if sys.stderr.isatty():
+            logger.info("no progress bars: tqdm is not installed (pip install tqdm)")
         return None
 
     def make(total: int, description: str) -> Any:
@@ -112,37 +163,105 @@ def _progress_factory() -> Any:
     return make
 
 
-def _train_worker(config: TrainConfig, resume: bool, show_progress: bool) -> RunResult:
-    """Entry of every worker process (module level: spawned processes import it)."""
-    logging.basicConfig(
-        level=logging.INFO if dist.get_rank() == 0 else logging.WARNING, format="%(message)s"
-    )
-    return run_training(
-        config, resume=resume, progress=_progress_factory() if show_progress else None
-    )
+def _run_worker(
+    configs: tuple[TrainConfig, ...],
+    labels: tuple[str, ...],
+    resume: bool,
+    show_progress: bool,
+) -> list[RunResult]:
+    """Entry of every worker process (module level: spawned processes import it).
+
+    The runs go one after the other in the same process group; each starts from its seed.
+    """
+    rank = dist.get_rank()
+    configure_logging(rank)
+    progress = _progress_factory() if show_progress and rank == 0 else None
+    results = []
+    for label, config in zip(labels, configs, strict=True):
+        if label:
+            logger.info(
+                "== %s: %s on %s, %d worker(s)",
+                label,
+                config.model,
+                config.dataset,
+                dist.get_world_size(),
+            )
+        results.append(run_training(config, resume=resume, progress=progress))
+    return results
+
+
+def _check_before_start(configs: Sequence[TrainConfig], world: int) -> None:
+    """Fail here, once, for missing data, a model that does not fit it, or too little data."""
+    checked: set[tuple[Any, ...]] = set()
+    with quiet():  # the workers say what they load
+        for config in configs:
+            key = (
+                config.dataset,
+                config.data_root,
+                config.dataset_options,
+                config.seed,
+                config.model,
+                config.batch_size,
+            )
+            if key in checked:
+                continue
+            spec = load_run_dataset(config)
+            build_model(config.model, spec)
+            check_fits(config, spec, world)
+            checked.add(key)
+
+
+def execute_runs(
+    configs: Sequence[TrainConfig],
+    labels: Sequence[str] | None = None,
+    *,
+    resume: bool = False,
+    show_progress: bool = True,
+) -> list[RunResult] | None:
+    """Run ``configs`` one after the other on the same workers.
+
+    Under torchrun/Slurm this process is one of the workers; otherwise ``nproc`` workers are
+    spawned once for all the runs. The runs must share ``nproc``, ``threads`` and the device.
+
+    Args:
+        configs: the runs, validated.
+        labels: a name per run, logged when it starts (None: no names).
+        resume: continue each run from the checkpoint in its ``out`` folder.
+        show_progress: progress bars on rank 0 (on a terminal).
+
+    Returns:
+        Rank 0's results, one per run; None on the other ranks of a torchrun/Slurm job.
+    """
+    first = configs[0]
+    outside = external_rank()
+    _check_before_start(configs, first.nproc if outside is None else outside.world_size)
+    backend = backend_for(run_device(first))
+    args = (tuple(configs), tuple(labels or [""] * len(configs)), resume, show_progress)
+    if outside is not None:
+        join_external(outside, first.threads, backend)
+        try:
+            results = _run_worker(*args)
+            dist.barrier()  # nobody tears the group down while a peer still talks to it
+            return results if outside.rank == 0 else None
+        finally:
+            dist.destroy_process_group()
+    return list(spawn_local(_run_worker, first.nproc, first.threads, args=args, backend=backend))
 
 
 def execute(
     config: TrainConfig, *, resume: bool = False, show_progress: bool = True
 ) -> RunResult | None:
     """Run ``config`` on the right number of processes; rank 0's result (None elsewhere)."""
-    # Fail here, once, for a missing data set or a model that does not fit it.
-    spec = load_dataset(config.dataset, root=config.data_root or None, seed=config.seed)
-    build_model(config.model, spec)
-    outside = external_rank()
-    if outside is not None:
-        join_external(outside, config.threads)
-        try:
-            result = _train_worker(config, resume, show_progress)
-            dist.barrier()  # nobody tears the group down while a peer still talks to it
-            return result if outside.rank == 0 else None
-        finally:
-            dist.destroy_process_group()
-    result = spawn_local(
-        _train_worker, config.nproc, config.threads, args=(config, resume, show_progress)
-    )
-    assert isinstance(result, RunResult)
-    return result
+    results = execute_runs([config], resume=resume, show_progress=show_progress)
+    return None if results is None else results[0]
+
+
+def _print_plots(results: dict[str, RunResult], folder: Path) -> None:
+    plots = write_plots(results, folder)
+    for plot in plots:
+        print(f"plot: {plot}")
+    if not plots:
+        print("plots: skipped (they need matplotlib: pip install matplotlib)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -153,7 +272,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = _prepare_out(config.out)
     if args.resume and not (out / "checkpoint.pt").is_file():
         raise ConfigError(f"--resume: no checkpoint in {out} (start without --resume)")
-    (out / "config.toml").write_text(config.to_toml())
+    if _is_lead():
+        (out / "config.toml").write_text(config.to_toml())
     result = execute(config, resume=args.resume)
     if result is None:
         return 0
@@ -163,39 +283,73 @@ def cmd_train(args: argparse.Namespace) -> int:
             "the same command and --resume"
         )
     print(epoch_table(result))
-    for plot in write_plots({"run": result}, out / "plots"):
-        print(f"plot: {plot}")
+    _print_plots({"run": result}, out / "plots")
     print(f"metrics: {out / 'metrics.jsonl'}; checkpoint: {out / 'checkpoint.pt'}")
     return 0
 
 
+def compare_strategies(text: str | None, config: TrainConfig) -> tuple[str, ...]:
+    """The strategies ``dkfac compare`` runs, from ``--strategies`` (None: the default).
+
+    The default is the plain optimizer and K-FAC with ``config.strategy`` (``dkfac`` on several
+    workers, ``local`` on one, when the strategy is ``none``).
+
+    Raises:
+        ConfigError: an unknown or repeated strategy, or an empty list.
+    """
+    if text is None:
+        kfac = config.strategy
+        if kfac == "none":
+            kfac = "dkfac" if config.nproc > 1 else "local"
+        return ("none", kfac)
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown or not names:
+        raise ConfigError(
+            f"--strategies {text!r} is not allowed: expected a comma-separated list of "
+            f"{', '.join(STRATEGIES)}"
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"--strategies {text!r} is not allowed: {', '.join(repeated)} given twice "
+            "(the runs would be identical)"
+        )
+    return names
+
+
+def run_label(optimizer: str, strategy: str) -> str:
+    """``SGD`` for the plain optimizer, ``SGD+K-FAC (dkfac)`` with a K-FAC strategy."""
+    name = "SGD" if optimizer == "sgd" else optimizer.upper()
+    return name if strategy == "none" else f"{name}+K-FAC ({strategy})"
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    """``dkfac compare``: the same data and seed with and without K-FAC."""
+    """``dkfac compare``: the same data and seed with several strategies (one run each)."""
+    if args.strategies is not None and args.strategy is not None:
+        raise ConfigError(
+            "--strategy is not allowed with --strategies: list every run in --strategies"
+        )
     config = _resolve(args)
+    strategies = compare_strategies(args.strategies, config)
     out = _prepare_out(config.out or os.path.join("runs", "compare"))
-    kfac_strategy = (
-        config.strategy if config.strategy != "none" else ("dkfac" if config.nproc > 1 else "local")
-    )
-    runs = {
-        "SGD" if config.optimizer == "sgd" else config.optimizer.upper(): "none",
-        f"{config.optimizer.upper()}+K-FAC ({kfac_strategy})": kfac_strategy,
-    }
-    target = config.target_accuracy or 0.95
-    results: dict[str, RunResult] = {}
-    for label, strategy in runs.items():
+    labels = [run_label(config.optimizer, strategy) for strategy in strategies]
+    configs = []
+    for label, strategy in zip(labels, strategies, strict=True):
         folder = out / label.replace(" ", "_").replace("+", "_").replace("(", "").replace(")", "")
+        # Validates the combination too (e.g. local on several workers).
         run_config = dataclasses.replace(config, strategy=strategy, out=str(folder))
         _prepare_out(str(folder))
-        (folder / "config.toml").write_text(run_config.to_toml())
-        print(f"== {label}: {config.model} on {config.dataset}, {config.nproc} worker(s)")
-        result = execute(run_config, resume=False)
-        assert result is not None
-        results[label] = result
-    print(compare_table(results, target))
-    for plot in write_plots(results, out / "plots"):
-        print(f"plot: {plot}")
-    best = {label: first_epoch_reaching(r, target) for label, r in results.items()}
-    logger.debug("first epochs reaching target: %s", best)
+        if _is_lead():
+            (folder / "config.toml").write_text(run_config.to_toml())
+        configs.append(run_config)
+    results = execute_runs(configs, labels)
+    if results is None:  # another rank of a torchrun/Slurm job: rank 0 reports
+        return 0
+    target = config.target_accuracy or 0.95
+    by_label = dict(zip(labels, results, strict=True))
+    print(compare_table(by_label, target))
+    _print_plots(by_label, out / "plots")
     return 0
 
 
@@ -221,16 +375,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``dkfac`` argument parser."""
-    parser = argparse.ArgumentParser(prog="dkfac", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
+    """The ``dkfac`` argument parser (its errors are one line and exit code 2)."""
+    parser = CommandParser(prog="dkfac", description=__doc__)
+    sub = parser.add_subparsers(dest="command")  # subcommands are CommandParsers too
     train = sub.add_parser("train", help="train one configuration")
     _add_train_options(train)
     train.add_argument(
         "--resume", action="store_true", help="continue from the checkpoint in --out"
     )
-    compare = sub.add_parser("compare", help="the optimizer with and without K-FAC, same seed")
+    compare = sub.add_parser(
+        "compare",
+        help="several strategies (default: the optimizer with and without K-FAC) on the same "
+        "data and seed",
+    )
     _add_train_options(compare)
+    compare.add_argument(
+        "--strategies",
+        default=None,
+        metavar="LIST",
+        help="comma-separated strategies, one run each, e.g. none,dkfac,dp (none: the plain "
+        "optimizer; default: none and --strategy, or none,dkfac / none,local on one worker)",
+    )
     bench = sub.add_parser(
         "bench",
         help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets and a wide MLP "
@@ -248,20 +413,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def missing_dependency_message(error: ImportError) -> str:
+    """What is missing and what to install for ``error``, as one line."""
+    message = _one_line(error)
+    if "pip install" in message:  # the library already says what to install
+        return message
+    module = (error.name or "").partition(".")[0]
+    package = {"sklearn": "scikit-learn", "yaml": "pyyaml"}.get(module, module)
+    extras = "pip install 'dkfac[cli]' installs all of the command's optional dependencies"
+    if not package:
+        return f"{message} ({extras})"
+    return f"{message}: pip install {package} ({extras})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dkfac`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["compare", *(argv or [])])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    """Entry point of the ``dkfac`` console script; returns the exit code.
+
+    Without arguments it runs ``dkfac compare`` (what ``make demo`` does).
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
     try:
-        commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
+        args = build_parser().parse_args(arguments or ["compare"])
+    except SystemExit as stop:  # --help, or the parser's one-line error
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+    outside = external_rank()
+    rank = 0 if outside is None else outside.rank
+    configure_logging(rank)
+    # Under torchrun every rank reports its own failure: say which one it is.
+    error_prefix = "dkfac: error:" if rank == 0 else f"dkfac: [rank {rank}] error:"
+    commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
+    try:
         return commands[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError) as error:
-        print(f"dkfac: error: {error}", file=sys.stderr)
+    except ImportError as error:
+        print(error_prefix, missing_dependency_message(error), file=sys.stderr)
+        return EXIT_USAGE
+    except USAGE_ERRORS as error:
+        print(error_prefix, _one_line(error), file=sys.stderr)
         return EXIT_USAGE
     except WorkerError as error:
+        if isinstance(error.cause, ImportError):
+            print(error_prefix, missing_dependency_message(error.cause), file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(error.cause, USAGE_ERRORS):  # bad input only a worker could see
+            print(error_prefix, _one_line(error.cause), file=sys.stderr)
+            return EXIT_USAGE
         print(f"dkfac: {error}", file=sys.stderr)
         if error.details:
             print(error.details, file=sys.stderr)

@@ -24,13 +24,38 @@ from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
 from dkfac.cli.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
-from dkfac.cli.config import TrainConfig
-from dkfac.datasets import load_dataset
+from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.datasets import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class PhaseTotals:
+    """This rank's K-FAC phase seconds and communicated bytes, summed over an epoch."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    comm_bytes: int = 0
+
+    def add_step(self, pre: dkfac.KFACPreconditioner) -> None:
+        """Add the last step of ``pre`` (its timings and communication)."""
+        for phase, seconds in pre.timings().items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self.comm_bytes += sum(stats["bytes"] for stats in pre.comm_stats().values())
+
+    def record(self) -> dict[str, Any]:
+        """The ``metrics.jsonl`` fields (and the checkpointed state)."""
+        return {"kfac_seconds": dict(self.seconds), "comm_bytes": self.comm_bytes}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> PhaseTotals:
+        """Inverse of :meth:`record` (empty totals for ``None``)."""
+        if not record:
+            return cls()
+        return cls(dict(record["kfac_seconds"]), int(record["comm_bytes"]))
 
 
 @dataclass
@@ -46,6 +71,49 @@ class RunResult:
     def final_accuracy(self) -> float:
         """Test accuracy after the last epoch."""
         return float(self.epochs[-1]["test_accuracy"]) if self.epochs else math.nan
+
+
+def run_device(config: TrainConfig) -> torch.device:
+    """The device ``config`` trains on: the one place that decides it.
+
+    Runs train on the CPU; the process group backend follows from this device
+    (:func:`dkfac.cli.launch.backend_for`).
+    """
+    del config  # every configuration runs on the CPU for now
+    return torch.device("cpu")
+
+
+def load_run_dataset(config: TrainConfig) -> DatasetSpec:
+    """The dataset of ``config`` with its options (same data on every rank and in the parent)."""
+    return load_dataset(
+        config.dataset, root=config.data_root or None, seed=config.seed, **config.dataset_kwargs
+    )
+
+
+def shard_steps(train_size: int, world: int, batch_size: int) -> int:
+    """Full batches per epoch on each rank (the sampler and the loader both drop the rest)."""
+    return (train_size // world) // batch_size
+
+
+def check_fits(config: TrainConfig, spec: DatasetSpec, world: int) -> None:
+    """Refuse a batch size the training split cannot fill on ``world`` workers.
+
+    Raises:
+        ConfigError: not one full batch per worker and epoch.
+    """
+    size = len(spec.train)  # type: ignore[arg-type]
+    if shard_steps(size, world, config.batch_size) == 0:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is not allowed: dataset {config.dataset!r} has "
+            f"{size} training examples, too few for {world} worker(s) x batch "
+            f"{config.batch_size} (at most --batch-size {size // world})"
+        )
+
+
+def _data_parallel(model: nn.Module, config: TrainConfig, world: int) -> nn.Module:
+    """``model`` wrapped for gradient synchronisation across ``world`` ranks (as is for one)."""
+    del config  # gradients are always averaged by DDP for now (--grad-sync ddp)
+    return nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
 
 def _world() -> tuple[int, int]:
@@ -114,10 +182,11 @@ def run_training(
     """
     rank, world = _world()
     torch.manual_seed(config.seed)
-    device = torch.device("cpu")
-    spec = load_dataset(config.dataset, root=config.data_root or None, seed=config.seed)
+    device = run_device(config)
+    spec = load_run_dataset(config)
+    check_fits(config, spec, world)
     model: nn.Module = build_model(config.model, spec).to(device)
-    wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    wrapped = _data_parallel(model, config, world)
 
     sampler: DistributedSampler[Any] = DistributedSampler(
         spec.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed, drop_last=True
@@ -134,11 +203,6 @@ def run_training(
     steps_per_epoch = len(loader)
     if config.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"dataset {config.dataset!r} has too few examples for "
-            f"{world} worker(s) x batch {config.batch_size}"
-        )
 
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(
@@ -170,12 +234,14 @@ def run_training(
     out = Path(config.out) if config.out else None
     result = RunResult()
     start_epoch, start_batch, step = 0, 0, 0
-    # This rank's (loss sum, correct, examples) of the current epoch; part of checkpoints.
+    # This rank's (loss sum, correct, examples) and K-FAC phase totals of the current epoch;
+    # part of checkpoints.
     totals = torch.zeros(3, dtype=torch.float64)
+    phases = PhaseTotals()
     if resume and out is not None:
         saved = load_checkpoint(out)
         if saved is not None:
-            start_epoch, start_batch, step, totals = restore_checkpoint(
+            start_epoch, start_batch, step, totals, phases = restore_checkpoint(
                 saved, model, optimizer, scheduler, pre, rank, world
             )
             result.epochs = list(saved["epochs"])
@@ -198,6 +264,7 @@ def run_training(
         epoch_start = time.perf_counter()
         if epoch != start_epoch or not start_batch:
             totals.zero_()
+            phases = PhaseTotals()
         for batch_index, (x, y) in enumerate(loader):
             if batch_index >= steps_per_epoch:
                 break
@@ -215,14 +282,18 @@ def run_training(
             step += 1
             seconds = time.perf_counter() - tick
             loss_value = float(loss.detach())
+            correct = float((logits.argmax(-1) == y.to(device)).sum())
             totals[0] += loss_value * y.numel()
-            totals[1] += float((logits.argmax(-1) == y.to(device)).sum())
+            totals[1] += correct
             totals[2] += y.numel()
+            if pre is not None:
+                phases.add_step(pre)
             if rank == 0 and out is not None and (step % config.log_every == 0):
                 record: dict[str, Any] = {
                     "step": step,
                     "epoch": epoch + 1,
                     "loss": loss_value,
+                    "accuracy": correct / y.numel(),
                     "lr": scheduler.get_last_lr()[0],
                     "seconds": seconds,
                 }
@@ -249,6 +320,7 @@ def run_training(
                     rank,
                     world,
                     totals,
+                    phases,
                 )
             if stopping:
                 result.stopped = True
@@ -274,7 +346,8 @@ def run_training(
         }
         result.epochs.append(summary)
         if rank == 0 and out is not None:
-            _append_metrics(out / METRICS_NAME, {"event": "epoch", **summary})
+            kfac = phases.record() if pre is not None else {}
+            _append_metrics(out / METRICS_NAME, {"event": "epoch", **summary, **kfac})
         if rank == 0:
             logger.info(
                 "epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.4f (%.1f s)",
@@ -301,6 +374,7 @@ def run_training(
                 rank,
                 world,
                 torch.zeros(3, dtype=torch.float64),
+                PhaseTotals(),
             )
     result.steps = step
     if pre is not None:
@@ -338,12 +412,14 @@ def _checkpoint(
     rank: int,
     world: int,
     totals: torch.Tensor,
+    phases: PhaseTotals,
 ) -> None:
     """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state."""
     local = {
         "rng": rng_state(),
         "pre": pre.state_dict() if pre is not None else None,
         "totals": totals.clone(),
+        "phases": phases.record(),
     }
     gathered: list[Any] = [local]
     if world > 1:
@@ -377,8 +453,13 @@ def restore_checkpoint(
     pre: dkfac.KFACPreconditioner | None,
     rank: int,
     world: int,
-) -> tuple[int, int, int, torch.Tensor]:
-    """Load a checkpoint: (epoch, batch within epoch, step, epoch totals) to continue from."""
+) -> tuple[int, int, int, torch.Tensor, PhaseTotals]:
+    """Load a checkpoint.
+
+    Returns:
+        Where to continue: (epoch, batch within the epoch, step, this rank's epoch totals,
+        this rank's K-FAC phase totals of the epoch).
+    """
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
@@ -416,4 +497,7 @@ def restore_checkpoint(
     else:  # the old ranks' partial sums, counted once (on rank 0)
         totals = sum((r["totals"] for r in ranks), torch.zeros(3, dtype=torch.float64))
         totals = totals if rank == 0 else torch.zeros_like(totals)
-    return int(saved["epoch"]), int(saved["batch"]), int(saved["step"]), totals
+    # Rank 0 reports the phase totals; on another world size it continues the old rank 0's.
+    phases = PhaseTotals.from_record(mine.get("phases"))
+    position = int(saved["epoch"]), int(saved["batch"]), int(saved["step"])
+    return (*position, totals, phases)
