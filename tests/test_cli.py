@@ -91,8 +91,13 @@ def test_train_writes_config_metrics_plots_and_checkpoint(tmp_path: Path, capsys
     assert "test acc" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "pad"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "grad_sync"),
+    [("dkfac", "ddp"), ("kaisa", "ddp"), ("pad", "ddp"), ("none", "dear")],
+)
+def test_resume_reproduces_the_uninterrupted_run(
+    tmp_path: Path, strategy: str, grad_sync: str
+) -> None:
     common = [
         *QUICK,
         "--epochs",
@@ -101,6 +106,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, strategy: str) 
         "2",
         "--strategy",
         strategy,
+        "--grad-sync",
+        grad_sync,
         "--grad-worker-fraction",
         "0.5",
         "--inv-update-steps",
@@ -121,6 +128,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, strategy: str) 
     assert [[e[k] for k in keys] for e in epochs_of(parts)] == [
         [e[k] for k in keys] for e in epochs_of(full)
     ]
+
+
+@pytest.mark.parametrize("strategy", ["none", "dkfac"])
+def test_dear_grad_sync_trains_as_ddp(tmp_path: Path, strategy: str) -> None:
+    """Same losses step by step (float32: summation order differs), with and without K-FAC."""
+    common = [*QUICK, "--epochs", "1", "--nproc", "2", "--strategy", strategy]
+    runs = {}
+    for sync in ("ddp", "dear"):
+        out = tmp_path / sync
+        assert main(["train", *common, "--grad-sync", sync, "--out", str(out)]) == 0
+        runs[sync] = steps_of(out)
+    assert [s["step"] for s in runs["dear"]] == list(range(1, 7))
+    for got, want in zip(runs["dear"], runs["ddp"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), (got, want)
 
 
 def test_resume_on_a_different_world_size(tmp_path: Path) -> None:
@@ -249,6 +270,9 @@ def test_compare_on_other_ranks_returns_without_reporting(
         ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
         (["train", "--lr", "-1"], "--lr"),
+        (["train", "--grad-sync", "nccl"], "--grad-sync 'nccl'"),
+        (["train", "--grad-sync", "dear", "--bucket-mb", "0"], "--bucket-mb '0' is not allowed"),
+        (["train", "--bucket-mb", "auto"], "--bucket-mb auto is not allowed with --grad-sync ddp"),
         (["train", "--strategy", "local", "--nproc", "2"], "drift apart"),
         (["train", "--model", "transformer"], "transformer"),
         (["train", "--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "data_batch_1"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +221,18 @@ def test_gradient_accumulation_launches_after_the_last_micro_batch(strategy: str
 
 
 class RankDependentBranch(nn.Module):
-    """``extra`` runs only on rank 0 and only on odd steps: data-dependent unused layers."""
+    """``extra`` runs only on rank 0 and only on odd steps: data-dependent unused layers.
+
+    ``tied`` is used by the parent through ``F.linear`` (its own forward never runs, as
+    ``nn.MultiheadAttention`` does with ``out_proj``): a silent layer on every rank.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(6, 5)
         self.extra = nn.Linear(5, 5)
+        self.tied = nn.Linear(5, 5)
         self.head = nn.Linear(5, 3)
         self.never = nn.Linear(5, 3)
 
@@ -234,32 +240,54 @@ class RankDependentBranch(nn.Module):
         h = torch.tanh(self.body(x))
         if use_extra:
             h = h + self.extra(h)
+        h = h + F.linear(h, self.tied.weight, self.tied.bias)
         return self.head(h)
 
 
-def branch_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
-    model = RankDependentBranch().double()
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, **F64)  # calibrated cost model
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(4):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randn(4, 6, generator=g, dtype=torch.float64)
-        opt.zero_grad()
-        out = ddp(x, use_extra=rank == 0 and step % 2 == 1)
-        F.cross_entropy(out, torch.randint(0, 3, (4,), generator=g)).backward()
-        pre.step()
-        opt.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "plan": pre.plan()}
+def branch_run(rank: int, world_size: int, strategies: list[str]) -> dict[str, Any]:
+    out = {}
+    for strategy in strategies:
+        model = RankDependentBranch().double()
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, **F64)  # calibrated costs
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            tied_moves = []
+            for step in range(4):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+                opt.zero_grad()
+                out_ = ddp(x, use_extra=rank == 0 and step % 2 == 1)
+                F.cross_entropy(out_, torch.randint(0, 3, (4,), generator=g)).backward()
+                averaged = model.tied.weight.grad.clone()  # type: ignore[union-attr]
+                pre.step()
+                tied_moves.append(torch.equal(model.tied.weight.grad, averaged))
+                opt.step()
+        out[strategy] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "plan": pre.plan(),
+            "tied_untouched": tied_moves,
+            "warned": [str(w.message) for w in caught if "'tied'" in str(w.message)],
+        }
+        pre.remove()
+    return out
 
 
-@pytest.mark.parametrize("strategy", ["spd", "pad"])
-def test_layers_unused_on_some_ranks_do_not_hang(strategy: str) -> None:
-    results = run_workers(branch_run, 2, args=(strategy,), timeout=120)
-    assert results[0]["plan"] == results[1]["plan"]  # measured cost model agreed by all ranks
-    for got, want in zip(results[1]["params"], results[0]["params"], strict=True):
-        assert torch.isfinite(want).all()
-        assert torch.equal(got, want)
+def test_unused_and_silent_layers_agree_on_every_rank_without_hanging() -> None:
+    strategies = ["spd", "pad", "dkfac", "dp"]
+    results = run_workers(branch_run, 2, args=(strategies,), timeout=180)
+    for strategy in strategies:
+        first, second = results[0][strategy], results[1][strategy]
+        assert first["plan"] == second["plan"]  # measured cost model agreed by all ranks
+        for got, want in zip(second["params"], first["params"], strict=True):
+            assert torch.isfinite(want).all()
+            assert torch.equal(got, want), strategy
+        # The silent layer's averaged gradient passes through unchanged on every rank,
+        # and each rank says so once.
+        for rank in range(2):
+            assert results[rank][strategy]["tied_untouched"] == [True] * 4, (strategy, rank)
+            assert len(results[rank][strategy]["warned"]) == 1, (strategy, rank)
 
 
 def trace_run(rank: int, world_size: int, strategy: str, directory: str) -> None:

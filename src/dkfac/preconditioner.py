@@ -176,6 +176,9 @@ class KFACPreconditioner:
         # gradient but never statistics, and pass it through unpreconditioned.
         self._forwarded: set[str] = set()
         self._silent: set[str] = set()
+        # Layers whose forward ran on some worker at least once: never silent again, so once
+        # every layer is known, finding silent layers costs no communication.
+        self._seen_forward: set[str] = set()
         self._capture = self._is_factor_step(0)
         self._force_inverse = False
         self._handles: list[RemovableHandle] = [
@@ -396,17 +399,29 @@ class KFACPreconditioner:
             )
 
     def _find_silent(self, active: Sequence[LayerCurvature]) -> None:
-        """Mark the layers that have a gradient but whose forward hook never ran this window.
+        """Mark the layers that have a gradient but whose forward ran on no worker this window.
 
         Such a layer's weight is used by its parent outside the layer's ``forward()``, so no
         statistics can exist for it; it passes its gradient through until a later factor
-        window sees its forward. When no hook ran at all (no forward since the last factor
-        update), nothing is decided.
+        window sees its forward. The decision is the same on every worker: whether a layer's
+        forward ran is OR-ed over the workers (one small collective, only while some layer's
+        forward has never run anywhere), so a layer that only some ranks use in a step is
+        preconditioned everywhere. When no hook ran on any worker (no forward since the last
+        factor update), nothing is decided.
         """
-        if not self._forwarded:
-            return
-        self._silent = {layer.name for layer in active if layer.name not in self._forwarded}
+        unknown = [layer for layer in self._layers if layer.name not in self._seen_forward]
+        local = [bool(self._forwarded)] + [layer.name in self._forwarded for layer in unknown]
         self._forwarded.clear()
+        if not unknown:
+            self._silent = set()
+            return
+        ran = self._strategy.any_worker(local, self._layers[0].block.weight.device)
+        if not ran[0]:
+            return
+        self._seen_forward.update(
+            layer.name for layer, r in zip(unknown, ran[1:], strict=True) if r
+        )
+        self._silent = {layer.name for layer in active if layer.name not in self._seen_forward}
         for layer in active:
             if layer.name not in self._silent:
                 continue

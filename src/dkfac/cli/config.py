@@ -16,7 +16,7 @@ from typing import Any
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa", "spd", "pad", "dp")
-GRAD_SYNCS: tuple[str, ...] = ("ddp",)
+GRAD_SYNCS: tuple[str, ...] = ("ddp", "dear")
 
 
 class ConfigError(ValueError):
@@ -45,6 +45,8 @@ class TrainConfig:
     steps_per_epoch: int = 0
     strategy: str = "dkfac"
     grad_sync: str = "ddp"
+    #: MiB per gradient bucket of DDP or DeAR, or "auto" (DeAR searches 1-64 MiB online).
+    bucket_mb: str = "25"
     inverse_method: str = "eigen"
     damping: float = 0.003
     factor_decay: float = 0.95
@@ -107,6 +109,7 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "
                     "allowed: expected a number >= 0"
                 )
+        self._parse_bucket()
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"
@@ -132,6 +135,36 @@ class TrainConfig:
                 f"allowed with --nproc {self.nproc}: fraction x nproc must be a "
                 "whole number dividing nproc"
             )
+
+    @property
+    def bucket_cap_mb(self) -> float | str:
+        """``--bucket-mb`` as DDP/DeAR take it: MiB (a float), or ``"auto"`` (DeAR)."""
+        return self._parse_bucket()
+
+    def _parse_bucket(self) -> float | str:
+        """``--bucket-mb`` parsed.
+
+        Raises:
+            ConfigError: not a positive number or ``auto``, or ``auto`` without DeAR.
+        """
+        text = str(self.bucket_mb).strip()
+        if text == "auto":
+            if self.grad_sync != "dear":
+                raise ConfigError(
+                    f"--bucket-mb auto is not allowed with --grad-sync {self.grad_sync}: the "
+                    "online bucket-size search is DeAR's (--grad-sync dear); give DDP a number"
+                )
+            return "auto"
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise ConfigError(
+                f"--bucket-mb {self.bucket_mb!r} is not allowed: expected a number of MiB > 0 "
+                "or auto (with --grad-sync dear)"
+            )
+        return value
 
     @property
     def dataset_kwargs(self) -> dict[str, Any]:

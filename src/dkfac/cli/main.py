@@ -68,6 +68,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "dataset": "digits (bundled), synthetic, cifar10, npz, tokens",
         "data_root": "folder of cifar10 python batches, or the .npz file",
         "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp",
+        "grad_sync": "ddp (DistributedDataParallel), dear (dkfac.DeAR: reduce-scatter under "
+        "backward, all-gather under the next forward)",
+        "bucket_mb": "MiB per gradient bucket of DDP/DeAR, or auto (DeAR's online search)",
         "steps_per_epoch": "cap on steps per epoch (0: the whole shard)",
         "nproc": "local worker processes to start (ignored under torchrun/Slurm)",
         "checkpoint_every": "also checkpoint every N steps (0: at epoch ends only)",

@@ -110,10 +110,50 @@ def check_fits(config: TrainConfig, spec: DatasetSpec, world: int) -> None:
         )
 
 
-def _data_parallel(model: nn.Module, config: TrainConfig, world: int) -> nn.Module:
-    """``model`` wrapped for gradient synchronisation across ``world`` ranks (as is for one)."""
-    del config  # gradients are always averaged by DDP for now (--grad-sync ddp)
-    return nn.parallel.DistributedDataParallel(model) if world > 1 else model
+class GradientSync:
+    """How a step's gradients are averaged over the ranks and the optimizer applied.
+
+    ``--grad-sync ddp``: the model is wrapped in DDP (on several ranks) and ``optimizer.step()``
+    updates. ``--grad-sync dear``: :class:`dkfac.DeAR` hooks the plain model; its step launches
+    the all-gathers and the update lands in the next forward pass (or at once when K-FAC needs
+    the averaged gradients first).
+
+    Args:
+        model: the model on this rank.
+        optimizer: the optimizer over ``model``'s parameters.
+        config: the run's configuration (``grad_sync``, ``bucket_mb``).
+        world: number of ranks.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, world: int
+    ) -> None:
+        self.optimizer = optimizer
+        self.dear: dkfac.DeAR | None = None
+        self.model = model
+        if config.grad_sync == "dear":
+            self.dear = dkfac.DeAR(model, optimizer, bucket_cap_mb=config.bucket_cap_mb)
+        elif world > 1:
+            cap = config.bucket_cap_mb
+            assert isinstance(cap, float)  # "auto" is refused for DDP by TrainConfig
+            self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+
+    def before_preconditioning(self) -> None:
+        """Make ``.grad`` hold the averaged gradients (DDP: already so after backward)."""
+        if self.dear is not None:
+            self.dear.gather_gradients()
+
+    def step(self) -> None:
+        """The optimizer step of this iteration."""
+        if self.dear is not None:
+            self.dear.step()
+        else:
+            self.optimizer.step()
+
+    def close(self) -> None:
+        """Apply what is still pending and detach (DeAR); nothing to do for DDP."""
+        if self.dear is not None:
+            self.dear.remove()
 
 
 def _world() -> tuple[int, int]:
@@ -186,7 +226,6 @@ def run_training(
     spec = load_run_dataset(config)
     check_fits(config, spec, world)
     model: nn.Module = build_model(config.model, spec).to(device)
-    wrapped = _data_parallel(model, config, world)
 
     sampler: DistributedSampler[Any] = DistributedSampler(
         spec.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed, drop_last=True
@@ -206,15 +245,17 @@ def run_training(
 
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(
-            wrapped.parameters(),
+            model.parameters(),
             lr=config.lr,
             momentum=config.momentum,
             weight_decay=config.weight_decay,
         )
     else:
         optimizer = torch.optim.AdamW(
-            wrapped.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
+    sync = GradientSync(model, optimizer, config, world)
+    wrapped = sync.model
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     pre = None
     if config.uses_kfac:
@@ -276,8 +317,9 @@ def run_training(
             loss = F.cross_entropy(logits, y.to(device))
             torch.autograd.backward(loss)
             if pre is not None:
+                sync.before_preconditioning()
                 pre.step()
-            optimizer.step()
+            sync.step()
             scheduler.step()
             step += 1
             seconds = time.perf_counter() - tick
@@ -377,6 +419,7 @@ def run_training(
                 PhaseTotals(),
             )
     result.steps = step
+    sync.close()
     if pre is not None:
         pre.remove()
     return result

@@ -27,7 +27,7 @@ from dkfac.distributed.communicator import Communicator
 from dkfac.distributed.local import fold_local_factors
 from dkfac.distributed.placement import longest_processing_time
 from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy, layer_owner_factors
+from dkfac.distributed.strategy import DistributedStrategy, layer_owner_factors
 
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
@@ -45,7 +45,7 @@ def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[
     return longest_processing_time([predicted_layer_cost(a, g) for a, g in dims], world_size)
 
 
-class DPStrategy(Strategy):
+class DPStrategy(DistributedStrategy):
     """DP-KFAC: owners build, decompose and apply their layers' factors; no factor traffic."""
 
     name = "dp"

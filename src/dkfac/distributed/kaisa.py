@@ -34,7 +34,7 @@ from dkfac.curvature.layer import LayerCurvature, update_inverses
 from dkfac.distributed.communicator import CollectiveHandle, Communicator
 from dkfac.distributed.placement import longest_processing_time
 from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy, layer_owner_factors
+from dkfac.distributed.strategy import DistributedStrategy, layer_owner_factors
 
 
 def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
@@ -121,7 +121,7 @@ def inverse_payload_shapes(
     return [(shapes[name], sym) for name, sym in _inverse_layout(method)] + [((1,), False)]
 
 
-class KAISAStrategy(Strategy):
+class KAISAStrategy(DistributedStrategy):
     """Gradient-worker fraction ``f``: decompositions shared by ``f·P`` workers per layer."""
 
     name = "kaisa"

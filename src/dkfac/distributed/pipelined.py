@@ -30,7 +30,7 @@ from dkfac.distributed.fusion import (
 from dkfac.distributed.local import precondition_here
 from dkfac.distributed.pipeline import FactorPipeline, FactorSlot, ready_order_of
 from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy
+from dkfac.distributed.strategy import DistributedStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def keeps_factor(destination: int | None, rank: int) -> bool:
     return destination is None or destination == rank
 
 
-class PipelinedStrategy(Strategy):
+class PipelinedStrategy(DistributedStrategy):
     """Factor collectives launched from the hooks; factors decomposed where the plan says.
 
     Args:

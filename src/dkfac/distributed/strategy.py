@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.distributed.communicator import Communicator
+from dkfac.distributed.recorder import StepRecorder
 
 
 class Strategy(ABC):
@@ -47,6 +49,13 @@ class Strategy(ABC):
         """The placement (and fusion) plan as plain data; see ``KFACPreconditioner.plan``."""
         return {"strategy": self.name, "factors": [], "buckets": []}
 
+    def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
+        """Element-wise OR of ``flags`` over all workers (default: this worker is all there is).
+
+        Distributed strategies answer with one small collective and one host read.
+        """
+        return list(flags)
+
     def captures(self, layer: LayerCurvature) -> bool:
         """Whether this worker collects ``layer``'s factor statistics in the hooks."""
         return True
@@ -72,6 +81,20 @@ class Strategy(ABC):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
+
+
+class DistributedStrategy(Strategy):
+    """A strategy whose workers talk through a :class:`Communicator`."""
+
+    comm: Communicator
+    recorder: StepRecorder
+
+    def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
+        """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
+        values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)
+        with self.recorder.phase("layer_usage"):
+            self.comm.allreduce([values], phase="layer_usage", maximum=True, exact=True).wait()
+        return [value > 0 for value in values.tolist()]
 
 
 def layer_owner_factors(
