@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -46,20 +47,44 @@ class Net(nn.Module):
         return self.head(self.frozen(h))
 
 
-def make_model() -> nn.Module:
+class AttentionNet(nn.Module):
+    """Stock modules that use parameters without calling the modules holding them.
+
+    ``nn.MultiheadAttention`` applies ``out_proj.weight`` itself (``out_proj.forward`` never
+    runs), and old-style ``weight_norm`` recomputes ``head.weight`` in a forward pre-hook.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.encoder = nn.TransformerEncoderLayer(
+            8, 2, dim_feedforward=16, dropout=0.0, batch_first=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the pre-hook form is the point
+            self.head = nn.utils.weight_norm(nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool = True) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+def make_model(kind: str = "conv") -> nn.Module:
     torch.manual_seed(0)
-    return Net().double()
+    return (Net() if kind == "conv" else AttentionNet()).double()
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, kind: str = "conv") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(LOCAL_BATCH, 3, 6, 6, generator=g, dtype=torch.float64)
+    shape = (3, 6, 6) if kind == "conv" else (5, 4)
+    x = torch.randn(LOCAL_BATCH, *shape, generator=g, dtype=torch.float64)
     return x, torch.randint(0, 3, (LOCAL_BATCH,), generator=g)
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    if name == "sgd-tensor-lr":  # the scheduler changes this tensor in place
+        return torch.optim.SGD(params, lr=torch.tensor(0.05), momentum=0.9)
     # eps=1e-6, not 1e-8: near g = 0 AdamW's step moves by lr/eps per unit of gradient, so a
     # last-bit difference of summation order (allreduce vs reduce-scatter) in a tiny K-FAC
     # direction would be amplified 1e6x and the 1e-10 comparison would measure conditioning.
@@ -67,12 +92,17 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def uses_sometimes(config: dict[str, Any], step: int, rank: int) -> bool:
-    """Rank-dependent use of ``sometimes`` when the config asks for it."""
-    return not config.get("rank_dependent") or (step + rank) % 2 == 0
+    """Rank-dependent use of ``sometimes`` when the config asks for it.
+
+    With 2 ranks: used by rank 0 at step 0, by no rank at step 1 (after it has optimizer
+    state), by rank 1 at step 2.
+    """
+    return not config.get("rank_dependent") or (step + rank) % 3 == 0
 
 
 def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
-    model = make_model()
+    kind = config.get("model", "conv")
+    model = make_model(kind)
     # Perturb the non-zero ranks: DDP (and DeAR) must start from rank 0's state.
     with torch.no_grad():
         for p in model.parameters():
@@ -89,7 +119,7 @@ def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     )
     evals = []
     for step in range(config.get("steps", STEPS)):
-        x, y = batch(step, rank)
+        x, y = batch(step, rank, kind)
         optimizer.zero_grad()
         F.cross_entropy(ddp(x, uses_sometimes(config, step, rank)), y).backward()
         if pre is not None:
@@ -97,14 +127,15 @@ def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         schedule.step()
         if config.get("evaluate"):
-            evals.append(evaluate(model))
+            evals.append(evaluate(ddp, kind))  # through DDP, which syncs buffers there
     if pre is not None:
         pre.remove()
     return {"params": snapshot(model), "evals": evals}
 
 
 def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
-    model = make_model()
+    kind = config.get("model", "conv")
+    model = make_model(kind)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(rank)
@@ -115,7 +146,8 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
         auto_range_mb=config.get("auto_range", (1.0, 64.0)),
         auto_trial_steps=1,
     )
-    frozen_before = model.frozen.weight.detach().clone()  # rank 0's, after the broadcast
+    frozen = model.get_parameter("frozen.weight") if kind == "conv" else None
+    frozen_before = None if frozen is None else frozen.detach().clone()  # rank 0's
     schedule = torch.optim.lr_scheduler.LambdaLR(dear.optimizer, lambda s: 1.0 / (1 + s))
     pre = (
         dkfac.KFACPreconditioner(
@@ -128,7 +160,7 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
         for step in range(config.get("steps", STEPS)):
-            x, y = batch(step, rank)
+            x, y = batch(step, rank, kind)
             F.cross_entropy(model(x, uses_sometimes(config, step, rank)), y).backward()
             if pre is not None:
                 dear.gather_gradients()
@@ -137,11 +169,16 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
             schedule.step()
             comm.append(dear.comm_stats())
             if config.get("evaluate"):
-                evals.append(evaluate(model))  # the pre-hooks apply the pending update
+                evals.append(evaluate(model, kind))  # applies the pending update first
     dear.finish()
     if pre is not None:
         pre.remove()
-    assert torch.equal(model.frozen.weight, frozen_before), "a frozen parameter changed"
+    if kind == "conv":  # (old-style weight_norm modules cannot be deep-copied after a forward)
+        # A deep copy (EMA, best-model snapshot) trains on its own; DeAR ignores it.
+        twin = copy.deepcopy(model)
+        twin(batch(0, rank, kind)[0]).sum().backward()
+    if frozen is not None:
+        assert torch.equal(frozen, frozen_before), "a frozen parameter changed"
     result = {
         "params": snapshot(model),
         "evals": evals,
@@ -154,10 +191,10 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def evaluate(model: nn.Module) -> torch.Tensor:
+def evaluate(model: nn.Module, kind: str) -> torch.Tensor:
     model.eval()
-    with torch.no_grad():
-        out = model(batch(99, 0)[0])
+    with torch.inference_mode():  # optimizer state must not become inference tensors
+        out = model(batch(99, 0, kind)[0]).clone()
     model.train()
     return out
 
@@ -181,6 +218,8 @@ CONFIGS: dict[int, list[dict[str, Any]]] = {
         {"optimizer": "adamw", "cap": 1e-4, "evaluate": True, "rank_dependent": True},
         {"optimizer": "sgd", "cap": 1e-3, "kfac": True},
         {"optimizer": "sgd", "cap": "auto", "auto_range": (2**-12, 2**-10), "steps": 9},
+        {"optimizer": "sgd-tensor-lr", "cap": 1e-4, "model": "attention", "evaluate": True},
+        {"optimizer": "adamw", "cap": 25.0, "model": "attention"},
     ],
     3: [
         {"optimizer": "sgd", "cap": 1e-4, "rank_dependent": True, "evaluate": True},
@@ -208,7 +247,7 @@ def test_dear_equals_ddp_and_the_same_optimizer(world_size: int) -> None:
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
             # Parameter replicas agree to the last bit (one all-gathered value per element);
             # BatchNorm buffers differ between ranks until the next forward, as with DDP.
-            n_params = len(list(make_model().parameters()))
+            n_params = len(list(make_model(config.get("model", "conv")).parameters()))
             first = results[0][index]["dear"]["params"][:n_params]
             for a, b in zip(got["params"][:n_params], first, strict=True):
                 assert torch.equal(a, b), (config, rank)

@@ -210,6 +210,15 @@ class CollectiveHandle:
     def __init__(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
         self._pending = pending
 
+    @classmethod
+    def joined(cls, handles: Sequence[CollectiveHandle]) -> CollectiveHandle:
+        """One handle that waits for all of ``handles``, in order."""
+        pending: list[tuple[Any, Callable[[], None]]] = []
+        for handle in handles:
+            pending += handle._pending
+            handle._pending = []
+        return cls(pending)
+
     def wait(self) -> None:
         """Wait for every collective and unpack its results (idempotent)."""
         pending, self._pending = self._pending, []

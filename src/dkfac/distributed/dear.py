@@ -209,6 +209,19 @@ class DeAR:
         self.tuning: list[tuple[float, float]] = []
         self._buckets: list[GradientBucket] = []
         self._bucket_of: dict[int, tuple[GradientBucket, int]] = {}
+        # Where each parameter's update is applied: the pre-hooks of the modules that hold it,
+        # plus, for a parameter its parent uses without calling its module (the out_proj of
+        # nn.MultiheadAttention), the nearest ancestor whose forward runs (learned at step 0).
+        self._sites: dict[int, list[nn.Module]] = {id(p): [] for p in self._params}
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if id(param) in self._sites:
+                    self._sites[id(param)].append(module)
+        self._parent: dict[int, nn.Module] = {
+            id(child): module for module in model.modules() for child in module.children()
+        }
+        self._apply_at: dict[int, list[GradientBucket]] = {}
+        self._fired: set[int] | None = set()  # modules whose forward ran, until sites are learned
         self._next_launch = -1
         self._build_buckets()
         self._handles: list[RemovableHandle] = self._register_hooks()
@@ -314,16 +327,60 @@ class DeAR:
             for position, param in enumerate(params):
                 self._bucket_of[id(param)] = (bucket, position)
         self._next_launch = len(self._buckets) - 1
+        self._index_sites()
+
+    def _index_sites(self) -> None:
+        """``_apply_at``: per module, the buckets its pre-hook must bring up to date."""
+        self._apply_at = {}
+        for param in self._params:
+            bucket = self._bucket_of[id(param)][0]
+            for module in self._sites[id(param)]:
+                buckets = self._apply_at.setdefault(id(module), [])
+                if bucket not in buckets:
+                    buckets.append(bucket)
+
+    def _learn_sites(self) -> None:
+        """After the first forward/backward: parameters used outside their module's forward.
+
+        A parameter with a gradient whose holding modules never ran their forward is used by
+        an ancestor directly (``nn.MultiheadAttention`` with ``out_proj``, a fused fast path,
+        ``nn.ParameterList``): its update is also applied before the nearest ancestor that ran.
+        """
+        fired, self._fired = self._fired, None
+        if not fired:  # no forward seen yet: learn at the next step
+            self._fired = fired
+            return
+        learned = []
+        for param in self._params:
+            sites = self._sites[id(param)]
+            if param.grad is None or any(id(m) in fired for m in sites):
+                continue
+            ancestor = sites[0] if sites else self.module
+            while ancestor is not self.module and id(ancestor) not in fired:
+                ancestor = self._parent.get(id(ancestor), self.module)
+            sites.append(ancestor)
+            learned.append(type(ancestor).__name__)
+        if learned:
+            logger.info(
+                "DeAR: %d parameter(s) used outside their module's forward are updated before "
+                "their ancestor runs (%s)",
+                len(learned),
+                ", ".join(sorted(set(learned))),
+            )
+            self._index_sites()
 
     def _register_hooks(self) -> list[RemovableHandle]:
         register = nn.Parameter.register_post_accumulate_grad_hook
         handles = [register(param, self._on_gradient) for param in self._params]  # type: ignore[no-untyped-call]
-        handles.append(self.module.register_forward_pre_hook(self._before_model_forward))
-        handles.append(self.module.register_forward_hook(self._after_model_forward))
+        # prepend: updates land before other pre-hooks read the parameters (weight_norm
+        # recomputes `weight` from `weight_g`/`weight_v` in its own pre-hook).
         for module in self.module.modules():
-            if any(id(p) in self._bucket_of for p in module.parameters(recurse=False)):
-                hook = functools.partial(self._before_module_forward, module)
-                handles.append(module.register_forward_pre_hook(hook))
+            hook = functools.partial(self._before_module_forward, module)
+            handles.append(module.register_forward_pre_hook(hook, prepend=True))
+        handles.append(
+            self.module.register_forward_pre_hook(self._before_model_forward, prepend=True)
+        )
+        handles.append(self.module.register_forward_hook(self._after_model_forward))
         # Saving or loading while an update is pending would lose it: apply it first.
         for owner in (self.module, self.optimizer):
             handles.append(owner.register_state_dict_pre_hook(self._finish_hook))
@@ -335,11 +392,20 @@ class DeAR:
         self.finish()
 
     def _on_gradient(self, param: Tensor) -> None:
-        if not self._sync_enabled:
+        entry = self._bucket_of.get(id(param))
+        if not self._sync_enabled or entry is None:  # entry None: a deep copy's parameter
             return
         if self._backward_started is None:
             self._backward_started = self._recorder.now()
-        bucket, position = self._bucket_of[id(param)]
+        bucket, position = entry
+        if bucket.pending:
+            raise RuntimeError(
+                f"DeAR: a parameter of shape {tuple(param.shape)} was used in the forward pass "
+                "before its update of the last step was applied: it is used outside the "
+                "forward() of the modules that hold it, by a module DeAR did not see use it at "
+                "step 0. Call dear.finish() before such forward passes, or use the parameter "
+                "through its own module"
+            )
         if bucket.launched:
             raise RuntimeError(
                 "a gradient was accumulated again after its bucket's reduce-scatter started: "
@@ -354,11 +420,16 @@ class DeAR:
             self._launch_reduce_scatter(candidate)
 
     def _before_model_forward(self, module: nn.Module, args: Any) -> None:
+        if module is not self.module:  # a deep copy of the model
+            return
         self._forward_started = self._recorder.now()
-        # As DDP: rank 0's buffers replace this rank's at the next forward that builds a
-        # graph (not in evaluation under no_grad, which sees this rank's own buffers).
-        if torch.is_grad_enabled():
-            self._receive_buffers()
+        # As DDP: rank 0's buffers (sent by the last step) replace this rank's at the next
+        # forward, in any mode.
+        self._receive_buffers()
+        if not (torch.is_grad_enabled() and module.training):
+            # Evaluation has nothing to overlap, and fused fast paths (TransformerEncoderLayer
+            # in eval) read parameters without calling the modules that hold them.
+            self.finish()
 
     def _receive_buffers(self) -> None:
         if self._buffer_sync is not None:
@@ -372,10 +443,11 @@ class DeAR:
             self._forward_started = None
 
     def _before_module_forward(self, module: nn.Module, *_: Any) -> None:
-        for param in module.parameters(recurse=False):
-            entry = self._bucket_of.get(id(param))
-            if entry is not None and entry[0].pending:
-                self._apply(entry[0])
+        if self._fired is not None:
+            self._fired.add(id(module))
+        for bucket in self._apply_at.get(id(module), ()):
+            if bucket.pending:
+                self._apply(bucket)
 
     # -- collectives -----------------------------------------------------------------------
     def _launch_reduce_scatter(self, bucket: GradientBucket) -> None:
@@ -447,8 +519,10 @@ class DeAR:
         aside = [(param, param.grad) for param in self._params if param.grad is not None]
         for param, _ in aside:
             param.grad = None
-        self._install_gradients(bucket)
-        self._optimizer_step()
+        # Optimizer state created under an evaluation's inference_mode would be unusable later.
+        with torch.inference_mode(False):
+            self._install_gradients(bucket)
+            self._optimizer_step()
         for param in bucket.params:
             param.grad = None
         for param, grad in aside:
@@ -462,7 +536,8 @@ class DeAR:
         with self._recorder.phase("update"):
             groups = self.optimizer.param_groups
             current = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-            for group, saved in zip(groups, self._hyperparameters, strict=True):
+            # Groups added after the step (add_param_group) keep their own values.
+            for group, saved in zip(groups, self._hyperparameters, strict=False):
                 group.update(saved)
             try:
                 self.optimizer.step()
@@ -471,6 +546,10 @@ class DeAR:
                     group.update(values)
 
     # -- public ----------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeAR:
+        """The same DeAR: a deep-copied model's hooks (EMA, snapshots) ignore the copy."""
+        return self
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (the model can also be called directly)."""
         return self.module(*args, **kwargs)
@@ -494,6 +573,8 @@ class DeAR:
         """
         if self._gathered:
             return
+        if self._fired is not None:
+            self._learn_sites()
         self._launch_remaining_reduce_scatters()
         self._launch_all_gathers()
         for bucket in self._buckets:
@@ -512,17 +593,21 @@ class DeAR:
             self._recorder.span("backward (gradients ready)", self._backward_started, now)
             self._backward_started = None
         deferred = not self._gathered
+        if self._fired is not None:
+            self._learn_sites()
         if deferred:  # may apply last step's late updates, with last step's hyperparameters
             self._launch_remaining_reduce_scatters()
+        # Values, not references: schedulers change a tensor lr in place.
         self._hyperparameters = [
-            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
         ]
         # Before the all-gathers: on a backend that runs a group's collectives in order
         # (NCCL), the next forward must not wait behind every all-gather for the buffers.
         buffers = list(self.module.buffers()) if self._broadcast_buffers else []
         if buffers and self._world > 1:
             self._receive_buffers()  # normally done by the forward pass before this step
-            self._buffer_sync = self._comm.broadcast(buffers, 0, phase="buffer_broadcast")
+            self._buffer_sync = self._broadcast_by_dtype(buffers)
         if deferred:
             self._launch_all_gathers()
         else:
@@ -536,6 +621,14 @@ class DeAR:
         self._tune(now)
         self._recorder.finish_step(self._steps)
         self._steps += 1
+
+    def _broadcast_by_dtype(self, buffers: list[Tensor]) -> CollectiveHandle:
+        """Rank 0's buffers, one fused broadcast per dtype (int64 counters stay exact)."""
+        pending = []
+        for dtype in dict.fromkeys(b.dtype for b in buffers):
+            same = [b for b in buffers if b.dtype == dtype]
+            pending.append(self._comm.broadcast(same, 0, phase="buffer_broadcast"))
+        return CollectiveHandle.joined(pending)
 
     def _reset_buckets(self, *, pending: bool) -> None:
         for bucket in self._buckets:
@@ -566,7 +659,8 @@ class DeAR:
             return
         search = self._search
         if search.measured_all:
-            medians = torch.tensor(search.medians, dtype=torch.float64)
+            device = self._buckets[0].flat.device  # NCCL reduces device tensors only
+            medians = torch.tensor(search.medians, dtype=torch.float64, device=device)
             self._comm.allreduce([medians], phase="tuning", maximum=True).wait()
             self.tuning = list(zip(search.candidates, medians.tolist(), strict=True))
             chosen = search.choose(medians.tolist())

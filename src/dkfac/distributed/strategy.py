@@ -92,7 +92,7 @@ class DistributedStrategy(Strategy):
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
         values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)
-        with self.recorder.phase("layer_usage"):
+        with self.recorder.phase("factor_comm"):  # the agreement is factor-step traffic
             self.comm.allreduce([values], phase="layer_usage", maximum=True, exact=True).wait()
         return [value > 0 for value in values.tolist()]
 
