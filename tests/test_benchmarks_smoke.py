@@ -7,24 +7,17 @@ import argparse
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from dkfac.cli.bench import add_bench_options, options_from_args
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_overhead.py"
+from script_loader import load_benchmark
 
 
 def _load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("step_overhead_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_overhead", monkeypatch)
 
 
 def test_step_overhead_quick_run_writes_json(
@@ -91,9 +84,6 @@ def test_step_overhead_quick_run_writes_json(
         assert verdict["window_covers_whole_periods"] is False
 
 
-STRATEGIES_SCRIPT = SCRIPT.parent / "strategies.py"
-
-
 def _torchrun_available() -> bool:
     """Whether ``python -m torch.distributed.run`` can start gloo workers here."""
     import torch.distributed as dist
@@ -104,12 +94,7 @@ def _torchrun_available() -> bool:
 
 
 def _load_strategies(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("strategies_under_test", STRATEGIES_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("strategies", monkeypatch)
 
 
 def test_strategies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,23 +100,30 @@ def uses_sometimes(config: dict[str, Any], step: int, rank: int) -> bool:
     return not config.get("rank_dependent") or (step + rank) % 3 == 0
 
 
-def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
-    kind = config.get("model", "conv")
+def perturbed_model(kind: str, rank: int) -> nn.Module:
+    """The test model, shifted by ``rank``: DDP and DeAR must start from rank 0's state."""
     model = make_model(kind)
-    # Perturb the non-zero ranks: DDP (and DeAR) must start from rank 0's state.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(rank)
+    return model
+
+
+def kfac_for(model: nn.Module, config: dict[str, Any]) -> dkfac.KFACPreconditioner | None:
+    if not config.get("kfac"):
+        return None
+    return dkfac.KFACPreconditioner(
+        model, strategy="dkfac", lr=0.05, factor_dtype=torch.float64, inv_dtype=torch.float64
+    )
+
+
+def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    kind = config.get("model", "conv")
+    model = perturbed_model(kind, rank)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = make_optimizer(config["optimizer"], model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    pre = (
-        dkfac.KFACPreconditioner(
-            ddp, strategy="dkfac", lr=0.05, factor_dtype=torch.float64, inv_dtype=torch.float64
-        )
-        if config.get("kfac")
-        else None
-    )
+    pre = kfac_for(ddp, config)
     evals = []
     for step in range(config.get("steps", STEPS)):
         x, y = batch(step, rank, kind)
@@ -135,10 +142,7 @@ def run_ddp(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
 
 def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     kind = config.get("model", "conv")
-    model = make_model(kind)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(rank)
+    model = perturbed_model(kind, rank)
     dear = dkfac.DeAR(
         model,
         lambda params: make_optimizer(config["optimizer"], params),
@@ -149,13 +153,7 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     frozen = model.get_parameter("frozen.weight") if kind == "conv" else None
     frozen_before = None if frozen is None else frozen.detach().clone()  # rank 0's
     schedule = torch.optim.lr_scheduler.LambdaLR(dear.optimizer, lambda s: 1.0 / (1 + s))
-    pre = (
-        dkfac.KFACPreconditioner(
-            model, strategy="dkfac", lr=0.05, factor_dtype=torch.float64, inv_dtype=torch.float64
-        )
-        if config.get("kfac")
-        else None
-    )
+    pre = kfac_for(model, config)
     evals, comm = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from script_loader import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "dear.py"
-
-
-def load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dear_bench_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_quick_run_writes_table_json_and_traces(tmp_path: Path) -> None:
@@ -48,7 +39,7 @@ def test_quick_run_writes_table_json_and_traces(tmp_path: Path) -> None:
 
 
 def test_verdict_compares_with_ddp_of_the_same_round(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = load_script(monkeypatch)
+    bench = load_benchmark("dear", monkeypatch)
 
     def row(config: str, round_index: int, seconds: float) -> dict[str, object]:
         return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -213,6 +214,14 @@ def distributed_run(
         ddp = nn.parallel.DistributedDataParallel(model)
         pre = dkfac.KFACPreconditioner(ddp, lr=0.1, **options)
         train(ddp, pre, world_size, rank)
+        factors = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+        # A deep copy of a hooked model (EMA, snapshots) works and leaves K-FAC untouched.
+        twin = copy.deepcopy(model)
+        twin(global_batch(0, world_size)[0].to(next(twin.parameters()).dtype)).sum().backward()
+        assert all(
+            torch.equal(a, factors[name][0]) and torch.equal(g, factors[name][1])
+            for name, (a, g) in pre.factors().items()
+        )
         out.append(
             {
                 "params": [p.detach().clone() for p in model.parameters()],

@@ -167,6 +167,7 @@ class KFACPreconditioner:
         discovered, self._skipped = self._discover_layers()
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
+        self._layer_ids = {id(layer) for layer in self._layers}
         self._strategy.setup(self._layers)
         self._steps = 0
         self._removed = False
@@ -222,8 +223,8 @@ class KFACPreconditioner:
     def _forward_hook(
         self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
-        if self._removed or not self._capture:
-            return
+        if self._removed or not self._capture or id(layer) not in self._layer_ids:
+            return  # (not ours: the hook of a deep copy of the model, see __deepcopy__)
         # Recorded on every worker, capturing or not, so all workers agree on which layers are
         # used outside their forward (see _find_silent).
         self._forwarded.add(layer.name)
@@ -443,6 +444,14 @@ class KFACPreconditioner:
             self._warned.add(key)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KFACPreconditioner:
+        """The same preconditioner: a deep-copied model's hooks (EMA, snapshots) are inert.
+
+        The hooks hold this object (and through it a process group, which cannot be copied);
+        the copy's hooks get copies of the layers, which :meth:`_forward_hook` ignores.
+        """
+        return self
 
     # -- inspection -------------------------------------------------------------------------
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
