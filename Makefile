@@ -21,8 +21,11 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 # SGD vs SGD+K-FAC (dkfac strategy) on the bundled digits with 2 local workers.
+# Damping 0.03 rather than the library's 0.003: on this small CNN the lower damping drives the
+# training loss to 0 and the test loss up (97% accuracy); 0.03 reaches 95% an epoch before SGD
+# and ends above it (98.9% vs 98.4%, measured 2026-11-22).
 demo: $(STAMP)
-	$(VENV)/bin/dkfac compare --nproc 2 --out runs/demo
+	$(VENV)/bin/dkfac compare --nproc 2 --damping 0.03 --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
