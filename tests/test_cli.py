@@ -273,6 +273,10 @@ def test_compare_on_other_ranks_returns_without_reporting(
         (["train", "--grad-sync", "nccl"], "--grad-sync 'nccl'"),
         (["train", "--grad-sync", "dear", "--bucket-mb", "0"], "--bucket-mb '0' is not allowed"),
         (["train", "--bucket-mb", "auto"], "--bucket-mb auto is not allowed with --grad-sync ddp"),
+        (
+            ["train", "--bucket-mb", " AUTO "],
+            "--bucket-mb auto is not allowed with --grad-sync ddp",
+        ),
         (["train", "--strategy", "local", "--nproc", "2"], "drift apart"),
         (["train", "--model", "transformer"], "transformer"),
         (["train", "--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "data_batch_1"),
@@ -297,6 +301,17 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dkfac: error:") and "\n" not in err and message in err, err
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", " Auto ", "\tauto\n"])
+def test_bucket_mb_auto_in_any_case_with_spaces(text: str) -> None:
+    assert TrainConfig(grad_sync="dear", bucket_mb=text).bucket_cap_mb == "auto"
+    with pytest.raises(ConfigError, match="--bucket-mb auto is not allowed with --grad-sync ddp"):
+        TrainConfig(grad_sync="ddp", bucket_mb=text)
+    assert TrainConfig(grad_sync="dear", bucket_mb=" 12.5 ").bucket_cap_mb == 12.5
+    for bad in ("autox", "au to", "", "inf", "nan"):
+        with pytest.raises(ConfigError, match="is not allowed: expected a number of MiB > 0"):
+            TrainConfig(grad_sync="dear", bucket_mb=bad)
 
 
 def test_resume_without_checkpoint_and_unknown_config_keys(tmp_path: Path, capsys) -> None:
@@ -493,6 +508,8 @@ def test_worker_errors_map_to_exit_codes(monkeypatch: pytest.MonkeyPatch, tmp_pa
         (ConfigError("--lr 5 is not allowed\n on rank 1"), 2, "dkfac: error: --lr 5 is not"),
         (ModuleNotFoundError("No module named 'tqdm'", name="tqdm"), 2, "pip install tqdm"),
         (RuntimeError("disk on fire"), 1, "dkfac: worker 1 failed: RuntimeError: disk on fire"),
+        # A plain ValueError in a worker is a bug, not bad input: its traceback is shown.
+        (ValueError("zip() argument 2 is shorter"), 1, "ValueError: zip() argument 2"),
     ]
     for cause, code, message in cases:
         monkeypatch.setattr(main_module, "execute", failing(cause))

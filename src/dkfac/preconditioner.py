@@ -167,7 +167,6 @@ class KFACPreconditioner:
         discovered, self._skipped = self._discover_layers()
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
-        self._layer_ids = {id(layer) for layer in self._layers}
         self._strategy.setup(self._layers)
         self._steps = 0
         self._removed = False
@@ -183,8 +182,8 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(0)
         self._force_inverse = False
         self._handles: list[RemovableHandle] = [
-            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, layer))
-            for layer in self._layers
+            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
+            for index, layer in enumerate(self._layers)
         ]
 
     # -- construction -----------------------------------------------------------------------
@@ -221,10 +220,13 @@ class KFACPreconditioner:
 
     # -- hooks --------------------------------------------------------------------------------
     def _forward_hook(
-        self, layer: LayerCurvature, module: nn.Module, inputs: tuple[Any, ...], output: Any
+        self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
-        if self._removed or not self._capture or id(layer) not in self._layer_ids:
-            return  # (not ours: the hook of a deep copy of the model, see __deepcopy__)
+        # The hook holds the layer's index, not the layer: a deep copy of the model then
+        # copies no K-FAC state, and its hooks (module is the copy) do nothing.
+        layer = self._layers[index]
+        if self._removed or not self._capture or module is not layer.block.module:
+            return
         # Recorded on every worker, capturing or not, so all workers agree on which layers are
         # used outside their forward (see _find_silent).
         self._forwarded.add(layer.name)
@@ -323,10 +325,13 @@ class KFACPreconditioner:
         capture_next = self._is_factor_step(k + 1)
         if factor_step:
             self._check_statistics()
-            self._find_silent(active)
             self._strategy.update_factors(
                 self._layers, config.factor_decay_at(k), config.loss_reduction
             )
+            # After the factor update: SPD/PAD may still hold back factor collectives launched
+            # from hooks on ranks that skipped a layer; update_factors issues them all, so the
+            # usage agreement below comes after them in the same order on every rank.
+            self._find_silent(active)
         if inverse_step or self._force_inverse:
             self._force_inverse = False
             self._strategy.update_inverses(
@@ -448,8 +453,8 @@ class KFACPreconditioner:
     def __deepcopy__(self, memo: dict[int, Any]) -> KFACPreconditioner:
         """The same preconditioner: a deep-copied model's hooks (EMA, snapshots) are inert.
 
-        The hooks hold this object (and through it a process group, which cannot be copied);
-        the copy's hooks get copies of the layers, which :meth:`_forward_hook` ignores.
+        The hooks hold this object (and through it a process group, which cannot be copied)
+        and a layer index; called with a module of the copy, :meth:`_forward_hook` returns.
         """
         return self
 

@@ -51,6 +51,10 @@ BENCH_MODELS = "resnet20"
 BENCH_NPROCS = "2"
 #: Bad input, whether the parent or a worker found it: one line on stderr and exit code 2.
 USAGE_ERRORS: tuple[type[Exception], ...] = (ConfigError, FileNotFoundError, ValueError)
+#: Bad input as a worker reports it. Not any ValueError: the parent has validated the
+#: configuration and the data before starting workers, so a plain ValueError there is a bug
+#: whose traceback the user needs (exit code 1).
+WORKER_USAGE_ERRORS: tuple[type[Exception], ...] = (ConfigError, FileNotFoundError)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -461,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error.cause, ImportError):
             print(error_prefix, missing_dependency_message(error.cause), file=sys.stderr)
             return EXIT_USAGE
-        if isinstance(error.cause, USAGE_ERRORS):  # bad input only a worker could see
+        if isinstance(error.cause, WORKER_USAGE_ERRORS):  # bad input only a worker could see
             print(error_prefix, _one_line(error.cause), file=sys.stderr)
             return EXIT_USAGE
         print(f"dkfac: {error}", file=sys.stderr)
