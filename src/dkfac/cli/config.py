@@ -144,11 +144,13 @@ class TrainConfig:
     def _parse_bucket(self) -> float | str:
         """``--bucket-mb`` parsed.
 
+        ``auto`` in any case, and surrounding spaces, are accepted.
+
         Raises:
             ConfigError: not a positive number or ``auto``, or ``auto`` without DeAR.
         """
         text = str(self.bucket_mb).strip()
-        if text == "auto":
+        if text.lower() == "auto":
             if self.grad_sync != "dear":
                 raise ConfigError(
                     f"--bucket-mb auto is not allowed with --grad-sync {self.grad_sync}: the "
