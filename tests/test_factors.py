@@ -7,8 +7,17 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from dkfac.curvature.factors import conv2d_patch_gram, gram_with_ones, running_average
+import dkfac.curvature.factors as factors_module
+from dkfac.curvature.blocks import Conv2dBlock
+from dkfac.curvature.factors import (
+    ShiftedGramPlans,
+    conv2d_patch_gram,
+    gram_with_ones,
+    running_average,
+)
 
 
 def brute_force_patch_gram(
@@ -67,6 +76,54 @@ def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> N
     expected, expected_rows = brute_force_patch_gram(x, kernel, dilation, stride, pad, with_ones)
     assert rows == expected_rows
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def unfold_patch_gram(x: torch.Tensor, conv: nn.Conv2d) -> tuple[torch.Tensor, int]:
+    """Σ a aᵀ (plus the bias 1) over the ``F.unfold`` patches of ``conv``'s input, in float64."""
+    assert not isinstance(conv.padding, str)
+    cols = F.unfold(
+        x.double(), conv.kernel_size, dilation=conv.dilation, padding=conv.padding, stride=1
+    )  # (N, C·kh·kw, L), PyTorch's (c, i, j) patch order
+    rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    if conv.bias is not None:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    return rows.t() @ rows, rows.shape[0]
+
+
+def test_conv_a_factor_over_alternating_input_sizes_never_uses_a_stale_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One stride-1 Conv2d layer (asymmetric kernel, dilation and padding) fed more distinct
+    # input sizes than its plan cache holds, alternating so that sizes come back after they
+    # were evicted (re-planned) and while still cached (reused). Sizes that share a height,
+    # a width, or are each other's transpose catch a plan keyed on too little.
+    conv = nn.Conv2d(2, 3, kernel_size=(3, 2), dilation=(1, 2), padding=(1, 2), bias=True)
+    block = Conv2dBlock(conv)
+    bound = ShiftedGramPlans.MAX_PLANS
+    sizes = [(4, 5), (5, 4), (4, 7), (6, 5), (3, 3), (7, 4), (5, 6), (2, 9), (9, 2), (6, 6)]
+    assert len(sizes) > bound
+    order = sizes + sizes[::-1] + sizes[::2] + sizes[1::2] + [sizes[0], sizes[-1]] * 3
+    planned: list[factors_module.ConvGeometry] = []
+    plan = factors_module.plan_shifted_gram
+
+    def counting_plan(
+        geometry: factors_module.ConvGeometry, device: torch.device
+    ) -> factors_module.ShiftedGramPlan:
+        planned.append(geometry)
+        return plan(geometry, device)
+
+    monkeypatch.setattr(factors_module, "plan_shifted_gram", counting_plan)
+    generator = torch.Generator().manual_seed(0)
+    for step, (h, w) in enumerate(order):
+        x = torch.randn(1 + step % 3, 2, h, w, dtype=torch.float64, generator=generator)
+        got = block.a_statistic(x, torch.float64)
+        expected, rows = unfold_patch_gram(x, conv)
+        assert (got.rows, got.examples) == (rows, x.shape[0]), (h, w)
+        torch.testing.assert_close(got.total, expected, rtol=1e-10, atol=1e-10)
+        assert len(block.gram_plans) <= bound
+    # Evicted sizes were planned again, cached ones were reused.
+    assert len(sizes) < len(planned) < len(order)
+    assert {(g.height, g.width) for g in planned} == set(sizes)
 
 
 def test_gram_with_ones_appends_the_constant() -> None:
