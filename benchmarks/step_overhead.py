@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import dkfac
+from dkfac.cli.bench_configs import git_commit
 from dkfac.models import resnet20
 
 NUM_CLASSES = 10
@@ -250,6 +251,7 @@ def environment(threads: int) -> dict[str, Any]:
     return {
         "torch_version": torch.__version__,
         "dkfac_version": dkfac.__version__,
+        "git_commit": git_commit(),
         "torch_num_threads": torch.get_num_threads(),
         "requested_threads": threads,
         "cpu_count": os.cpu_count(),

@@ -23,7 +23,9 @@ result against the analytic byte counts the distributed tests assert on real run
 
 Not counted: DDP's gradient allreduce (the same for every strategy; reported separately by
 the dry-run report), and one-off collectives (SPD/PAD's re-plan after profiling, cost-model
-calibration).
+calibration, and the preconditioner's layer-usage agreement: one maximum-allreduce of
+``1 + L`` float64 flags per factor update, only while some layer's forward has never run on
+any worker, e.g. every step for a model with ``nn.MultiheadAttention``).
 """
 
 from __future__ import annotations
