@@ -29,7 +29,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,8 +47,14 @@ from dkfac.distributed.communicator import (
     ProcessGroup,
     require_distributed,
 )
-from dkfac.distributed.fusion import plan_buckets_by_size
+from dkfac.distributed.gradient_buckets import (
+    GradientBucket,
+    build_gradient_buckets,
+    plan_gradient_buckets,
+    trainable_parameters,
+)
 from dkfac.distributed.recorder import StepRecorder
+from dkfac.distributed.update_sites import UpdateSites
 
 logger = logging.getLogger(__name__)
 
@@ -61,47 +66,7 @@ DEAR_PHASES: tuple[str, ...] = (
     "buffer_broadcast",
 )
 
-#: Cap of the first bucket: its reduce-scatter is the last of a backward pass and its
-#: all-gather the first thing the next forward waits for, so it is kept short (as DDP's).
-FIRST_BUCKET_BYTES = 2**20
-
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass
-class GradientBucket:
-    """Parameters whose gradients travel in one reduce-scatter and one all-gather.
-
-    ``flat`` holds the gradients (pre-divided by the world size), then one "used" flag per
-    parameter, then zero padding to a multiple of the world size; ``shard`` is this rank's
-    slice of the reduced ``flat``. After the all-gather a flag is positive iff some rank
-    produced that parameter's gradient.
-    """
-
-    index: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    flat: Tensor
-    shard: Tensor
-    ready: set[int] = field(default_factory=set)
-    launched: bool = False
-    reduce: CollectiveHandle | None = None
-    gather: CollectiveHandle | None = None
-    pending: bool = False
-    reduce_started: float = 0.0
-    gather_started: float = 0.0
-
-    @property
-    def flags(self) -> Tensor:
-        """The per-parameter used flags inside ``flat``."""
-        return self.flat[self.numel : self.numel + len(self.params)]
-
-    def grad_view(self, position: int) -> Tensor:
-        """Parameter ``position``'s averaged gradient as a view of ``flat``."""
-        param = self.params[position]
-        start = self.offsets[position]
-        return self.flat[start : start + param.numel()].view_as(param)
 
 
 class DeAR:
@@ -171,7 +136,7 @@ class DeAR:
                 "that is not wrapped in DistributedDataParallel (DeAR replaces DDP)"
             )
         search = self._validate_bucket_cap(bucket_cap_mb, auto_range_mb, auto_trial_steps)
-        self._params = _trainable_parameters(model)
+        self._params = trainable_parameters(model)
         self.optimizer = self._make_optimizer(model, optimizer)
         self.module = model
         require_distributed(
@@ -200,7 +165,8 @@ class DeAR:
         self._search: BucketSizeSearch | None = None
         if search:
             candidates = distinct_candidates(
-                power_of_two_sizes(*auto_range_mb), lambda mb: tuple(map(tuple, self._layout(mb)))
+                power_of_two_sizes(*auto_range_mb),
+                lambda mb: tuple(map(tuple, plan_gradient_buckets(self._params, mb))),
             )
             self._search = BucketSizeSearch(candidates, trial_steps=auto_trial_steps)
             self.bucket_cap_mb = self._search.current
@@ -212,16 +178,8 @@ class DeAR:
         # Where each parameter's update is applied: the pre-hooks of the modules that hold it,
         # plus, for a parameter its parent uses without calling its module (the out_proj of
         # nn.MultiheadAttention), the nearest ancestor whose forward runs (learned at step 0).
-        self._sites: dict[int, list[nn.Module]] = {id(p): [] for p in self._params}
-        for module in model.modules():
-            for param in module.parameters(recurse=False):
-                if id(param) in self._sites:
-                    self._sites[id(param)].append(module)
-        self._parent: dict[int, nn.Module] = {
-            id(child): module for module in model.modules() for child in module.children()
-        }
+        self._sites = UpdateSites(model, self._params)
         self._apply_at: dict[int, list[GradientBucket]] = {}
-        self._fired: set[int] | None = set()  # modules whose forward ran, until sites are learned
         self._next_launch = -1
         self._build_buckets()
         self._handles: list[RemovableHandle] = self._register_hooks()
@@ -301,31 +259,13 @@ class DeAR:
             with torch.no_grad():
                 self._comm.broadcast(tensors, 0, phase="broadcast").wait()
 
-    def _layout(self, cap_mb: float) -> list[list[int]]:
-        """Buckets of parameter positions in forward order, cut at dtype/device changes."""
-        nbytes = [p.numel() * p.element_size() for p in self._params]
-        kinds = [(p.dtype, p.device) for p in self._params]
-        boundaries = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
-        return plan_buckets_by_size(
-            nbytes, int(cap_mb * 2**20), boundaries, first_cap_bytes=FIRST_BUCKET_BYTES
-        )
-
     def _build_buckets(self) -> None:
-        self._buckets, self._bucket_of = [], {}
-        for index, positions in enumerate(self._layout(self.bucket_cap_mb)):
-            params = [self._params[i] for i in positions]
-            offsets, numel = [], 0
-            for param in params:
-                offsets.append(numel)
-                numel += param.numel()
-            padded = -(-(numel + len(params)) // self._world) * self._world
-            first = params[0]
-            flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-            shard = torch.empty(padded // self._world, dtype=first.dtype, device=first.device)
-            bucket = GradientBucket(index, params, offsets, numel, flat, shard)
-            self._buckets.append(bucket)
-            for position, param in enumerate(params):
-                self._bucket_of[id(param)] = (bucket, position)
+        self._buckets = build_gradient_buckets(self._params, self.bucket_cap_mb, self._world)
+        self._bucket_of = {
+            id(param): (bucket, position)
+            for bucket in self._buckets
+            for position, param in enumerate(bucket.params)
+        }
         self._next_launch = len(self._buckets) - 1
         self._index_sites()
 
@@ -334,39 +274,13 @@ class DeAR:
         self._apply_at = {}
         for param in self._params:
             bucket = self._bucket_of[id(param)][0]
-            for module in self._sites[id(param)]:
+            for module in self._sites.modules_of(param):
                 buckets = self._apply_at.setdefault(id(module), [])
                 if bucket not in buckets:
                     buckets.append(bucket)
 
     def _learn_sites(self) -> None:
-        """After the first forward/backward: parameters used outside their module's forward.
-
-        A parameter with a gradient whose holding modules never ran their forward is used by
-        an ancestor directly (``nn.MultiheadAttention`` with ``out_proj``, a fused fast path,
-        ``nn.ParameterList``): its update is also applied before the nearest ancestor that ran.
-        """
-        fired, self._fired = self._fired, None
-        if not fired:  # no forward seen yet: learn at the next step
-            self._fired = fired
-            return
-        learned = []
-        for param in self._params:
-            sites = self._sites[id(param)]
-            if param.grad is None or any(id(m) in fired for m in sites):
-                continue
-            ancestor = sites[0] if sites else self.module
-            while ancestor is not self.module and id(ancestor) not in fired:
-                ancestor = self._parent.get(id(ancestor), self.module)
-            sites.append(ancestor)
-            learned.append(type(ancestor).__name__)
-        if learned:
-            logger.info(
-                "DeAR: %d parameter(s) used outside their module's forward are updated before "
-                "their ancestor runs (%s)",
-                len(learned),
-                ", ".join(sorted(set(learned))),
-            )
+        if self._sites.learn():
             self._index_sites()
 
     def _register_hooks(self) -> list[RemovableHandle]:
@@ -443,8 +357,7 @@ class DeAR:
             self._forward_started = None
 
     def _before_module_forward(self, module: nn.Module, *_: Any) -> None:
-        if self._fired is not None:
-            self._fired.add(id(module))
+        self._sites.saw_forward(module)
         for bucket in self._apply_at.get(id(module), ()):
             if bucket.pending:
                 self._apply(bucket)
@@ -573,7 +486,7 @@ class DeAR:
         """
         if self._gathered:
             return
-        if self._fired is not None:
+        if self._sites.learning:
             self._learn_sites()
         self._launch_remaining_reduce_scatters()
         self._launch_all_gathers()
@@ -593,7 +506,7 @@ class DeAR:
             self._recorder.span("backward (gradients ready)", self._backward_started, now)
             self._backward_started = None
         deferred = not self._gathered
-        if self._fired is not None:
+        if self._sites.learning:
             self._learn_sites()
         if deferred:  # may apply last step's late updates, with last step's hyperparameters
             self._launch_remaining_reduce_scatters()
@@ -697,19 +610,3 @@ class DeAR:
             handle.remove()
         self._handles.clear()
         self._comm.close()  # destroys the group only if DeAR made it
-
-
-def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters that require grad, once each, in module (forward) registration order."""
-    seen: set[int] = set()
-    params = []
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    if not params:
-        raise ValueError(
-            f"model={type(model).__name__} is not allowed: it has no parameter that requires grad"
-        )
-    return params
