@@ -92,7 +92,8 @@ def cached_builds(rank: int, world_size: int) -> dict[str, Any]:
             model = nn.parallel.DistributedDataParallel(
                 nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
             )
-            cost = cache.get("eigen", torch.float32)
+            # The calibration taken from the cache, or the cache itself: both reuse.
+            cost = cache.get("eigen", torch.float32) if strategy == "spd" else cache
             pre = dkfac.KFACPreconditioner(model, strategy=strategy, cost_model=cost)
             out["plans"].append(pre.plan())
             # A strategy handed the cache itself takes it from there too.

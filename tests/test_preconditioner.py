@@ -111,6 +111,11 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
             r"grad_scaler=.* is not allowed: expected a torch\.amp\.GradScaler or None",
         ),
         (
+            {"cost_model": "fast"},
+            r"cost_model='fast' is not allowed: expected a dkfac\.distributed\.ClusterCostModel, "
+            r"a CostModelCache or None",
+        ),
+        (
             {"bucket_cap_mb": math.inf},
             r"bucket_cap_mb=inf is not allowed: expected a finite number of MiB >= 0",
         ),

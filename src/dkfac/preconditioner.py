@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed import ClusterCostModel, StepRecorder, make_strategy
+from dkfac.distributed import ClusterCostModel, CostModelCache, StepRecorder, make_strategy
 from dkfac.layer_table import SkippedModule, format_layer_table
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,10 @@ class KFACPreconditioner:
         profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured factor ready
             times re-plan the fusion buckets (alpha-beta merge rule); 0 keeps the size plan.
         cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.distributed.ClusterCostModel` to plan
-            with; ``None`` measures the process group and the decompositions at construction
-            (about a second, collective: every rank builds its preconditioner together).
+            with, or a :class:`~dkfac.distributed.CostModelCache` that measures on first use
+            and then reuses (for several preconditioners in one job); ``None`` measures the
+            process group and the decompositions at construction (about a second, collective:
+            every rank builds its preconditioner together).
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (the number of completed ``step()`` calls). A callable's value is checked
@@ -115,7 +117,7 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         comm_dtype: torch.dtype | None = None,
         profile_steps: int = 5,
-        cost_model: ClusterCostModel | None = None,
+        cost_model: ClusterCostModel | CostModelCache | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -126,10 +128,10 @@ class KFACPreconditioner:
                 f"grad_scaler={grad_scaler!r} is not allowed: expected a "
                 "torch.amp.GradScaler or None"
             )
-        if cost_model is not None and not isinstance(cost_model, ClusterCostModel):
+        if cost_model is not None and not isinstance(cost_model, ClusterCostModel | CostModelCache):
             raise ValueError(
                 f"cost_model={cost_model!r} is not allowed: expected a "
-                "dkfac.distributed.ClusterCostModel or None"
+                "dkfac.distributed.ClusterCostModel, a CostModelCache or None"
             )
         self.config = KFACConfig(
             strategy=strategy,
