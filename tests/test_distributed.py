@@ -222,6 +222,7 @@ def distributed_run(
             torch.equal(a, factors[name][0]) and torch.equal(g, factors[name][1])
             for name, (a, g) in pre.factors().items()
         )
+        comm = pre._strategy.comm  # type: ignore[attr-defined]
         out.append(
             {
                 "params": [p.detach().clone() for p in model.parameters()],
@@ -229,9 +230,11 @@ def distributed_run(
                 "inverses": {layer.name: layer.inverse is not None for layer in pre.layers},
                 "factors": sorted(pre.factors()),
                 "memory": kfac_memory_bytes(pre),
+                "subgroups": comm.subgroups,
             }
         )
         pre.remove()
+        out[-1]["subgroups_after_remove"] = comm.subgroups  # remove() releases KAISA's groups
     return out
 
 
@@ -243,6 +246,11 @@ def test_strategies_equal_single_process_on_global_batch(world_size: int) -> Non
     )
     results = run_workers(distributed_run, world_size, args=(configs + extra,), timeout=240)
     check_float32_runs(extra, [r[len(configs) :] for r in results], world_size)
+    for rank_results in results:
+        for result in rank_results:
+            assert result["subgroups_after_remove"] == 0
+        if world_size == 4:  # kaisa f=1/2 at P=4: a row group and a column group of 2 ranks
+            assert any(result["subgroups"] == 2 for result in rank_results)
     for index, config in enumerate(configs):
         reference = uneven_model()
         want_params, _ = reference_run(config, world_size)

@@ -254,6 +254,7 @@ class Communicator:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
         self._owns_group = False
+        self._subgroups: list[ProcessGroup] = []  # made by new_groups, with this rank in them
 
     # -- groups ----------------------------------------------------------------------------
     @classmethod
@@ -281,11 +282,20 @@ class Communicator:
         """Whether :meth:`close` destroys :attr:`group` (made by :meth:`with_own_group`)."""
         return self._owns_group
 
-    def close(self) -> None:
-        """Destroy the group this communicator made (idempotent; other groups: nothing).
+    @property
+    def subgroups(self) -> int:
+        """Groups made by :meth:`new_groups` that this rank belongs to and :meth:`close` frees."""
+        return len(self._subgroups)
 
-        Afterwards :attr:`group` is ``None``. Every rank calls it, like the group creation.
+    def close(self) -> None:
+        """Destroy the groups this communicator made (idempotent; other groups: nothing).
+
+        Afterwards :attr:`group` is ``None`` if it was its own. Every rank calls it, like the
+        group creation.
         """
+        for group in self._subgroups:
+            dist.destroy_process_group(group)
+        self._subgroups.clear()
         if self._owns_group and self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -305,6 +315,8 @@ class Communicator:
                 groups[key] = None if len(key) == 1 else dist.group.WORLD
             elif len(key) > 1:
                 groups[key] = dist.new_group(list(key))
+                if self.rank in key:  # elsewhere torch returns a non-member placeholder
+                    self._subgroups.append(groups[key])
             else:
                 groups[key] = None
         return groups

@@ -271,10 +271,6 @@ class PipelinedStrategy(DistributedStrategy):
         if self.profile_steps and self.factor_steps == self.profile_steps:
             self._replan()
 
-    def close(self) -> None:
-        """Release the communicator's own process group (see ``make_strategy``)."""
-        self.comm.close()
-
     def after_load(self, layers: Sequence[LayerCurvature]) -> None:
         """Forget loaded running factors that another rank owns (PAD after a resume)."""
         for index, slot in enumerate(self.slots):

@@ -89,6 +89,10 @@ class DistributedStrategy(Strategy):
     comm: Communicator
     recorder: StepRecorder
 
+    def close(self) -> None:
+        """Release the process groups the communicator made (its own, KAISA's sub-groups)."""
+        self.comm.close()
+
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
         values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)
