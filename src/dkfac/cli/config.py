@@ -6,6 +6,7 @@ stderr instead of a traceback in N processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -220,14 +221,10 @@ def _toml_value(value: Any) -> str:
 
 def _option_value(text: str) -> int | float | str:
     """``"3"`` -> 3, ``"0.5"`` -> 0.5, anything else stays a string."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return text
 
 
 def parse_dataset_option(text: str) -> tuple[str, Any]:
