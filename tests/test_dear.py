@@ -277,8 +277,15 @@ def test_dear_comm_bytes_and_auto_bucket_size() -> None:
     assert auto[0]["cap"] == auto[1]["cap"] == best
 
 
-def checkpoint_run(rank: int, world: int, folder: str) -> list[torch.Tensor]:
-    """3 steps, save (DeAR applies the pending update), 2 more steps from the checkpoint."""
+def dear_steps(model: nn.Module, dear: dkfac.DeAR, steps: range, rank: int) -> None:
+    for step in steps:
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        dear.step()
+
+
+def checkpoint_runs(rank: int, world: int, folder: str) -> dict[str, list[torch.Tensor]]:
+    """5 steps straight, and 3 steps, save (DeAR applies the pending update), 2 more resumed."""
     path = Path(folder) / f"rank{rank}.pt"
 
     def build() -> tuple[nn.Module, dkfac.DeAR]:
@@ -286,42 +293,26 @@ def checkpoint_run(rank: int, world: int, folder: str) -> list[torch.Tensor]:
         return model, dkfac.DeAR(model, lambda p: make_optimizer("adamw", p), bucket_cap_mb=1e-3)
 
     model, dear = build()
-    for step in range(3):
-        x, y = batch(step, rank)
-        F.cross_entropy(model(x), y).backward()
-        dear.step()
+    dear_steps(model, dear, range(5), rank)
+    dear.remove()  # applies the last update
+    straight = snapshot(model)
+
+    model, dear = build()
+    dear_steps(model, dear, range(3), rank)
     torch.save({"model": model.state_dict(), "optimizer": dear.optimizer.state_dict()}, path)
     dear.remove()
     model, dear = build()
     saved = torch.load(path, weights_only=False)
     model.load_state_dict(saved["model"])
     dear.optimizer.load_state_dict(saved["optimizer"])
-    for step in range(3, 5):
-        x, y = batch(step, rank)
-        F.cross_entropy(model(x), y).backward()
-        dear.step()
-    dear.finish()
+    dear_steps(model, dear, range(3, 5), rank)
     dear.remove()
-    return snapshot(model)
-
-
-def uninterrupted_run(rank: int, world: int) -> list[torch.Tensor]:
-    model = make_model()
-    dear = dkfac.DeAR(model, lambda p: make_optimizer("adamw", p), bucket_cap_mb=1e-3)
-    for step in range(5):
-        x, y = batch(step, rank)
-        F.cross_entropy(model(x), y).backward()
-        dear.step()
-    dear.finish()
-    dear.remove()
-    return snapshot(model)
+    return {"straight": straight, "resumed": snapshot(model)}
 
 
 def test_checkpoint_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    resumed = run_workers(checkpoint_run, 2, args=(str(tmp_path),), timeout=120)
-    straight = run_workers(uninterrupted_run, 2, timeout=120)
-    for rank in range(2):
-        for a, b in zip(resumed[rank], straight[rank], strict=True):
+    for result in run_workers(checkpoint_runs, 2, args=(str(tmp_path),), timeout=120):
+        for a, b in zip(result["resumed"], result["straight"], strict=True):
             assert torch.equal(a, b)
 
 
