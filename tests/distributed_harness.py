@@ -21,7 +21,7 @@ from dkfac.cli.launch import WorkerError, spawn_workers
 
 
 class WorkerFailedError(AssertionError):
-    """A worker raised; the message carries its traceback."""
+    """A worker raised; the message carries every worker's traceback or stack."""
 
 
 def _with_rank(fn: Callable[..., Any], *args: Any) -> Any:
@@ -34,7 +34,8 @@ def run_workers(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; results by rank.
 
     Raises:
-        WorkerFailedError: a worker raised (its traceback is in the message).
+        WorkerFailedError: a worker raised (the message has every worker's outcome: the first
+            failure, then the others' tracebacks and the stacks of the workers stopped).
         TimeoutError: not every worker finished within ``timeout`` seconds (all are killed).
     """
     try:
@@ -48,5 +49,5 @@ def run_workers(
         )
     except WorkerError as error:
         raise WorkerFailedError(
-            f"rank {error.rank} of {world_size} failed: {error.summary}\n{error.details}"
+            f"rank {error.rank} of {world_size} failed first: {error.summary}\n{error.report()}"
         ) from None

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,42 @@ def test_a_crashing_worker_stops_all_and_shows_its_error() -> None:
         spawn_local(failing_worker, 2, threads=1)
     assert caught.value.rank == 1 and "disk on fire" in str(caught.value)
     assert "Traceback" in caught.value.details
+
+
+def sleep_until_stopped() -> None:
+    time.sleep(600)
+
+
+def one_fails_one_waits_one_hangs() -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(0.5)  # the others are in place first
+        raise RuntimeError("disk on fire")
+    if rank == 2:
+        sleep_until_stopped()
+    dist.barrier()
+
+
+def test_every_workers_outcome_is_reported_not_only_the_first() -> None:
+    # Rank 1 fails; rank 0, waiting for it in a collective, fails in turn; rank 2 never
+    # returns and is stopped, its stack showing where it was.
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as caught:
+        spawn_local(one_fails_one_waits_one_hangs, 3, threads=1)
+    assert time.monotonic() - started < 60
+    error = caught.value
+    assert error.rank == 1 and "disk on fire" in error.summary
+    by_rank = {failure.rank: failure for failure in error.failures}
+    assert sorted(by_rank) == [0, 1, 2] and error.failures[0].rank == 1
+    assert "Traceback" in by_rank[0].details and "barrier" in by_rank[0].details
+    assert by_rank[2].summary == "still running when rank 1 failed; stopped"
+    assert "sleep_until_stopped" in by_rank[2].details
+    report = error.report()
+    for rank in range(3):
+        assert f"--- rank {rank}:" in report
+    assert report.index("--- rank 1:") < report.index("--- rank 0:")
 
 
 def test_console_script_runs_as_a_module() -> None:

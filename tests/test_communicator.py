@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -196,3 +197,34 @@ def test_timings_and_trace_of_a_local_run(tmp_path) -> None:
 def test_distributed_options_are_validated(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         dkfac.KFACPreconditioner(nn.Linear(2, 2), **kwargs)
+
+
+def group_churn(rank: int, world_size: int, cycles: int) -> int:
+    # Each cycle makes a group and releases it with no collective in between (a strategy built
+    # and removed, or a CostModelCache hit). A busy thread on every rank shifts the scheduling
+    # so that one rank often leaves gloo's full-mesh handshake before its peer; without the
+    # barrier in close() the first rank destroyed the group under its peer's handshake and the
+    # peer failed in new_group with "Connection closed by peer" (make test under load).
+    stop = threading.Event()
+
+    def busy() -> None:
+        x = torch.randn(64, 64)
+        while not stop.is_set():
+            x = torch.tanh(x @ x)
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        for _ in range(cycles):
+            comm = Communicator.with_own_group(StepRecorder())
+            comm.close()
+            assert comm.group is None and not comm.owns_group
+            comm.close()  # idempotent
+    finally:
+        stop.set()
+        thread.join()
+    return cycles
+
+
+def test_groups_made_and_released_at_once_never_break_a_peer() -> None:
+    assert run_workers(group_churn, 2, args=(100,), timeout=120) == [100, 100]

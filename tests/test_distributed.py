@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from typing import Any
 
@@ -409,14 +410,26 @@ def test_harness_reports_the_failing_worker() -> None:
         run_workers(crashing, 2, timeout=60)
 
 
+def rank_one_sleeps(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def hanging(rank: int, world_size: int) -> None:
     if rank == 0:
         dist.barrier()  # rank 1 never joins
+    else:
+        rank_one_sleeps(600)
 
 
-def test_harness_times_out_instead_of_hanging() -> None:
-    with pytest.raises((TimeoutError, WorkerFailedError)):
-        run_workers(hanging, 2, timeout=15)
+def test_harness_times_out_instead_of_hanging_and_shows_where_each_worker_was() -> None:
+    # The collective timeout (10 s) is longer than the harness's 8 s: the harness stops both.
+    with pytest.raises(TimeoutError) as caught:
+        run_workers(hanging, 2, timeout=8)
+    message = str(caught.value)
+    assert message.startswith("workers [0, 1] did not finish within 8 s")
+    rank0, rank1 = message.split("--- rank 1")
+    assert "--- rank 0" in rank0 and "in hanging" in rank0
+    assert "in rank_one_sleeps" in rank1
 
 
 class WithUnusedHead(nn.Module):

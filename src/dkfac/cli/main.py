@@ -469,8 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(error_prefix, _one_line(error.cause), file=sys.stderr)
             return EXIT_USAGE
         print(f"dkfac: {error}", file=sys.stderr)
-        if error.details:
-            print(error.details, file=sys.stderr)
+        print(error.report(), file=sys.stderr)
         return EXIT_WORKER
     except KeyboardInterrupt:
         print("dkfac: interrupted", file=sys.stderr)

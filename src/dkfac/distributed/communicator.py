@@ -291,15 +291,30 @@ class Communicator:
         """Destroy the groups this communicator made (idempotent; other groups: nothing).
 
         Afterwards :attr:`group` is ``None`` if it was its own. Every rank calls it, like the
-        group creation.
+        group creation. Each group is destroyed only after a barrier on it: a rank that
+        returns from ``new_group`` may still have a peer inside it (gloo's full-mesh
+        handshake finishes on each side separately), and destroying the group then closes
+        the sockets under that peer's handshake ("Connection closed by peer" in
+        ``new_group``). The barrier also waits for this rank's pending work on the group.
+        Groups are visited in the same order on every rank, so the barriers cannot deadlock.
+
+        Raises:
+            RuntimeError: a barrier failed (a peer is gone); every group is released first.
         """
-        for group in self._subgroups:
-            dist.destroy_process_group(group)
-        self._subgroups.clear()
+        groups, self._subgroups = self._subgroups, []
         if self._owns_group and self.group is not None:
-            dist.destroy_process_group(self.group)
+            groups.append(self.group)
             self.group = None
         self._owns_group = False
+        failure: BaseException | None = None
+        for group in groups:
+            try:
+                dist.barrier(group=group)
+            except RuntimeError as error:  # a peer is gone: release the rest, then report
+                failure = failure or error
+            dist.destroy_process_group(group)
+        if failure is not None:
+            raise failure
 
     def new_groups(self, layouts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
         """Create one process group per rank list, on every rank, in the given order.
