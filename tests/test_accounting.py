@@ -173,23 +173,25 @@ def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_siz
             assert by_dim[64] != "all" and by_dim[5] == "all"  # as asserted on real runs
         for account in account_strategy(strategy.name, shapes, settings):
             factor = {k: v for k, v in account.comm.items() if k.startswith("factor_comm")}
-            assert sum(v["bytes"] for v in factor.values()) == 8 * (factor_values + 2 * len(shapes))
+            # The counts: one per factor and the late-statistics marker (2L + 1 float64).
+            counts = 8 * (2 * len(shapes) + 1)
+            assert sum(v["bytes"] for v in factor.values()) == 8 * factor_values + counts
             wire = sum(v["wire_bytes"] for v in factor.values())
             calls = sum(v["calls"] for v in factor.values())
             assert calls == len(placement.buckets) + 1
             if strategy is SPDStrategy:
-                assert abs(wire - dkfac_wire) < calls
+                marker_wire = 2 * 8 * (world_size - 1) // world_size
+                assert abs(wire - dkfac_wire - marker_wire) < calls + 1
             else:
                 # PAD reduces each planned bucket of packed factors to its owner ((P-1)/P of
-                # the bucket, floored per call) and allreduces the 2L float64 counts. The
+                # the bucket, floored per call) and allreduces the 2L + 1 float64 counts. The
                 # floors need the bucket boundaries, which the cost-model placement decides:
                 # they are read from the plan above, the bytes are computed here.
                 assert None not in placement.destination
                 dims = [slot.dim for slot in placement.costs.slots]
-                counts = 8 * 2 * len(shapes)
                 assert factor["factor_comm/reduce"]["bytes"] == 8 * factor_values
                 assert factor["factor_comm/allreduce"] == entry(
-                    "allreduce", [2 * len(shapes)], world_size
+                    "allreduce", [2 * len(shapes) + 1], world_size
                 )
                 assert (
                     wire
@@ -389,17 +391,18 @@ def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
     assert report["target"][0]["decomposition_work"] == 1.0
 
     # PAD: each factor's upper triangle reduced to its owner (bytes as dkfac's allreduce,
-    # less the counts, which go in one float64 allreduce); every owner broadcasts Q and λ of
-    # its factors with one flag per factor (2L, not L as dkfac); every worker rebuilds every
-    # layer's decomposition. The reduce's floors per call need the planned buckets.
-    counts = 8 * 2 * layers
+    # less the counts, which go in one float64 allreduce: one per factor and the
+    # late-statistics marker); every owner broadcasts Q and λ of its factors with one flag per
+    # factor (2L, not L as dkfac); every worker rebuilds every layer's decomposition. The
+    # reduce's floors per call need the planned buckets.
+    counts = 8 * (2 * layers + 1)
     pad = rows["pad"]["comm_max_per_rank"]
     assert pad["factor_comm/allreduce"] == {
         "bytes": counts,
         "calls": 1,
         "wire_bytes": sent("allreduce", counts),
     }
-    assert pad["factor_comm/reduce"]["bytes"] == oracle.dkfac_factor - counts == 307_868_108
+    assert pad["factor_comm/reduce"]["bytes"] == oracle.dkfac_factor - (counts - 8) == 307_868_108
     assert pad["inverse_comm/broadcast"]["bytes"] == oracle.dkfac_broadcast + 4 * layers
     placement = PADStrategy.place_factors(
         _resnet50_dims(),
@@ -418,7 +421,7 @@ def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
     )
     assert (
         rows["pad"]["payload_bytes"]["per_rank"]
-        == [oracle.dkfac_factor + oracle.dkfac_broadcast + 4 * layers] * p
+        == [oracle.dkfac_factor + 8 + oracle.dkfac_broadcast + 4 * layers] * p
     )
     assert rows["pad"]["inverse_bytes"]["per_rank"] == [oracle.dkfac_broadcast - 4 * layers] * p
 

@@ -151,8 +151,8 @@ def check_float32_runs(
     allowance at P = 2-4. A lost or doubled factor changes the directions by half or more;
     counts sent in bf16 would show in the bytes.
     """
-    count_bytes = 8 * 2 * len(layer_dims(uneven_model()))  # float64 (rows, examples) per layer
     for index, config in enumerate(configs):
+        count_bytes = counts_bytes(config["strategy"], len(layer_dims(uneven_model())))
         label = f"{config} P={world_size}"
         for rank in range(1, world_size):  # replicas agree to the last bit
             for got, first in zip(
@@ -189,6 +189,13 @@ def check_float32_runs(
             moved = float((want - first.detach()).abs().max())
             tolerance = world_size * BF16_UNIT_ROUNDOFF * kappa * moved
             torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=label)
+
+
+def counts_bytes(strategy: str, layers: int) -> int:
+    """Bytes of the float64 counts in the factor allreduce: ``(rows, examples)`` per layer,
+    and for SPD/PAD one more value, the number of ranks with statistics that came after their
+    factor was sent (the late-statistics marker, :meth:`FactorPipeline.finish`)."""
+    return 8 * (2 * layers + (1 if strategy in ("spd", "pad") else 0))
 
 
 def train(

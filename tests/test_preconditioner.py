@@ -251,6 +251,35 @@ def test_skip_layers_matches_class_names_and_frozen_layers_are_skipped() -> None
     assert reasons["6"] == "parameters do not require grad"
 
 
+class TiedLanguageModel(nn.Module):
+    """GPT-2's weight tying: the LM head's weight is the token embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.lm_head = nn.Linear(6, 11, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def test_a_layer_whose_parameter_is_tied_to_another_module_is_skipped_with_the_reason() -> None:
+    model = TiedLanguageModel().double()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    assert [layer.name for layer in pre.layers] == ["hidden"]
+    reasons = {s.name: s.reason for s in pre.skipped}
+    assert reasons == {"embed": "unsupported type", "lm_head": "parameter shared with 'embed'"}
+    assert re.search(r"lm_head\s+Linear.*skipped: parameter shared with 'embed'", repr(pre))
+    tokens = torch.randint(0, 11, (5, 3), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    tied = model.lm_head.weight.grad.clone()  # both uses' gradients, summed by autograd
+    pre.step()
+    assert torch.equal(model.lm_head.weight.grad, tied)  # not preconditioned as lm_head's own
+
+
 def test_ddp_wrapped_model_uses_names_without_module_prefix(tmp_path) -> None:
     import torch.distributed as dist
 

@@ -169,7 +169,7 @@ class KFACPreconditioner:
         discovered, self._skipped = self._discover_layers()
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
-        self._strategy.setup(self._layers)
+        self._strategy.setup(self._layers, accumulation_steps=accumulation_steps)
         self._steps = 0
         self._removed = False
         self._warned: set[str] = set()
@@ -183,7 +183,16 @@ class KFACPreconditioner:
         self._seen_forward: set[str] = set()
         self._capture = self._is_factor_step(0)
         self._force_inverse = False
+        # Forward passes of the model: a layer's examples count once per pass (a shared layer
+        # runs several times in one). Calls made outside the model's forward are passes of
+        # their own.
+        self._passes = 0
+        self._pass_depth = 0
         self._handles: list[RemovableHandle] = [
+            self._model.register_forward_pre_hook(self._pass_starts),
+            self._model.register_forward_hook(self._pass_ends, always_call=True),
+        ]
+        self._handles += [
             layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
             for index, layer in enumerate(self._layers)
         ]
@@ -193,6 +202,7 @@ class KFACPreconditioner:
         """Every module with parameters: a (path, curvature) pair, or a skipped entry."""
         layers: list[tuple[str, LayerCurvature]] = []
         skipped: list[SkippedModule] = []
+        holders = self._parameter_holders()
         for name, module in self._model.named_modules():
             params = list(module.parameters(recurse=False))
             if not params:
@@ -209,6 +219,13 @@ class KFACPreconditioner:
                 skipped.append(SkippedModule(name, kind, "unsupported type"))
             elif not all(p.requires_grad for p in block.parameters()):
                 skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
+            elif others := sorted(
+                {other for p in params for other in holders[id(p)] if other != name}
+            ):
+                # A tied parameter's gradient sums its uses in every holder (GPT-2's LM head
+                # and token embedding): this layer's factors describe only its own use.
+                shared = ", ".join(repr(other) for other in others)
+                skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
             else:
                 curvature = LayerCurvature(name or kind, block, self.config.factor_dtype)
                 layers.append((name, curvature))
@@ -220,7 +237,31 @@ class KFACPreconditioner:
             )
         return layers, skipped
 
+    def _parameter_holders(self) -> dict[int, list[str]]:
+        """Per parameter (by id), the names of the modules that register it directly."""
+        holders: dict[int, list[str]] = {}
+        for name, module in self._model.named_modules():
+            for param in module.parameters(recurse=False):
+                holders.setdefault(id(param), []).append(name)
+        return holders
+
     # -- hooks --------------------------------------------------------------------------------
+    def _pass_starts(self, module: nn.Module, inputs: Any) -> None:
+        if module is self._model:  # not a deep copy's
+            if self._pass_depth == 0:
+                self._passes += 1
+            self._pass_depth += 1
+
+    def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if module is self._model and self._pass_depth > 0:
+            self._pass_depth -= 1
+
+    def _current_pass(self) -> int:
+        """The model's forward pass in progress; outside one, a new pass for this call."""
+        if self._pass_depth == 0:
+            self._passes += 1
+        return self._passes
+
     def _forward_hook(
         self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
@@ -241,23 +282,20 @@ class KFACPreconditioner:
             or not isinstance(output, Tensor)
         ):
             return
+        pass_id = self._current_pass()
         with self._recorder.phase("factor_compute"):
-            layer.accumulate_a(inputs[0])
-        self._maybe_ready(layer, "a")
+            layer.accumulate_a(inputs[0], pass_id)
+        self._strategy.statistic_added(layer, "a", self.config.loss_reduction)
         if output.requires_grad:
-            hook = functools.partial(self._output_grad_hook, layer)
+            # The pass is bound now: the backward of several passes may come later at once.
+            hook = functools.partial(self._output_grad_hook, layer, pass_id)
             output.register_hook(hook)  # type: ignore[no-untyped-call]
 
-    def _output_grad_hook(self, layer: LayerCurvature, grad: Tensor) -> None:
+    def _output_grad_hook(self, layer: LayerCurvature, pass_id: int, grad: Tensor) -> None:
         if not self._removed:
             with self._recorder.phase("factor_compute"):
-                layer.accumulate_g(grad, self._loss_scale())
-            self._maybe_ready(layer, "g")
-
-    def _maybe_ready(self, layer: LayerCurvature, side: str) -> None:
-        """Tell the strategy when the window's last micro-batch completed a factor."""
-        if layer.statistic_updates(side) == self.config.accumulation_steps:
-            self._strategy.statistic_ready(layer, side, self.config.loss_reduction)
+                layer.accumulate_g(grad, pass_id, self._loss_scale())
+            self._strategy.statistic_added(layer, "g", self.config.loss_reduction)
 
     def _loss_scale(self) -> Tensor | float | None:
         scaler = self._grad_scaler
@@ -386,7 +424,11 @@ class KFACPreconditioner:
                 )
 
     def _check_statistics(self) -> None:
-        calls = [layer.backward_calls for layer in self._layers if layer.has_statistics]
+        captured = [layer for layer in self._layers if self._strategy.captures(layer)]
+        if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
+            return
+        # A layer may sit out some passes (a branch): the window had as many as any layer saw.
+        calls = [layer.backward_passes for layer in captured if layer.has_statistics]
         if not calls:
             self._warn_once(
                 "no-statistics",
@@ -396,11 +438,11 @@ class KFACPreconditioner:
                 ),
             )
             return
-        if min(calls) != self.config.accumulation_steps:
+        if max(calls) != self.config.accumulation_steps:
             self._warn_once(
                 "accumulation",
                 (
-                    f"K-FAC saw {min(calls)} backward pass(es) before step() but "
+                    f"K-FAC saw {max(calls)} backward pass(es) before step() but "
                     f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
                     "over all of them"
                 ),

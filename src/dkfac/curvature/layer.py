@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
+from dkfac.curvature.blocks import KroneckerBlock
 from dkfac.curvature.factors import running_average
 from dkfac.curvature.inverse import (
     FactorDecomposition,
@@ -28,28 +28,9 @@ from dkfac.curvature.inverse import (
     tikhonov_shifts,
     trace_mean,
 )
+from dkfac.curvature.statistics import FactorStatistics
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Accumulator:
-    """Raw sums of one factor over the micro-batches of the current window."""
-
-    total: Tensor | None = None
-    rows: int = 0
-    examples: int = 0
-    updates: int = 0
-
-    def add(self, stat: FactorStatistic, scale: Tensor | float = 1.0) -> None:
-        total = stat.total if isinstance(scale, float) and scale == 1.0 else stat.total * scale
-        self.total = total if self.total is None else self.total.add_(total)
-        self.rows += stat.rows
-        self.examples += stat.examples
-        self.updates += 1
-
-    def clear(self) -> None:
-        self.total, self.rows, self.examples, self.updates = None, 0, 0, 0
 
 
 @dataclass
@@ -72,87 +53,81 @@ class LayerCurvature:
     a: Tensor | None = None
     g: Tensor | None = None
     inverse: KroneckerInverse | None = None
-    _a_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
-    _g_acc: _Accumulator = field(default_factory=_Accumulator, repr=False)
+    _stats: dict[str, FactorStatistics] = field(
+        default_factory=lambda: {side: FactorStatistics(side) for side in ("a", "g")},
+        repr=False,
+    )
     _nonfinite: dict[str, Tensor] = field(default_factory=dict, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
 
     # -- statistics ---------------------------------------------------------------------
-    def accumulate_a(self, x: Tensor) -> None:
-        """Add the input statistics of one forward call."""
-        self._a_acc.add(self.block.a_statistic(x.detach(), self.factor_dtype))
+    def accumulate_a(self, x: Tensor, pass_id: int) -> None:
+        """Add the input statistics of one forward call made in forward pass ``pass_id``."""
+        statistic = self.block.a_statistic(x.detach(), self.factor_dtype)
+        self._stats["a"].add(statistic, pass_id)
 
-    def accumulate_g(self, dy: Tensor, grad_scale: Tensor | float | None = None) -> None:
+    def accumulate_g(
+        self, dy: Tensor, pass_id: int, grad_scale: Tensor | float | None = None
+    ) -> None:
         """Add the output-gradient statistics of one backward call.
 
         Args:
             dy: gradient of the loss w.r.t. the layer output.
+            pass_id: the forward pass that made the output: its examples count once however
+                many times the layer ran in it.
             grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
         """
-        stat = self.block.g_statistic(dy.detach(), self.factor_dtype)
-        if grad_scale is None:
-            self._g_acc.add(stat)
-        else:
-            self._g_acc.add(stat, 1.0 / (grad_scale * grad_scale))
+        statistic = self.block.g_statistic(dy.detach(), self.factor_dtype)
+        scale = 1.0 if grad_scale is None else 1.0 / (grad_scale * grad_scale)
+        self._stats["g"].add(statistic, pass_id, scale)
+
+    def statistics(self, side: str) -> FactorStatistics:
+        """The window's statistics of factor ``side`` (``"a"`` or ``"g"``)."""
+        return self._stats[side]
 
     @property
     def has_statistics(self) -> bool:
         """Whether both factors have statistics since the last update."""
-        return self._a_acc.total is not None and self._g_acc.total is not None
+        return all(stats.has_statistics for stats in self._stats.values())
 
     @property
-    def backward_calls(self) -> int:
-        """Number of output-gradient statistics accumulated since the last update."""
-        return self._g_acc.updates
+    def backward_passes(self) -> int:
+        """Forward passes of the window whose output gradient reached this layer."""
+        return self._stats["g"].passes
 
-    def batch_factors(self, loss_reduction: str) -> tuple[Tensor, Tensor]:
-        """Normalised factors of the current window, ``A = Σaaᵀ/R``, ``G`` as in blocks.py.
+    def statistic_updates(self, side: str) -> int:
+        """Statistics accumulated into factor ``side`` this window (one per call)."""
+        return self._stats[side].updates
 
-        ``loss_reduction="mean"``: the accumulated gradient is that of the mean loss over all
-        ``N`` examples of the window, so the per-example output gradient is ``N·dy`` and
-        ``G = N·Σ dy dyᵀ``; ``"sum"``: ``G = Σ dy dyᵀ / N``.
-        """
-        a_acc, g_acc = self._a_acc, self._g_acc
-        assert a_acc.total is not None and g_acc.total is not None
-        a = a_acc.total / a_acc.rows
-        n = g_acc.examples
-        g = g_acc.total * n if loss_reduction == "mean" else g_acc.total / n
-        return a, g
-
-    def summed_statistics(self, loss_reduction: str) -> tuple[Tensor, Tensor, int, int]:
-        """``(R·A, N·G, R, N)`` of the current window: sums that add up across workers.
+    def summed_factor(self, side: str, loss_reduction: str) -> tuple[Tensor, int]:
+        """``(R·A, R)`` or ``(N·G, N)`` of the window: sums that add up across workers.
 
         Summing these over workers and dividing gives the factors of the union of their
         batches exactly, whatever each worker's batch size (each worker's loss being the mean
         over its own examples, as under DDP).
         """
-        a, rows = self.summed_factor("a", loss_reduction)
-        g, examples = self.summed_factor("g", loss_reduction)
-        return a, g, rows, examples
+        summed = self._stats[side].summed(loss_reduction)
+        return summed.total, summed.count
 
-    def statistic_updates(self, side: str) -> int:
-        """Micro-batches accumulated into factor ``side`` (``"a"`` or ``"g"``) this window."""
-        return (self._a_acc if side == "a" else self._g_acc).updates
+    def batch_factor(self, side: str, loss_reduction: str) -> Tensor:
+        """The normalised factor ``side`` of the window (see :mod:`.statistics`)."""
+        return self._stats[side].batch_factor(loss_reduction)
 
-    def summed_factor(self, side: str, loss_reduction: str) -> tuple[Tensor, int]:
-        """One factor of :meth:`summed_statistics`: ``(R·A, R)`` or ``(N·G, N)``."""
-        if side == "a":
-            assert self._a_acc.total is not None
-            return self._a_acc.total, self._a_acc.rows
-        g_acc = self._g_acc
-        assert g_acc.total is not None
-        n = g_acc.examples
-        return (g_acc.total * (n * n) if loss_reduction == "mean" else g_acc.total), n
+    def zeros(self, side: str) -> Tensor:
+        """A zero factor ``side`` (what a worker without statistics contributes)."""
+        dim = self.block.a_dim if side == "a" else self.block.g_dim
+        return torch.zeros(dim, dim, dtype=self.factor_dtype, device=self.block.weight.device)
 
     def clear_statistics(self) -> None:
         """Forget the statistics of the current window."""
-        self._a_acc.clear()
-        self._g_acc.clear()
+        for stats in self._stats.values():
+            stats.clear()
 
-    def fold(self, a_batch: Tensor, g_batch: Tensor, decay: float) -> None:
-        """Fold batch factors into the running averages (see :func:`running_average`)."""
-        self.fold_factor("a", a_batch, decay)
-        self.fold_factor("g", g_batch, decay)
+    def fold_window(self, loss_reduction: str, decay: float) -> None:
+        """Fold each factor that has statistics in this window into its running average."""
+        for side, stats in self._stats.items():
+            if stats.has_statistics:
+                self.fold_factor(side, stats.batch_factor(loss_reduction), decay)
 
     def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
         """Fold one batch factor into its running average; a non-finite batch is dropped."""

@@ -362,8 +362,9 @@ def account_pipelined(
             factors = [((slots[i].dim, slots[i].dim), True, settings.factor_dtype) for i in bucket]
             op = "allreduce" if destination is None else "reduce"
             ledger.collective("factor_comm", op, factors, world)
+        # The counts: one per slot and the late-statistics marker (FactorPipeline.finish).
         ledger.collective(
-            "factor_comm", "allreduce", [((len(slots),), False, torch.float64)], world, True
+            "factor_comm", "allreduce", [((len(slots) + 1,), False, torch.float64)], world, True
         )
         if settings.inverse_method == "inverse" and not strategy.factors_everywhere:
             # The owners exchange tr(F)/d for the factored Tikhonov damping.

@@ -56,7 +56,7 @@ class DPStrategy(DistributedStrategy):
         self.owner: dict[str, int] = {}
         self.dims: dict[str, tuple[int, int]] = {}
 
-    def setup(self, layers: Sequence[LayerCurvature]) -> None:
+    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
         """Owners by longest-processing-time on :func:`predicted_layer_cost`."""
         dims = [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         owners = plan_layer_owners(dims, self.comm.world_size)

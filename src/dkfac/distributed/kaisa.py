@@ -141,7 +141,7 @@ class KAISAStrategy(DistributedStrategy):
         self.my_row, self.my_column = rank // g, rank % g
         self.owner: dict[str, int] = {}
 
-    def setup(self, layers: Sequence[LayerCurvature]) -> None:
+    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
         """Owners by longest-processing-time on the decomposition cost ``d_A³ + d_G³``."""
         dims = [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         owners = plan_layer_owners(dims, self.comm.world_size)
@@ -170,33 +170,37 @@ class KAISAStrategy(DistributedStrategy):
     def update_factors(
         self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
     ) -> None:
-        """Allreduce the weighted statistics, then fold the global batch factors everywhere."""
-        tensors, symmetric, counts = [], [], []
+        """Allreduce the weighted statistics, then fold the global batch factors everywhere.
+
+        Each factor pools the workers that have statistics for it (``A`` where the layer's
+        forward ran, ``G`` where a gradient reached its output) and is folded when some
+        worker had any, as :func:`~dkfac.distributed.local.fold_local_factors` does alone.
+        """
+        tensors, counts = [], []
         for layer in layers:
-            if layer.has_statistics:
-                a, g, rows, examples = layer.summed_statistics(loss_reduction)
-            else:  # still take part: every worker must issue the same collectives
-                device = layer.block.weight.device
-                dtype = layer.factor_dtype
-                a = torch.zeros(layer.block.a_dim, layer.block.a_dim, dtype=dtype, device=device)
-                g = torch.zeros(layer.block.g_dim, layer.block.g_dim, dtype=dtype, device=device)
-                rows, examples = 0, 0
-            tensors += [a, g]
-            symmetric += [True, True]
-            counts += [rows, examples]
+            for side in FACTOR_SIDES:
+                if layer.statistics(side).has_statistics:
+                    total, count = layer.summed_factor(side, loss_reduction)
+                else:  # still take part: every worker must issue the same collectives
+                    total, count = layer.zeros(side), 0
+                tensors.append(total)
+                counts.append(count)
             layer.clear_statistics()
         # Counts travel in float64 on their own (also under comm_dtype): exact integers even
         # summed over many workers, and they do not force the factor bucket into float64.
         counts_tensor = torch.tensor(counts, dtype=torch.float64, device=tensors[0].device)
         with self.recorder.phase("factor_comm"):
             count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm", exact=True)
-            self.comm.allreduce(tensors, phase="factor_comm", symmetric=symmetric).wait()
+            self.comm.allreduce(
+                tensors, phase="factor_comm", symmetric=[True] * len(tensors)
+            ).wait()
             count_handle.wait()
         totals = counts_tensor.tolist()  # one host synchronisation per factor update
         for index, layer in enumerate(layers):
-            rows, examples = totals[2 * index], totals[2 * index + 1]
-            if rows > 0 and examples > 0:
-                layer.fold(tensors[2 * index] / rows, tensors[2 * index + 1] / examples, decay)
+            for position, side in enumerate(FACTOR_SIDES):
+                slot = 2 * index + position
+                if totals[slot] > 0:
+                    layer.fold_factor(side, tensors[slot] / totals[slot], decay)
 
     # -- decompositions --------------------------------------------------------------------
     def update_inverses(

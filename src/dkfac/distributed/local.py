@@ -16,10 +16,13 @@ from dkfac.distributed.strategy import Strategy
 
 
 def fold_local_factors(layers: Sequence[LayerCurvature], decay: float, loss_reduction: str) -> None:
-    """Fold the batch factors each of ``layers`` captured on this worker alone."""
+    """Fold the batch factors each of ``layers`` captured on this worker alone.
+
+    Each factor is folded when it has statistics: ``A`` when the layer's forward ran, ``G``
+    when a gradient reached its output (docs/math.md, "Which statistics count").
+    """
     for layer in layers:
-        if layer.has_statistics:
-            layer.fold(*layer.batch_factors(loss_reduction), decay)
+        layer.fold_window(loss_reduction, decay)
 
 
 def precondition_here(

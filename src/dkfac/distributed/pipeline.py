@@ -2,7 +2,8 @@
 
 A :class:`FactorPipeline` owns the ready-ordered list of factor slots (one per factor: A of
 each layer in forward order, G in reverse) and a bucket plan over it. The hooks hand it each
-factor's summed statistic as soon as the window's last micro-batch produced it; a bucket's
+factor's summed statistic as soon as the window's expected statistics are in (the strategy
+decides, see :meth:`PipelinedStrategy.statistic_added`); a bucket's
 collective (allreduce, or reduce to the bucket's owner) is launched as soon as the bucket is
 complete **and every earlier bucket has been launched**.
 
@@ -10,8 +11,9 @@ Why the collective order is the same on every rank: buckets are launched strictl
 order, and the plan is identical on every rank (computed from the same inputs, or from values
 agreed by an allreduce). Hook order only decides *when* a bucket goes, never *which* goes
 next. A factor that never becomes ready (a layer unused in this forward pass, on one rank or
-on all) holds its bucket back until :meth:`flush` in ``step()``, which fills it with zeros
-(zero rows/examples) and launches the rest in order. The pipeline's collectives run on a
+on all) holds its bucket back until :meth:`finish` in ``step()``, which fills it with zeros
+(zero rows/examples) and launches the rest in order; statistics that came after their factor
+was handed over follow as exact corrections (:meth:`finish`). The pipeline's collectives run on a
 process group of their own, so they never interleave with DDP's gradient allreduces on the
 default group.
 """
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.statistics import SummedFactor
 from dkfac.distributed.communicator import CollectiveHandle, Communicator, packed_values
 from dkfac.distributed.recorder import StepRecorder
 
@@ -148,27 +151,36 @@ class FactorPipeline:
             self._handles.append(handle)
             self._next += 1
 
-    def finish(self, layers: Sequence[LayerCurvature], profile: bool) -> list[ReceivedFactor]:
+    def finish(
+        self,
+        layers: Sequence[LayerCurvature],
+        profile: bool,
+        late: Sequence[SummedFactor | None] | None = None,
+    ) -> list[ReceivedFactor]:
         """Launch what is left (zeros for factors never ready), wait, return every factor.
 
         Called from ``step()`` on every rank. Counts travel in one float64 allreduce (exact
-        integers, whatever ``comm_dtype`` is). With ``profile``, this window's ready times are
-        kept for re-planning.
+        integers, whatever ``comm_dtype`` is), with one more value: how many ranks have
+        ``late`` statistics (per slot, what arrived after the factor was handed over). When
+        some rank has, the late sums follow in collectives of their own (allreduce, or reduce
+        to the slot's destination) and are added to what was received, so the result is
+        exactly the window's; otherwise nothing more is sent. With ``profile``, this
+        window's ready times are kept for re-planning.
         """
+        late = list(late) if late is not None else [None] * len(self.slots)
         for i, slot in enumerate(self.slots):
             if self._totals[i] is None:
-                block = layers[slot.layer].block
-                self._totals[i] = torch.zeros(
-                    slot.dim,
-                    slot.dim,
-                    dtype=layers[slot.layer].factor_dtype,
-                    device=block.weight.device,
-                )
+                self._totals[i] = layers[slot.layer].zeros(slot.side)
         self._launch_due()
         device = self._totals[0].device  # type: ignore[union-attr]
-        counts = torch.tensor(self._counts, dtype=torch.float64, device=device)
+        counts = [
+            c + (0 if extra is None else extra.count)
+            for c, extra in zip(self._counts, late, strict=True)
+        ]
+        has_late = any(extra is not None for extra in late)
+        counts_tensor = torch.tensor([*counts, float(has_late)], dtype=torch.float64, device=device)
         with self.recorder.phase("factor_comm"):
-            count_handle = self.comm.allreduce([counts], phase="factor_comm", exact=True)
+            count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm", exact=True)
             for handle in self._handles:
                 handle.wait()
             count_handle.wait()
@@ -176,13 +188,54 @@ class FactorPipeline:
             ended = time.perf_counter() - (self._origin or time.perf_counter())
             # A factor never handed over by the hooks counts as ready when step() sent it.
             self.profile.append([ended if math.isnan(t) else t for t in self._ready_at])
-        totals = counts.tolist()
+        *totals, ranks_with_late = counts_tensor.tolist()
+        if ranks_with_late > 0:
+            self._add_late(layers, late)
         received = [
             ReceivedFactor(slot, total, count)  # type: ignore[arg-type]
             for slot, total, count in zip(self.slots, self._totals, totals, strict=True)
         ]
         self._reset()
         return received
+
+    def _add_late(
+        self, layers: Sequence[LayerCurvature], late: Sequence[SummedFactor | None]
+    ) -> None:
+        """Agree which slots have late statistics somewhere, send them, add them in."""
+        device = self._totals[0].device  # type: ignore[union-attr]
+        flags = torch.tensor(
+            [0.0 if extra is None else 1.0 for extra in late], dtype=torch.float64, device=device
+        )
+        with self.recorder.phase("factor_comm"):
+            self.comm.allreduce([flags], phase="factor_comm", maximum=True, exact=True).wait()
+            flagged = [i for i, flag in enumerate(flags.tolist()) if flag > 0]
+            destination_of = {
+                i: self.destinations[k] for k, b in enumerate(self.buckets) for i in b
+            }
+            corrections = {
+                i: layers[self.slots[i].layer].zeros(self.slots[i].side)
+                if late[i] is None
+                else late[i].total.clone()  # type: ignore[union-attr]
+                for i in flagged
+            }
+            # One collective per destination (allreduce first, then owners ascending): the
+            # same order on every rank, since the flags and the plan are the same everywhere.
+            destinations = sorted(
+                {destination_of[i] for i in flagged}, key=lambda d: -1 if d is None else d
+            )
+            for destination in destinations:
+                slots = [i for i in flagged if destination_of[i] == destination]
+                tensors = [corrections[i] for i in slots]
+                symmetric = [True] * len(slots)
+                if destination is None:
+                    handle = self.comm.allreduce(tensors, phase="factor_comm", symmetric=symmetric)
+                else:
+                    handle = self.comm.reduce(
+                        tensors, destination, phase="factor_comm", symmetric=symmetric
+                    )
+                handle.wait()
+        for i in flagged:  # valid where the slot's result is (everywhere, or its destination)
+            self._totals[i] = self._totals[i] + corrections[i]  # type: ignore[operator]
 
     def median_ready_times(self) -> list[float]:
         """Per slot, the median ready time over the profiled windows (seconds from the first)."""

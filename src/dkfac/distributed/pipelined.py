@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.distributed.communicator import Communicator
 from dkfac.distributed.cost_model import ClusterCostModel, CostModelCache
@@ -127,8 +126,13 @@ class PipelinedStrategy(DistributedStrategy):
         self.measured_ready: list[float] | None = None
 
     # -- planning ----------------------------------------------------------------------------
-    def setup(self, layers: Sequence[LayerCurvature]) -> None:
-        """Measure the cluster (unless given or cached), place the factors, plan by size."""
+    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
+        """Measure the cluster (unless given or cached), place the factors, plan by size.
+
+        A factor is handed to the pipeline when its statistics of the window are complete:
+        at first after ``accumulation_steps`` statistics, then after as many as the previous
+        window had (a layer that runs several times per pass has several per pass).
+        """
         self.layers = list(layers)
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         if self.cost is None:
@@ -150,6 +154,8 @@ class PipelinedStrategy(DistributedStrategy):
         self.decomposition_s = placement.costs.decomposition_s
         self.destination = placement.destination
         self.decomposer = placement.decomposer
+        self._slot_of = {(slot.layer, slot.side): i for i, slot in enumerate(self.slots)}
+        self.expected_updates = [accumulation_steps] * len(self.slots)
         self.pipeline = FactorPipeline(
             self.comm,
             self.recorder,
@@ -244,27 +250,54 @@ class PipelinedStrategy(DistributedStrategy):
         )
 
     # -- factors -----------------------------------------------------------------------------
-    def statistic_ready(self, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
-        """Hand the factor's summed statistic to the pipeline (may launch a collective)."""
-        total, count = layer.summed_factor(side, loss_reduction)
-        self.pipeline.ready(self._index[id(layer)], side, total, count)
+    def statistic_added(self, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
+        """Hand the factor to the pipeline once the window's expected statistics are in.
+
+        Statistics that come after the hand-over are not lost: ``update_factors`` sends them
+        as an exact correction (:meth:`FactorStatistics.late`).
+        """
+        index = self._index[id(layer)]
+        stats = layer.statistics(side)
+        if (
+            not stats.handed_over
+            and stats.updates == self.expected_updates[self._slot_of[(index, side)]]
+        ):
+            self._hand_over(index, layer, side, loss_reduction)
+
+    def _hand_over(self, index: int, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
+        summed = layer.statistics(side).hand_over(loss_reduction)
+        self.pipeline.ready(index, side, summed.total, summed.count)
 
     def update_factors(
         self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
     ) -> None:
-        """Wait for the factor collectives, fold where this rank keeps the factor."""
-        for index, layer in enumerate(self.layers):
-            for side in FACTOR_SIDES:
-                # Statistics the hooks did not hand over (fewer micro-batches than
-                # accumulation_steps) go now; the pipeline keeps the plan order.
-                if layer.statistic_updates(side) and not self.pipeline.has(index, side):
-                    self.statistic_ready(layer, side, loss_reduction)
+        """Wait for the factor collectives, correct for late statistics, fold where kept.
+
+        Statistics the hooks did not hand over (fewer than expected this window) go now; the
+        pipeline keeps the plan order. Each factor is folded when some worker had statistics
+        for it, as under ``strategy="local"``.
+        """
+        for slot in self.slots:
+            layer = self.layers[slot.layer]
+            stats = layer.statistics(slot.side)
+            if stats.has_statistics and not stats.handed_over:
+                self._hand_over(slot.layer, layer, slot.side, loss_reduction)
+        late = [
+            self.layers[slot.layer].statistics(slot.side).late(loss_reduction)
+            for slot in self.slots
+        ]
         profile = self.factor_steps < self.profile_steps
-        for index, received in enumerate(self.pipeline.finish(self.layers, profile)):
+        for index, received in enumerate(self.pipeline.finish(self.layers, profile, late)):
             slot = received.slot
             if received.count > 0 and self.keeps(index):
                 layer = self.layers[slot.layer]
                 layer.fold_factor(slot.side, received.total / received.count, decay)
+        for index, slot in enumerate(self.slots):
+            # The next window is expected to look like this one (a layer that did not run
+            # keeps its expectation).
+            updates = self.layers[slot.layer].statistic_updates(slot.side)
+            if updates:
+                self.expected_updates[index] = updates
         for layer in self.layers:
             layer.clear_statistics()
         self.factor_steps += 1

@@ -26,17 +26,23 @@ class Strategy(ABC):
     #: The ``strategy=`` name that selects this class.
     name: ClassVar[str]
 
-    def setup(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
-        """Plan ownership once the preconditioned layers are known (default: nothing)."""
+    def setup(  # noqa: B027
+        self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1
+    ) -> None:
+        """Plan ownership once the preconditioned layers are known (default: nothing).
 
-    def statistic_ready(  # noqa: B027
+        ``accumulation_steps`` is the number of backward passes a capture window is meant to
+        have (a strategy may learn the real number of statistics per window from the hooks).
+        """
+
+    def statistic_added(  # noqa: B027
         self, layer: LayerCurvature, side: str, loss_reduction: str
     ) -> None:
-        """Factor ``side`` of ``layer`` holds this window's complete statistics (from a hook).
+        """The hooks added a statistic to factor ``side`` of ``layer`` (``"a"`` or ``"g"``).
 
-        Called from the forward hook (``"a"``) or the backward hook (``"g"``) once the last
-        micro-batch of the window has been accumulated, so a strategy can start moving the
-        factor while forward/backward go on. Default: nothing (work waits for ``step()``).
+        Called after every forward (``"a"``) and backward (``"g"``) statistic of the window,
+        so a strategy can start moving a factor while forward/backward go on. Default:
+        nothing (work waits for ``step()``).
         """
 
     def close(self) -> None:  # noqa: B027

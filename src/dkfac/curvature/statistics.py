@@ -1,0 +1,185 @@
+"""One Kronecker factor's statistics over a capture window, and handing them over early.
+
+A capture window is everything between two factor updates: ``accumulation_steps`` forward and
+backward passes, in each of which a layer may run any number of times (a shared layer, a loop,
+tied branches). :class:`FactorStatistics` keeps the raw sums of one factor over the window and
+its count (docs/math.md, "Layers used several times"):
+
+* ``A``: ``Σ a aᵀ`` over every row of every call, counted in rows (``A = Σ a aᵀ / R``).
+* ``G``: ``Σ dy dyᵀ`` over every row of every backward call, counted in **examples**, and an
+  example is counted once per forward pass of the model, however many times the layer ran in
+  it (the largest batch among the layer's calls in that pass). This is K-FAC's "expand"
+  treatment of weight sharing: with ``R`` uses per example, ``A`` averages the ``N·R`` rows
+  and ``G = (1/N) Σ_{n,r} g gᵀ`` with ``g = N·dy`` the per-example gradient of a mean loss.
+
+The sums that add up across workers (:class:`SummedFactor`) are ``(Σ a aᵀ, R)`` for ``A`` and
+``(N²·Σ dy dyᵀ, N)`` (mean loss) or ``(Σ dy dyᵀ, N)`` (sum loss) for ``G``.
+
+Pipelined strategies send a factor from the hook that completes it, before ``step()``. When
+a statistic arrives after that (the layer ran once more than the window had shown so far),
+:meth:`FactorStatistics.late` gives exactly what must be added to the sum already sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dkfac.curvature.blocks import FactorStatistic
+
+
+@dataclass(frozen=True)
+class SummedFactor:
+    """A factor's statistics as they add up over workers: ``total / count`` is the factor.
+
+    Attributes:
+        total: ``Σ a aᵀ`` (``A``), ``N²·Σ dy dyᵀ`` (``G``, mean loss) or ``Σ dy dyᵀ`` (sum).
+        count: rows (``A``) or examples (``G``).
+    """
+
+    total: Tensor
+    count: int
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a hand-over sent: the raw sum then (kept for ``G`` of a mean loss) and counts."""
+
+    raw: Tensor | None
+    rows: int
+    examples: int
+
+
+class FactorStatistics:
+    """Raw sums of one factor (``side`` ``"a"`` or ``"g"``) over the current window.
+
+    Attributes:
+        side: ``"a"`` (counted in rows) or ``"g"`` (counted in examples).
+        updates: statistics added in the window (one per call of the layer's forward for
+            ``A``, per backward call for ``G``).
+    """
+
+    def __init__(self, side: str) -> None:
+        if side not in ("a", "g"):
+            raise ValueError(f"side={side!r} is not allowed: expected 'a' or 'g'")
+        self.side = side
+        self.updates = 0
+        self._total: Tensor | None = None  # since the hand-over (the whole window before it)
+        self._rows = 0  # rows in _total
+        self._examples: dict[int, int] = {}  # per forward pass of the window: its examples
+        self._sent: _Sent | None = None
+
+    # -- adding --------------------------------------------------------------------------
+    def add(self, statistic: FactorStatistic, pass_id: int, scale: Tensor | float = 1.0) -> None:
+        """Add one call's statistic, made in forward pass ``pass_id``, times ``scale``."""
+        total = statistic.total
+        if not (isinstance(scale, float) and scale == 1.0):
+            total = total * scale
+        # In place only into a tensor this object made: the first statistic is the block's own.
+        self._total = total if self._total is None else self._total.add_(total)
+        self._rows += statistic.rows
+        self._examples[pass_id] = max(self._examples.get(pass_id, 0), statistic.examples)
+        self.updates += 1
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether anything was added in this window."""
+        return self.updates > 0
+
+    @property
+    def rows(self) -> int:
+        """Rows of the window."""
+        return self._rows + (self._sent.rows if self._sent is not None else 0)
+
+    @property
+    def examples(self) -> int:
+        """Examples of the window: once per forward pass (the largest batch of its calls)."""
+        return sum(self._examples.values())
+
+    @property
+    def passes(self) -> int:
+        """Forward passes of the window in which this factor got a statistic."""
+        return len(self._examples)
+
+    @property
+    def count(self) -> int:
+        """What the factor is normalised by: rows (``A``) or examples (``G``)."""
+        return self.rows if self.side == "a" else self.examples
+
+    # -- the window's sums ---------------------------------------------------------------
+    def raw_total(self) -> Tensor:
+        """``Σ a aᵀ`` or ``Σ dy dyᵀ`` of the whole window (nothing handed over)."""
+        if self._sent is not None or self._total is None:
+            raise RuntimeError(f"factor {self.side.upper()}: no complete window to read")
+        return self._total
+
+    def batch_factor(self, loss_reduction: str) -> Tensor:
+        """The normalised factor of the window: ``A = Σ a aᵀ/R``, ``G`` as in docs/math.md."""
+        summed = self.summed(loss_reduction)
+        return summed.total / summed.count
+
+    def summed(self, loss_reduction: str) -> SummedFactor:
+        """The window's :class:`SummedFactor` (nothing handed over)."""
+        return self._summed(self.raw_total(), self.examples, self._rows, loss_reduction)
+
+    def _summed(self, raw: Tensor, examples: int, rows: int, loss_reduction: str) -> SummedFactor:
+        if self.side == "a":
+            return SummedFactor(raw, rows)
+        if loss_reduction == "mean":
+            return SummedFactor(raw * (examples * examples), examples)
+        return SummedFactor(raw, examples)
+
+    # -- handing over early --------------------------------------------------------------
+    @property
+    def handed_over(self) -> bool:
+        """Whether :meth:`hand_over` ran in this window."""
+        return self._sent is not None
+
+    def hand_over(self, loss_reduction: str) -> SummedFactor:
+        """The window's sums so far, for a collective; later statistics are kept apart.
+
+        The returned tensor belongs to the caller (a collective may write its result into
+        it). Statistics added afterwards go into a new sum that :meth:`late` turns into the
+        exact correction.
+        """
+        raw = self.raw_total()
+        examples, rows = self.examples, self._rows
+        summed = self._summed(raw, examples, rows, loss_reduction)
+        # For G of a mean loss the sent tensor is a scaled copy: the raw sum is still needed
+        # if more examples arrive (N changes the scale of everything already sent).
+        keep = raw if summed.total is not raw else None
+        self._sent = _Sent(keep, rows, examples)
+        self._total, self._rows = None, 0
+        return summed
+
+    def late(self, loss_reduction: str) -> SummedFactor | None:
+        """What to add to the handed-over sums to get the window's, or ``None`` if nothing.
+
+        ``A`` and ``G`` of a sum loss add up: the late sums themselves. ``G`` of a mean loss
+        is ``N²·Σ``: with ``N₀`` examples and sum ``S₀`` sent, and ``S₁`` late, the window's
+        value is ``N²(S₀ + S₁)``, so the correction is ``(N² − N₀²)·S₀ + N²·S₁``.
+        """
+        sent = self._sent
+        if sent is None:
+            return None
+        examples = self.examples
+        if self._total is None and examples == sent.examples:
+            return None
+        if self.side == "a":
+            assert self._total is not None  # rows only come with a statistic
+            return SummedFactor(self._total, self._rows)
+        added = examples - sent.examples
+        if loss_reduction != "mean":
+            assert self._total is not None  # examples only come with a statistic
+            return SummedFactor(self._total, added)
+        assert sent.raw is not None
+        correction = sent.raw * (examples * examples - sent.examples * sent.examples)
+        if self._total is not None:
+            correction = correction + self._total * (examples * examples)
+        return SummedFactor(correction, added)
+
+    def clear(self) -> None:
+        """Forget the window."""
+        self.updates, self._total, self._rows, self._sent = 0, None, 0, None
+        self._examples = {}
