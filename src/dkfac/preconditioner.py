@@ -68,7 +68,8 @@ class KFACPreconditioner:
         loss_reduction: ``"mean"`` when the loss averages over the examples of the batch
             (window), ``"sum"`` when it sums them. Examples are indexed by dim 0 of the input.
         grad_scaler: a ``torch.amp.GradScaler``; output gradients are unscaled before they
-            enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``.
+            enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``. A step whose
+            gradients are not finite (the scaler skips it) changes no factor or decomposition.
         factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
         inv_dtype: dtype of the decompositions (float32 or float64). A failed decomposition is
             retried in float64.
@@ -183,6 +184,8 @@ class KFACPreconditioner:
         self._seen_forward: set[str] = set()
         self._capture = self._is_factor_step(0)
         self._force_inverse = False
+        self._window_scale: float | None = None
+        self._skipped_steps = 0
         # Forward passes of the model: a layer's examples count once per pass (a shared layer
         # runs several times in one). Calls made outside the model's forward are passes of
         # their own.
@@ -297,16 +300,37 @@ class KFACPreconditioner:
                 layer.accumulate_g(grad, pass_id, self._loss_scale())
             self._strategy.statistic_added(layer, "g", self.config.loss_reduction)
 
-    def _loss_scale(self) -> Tensor | float | None:
+    def _loss_scale(self) -> float | None:
+        """The GradScaler's loss scale, read once per capture window (public ``get_scale()``).
+
+        The scale only changes in ``scaler.update()``, after the optimizer step, so it is the
+        same for every backward pass of a window; reading it once keeps the backward hooks
+        free of host synchronisations after the first one of the window.
+        """
         scaler = self._grad_scaler
         if scaler is None or not scaler.is_enabled():
             return None
-        # GradScaler keeps its scale as a device tensor; reading it avoids the host sync of
-        # get_scale(). Fall back to the public call when the private attribute is absent.
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, Tensor):
-            return scale
-        return float(scaler.get_scale())
+        if self._window_scale is None:
+            self._window_scale = float(scaler.get_scale())
+        return self._window_scale
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient of the model is finite (checked only with a GradScaler).
+
+        A GradScaler skips the optimizer step when a gradient is not finite; such a step must
+        not change factors or decompositions either. One host read per factor-update step,
+        only when a scaler is enabled. Gradients are read after averaging (DDP, DeAR), so
+        every worker decides alike.
+        """
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return True
+        flags = [
+            torch.isfinite(p.grad).all() for p in self._model.parameters() if p.grad is not None
+        ]
+        if not flags:
+            return True
+        return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())
 
     # -- schedule -----------------------------------------------------------------------------
     def _is_factor_step(self, step: int) -> bool:
@@ -351,6 +375,11 @@ class KFACPreconditioner:
                 "hooks; build a new KFACPreconditioner"
             )
         self._check_model()
+        # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
+        with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
+            self._step()
+
+    def _step(self) -> None:
         active = [layer for layer in self._layers if layer.block.has_grad()]
         if not active:
             raise RuntimeError(
@@ -363,16 +392,22 @@ class KFACPreconditioner:
         # evaluated and validated before anything changes.
         factor_step, inverse_step = self._schedule(k)
         capture_next = self._is_factor_step(k + 1)
+        skipped = False
         if factor_step:
             self._check_statistics()
+            skipped = not self._gradients_finite()
+            if skipped:  # the GradScaler skips this step: no factor, no decomposition from it
+                self._skipped_steps += 1
+                self._force_inverse = self._force_inverse or inverse_step
             self._strategy.update_factors(
-                self._layers, config.factor_decay_at(k), config.loss_reduction
+                self._layers, config.factor_decay_at(k), config.loss_reduction, fold=not skipped
             )
+            self._window_scale = None
             # After the factor update: SPD/PAD may still hold back factor collectives launched
             # from hooks on ranks that skipped a layer; update_factors issues them all, so the
             # usage agreement below comes after them in the same order on every rank.
             self._find_silent(active)
-        if inverse_step or self._force_inverse:
+        if not skipped and (inverse_step or self._force_inverse):
             self._force_inverse = False
             self._strategy.update_inverses(
                 self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype

@@ -62,13 +62,16 @@ class LayerCurvature:
 
     # -- statistics ---------------------------------------------------------------------
     def accumulate_a(self, x: Tensor, pass_id: int) -> None:
-        """Add the input statistics of one forward call made in forward pass ``pass_id``."""
-        statistic = self.block.a_statistic(x.detach(), self.factor_dtype)
+        """Add the input statistics of one forward call made in forward pass ``pass_id``.
+
+        Computed in ``factor_dtype`` even inside ``torch.autocast`` (which would run the Gram
+        products in bfloat16/float16).
+        """
+        with torch.autocast(x.device.type, enabled=False):
+            statistic = self.block.a_statistic(x.detach(), self.factor_dtype)
         self._stats["a"].add(statistic, pass_id)
 
-    def accumulate_g(
-        self, dy: Tensor, pass_id: int, grad_scale: Tensor | float | None = None
-    ) -> None:
+    def accumulate_g(self, dy: Tensor, pass_id: int, grad_scale: float | None = None) -> None:
         """Add the output-gradient statistics of one backward call.
 
         Args:
@@ -77,7 +80,8 @@ class LayerCurvature:
                 many times the layer ran in it.
             grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
         """
-        statistic = self.block.g_statistic(dy.detach(), self.factor_dtype)
+        with torch.autocast(dy.device.type, enabled=False):
+            statistic = self.block.g_statistic(dy.detach(), self.factor_dtype)
         scale = 1.0 if grad_scale is None else 1.0 / (grad_scale * grad_scale)
         self._stats["g"].add(statistic, pass_id, scale)
 

@@ -83,10 +83,17 @@ class DPStrategy(DistributedStrategy):
                 layer.inverse = None
 
     def update_factors(
-        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
     ) -> None:
         """Fold the owner's local batch factors; nothing is sent."""
-        fold_local_factors([layer for layer in layers if self.owns(layer)], decay, loss_reduction)
+        if fold:
+            owned = [layer for layer in layers if self.owns(layer)]
+            fold_local_factors(owned, decay, loss_reduction)
         for layer in layers:
             layer.clear_statistics()
 

@@ -168,7 +168,12 @@ class KAISAStrategy(DistributedStrategy):
 
     # -- factors ---------------------------------------------------------------------------
     def update_factors(
-        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
     ) -> None:
         """Allreduce the weighted statistics, then fold the global batch factors everywhere.
 
@@ -199,7 +204,7 @@ class KAISAStrategy(DistributedStrategy):
         for index, layer in enumerate(layers):
             for position, side in enumerate(FACTOR_SIDES):
                 slot = 2 * index + position
-                if totals[slot] > 0:
+                if fold and totals[slot] > 0:
                     layer.fold_factor(side, tensors[slot] / totals[slot], decay)
 
     # -- decompositions --------------------------------------------------------------------

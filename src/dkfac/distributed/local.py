@@ -47,10 +47,16 @@ class LocalStrategy(Strategy):
         self.recorder = recorder
 
     def update_factors(
-        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
     ) -> None:
         """Fold each layer's batch factors into its running averages."""
-        fold_local_factors(layers, decay, loss_reduction)
+        if fold:
+            fold_local_factors(layers, decay, loss_reduction)
         for layer in layers:
             layer.clear_statistics()
 

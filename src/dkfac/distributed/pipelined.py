@@ -269,7 +269,12 @@ class PipelinedStrategy(DistributedStrategy):
         self.pipeline.ready(index, side, summed.total, summed.count)
 
     def update_factors(
-        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
     ) -> None:
         """Wait for the factor collectives, correct for late statistics, fold where kept.
 
@@ -289,7 +294,7 @@ class PipelinedStrategy(DistributedStrategy):
         profile = self.factor_steps < self.profile_steps
         for index, received in enumerate(self.pipeline.finish(self.layers, profile, late)):
             slot = received.slot
-            if received.count > 0 and self.keeps(index):
+            if fold and received.count > 0 and self.keeps(index):
                 layer = self.layers[slot.layer]
                 layer.fold_factor(slot.side, received.total / received.count, decay)
         for index, slot in enumerate(self.slots):

@@ -72,9 +72,19 @@ class Strategy(ABC):
 
     @abstractmethod
     def update_factors(
-        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
     ) -> None:
-        """Turn the captured statistics into running factors where they are needed."""
+        """Turn the captured statistics into running factors where they are needed.
+
+        ``fold=False`` (a step whose gradients are not finite, which the GradScaler skips):
+        the statistics are exchanged as usual, so every worker issues the same collectives,
+        then dropped; no running factor changes.
+        """
 
     @abstractmethod
     def update_inverses(
