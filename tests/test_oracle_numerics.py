@@ -849,9 +849,12 @@ def test_failed_cholesky_is_retried_in_float64(monkeypatch: pytest.MonkeyPatch) 
     messages = sorted(str(w.message) for w in record)
     assert len(messages) == 2, messages
     for name, message in zip(["0", "3"], messages, strict=True):
+        # Both factors of the layer were retried: counted per factor, reported once per layer.
         assert message == (
             f"K-FAC layer '{name}': decomposition failed in torch.float32; recomputed in float64"
+            " (2 times so far)"
         )
+        assert pre.health().layers[name].retried_in_float64 == 2
     assert attempts == [torch.float32] * 4 + [torch.float64] * 4
     for n, (a, g) in expected_f.items():
         inverse = pre.layers[[layer.name for layer in pre.layers].index(n)].inverse

@@ -489,7 +489,7 @@ def test_load_state_dict_rejects_a_different_model() -> None:
 
 
 # -- numerical trouble ---------------------------------------------------------------------------
-def test_nan_batch_is_dropped_and_reported_once() -> None:
+def test_nan_batch_is_dropped_counted_and_reported_while_it_persists() -> None:
     model = small_model()
     pre = dkfac.KFACPreconditioner(model, **F64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -515,15 +515,24 @@ def test_nan_batch_is_dropped_and_reported_once() -> None:
     for key, tensor in good_inverse.tensors().items():
         assert torch.equal(pre.layers[0].inverse.tensors()[key], tensor)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    # The same trouble again is not reported again; training goes on.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            p.grad = torch.nan_to_num(p.grad)
+    # Both factors of each layer were dropped: counted per factor.
+    assert {name: h.nonfinite_batches for name, h in pre.health().layers.items()} == {
+        "0": 2,
+        "4": 2,
+        "6": 2,
+    }
+    # The same trouble again is reported again while it persists (at counts 1, 2, 4, 8, ...)
+    # with its count; training goes on.
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        p.grad = torch.nan_to_num(p.grad)
+    with pytest.warns(RuntimeWarning, match=r"layer '0'.*NaN/Inf.*\(4 times so far\)"):
         pre.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean step says nothing
         train_step(model, pre, opt, 2)
+    assert pre.health().layers["0"].nonfinite_batches == 4
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -579,6 +588,53 @@ def test_decomposition_failing_everywhere_keeps_the_last_good_one(
         train_step(model, pre, opt, 1)
     assert [layer.inverse for layer in pre.layers] == kept
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_persistent_decomposition_failures_are_counted_and_reported_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_step(model, pre, opt, 0)
+
+    def broken(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    reported = []
+    for step in range(1, 5):  # two failed factors per layer and step: counts 2, 4, 6, 8
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(model, pre, opt, step)
+        reported.append([str(w.message) for w in caught if "layer '0'" in str(w.message)])
+    assert [len(messages) for messages in reported] == [1, 1, 0, 1]
+    assert reported[0][0].endswith("(2 times so far)") and "also in float64" in reported[0][0]
+    assert reported[3][0].endswith("(8 times so far)")
+    health = pre.health()
+    assert health.skipped_steps == 0
+    assert all(h.failed_decompositions == 8 for h in health.layers.values())
+    assert all(h.retried_in_float64 == 0 for h in health.layers.values())
+
+
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("CUDA error: an illegal access")],
+)
+def test_errors_other_than_a_failed_decomposition_propagate(
+    monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+
+    def failing(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise error
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(type(error), match=str(error)):
+        pre.step()
 
 
 def test_cholesky_failure_is_detected_without_exceptions() -> None:

@@ -10,10 +10,19 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 """
 
 from dkfac.config import KFACConfig
+from dkfac.curvature.layer import LayerHealth
 from dkfac.distributed.dear import DeAR
 from dkfac.layer_table import SkippedModule
-from dkfac.preconditioner import KFACPreconditioner
+from dkfac.preconditioner import Health, KFACPreconditioner
 
 __version__ = "0.1.0"
 
-__all__ = ["DeAR", "KFACConfig", "KFACPreconditioner", "SkippedModule", "__version__"]
+__all__ = [
+    "DeAR",
+    "Health",
+    "KFACConfig",
+    "KFACPreconditioner",
+    "LayerHealth",
+    "SkippedModule",
+    "__version__",
+]

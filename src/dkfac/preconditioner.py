@@ -8,6 +8,7 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
-from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.layer import LayerCurvature, LayerHealth
 from dkfac.distributed import ClusterCostModel, CostModelCache, StepRecorder, make_strategy
 from dkfac.layer_table import SkippedModule, format_layer_table
 
@@ -32,6 +33,20 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, wrappers):
         model = model.module
     return model
+
+
+@dataclass(frozen=True)
+class Health:
+    """What went wrong numerically, as :meth:`KFACPreconditioner.health` reports it.
+
+    Attributes:
+        skipped_steps: factor-update steps whose gradients were not finite (a GradScaler
+            skipped them): no factor or decomposition was changed.
+        layers: per preconditioned layer, the counts of :class:`LayerHealth` on this worker.
+    """
+
+    skipped_steps: int
+    layers: dict[str, LayerHealth]
 
 
 class KFACPreconditioner:
@@ -545,6 +560,17 @@ class KFACPreconditioner:
             for layer in self._layers
             if layer.a is not None and layer.g is not None and self._strategy.holds_factors(layer)
         }
+
+    def health(self) -> Health:
+        """Numerical trouble so far, on this worker.
+
+        Steps skipped for non-finite gradients, and per layer how often batch factors,
+        running factors and decompositions failed (counted where the layer is decomposed).
+        """
+        return Health(
+            skipped_steps=self._skipped_steps,
+            layers={layer.name: layer.health() for layer in self._layers},
+        )
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""

@@ -33,6 +33,35 @@ from dkfac.curvature.statistics import FactorStatistics
 logger = logging.getLogger(__name__)
 
 
+#: The kinds of numerical trouble counted per layer (:class:`LayerHealth`).
+TROUBLE_KINDS = (
+    "nonfinite_batches",
+    "nonfinite_factors",
+    "retried_in_float64",
+    "failed_decompositions",
+)
+
+
+@dataclass(frozen=True)
+class LayerHealth:
+    """Numerical trouble of one layer on one worker since it was built.
+
+    Attributes:
+        nonfinite_batches: batch factors with NaN/Inf that were not folded in (counted when
+            the layer's factors are next decomposed on this worker).
+        nonfinite_factors: decompositions skipped because a running factor was not finite.
+        retried_in_float64: decompositions that failed in ``inv_dtype`` and succeeded in
+            float64.
+        failed_decompositions: decompositions that failed in float64 too (the last good one
+            was kept).
+    """
+
+    nonfinite_batches: int = 0
+    nonfinite_factors: int = 0
+    retried_in_float64: int = 0
+    failed_decompositions: int = 0
+
+
 @dataclass
 class LayerCurvature:
     """Factors, running averages and decomposition of one preconditioned layer.
@@ -58,7 +87,9 @@ class LayerCurvature:
         repr=False,
     )
     _nonfinite: dict[str, Tensor] = field(default_factory=dict, repr=False)
-    _warned: set[str] = field(default_factory=set, repr=False)
+    _trouble: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(TROUBLE_KINDS, 0), repr=False
+    )
 
     # -- statistics ---------------------------------------------------------------------
     def accumulate_a(self, x: Tensor, pass_id: int) -> None:
@@ -135,9 +166,9 @@ class LayerCurvature:
 
     def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
         """Fold one batch factor into its running average; a non-finite batch is dropped."""
-        bad = ~torch.isfinite(batch).all()
+        bad = (~torch.isfinite(batch).all()).to(torch.int64)
         previous = self._nonfinite.get(side)
-        self._nonfinite[side] = bad if previous is None else previous | bad
+        self._nonfinite[side] = bad if previous is None else previous + bad
         self.set_factor(side, running_average(self.factor(side), batch, decay))
 
     def factor(self, side: str) -> Tensor | None:
@@ -203,29 +234,39 @@ class LayerCurvature:
         )
         self.clear_statistics()
 
-    def warn_once(self, kind: str, message: str) -> None:
-        """Emit ``message`` as a RuntimeWarning the first time ``kind`` happens to this layer."""
-        if kind in self._warned:
-            return
-        self._warned.add(kind)
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    def report(self, kind: str, message: str, times: int = 1) -> None:
+        """Count ``times`` occurrences of trouble ``kind``; warn while it keeps happening.
 
-    def take_nonfinite_flag(self, side: str) -> Tensor | None:
-        """Device flag "a non-finite batch of factor ``side`` was dropped" since the last call."""
+        A RuntimeWarning (and a log record) is emitted each time the count reaches a power of
+        two (1, 2, 4, 8, ...): persistent failures stay visible without flooding the log.
+        """
+        previous = self._trouble[kind]
+        count = previous + times
+        self._trouble[kind] = count
+        if count.bit_length() > previous.bit_length():
+            text = message if count == 1 else f"{message} ({count} times so far)"
+            logger.warning(text)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    def health(self) -> LayerHealth:
+        """How often each kind of numerical trouble happened to this layer on this worker."""
+        return LayerHealth(**self._trouble)
+
+    def take_nonfinite_count(self, side: str) -> Tensor | None:
+        """Device count of non-finite batches of factor ``side`` dropped since the last call."""
         return self._nonfinite.pop(side, None)
 
 
-def _host_flags(flags: Sequence[Tensor]) -> list[bool]:
-    """Copy many device booleans to the host with one synchronisation per device."""
-    result: list[bool] = [False] * len(flags)
+def _host_values(values: Sequence[Tensor]) -> list[int]:
+    """Copy many device scalars (booleans, counts) to the host, one synchronisation per device."""
+    result: list[int] = [0] * len(values)
     by_device: dict[torch.device, list[int]] = {}
-    for index, flag in enumerate(flags):
-        by_device.setdefault(flag.device, []).append(index)
+    for index, value in enumerate(values):
+        by_device.setdefault(value.device, []).append(index)
     for indices in by_device.values():
-        values = torch.stack([flags[i].reshape(()) for i in indices]).tolist()
-        for i, value in zip(indices, values, strict=True):
-            result[i] = bool(value)
+        read = torch.stack([values[i].reshape(()).to(torch.int64) for i in indices]).tolist()
+        for i, value in zip(indices, read, strict=True):
+            result[i] = int(value)
     return result
 
 
@@ -257,9 +298,12 @@ def decompose_factors(
     """Decompose the running factors of ``requests``; never raises for numerical trouble.
 
     A factor that is not finite is not used (``None``). A decomposition that fails in
-    ``dtype`` is retried in float64; if that fails too the result is ``None``. Each kind of
-    trouble is reported once per layer. Every factor is decomposed before anything is read
-    back, so the finiteness of the factors, the dropped-batch flags and the success of every
+    ``dtype`` (``torch.linalg.LinAlgError``, a failed Cholesky, a non-finite result) is retried
+    in float64; if that fails too the result is ``None``. Every other error (out of memory, a
+    CUDA error, a bug) propagates. Each kind of trouble is counted per layer
+    (:meth:`LayerCurvature.health`) and reported while it persists
+    (:meth:`LayerCurvature.report`). Every factor is decomposed before anything is read back,
+    so the finiteness of the factors, the dropped-batch counts and the success of every
     decomposition reach the host in one synchronisation for all requests together (plus one
     per float64 retry, on the failure path only).
     """
@@ -267,63 +311,63 @@ def decompose_factors(
         return []
     factors = [request.layer.factor(request.side) for request in requests]
     assert all(factor is not None for factor in factors), "decompose_factors: missing factor"
-    dropped = [request.layer.take_nonfinite_flag(request.side) for request in requests]
+    dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
     results = [_try_decompose(request, method, dtype) for request in requests]
     attempted = {index: result for index, result in enumerate(results) if result is not None}
-    flags = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
-    flags += [flag for flag in dropped if flag is not None]
-    flags += [result.ok for result in attempted.values()]
-    host = _host_flags(flags)
-    count, reported = len(requests), sum(flag is not None for flag in dropped)
+    values = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
+    values += [count for count in dropped if count is not None]
+    values += [result.ok for result in attempted.values()]
+    host = _host_values(values)
+    count, reported = len(requests), sum(count is not None for count in dropped)
     finite, dropped_host = host[:count], iter(host[count : count + reported])
     ok = dict(zip(attempted, host[count + reported :], strict=True))
-    for index, (request, factor_ok, flag) in enumerate(zip(requests, finite, dropped, strict=True)):
-        layer = request.layer
-        if flag is not None and next(dropped_host):
-            layer.warn_once(
-                "nonfinite-batch",
-                (
-                    f"K-FAC layer {layer.name!r}: a batch factor had NaN/Inf values and was not "
-                    "used (the running average kept its last value)"
-                ),
-            )
+    # Trouble is counted per factor and reported once per layer and kind for this call.
+    trouble: dict[tuple[int, str], int] = {}
+
+    def tally(layer: LayerCurvature, kind: str, times: int = 1) -> None:
+        key = (id(layer), kind)
+        trouble[key] = trouble.get(key, 0) + times
+
+    for index, (request, factor_ok, drops) in enumerate(
+        zip(requests, finite, dropped, strict=True)
+    ):
+        if drops is not None:
+            tally(request.layer, "nonfinite_batches", next(dropped_host))
         if not factor_ok:
-            layer.warn_once(
-                "nonfinite-factor",
-                (
-                    f"K-FAC layer {layer.name!r}: factors are not finite; keeping the last good "
-                    "decomposition (or the plain gradient before the first one)"
-                ),
-            )
+            tally(request.layer, "nonfinite_factors")
             results[index] = None
     for index, request in enumerate(requests):
         if not finite[index] or ok.get(index, False):
             continue
-        layer = request.layer
         retry = (
             None
             if dtype == torch.float64
             else _try_decompose(request.in_float64(), method, torch.float64)
         )
         if retry is not None and bool(retry.ok):
-            layer.warn_once(
-                "retried",
-                (
-                    f"K-FAC layer {layer.name!r}: decomposition failed in {dtype}; "
-                    "recomputed in float64"
-                ),
-            )
+            tally(request.layer, "retried_in_float64")
             results[index] = retry
         else:
-            layer.warn_once(
-                "failed",
-                (
-                    f"K-FAC layer {layer.name!r}: decomposition failed (also in float64); keeping "
-                    "the last good decomposition (or the plain gradient before the first one)"
-                ),
-            )
+            tally(request.layer, "failed_decompositions")
             results[index] = None
+    layers = {id(request.layer): request.layer for request in requests}
+    for (key, kind), times in trouble.items():
+        if times:
+            layer = layers[key]
+            layer.report(kind, _TROUBLE_MESSAGES[kind].format(name=layer.name, dtype=dtype), times)
     return results
+
+
+_TROUBLE_MESSAGES = {
+    "nonfinite_batches": "K-FAC layer {name!r}: a batch factor had NaN/Inf values and was not "
+    "used (the running average kept its last value)",
+    "nonfinite_factors": "K-FAC layer {name!r}: factors are not finite; keeping the last good "
+    "decomposition (or the plain gradient before the first one)",
+    "retried_in_float64": "K-FAC layer {name!r}: decomposition failed in {dtype}; recomputed "
+    "in float64",
+    "failed_decompositions": "K-FAC layer {name!r}: decomposition failed (also in float64); "
+    "keeping the last good decomposition (or the plain gradient before the first one)",
+}
 
 
 def factor_requests(
@@ -365,7 +409,8 @@ def _try_decompose(
     assert factor is not None
     try:
         return decompose_factor(factor, request.side, method, dtype, request.shift)
-    except RuntimeError as error:  # torch.linalg.LinAlgError is a RuntimeError
+    # Only the algorithm's own failure is retried; out of memory, CUDA errors and bugs propagate.
+    except torch.linalg.LinAlgError as error:  # type: ignore[attr-defined]  # public, untyped
         logger.debug(
             "decomposition of %s/%s in %s failed: %s",
             request.layer.name,
