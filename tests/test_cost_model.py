@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -36,33 +35,78 @@ def test_fits_recover_the_generating_parameters() -> None:
     assert cubic == CubicCost(pytest.approx(1e-5), pytest.approx(2e-9))
 
 
-def test_fits_never_predict_negative_costs() -> None:
-    model = fit_alpha_beta([1.0, 2.0, 3.0], [3.0, 2.0, 1.0])  # noise with a falling trend
-    assert model.alpha >= 0 and model.beta == 0.0
+def test_a_fit_that_makes_no_sense_says_why() -> None:
+    falling = fit_alpha_beta([1.0, 2.0, 3.0], [3.0, 2.0, 1.0])  # noise with a falling trend
+    assert falling.beta == pytest.approx(-1.0) and falling.alpha == pytest.approx(4.0)
+    assert falling.problems() == ["collective time does not grow with size (beta (s/byte)=-1)"]
+    negative = fit_cubic([10, 20, 30], [1e-3 * d**3 - 5.0 for d in (10, 20, 30)])
+    assert negative.problems() == ["decomposition start-up time is negative (c0=-5 s)"]
+    scattered = fit_alpha_beta([1.0, 2.0, 3.0, 4.0], [1.0, 5.0, 1.2, 5.2])
+    assert scattered.r_squared == pytest.approx(1 - 12.168 / 16.04, rel=1e-9)  # by hand
+    assert scattered.problems() == [
+        "collective fit explains too little of the measured times (R²=0.24 < 0.8)"
+    ]
+    assert fit_alpha_beta([1.0, 2.0, 3.0], [2.0, 3.0, 4.0]).problems() == []
     with pytest.raises(ValueError, match="at least two"):
         fit_alpha_beta([1.0], [1.0])
     with pytest.raises(ValueError, match="not all be equal"):
         fit_cubic([8, 8], [1.0, 2.0])
 
 
-def test_decomposition_calibration_gives_a_usable_model() -> None:
-    # Wall-clock values are machine noise; only the model's form is checked here.
-    cubic = calibrate_decomposition(dims=(16, 64, 128), repeats=2)
-    assert math.isfinite(cubic.c0) and math.isfinite(cubic.c3)
-    assert cubic.c0 >= 0 and cubic.c3 >= 0
+class FakeClock:
+    """``time.perf_counter`` that only moves when a timed operation says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
-def calibrate(rank: int, world_size: int) -> AlphaBeta:
-    torch.manual_seed(rank)
-    return calibrate_alpha_beta(sizes=(2**10, 2**16, 2**20), repeats=3)
+def test_decomposition_is_timed_up_to_the_largest_factor_and_fitted_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cost_model.decomposition_dims(577) == [32, 64, 128, 256, 512, 577]
+    assert cost_model.decomposition_dims() == [32, 64, 128, 256]
+    clock = FakeClock()
+    timed: list[int] = []
+
+    def decompose(matrix: torch.Tensor, *args: Any) -> None:
+        timed.append(matrix.shape[0])
+        clock.now += 2e-4 + 3e-11 * matrix.shape[0] ** 3  # the operation's known cost
+
+    monkeypatch.setattr(cost_model, "time", clock)
+    monkeypatch.setattr(cost_model, "decompose_factor", decompose)
+    cubic = calibrate_decomposition(dims=(32, 64, 577, 1500), repeats=2)
+    assert cubic.c0 == pytest.approx(2e-4, rel=1e-9) and cubic.c3 == pytest.approx(3e-11, rel=1e-9)
+    assert cubic.r_squared == pytest.approx(1.0) and cubic.problems() == []
+    # A warm-up and two timed calls per size; sizes above 1024 once after the warm-up.
+    assert timed == [32] * 3 + [64] * 3 + [577] * 3 + [1500] * 2
 
 
-def test_alpha_beta_calibration_agrees_on_every_rank() -> None:
-    models = run_workers(calibrate, 2, timeout=90)
-    # Every rank must plan with the same model; the values themselves are machine noise.
-    assert models[0] == models[1]
-    assert math.isfinite(models[0].alpha) and math.isfinite(models[0].beta)
-    assert models[0].alpha >= 0 and models[0].beta >= 0
+def calibrate_with_known_costs(rank: int, world_size: int) -> AlphaBeta:
+    clock = FakeClock()
+    real_allreduce = cost_model.dist.all_reduce
+    alpha, beta = (1e-4, 2e-9) if rank == 0 else (3e-4, 5e-9)  # rank 1 is slower in both
+
+    def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        clock.now += alpha + beta * tensor.numel() * tensor.element_size()
+        return real_allreduce(tensor, *args, **kwargs)
+
+    with (
+        mock.patch.object(cost_model, "time", clock),
+        mock.patch.object(cost_model.dist, "all_reduce", allreduce),
+    ):
+        return calibrate_alpha_beta(sizes=(2**10, 2**16, 2**20), repeats=3)
+
+
+def test_alpha_beta_calibration_recovers_the_slowest_ranks_costs_on_every_rank() -> None:
+    # Real collectives on a gloo group, timed by a clock that advances by known costs: the
+    # fit recovers them exactly, and every rank plans with the slowest rank's (max) times.
+    for model in run_workers(calibrate_with_known_costs, 2, timeout=90):
+        assert model.alpha == pytest.approx(3e-4, rel=1e-9)
+        assert model.beta == pytest.approx(5e-9, rel=1e-9)
+        assert model.problems() == []
 
 
 def cached_builds(rank: int, world_size: int) -> dict[str, Any]:

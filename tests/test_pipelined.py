@@ -340,3 +340,51 @@ def test_bad_cost_model_is_refused_by_name() -> None:
         dkfac.KFACPreconditioner(uneven_model(), cost_model=(1e-3, 1e-9))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="profile_steps=-1"):
         dkfac.KFACPreconditioner(uneven_model(), profile_steps=-1)
+
+
+#: A cost model no planner can use: collectives that get faster with size.
+UNUSABLE_COST = ClusterCostModel(AlphaBeta(alpha=1e-3, beta=-1e-9), CubicCost(c0=0.0, c3=5e-9))
+
+
+def unusable_cost_run(rank: int, world_size: int) -> dict[str, Any]:
+    out = {}
+    for strategy in ("spd", "pad"):
+        model = uneven_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre = dkfac.KFACPreconditioner(
+                ddp, strategy=strategy, lr=0.1, profile_steps=2, cost_model=UNUSABLE_COST, **F64
+            )
+        train(ddp, pre, world_size, rank)
+        out[strategy] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "plan": pre.plan(),
+            "warned": [str(w.message) for w in caught],
+        }
+        pre.remove()
+    return out
+
+
+def test_an_unusable_cost_model_is_reported_and_factors_are_placed_by_size() -> None:
+    results = run_workers(unusable_cost_run, 2, timeout=120)
+    want_params, _ = reference_run({"inverse_method": "eigen"}, 2)
+    for strategy in ("spd", "pad"):
+        for rank in range(2):
+            run = results[rank][strategy]
+            assert any(
+                "cost model cannot be planned with (collective time does not grow with size"
+                in message
+                and "placed by size" in message
+                for message in run["warned"]
+            ), run["warned"]
+            plan = run["plan"]
+            assert plan["cost_model_problems"] == [
+                "collective time does not grow with size (beta (s/byte)=-1e-09)"
+            ]
+            assert plan["fusion"] == "size"  # not re-planned after profile_steps
+            # Every factor has an owner (no redundant decompositions), balanced on d³.
+            owners = [f["decomposed_by"] for f in plan["factors"]]
+            assert "all" not in owners and set(owners) == {0, 1}
+            for got, want in zip(run["params"], want_params, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

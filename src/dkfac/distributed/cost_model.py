@@ -9,6 +9,7 @@ the result to every later SPD/PAD preconditioner of the run.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -20,33 +21,93 @@ import torch.distributed as dist
 from dkfac.curvature.inverse import decompose_factor
 from dkfac.distributed.communicator import ProcessGroup
 
+#: Below this coefficient of determination a fit does not explain the measured times well
+#: enough to plan with (planners fall back to sizes).
+MIN_R_SQUARED = 0.8
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """Time of one collective: ``alpha + beta · bytes`` seconds."""
+    """Time of one collective: ``alpha + beta · bytes`` seconds.
+
+    Attributes:
+        alpha: start-up time (s).
+        beta: time per byte (s).
+        r_squared: how much of the measured times' variance the line explains (1 for a
+            model given, not fitted).
+    """
 
     alpha: float
     beta: float
+    r_squared: float = 1.0
 
     def seconds(self, nbytes: float) -> float:
         """Predicted time of a collective moving ``nbytes``."""
         return self.alpha + self.beta * nbytes
 
+    def problems(self) -> list[str]:
+        """Why this model cannot be planned with (empty when it can)."""
+        return _line_problems(
+            "collective", self.alpha, self.beta, self.r_squared, "alpha", "beta (s/byte)"
+        )
+
 
 @dataclass(frozen=True)
 class CubicCost:
-    """Time of decomposing a ``d × d`` factor: ``c0 + c3 · d³`` seconds."""
+    """Time of decomposing a ``d × d`` factor: ``c0 + c3 · d³`` seconds.
+
+    ``r_squared`` is the fit's, as in :class:`AlphaBeta`.
+    """
 
     c0: float
     c3: float
+    r_squared: float = 1.0
 
     def seconds(self, d: int) -> float:
         """Predicted decomposition time of a ``d × d`` matrix."""
         return self.c0 + self.c3 * float(d) ** 3
 
+    def problems(self) -> list[str]:
+        """Why this model cannot be planned with (empty when it can)."""
+        return _line_problems("decomposition", self.c0, self.c3, self.r_squared, "c0", "c3")
 
-def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Intercept and slope of the least-squares line, both clamped at >= 0."""
+
+def _line_problems(
+    what: str, intercept: float, slope: float, r_squared: float, a_name: str, b_name: str
+) -> list[str]:
+    problems = []
+    if not (math.isfinite(intercept) and math.isfinite(slope)):
+        problems.append(f"{what} fit is not finite ({a_name}={intercept}, {b_name}={slope})")
+        return problems
+    if slope <= 0:
+        problems.append(f"{what} time does not grow with size ({b_name}={slope:.3g})")
+    if intercept < 0:
+        problems.append(f"{what} start-up time is negative ({a_name}={intercept:.3g} s)")
+    if r_squared < MIN_R_SQUARED:
+        problems.append(
+            f"{what} fit explains too little of the measured times "
+            f"(R²={r_squared:.2f} < {MIN_R_SQUARED})"
+        )
+    return problems
+
+
+@dataclass(frozen=True)
+class LineFit:
+    """Least-squares line ``y = intercept + slope · x`` and its coefficient of determination."""
+
+    intercept: float
+    slope: float
+    r_squared: float
+
+
+def least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
+    """The least-squares line through ``(x, y)`` points, unclamped.
+
+    ``r_squared`` is ``1 − SS_res/SS_tot`` (1 when every ``y`` is equal and fitted exactly).
+
+    Raises:
+        ValueError: fewer than two points, counts that differ, or all ``x`` equal.
+    """
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError(
             f"need at least two (x, y) points of equal count, got {len(xs)} and {len(ys)}"
@@ -56,21 +117,26 @@ def _least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float
     if spread == 0:
         raise ValueError("the x values must not all be equal")
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-    slope = max(0.0, slope)
-    intercept = max(0.0, mean_y - slope * mean_x)
-    return intercept, slope
+    intercept = mean_y - slope * mean_x
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    total = sum((y - mean_y) ** 2 for y in ys)
+    r_squared = 1.0 - residual / total if total > 0 else (1.0 if residual == 0 else 0.0)
+    return LineFit(intercept, slope, r_squared)
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-    """Least-squares ``alpha``, ``beta`` from measured (bytes, seconds) pairs."""
-    alpha, beta = _least_squares_line(sizes, seconds)
-    return AlphaBeta(alpha, beta)
+    """Least-squares ``alpha``, ``beta`` from measured (bytes, seconds) pairs.
+
+    Unclamped: a fit that makes no sense says so in :meth:`AlphaBeta.problems`.
+    """
+    line = least_squares_line(sizes, seconds)
+    return AlphaBeta(line.intercept, line.slope, line.r_squared)
 
 
 def fit_cubic(dims: Sequence[int], seconds: Sequence[float]) -> CubicCost:
-    """Least-squares ``c0``, ``c3`` from measured (d, seconds) pairs."""
-    c0, c3 = _least_squares_line([float(d) ** 3 for d in dims], seconds)
-    return CubicCost(c0, c3)
+    """Least-squares ``c0``, ``c3`` from measured (d, seconds) pairs (unclamped)."""
+    line = least_squares_line([float(d) ** 3 for d in dims], seconds)
+    return CubicCost(line.intercept, line.slope, line.r_squared)
 
 
 def _fastest_seconds(action: Callable[[], object], repeats: int) -> float:
@@ -99,7 +165,7 @@ def _agree(values: list[float], device: torch.device) -> list[float]:
 
 def calibrate_alpha_beta(
     sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**20, 2**22),
-    repeats: int = 5,
+    repeats: int = 9,
     device: torch.device | None = None,
     group: object | None = None,
 ) -> AlphaBeta:
@@ -122,6 +188,23 @@ def calibrate_alpha_beta(
     return fit_alpha_beta([float(s) for s in sizes], _agree(measured, target))
 
 
+def decomposition_dims(largest: int | None = None, smallest: int = 32) -> list[int]:
+    """Sizes to time decompositions at: powers of two from ``smallest``, then ``largest``.
+
+    The fit is made up to the model's largest factor, so the biggest decompositions (the
+    ones that matter for placement) are measured, not extrapolated from small ones.
+    """
+    top = max(largest or 256, smallest)
+    dims = [smallest]
+    while dims[-1] * 2 < top:
+        dims.append(dims[-1] * 2)
+    if dims[-1] != top:
+        dims.append(top)
+    if len(dims) < 3:  # a line through two points has no fit quality
+        dims = sorted({max(2, smallest // 4), max(3, smallest // 2), *dims})
+    return dims
+
+
 def calibrate_decomposition(
     dims: Sequence[int] = (32, 64, 128, 256),
     repeats: int = 3,
@@ -131,8 +214,9 @@ def calibrate_decomposition(
 ) -> CubicCost:
     """Time one factor's decomposition (``method``) at ``dims`` and fit ``c0 + c3·d³``.
 
-    ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Under
-    ``torch.distributed`` the times are max-reduced so all ranks agree.
+    ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Sizes
+    above 1024 are timed once (each takes seconds on a CPU). Under ``torch.distributed`` the
+    times are max-reduced so all ranks agree.
     """
     target = device or torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -145,8 +229,10 @@ def calibrate_decomposition(
 
         def decompose(matrix: torch.Tensor = matrix, shift: torch.Tensor = shift) -> None:
             decompose_factor(matrix, "a", method, dtype, shift)
+            if matrix.is_cuda:
+                torch.cuda.synchronize(matrix.device)
 
-        measured.append(_fastest_seconds(decompose, repeats))
+        measured.append(_fastest_seconds(decompose, repeats if d <= 1024 else 1))
     return fit_cubic(list(dims), _agree(measured, target))
 
 
@@ -167,9 +253,15 @@ class ClusterCostModel:
         return {
             "alpha_s": self.collective.alpha,
             "beta_s_per_byte": self.collective.beta,
+            "collective_r_squared": self.collective.r_squared,
             "decomposition_c0_s": self.decomposition.c0,
             "decomposition_c3_s": self.decomposition.c3,
+            "decomposition_r_squared": self.decomposition.r_squared,
         }
+
+    def problems(self) -> list[str]:
+        """Why the planners cannot use this model (empty when they can)."""
+        return self.collective.problems() + self.decomposition.problems()
 
 
 def calibrate_cluster(
@@ -208,7 +300,8 @@ class CostModelCache:
 
     def __init__(self) -> None:
         self._collective: dict[tuple[tuple[int, ...], str, str], AlphaBeta] = {}
-        self._decomposition: dict[tuple[str, torch.dtype, str], CubicCost] = {}
+        # Per key: the fit and the largest size it measured.
+        self._decomposition: dict[tuple[str, torch.dtype, str], tuple[CubicCost, int]] = {}
 
     def get(
         self,
@@ -216,17 +309,21 @@ class CostModelCache:
         dtype: torch.dtype,
         device: torch.device | None = None,
         group: ProcessGroup | None = None,
+        largest_dim: int | None = None,
     ) -> ClusterCostModel:
         """The cost model of ``group`` for decompositions ``method`` in ``dtype``.
 
         Measures (:func:`calibrate_alpha_beta`, :func:`calibrate_decomposition`) only what
-        is not cached yet. Every rank must call it.
+        is not cached yet; a decomposition fit that stopped short of ``largest_dim`` is
+        measured again up to it. Every rank must call it (with the same arguments).
 
         Args:
             method: ``"eigen"`` or ``"inverse"``, the decomposition that is timed.
             dtype: dtype of the decompositions.
             device: where the collectives and decompositions run (default: CPU).
             group: the process group (default: the world).
+            largest_dim: the largest factor the model has: decompositions are timed up to it
+                (:func:`decomposition_dims`).
         """
         target = device or torch.device("cpu")
         ranks = (
@@ -238,10 +335,11 @@ class CostModelCache:
         if collective_key not in self._collective:
             self._collective[collective_key] = calibrate_alpha_beta(device=target, group=group)
         decomposition_key = (method, dtype, target.type)
-        if decomposition_key not in self._decomposition:
-            self._decomposition[decomposition_key] = calibrate_decomposition(
-                dtype=dtype, device=target, method=method
-            )
+        cached = self._decomposition.get(decomposition_key)
+        dims = decomposition_dims(largest_dim)
+        if cached is None or cached[1] < dims[-1]:
+            fit = calibrate_decomposition(dims, dtype=dtype, device=target, method=method)
+            self._decomposition[decomposition_key] = (fit, dims[-1])
         return ClusterCostModel(
-            self._collective[collective_key], self._decomposition[decomposition_key]
+            self._collective[collective_key], self._decomposition[decomposition_key][0]
         )

@@ -29,7 +29,7 @@ class PADStrategy(PipelinedStrategy):
     @staticmethod
     def plan_destinations(costs: SlotCosts) -> list[int | None]:
         """Owner of each slot: optimal contiguous partition of the ready order."""
-        beta = costs.cost.collective.beta
+        beta = 0.0 if costs.size_based else costs.cost.collective.beta  # sizes: d³ alone
         cost = [
             seconds + beta * nbytes
             for seconds, nbytes in zip(costs.decomposition_s, costs.wire, strict=True)

@@ -9,6 +9,7 @@ all, or reduce to an owner) and who decomposes each factor.
 from __future__ import annotations
 
 import logging
+import warnings
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class SlotCosts:
         inverse_method: ``"eigen"`` or ``"inverse"``.
         inv_dtype: dtype of the decompositions.
         world_size: number of workers.
+        size_based: the cost model could not be trusted (:meth:`ClusterCostModel.problems`):
+            ``decomposition_s`` is ``d³`` and placements go by size alone.
     """
 
     slots: list[FactorSlot]
@@ -67,6 +70,7 @@ class SlotCosts:
     inverse_method: str
     inv_dtype: torch.dtype
     world_size: int
+    size_based: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,20 @@ class PipelinedStrategy(DistributedStrategy):
         if self.cost is None:
             cache = self._cost_cache or CostModelCache()
             device = self.layers[0].block.weight.device
-            self.cost = cache.get(self.inverse_method, self.inv_dtype, device, self.comm.group)
+            largest = max(max(layer.block.a_dim, layer.block.g_dim) for layer in self.layers)
+            self.cost = cache.get(
+                self.inverse_method, self.inv_dtype, device, self.comm.group, largest_dim=largest
+            )
             logger.info("%s: cost model %s", self.name, self.cost.as_dict())
+        self.cost_problems = self.cost.problems()
+        if self.cost_problems:
+            message = (
+                f"strategy={self.name!r}: the cost model cannot be planned with "
+                f"({'; '.join(self.cost_problems)}); factors are placed by size (d³) and the "
+                "fusion stays planned by size"
+            )
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
         placement = self.place_factors(
             [(layer.block.a_dim, layer.block.g_dim) for layer in self.layers],
             self.comm.world_size,
@@ -190,14 +206,19 @@ class PipelinedStrategy(DistributedStrategy):
         slots = ready_order_of(dims)
         element = torch.empty((), dtype=factor_dtype).element_size()
         wire = [slot.packed_bytes(element) for slot in slots]
+        size_based = bool(cost.problems())
         costs = SlotCosts(
             slots=slots,
             wire=wire,
-            decomposition_s=[cost.decomposition.seconds(slot.dim) for slot in slots],
+            decomposition_s=[
+                float(slot.dim) ** 3 if size_based else cost.decomposition.seconds(slot.dim)
+                for slot in slots
+            ],
             cost=cost,
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
             world_size=world_size,
+            size_based=size_based,
         )
         destination = cls.plan_destinations(costs)
         decomposer = cls.plan_decomposers(costs, destination)
@@ -307,7 +328,10 @@ class PipelinedStrategy(DistributedStrategy):
             layer.clear_statistics()
         self.factor_steps += 1
         if self.profile_steps and self.factor_steps == self.profile_steps:
-            self._replan()
+            if self.cost_problems:  # the merge rule needs alpha and beta
+                logger.info("%s: fusion kept by size (no usable cost model)", self.name)
+            else:
+                self._replan()
 
     def after_load(self, layers: Sequence[LayerCurvature]) -> None:
         """Forget loaded running factors that another rank owns (PAD after a resume)."""
@@ -389,6 +413,7 @@ class PipelinedStrategy(DistributedStrategy):
         return {
             "strategy": self.name,
             "cost_model": self.cost.as_dict(),
+            "cost_model_problems": list(self.cost_problems),
             "fusion": "alpha-beta (profiled)" if self.measured_ready is not None else "size",
             "factors": factors,
             "buckets": buckets,

@@ -47,7 +47,8 @@ class SPDStrategy(PipelinedStrategy):
         placed = [
             i
             for i, slot in enumerate(costs.slots)
-            if beta * decomposition_bytes(slot.dim, costs.inverse_method, costs.inv_dtype)
+            if costs.size_based  # no usable times: every factor to an owner, LPT on d³
+            or beta * decomposition_bytes(slot.dim, costs.inverse_method, costs.inv_dtype)
             <= costs.decomposition_s[i]
         ]
         owners = longest_processing_time(
