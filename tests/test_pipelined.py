@@ -388,3 +388,56 @@ def test_an_unusable_cost_model_is_reported_and_factors_are_placed_by_size() -> 
             assert "all" not in owners and set(owners) == {0, 1}
             for got, want in zip(run["params"], want_params, strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def replica_check_run(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for strategy in ("spd", "pad", "dkfac", "kaisa", "dp"):
+        options: dict[str, Any] = {"cost_model": COST} if strategy in ("spd", "pad") else {}
+        if strategy == "kaisa":
+            options["grad_worker_fraction"] = 1 / world_size
+        for perturb in (False, True) if strategy == "spd" else (False,):
+            model = uneven_model()
+            ddp = nn.parallel.DistributedDataParallel(model)
+            pre = dkfac.KFACPreconditioner(
+                ddp, strategy=strategy, lr=0.1, check_replicas_every=2, **options, **F64
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            error = None
+            try:
+                for step in range(4):  # decompositions at every step: checks at steps 1 and 3
+                    x, y = global_batch(step, world_size)
+                    x = x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+                    y = y[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+                    opt.zero_grad()
+                    F.cross_entropy(ddp(x), y).backward()
+                    pre.step()
+                    opt.step()
+                    if perturb and step == 0 and rank == 1:
+                        # One rank's copy of a factor every worker decomposes itself is off
+                        # by one rounding step: as on a worker with other hardware.
+                        entry = next(
+                            f for f in pre.plan()["factors"] if f["decomposed_by"] == "all"
+                        )
+                        layer = next(lay for lay in pre.layers if lay.name == entry["layer"])
+                        factor = layer.factor(entry["factor"].lower())
+                        factor[0, 0] = torch.nextafter(factor[0, 0], factor[0, 0] + 1)
+                        out["perturbed"] = f"{entry['layer']!r}"
+            except RuntimeError as caught:
+                error = str(caught)
+            out[f"{strategy}{'-perturbed' if perturb else ''}"] = error
+            pre.remove()
+    return out
+
+
+def test_replica_check_finds_a_worker_whose_decomposition_differs() -> None:
+    results = run_workers(replica_check_run, 2, timeout=120)
+    for strategy in ("spd", "pad", "dkfac", "kaisa", "dp"):
+        assert results[0][strategy] is None and results[1][strategy] is None, strategy
+    layer = results[1]["perturbed"]
+    for rank in range(2):
+        message = results[rank]["spd-perturbed"]
+        assert message is not None, rank
+        assert message.startswith("K-FAC replicas diverged"), message
+        assert f"{layer} (ranks [1] differ from rank 0)" in message
+        assert "strategy='pad' or 'dkfac'" in message

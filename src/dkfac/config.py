@@ -188,6 +188,7 @@ class KFACConfig:
     bucket_cap_mb: float = 25.0
     comm_dtype: torch.dtype | None = None
     profile_steps: int = 5
+    check_replicas_every: int = 0
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
     factor_decay_at: FloatSchedule = field(init=False, repr=False)
@@ -221,6 +222,7 @@ class KFACConfig:
             )
         check_int("accumulation_steps", self.accumulation_steps)
         check_int("profile_steps", self.profile_steps, low=0)
+        check_int("check_replicas_every", self.check_replicas_every, low=0)
         check_float(
             "grad_worker_fraction",
             self.grad_worker_fraction,

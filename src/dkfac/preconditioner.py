@@ -100,6 +100,11 @@ class KFACPreconditioner:
             and then reuses (for several preconditioners in one job); ``None`` measures the
             process group and the decompositions at construction (about a second, collective:
             every rank builds its preconditioner together).
+        check_replicas_every: every this many decomposition steps, compare the exact bits of
+            every decomposition across the workers that hold it (one all-gather of two int64
+            per layer) and raise a ``RuntimeError`` naming the layer and ranks on divergence:
+            workers that decompose a factor independently (SPD-KFAC) must agree bitwise or the
+            model replicas drift apart. 0 (default) never checks.
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (the number of completed ``step()`` calls). A callable's value is checked
@@ -134,6 +139,7 @@ class KFACPreconditioner:
         comm_dtype: torch.dtype | None = None,
         profile_steps: int = 5,
         cost_model: ClusterCostModel | CostModelCache | None = None,
+        check_replicas_every: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -167,6 +173,7 @@ class KFACPreconditioner:
             bucket_cap_mb=bucket_cap_mb,
             comm_dtype=comm_dtype,
             profile_steps=profile_steps,
+            check_replicas_every=check_replicas_every,
         )
         self._recorder = StepRecorder()
         self._strategy = make_strategy(
@@ -201,6 +208,7 @@ class KFACPreconditioner:
         self._force_inverse = False
         self._window_scale: float | None = None
         self._skipped_steps = 0
+        self._decomposition_steps = 0
         # Forward passes of the model: a layer's examples count once per pass (a shared layer
         # runs several times in one). Calls made outside the model's forward are passes of
         # their own.
@@ -427,6 +435,10 @@ class KFACPreconditioner:
             self._strategy.update_inverses(
                 self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype
             )
+            self._decomposition_steps += 1
+            every = config.check_replicas_every
+            if every and self._decomposition_steps % every == 0:
+                self._strategy.check_replicas(self._layers)
         active = [layer for layer in active if layer.name not in self._silent]
         if active:
             grads = [layer.block.grad_matrix() for layer in active]

@@ -200,6 +200,30 @@ def decompose(
     return combine_factors(method, a_part, g_part), a_part.ok & g_part.ok
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_checksum(tensors: Mapping[str, Tensor]) -> Tensor:
+    """An int64 device checksum of the exact bits of ``tensors`` (in key order).
+
+    Each value's bit pattern, read as an integer, is weighted by its position and summed in
+    int64 (wrapping): integer sums do not depend on the order of summation, so equal bits give
+    equal checksums on any hardware, and a changed, swapped or rounded-differently value
+    changes it (but for a chance of 2⁻⁶⁴).
+    """
+    total: Tensor | None = None
+    offset = 0
+    for name in sorted(tensors):
+        flat = tensors[name].detach().contiguous().reshape(-1)
+        bits = flat.view(_SAME_SIZE_INT[flat.element_size()]).to(torch.int64)
+        weights = torch.arange(offset + 1, offset + 1 + bits.numel(), device=bits.device)
+        part = (bits * weights).sum()
+        total = part if total is None else total + part
+        offset += bits.numel()
+    assert total is not None, "bit_checksum of nothing"
+    return total
+
+
 def inverse_from_tensors(method: str, tensors: dict[str, Tensor]) -> KroneckerInverse:
     """Rebuild an inverse from :meth:`KroneckerInverse.tensors` (for load_state_dict)."""
     if method == "eigen":

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.distributed.communicator import Communicator
 from dkfac.distributed.recorder import StepRecorder
@@ -54,6 +55,9 @@ class Strategy(ABC):
     def plan(self) -> dict[str, Any]:
         """The placement (and fusion) plan as plain data; see ``KFACPreconditioner.plan``."""
         return {"strategy": self.name, "factors": [], "buckets": []}
+
+    def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
+        """Raise if workers hold different decompositions of a layer (default: one worker)."""
 
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR of ``flags`` over all workers (default: this worker is all there is).
@@ -108,6 +112,46 @@ class DistributedStrategy(Strategy):
     def close(self) -> None:
         """Release the process groups the communicator made (its own, KAISA's sub-groups)."""
         self.comm.close()
+
+    def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:
+        """Compare every layer's decomposition bits across the workers that hold it.
+
+        Each worker sends, per layer, whether it holds a decomposition and its
+        :func:`~dkfac.curvature.inverse.bit_checksum` (one all-gather of ``2·L`` int64). Workers
+        that decompose the same factor independently (SPD-KFAC's "everywhere" factors) can
+        round differently on mixed hardware, and the replicas of the model then drift apart.
+
+        Raises:
+            RuntimeError: some layer's decomposition differs between workers (every worker
+                raises the same error, naming the layers and the ranks).
+        """
+        device = layers[0].block.weight.device
+        local = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)
+        for index, layer in enumerate(layers):
+            if layer.inverse is not None:
+                local[index, 0] = 1
+                local[index, 1] = bit_checksum(layer.inverse.tensors())
+        gathered = torch.empty(
+            self.comm.world_size * local.numel(), dtype=torch.int64, device=device
+        )
+        with self.recorder.phase("inverse_comm"):
+            self.comm.all_gather(local.reshape(-1), gathered, phase="replica_check").wait()
+        table = gathered.reshape(self.comm.world_size, len(layers), 2).tolist()
+        differing = []
+        for index, layer in enumerate(layers):
+            holders = {rank: row[index][1] for rank, row in enumerate(table) if row[index][0]}
+            if len(set(holders.values())) > 1:
+                first = min(holders)
+                others = sorted(r for r, c in holders.items() if c != holders[first])
+                differing.append(f"{layer.name!r} (ranks {others} differ from rank {first})")
+        if differing:
+            raise RuntimeError(
+                "K-FAC replicas diverged: workers hold different decompositions of layer(s) "
+                + ", ".join(differing)
+                + ". Workers that decompose a factor independently must compute bitwise the "
+                "same result (same hardware, same libraries); otherwise use a strategy that "
+                "decomposes each factor once and broadcasts it (strategy='pad' or 'dkfac')"
+            )
 
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
