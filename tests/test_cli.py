@@ -164,6 +164,31 @@ def test_resume_on_a_different_world_size(tmp_path: Path) -> None:
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-1] == 12
 
 
+def test_resume_continues_the_saved_run_and_refuses_flags_that_would_change_it(
+    tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    # A run that is not the defaults: 2 epochs of an MLP, stopped after 5 steps.
+    argv = ["train", *QUICK, "--epochs", "2", "--nproc", "1", "--out", str(out)]
+    assert main([*argv, "--stop-after-steps", "5"]) == 0
+    saved = (out / "config.toml").read_text()
+    capsys.readouterr()
+    # What would change the run is refused, naming the flag, and nothing is overwritten.
+    assert main(["train", "--out", str(out), "--resume", "--lr", "0.2", "--model", "cnn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dkfac: error: --resume continues the run saved in") and "\n" not in err
+    assert "--lr 0.2 (saved: 0.05)" in err and "--model 'cnn' (saved: 'mlp')" in err
+    assert (out / "config.toml").read_text() == saved
+    # The README's form: only --out and --resume; the saved 2 epochs of the MLP go on.
+    assert main(["train", "--out", str(out), "--resume", "--nproc", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {out} with its saved configuration; changed: nproc 1 -> 2" in printed
+    assert [e["epoch"] for e in epochs_of(out)] == [1, 2]
+    resumed = (out / "config.toml").read_text()
+    assert 'model = "mlp"' in resumed and "epochs = 2" in resumed and "nproc = 2" in resumed
+    assert "stop_after_steps = 0" in resumed  # the stop was the interrupted run's
+
+
 def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> None:
     # PAD-KFAC keeps each factor on its owner only: rank 0 saved A, rank 1 saved G.
     torch.manual_seed(0)
@@ -316,6 +341,10 @@ def test_bucket_mb_auto_in_any_case_with_spaces(text: str) -> None:
 
 
 def test_resume_without_checkpoint_and_unknown_config_keys(tmp_path: Path, capsys) -> None:
+    assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
+    assert "no saved run in" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.toml").write_text(TrainConfig(model="mlp").to_toml())
     assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     config = tmp_path / "c.toml"
@@ -514,6 +543,7 @@ def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_crash_in_a_worker_is_exit_code_1_with_its_error(tmp_path: Path, capsys) -> None:
+    assert main(["train", *QUICK, "--nproc", "1", "--epochs", "1", "--out", str(tmp_path)]) == 0
     torch.save({"model": {}}, tmp_path / "checkpoint.pt")  # not this model's weights
     code = main(["train", *QUICK, "--nproc", "1", "--resume", "--out", str(tmp_path)])
     assert code == 1
