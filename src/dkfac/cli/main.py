@@ -169,8 +169,7 @@ def _resumed_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
     refused = [name for name in differing if name not in RESUME_MAY_CHANGE]
     if refused:
         changes = ", ".join(
-            f"--{name.replace('_', '-')} {getattr(asked, name)!r} (saved: "
-            f"{getattr(saved, name)!r})"
+            f"--{name.replace('_', '-')} {getattr(asked, name)!r} (saved: {getattr(saved, name)!r})"
             for name in refused
         )
         may = ", ".join("--" + name.replace("_", "-") for name in RESUME_MAY_CHANGE)
