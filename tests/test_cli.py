@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
 import dkfac.cli.launch as launch_module
@@ -32,6 +33,7 @@ from dkfac.cli.launch import (
 from dkfac.cli.main import build_parser, compare_strategies, main, missing_dependency_message
 from dkfac.cli.rank_logging import configure_logging
 from dkfac.cli.report import compare_table, write_plots
+from dkfac.cli.sampling import EpochSampler
 from dkfac.cli.train import RunResult, restore_checkpoint, run_device, run_training
 
 # The module, not the `main` function that dkfac.cli re-exports under the same name.
@@ -158,10 +160,23 @@ def test_resume_on_a_different_world_size(tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
+    # 2 -> 1: the epoch's 6 global batches of 2 x 32 are 384 examples of its order; 5 steps
+    # consumed 320, so one worker continues with the remaining 64 (2 steps of 32), and every
+    # example of the epoch is seen once (before the fix it restarted its own shard at batch
+    # 5: 352 examples, some twice).
     assert main(["train", *common, "--nproc", "2", "--stop-after-steps", "5"]) == 0
     assert main(["train", *common, "--nproc", "1", "--resume"]) == 0
     steps = [s["step"] for s in steps_of(out)]
-    assert steps[:5] == [1, 2, 3, 4, 5] and steps[-1] == 12
+    assert steps == list(range(1, 14))  # 5 + 2 steps, then the second epoch's 6 of 32
+    assert [e["train_examples"] for e in epochs_of(out)] == [384, 192]
+    # 1 -> 2: 4 of 6 steps of 32 consumed 128 of the epoch's 192; two workers take the
+    # remaining 64 as one global batch.
+    out2 = tmp_path / "run2"
+    common[-1] = str(out2)
+    assert main(["train", *common, "--nproc", "1", "--stop-after-steps", "4"]) == 0
+    assert main(["train", *common, "--nproc", "2", "--resume"]) == 0
+    assert [s["step"] for s in steps_of(out2)] == list(range(1, 12))  # 4 + 1, then 6
+    assert [e["train_examples"] for e in epochs_of(out2)] == [192, 384]
 
 
 def test_resume_continues_the_saved_run_and_refuses_flags_that_would_change_it(
@@ -208,6 +223,8 @@ def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> 
         "ranks": [{"pre": state, "rng": None, "totals": torch.zeros(3)} for state in states],
         "epoch": 0,
         "batch": 3,
+        "position": 192,
+        "budget": 384,
         "step": 7,
         "world_size": 2,
     }
@@ -651,3 +668,32 @@ def test_npz_dataset_through_the_cli(tmp_path: Path) -> None:
     assert main([*argv, "--dataset-option", "test_fraction=0.25", "--out", str(out)]) == 0
     epochs = epochs_of(out)
     assert [e["epoch"] for e in epochs] == [1, 2] and epochs[-1]["step"] == 2 * (72 // 8)
+
+
+@pytest.mark.parametrize("size", [103, 128])
+def test_epoch_sampler_resumes_at_the_exact_example_on_any_number_of_ranks(size: int) -> None:
+    full = EpochSampler(size, 1, 0, seed=3)
+    full.set_epoch(2)
+    order = full.order().tolist()
+    for world in (1, 2, 3):
+        # From the start: what DistributedSampler(shuffle, drop_last) yields, rank by rank.
+        for rank in range(world):
+            ours = EpochSampler(size, world, rank, seed=3)
+            ours.set_epoch(2)
+            theirs = DistributedSampler(
+                range(size), num_replicas=world, rank=rank, seed=3, drop_last=True
+            )
+            theirs.set_epoch(2)
+            assert list(ours) == list(theirs)
+        # From any position: the ranks together continue the order exactly once.
+        for start in (0, 1, 40, size - 2):
+            shares = []
+            for rank in range(world):
+                sampler = EpochSampler(size, world, rank, seed=3)
+                sampler.set_epoch(2, start)
+                shares.append(list(sampler))
+                assert len(shares[-1]) == len(sampler) == (size - start) // world
+            taken = [shares[r][i] for i in range(len(shares[0])) for r in range(world)]
+            assert taken == order[start : start + len(taken)]
+    with pytest.raises(ValueError, match="start=200"):
+        full.set_epoch(0, 200)

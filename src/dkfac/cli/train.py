@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 import dkfac
 from dkfac.cli.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
 from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.sampling import EpochSampler
 from dkfac.datasets import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
 
@@ -156,6 +157,21 @@ class GradientSync:
             self.dear.remove()
 
 
+class EpochPosition(NamedTuple):
+    """Where a run stands in an epoch (:mod:`dkfac.cli.sampling`).
+
+    Attributes:
+        consumed: examples of the epoch's order consumed by all ranks together.
+        budget: examples the epoch uses in all (``steps_per_epoch`` global batches, fixed
+            when the epoch began, so a resume on another number of ranks finishes it exactly).
+        batch: steps taken in the epoch (informational).
+    """
+
+    consumed: int
+    budget: int
+    batch: int
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -227,9 +243,7 @@ def run_training(
     check_fits(config, spec, world)
     model: nn.Module = build_model(config.model, spec).to(device)
 
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        spec.train, num_replicas=world, rank=rank, shuffle=True, seed=config.seed, drop_last=True
-    )
+    sampler = EpochSampler(len(spec.train), world, rank, config.seed)  # type: ignore[arg-type]
     # A private generator: creating the loader's iterator then never consumes the global RNG,
     # whose state a checkpoint restores.
     loader = DataLoader(
@@ -242,6 +256,7 @@ def run_training(
     steps_per_epoch = len(loader)
     if config.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+    global_batch = config.batch_size * world
 
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(
@@ -274,7 +289,9 @@ def run_training(
 
     out = Path(config.out) if config.out else None
     result = RunResult()
-    start_epoch, start_batch, step = 0, 0, 0
+    # Where the first epoch starts: examples of its order already consumed by all ranks, and
+    # how many it uses in all (its budget, fixed when the epoch began, whatever the world).
+    start_epoch, start_position, start_budget, step = 0, 0, 0, 0
     # This rank's (loss sum, correct, examples) and K-FAC phase totals of the current epoch;
     # part of checkpoints.
     totals = torch.zeros(3, dtype=torch.float64)
@@ -282,9 +299,10 @@ def run_training(
     if resume and out is not None:
         saved = load_checkpoint(out)
         if saved is not None:
-            start_epoch, start_batch, step, totals, phases = restore_checkpoint(
+            where, totals, phases = restore_checkpoint(
                 saved, model, optimizer, scheduler, pre, rank, world
             )
+            start_epoch, start_position, start_budget, step = where
             result.epochs = list(saved["epochs"])
             result.seconds = float(saved["seconds"])
             if rank == 0:
@@ -293,24 +311,25 @@ def run_training(
 
     wrapped.train()
     for epoch in range(start_epoch, config.epochs):
-        sampler.set_epoch(epoch)
-        first = start_batch if epoch == start_epoch else 0
+        resuming = epoch == start_epoch and start_position > 0
+        position = start_position if resuming else 0
+        budget = start_budget if resuming else steps_per_epoch * global_batch
+        sampler.set_epoch(epoch, position)
+        steps = min(len(loader), (budget - position) // global_batch)
         bar = (
             progress(steps_per_epoch, f"epoch {epoch + 1}/{config.epochs}")
             if (progress is not None and rank == 0)
             else None
         )
-        if bar is not None and first:
-            bar.update(first)
+        if bar is not None and position:
+            bar.update(min(steps_per_epoch, position // global_batch))
         epoch_start = time.perf_counter()
-        if epoch != start_epoch or not start_batch:
+        if not resuming:
             totals.zero_()
             phases = PhaseTotals()
         for batch_index, (x, y) in enumerate(loader):
-            if batch_index >= steps_per_epoch:
+            if batch_index >= steps:
                 break
-            if batch_index < first:
-                continue
             tick = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             logits = wrapped(x.to(device))
@@ -356,7 +375,9 @@ def run_training(
                     scheduler,
                     pre,
                     epoch,
-                    batch_index + 1,
+                    EpochPosition(
+                        position + (batch_index + 1) * global_batch, budget, batch_index + 1
+                    ),
                     step,
                     result,
                     rank,
@@ -381,6 +402,7 @@ def run_training(
             "step": step,
             "train_loss": float(epoch_totals[0] / epoch_totals[2]),
             "train_accuracy": float(epoch_totals[1] / epoch_totals[2]),
+            "train_examples": int(epoch_totals[2]),
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
             "seconds": result.seconds,
@@ -410,7 +432,7 @@ def run_training(
                 scheduler,
                 pre,
                 epoch + 1,
-                0,
+                EpochPosition(0, 0, 0),
                 step,
                 result,
                 rank,
@@ -449,7 +471,7 @@ def _checkpoint(
     scheduler: Any,
     pre: dkfac.KFACPreconditioner | None,
     epoch: int,
-    batch: int,
+    position: EpochPosition,
     step: int,
     result: RunResult,
     rank: int,
@@ -457,7 +479,10 @@ def _checkpoint(
     totals: torch.Tensor,
     phases: PhaseTotals,
 ) -> None:
-    """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state."""
+    """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state.
+
+    ``position`` is where the run stands in epoch ``epoch``.
+    """
     local = {
         "rng": rng_state(),
         "pre": pre.state_dict() if pre is not None else None,
@@ -476,7 +501,9 @@ def _checkpoint(
                 "scheduler": scheduler.state_dict(),
                 "ranks": gathered,
                 "epoch": epoch,
-                "batch": batch,
+                "batch": position.batch,
+                "position": position.consumed,
+                "budget": position.budget,
                 "step": step,
                 "world_size": world,
                 "epochs": list(result.epochs),
@@ -496,12 +523,12 @@ def restore_checkpoint(
     pre: dkfac.KFACPreconditioner | None,
     rank: int,
     world: int,
-) -> tuple[int, int, int, torch.Tensor, PhaseTotals]:
+) -> tuple[tuple[int, int, int, int], torch.Tensor, PhaseTotals]:
     """Load a checkpoint.
 
     Returns:
-        Where to continue: (epoch, batch within the epoch, step, this rank's epoch totals,
-        this rank's K-FAC phase totals of the epoch).
+        Where to continue, ``(epoch, examples of the epoch consumed, the epoch's budget,
+        step)``; this rank's epoch totals; this rank's K-FAC phase totals of the epoch.
     """
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -542,5 +569,10 @@ def restore_checkpoint(
         totals = totals if rank == 0 else torch.zeros_like(totals)
     # Rank 0 reports the phase totals; on another world size it continues the old rank 0's.
     phases = PhaseTotals.from_record(mine.get("phases"))
-    position = int(saved["epoch"]), int(saved["batch"]), int(saved["step"])
-    return (*position, totals, phases)
+    where = (
+        int(saved["epoch"]),
+        int(saved["position"]),
+        int(saved["budget"]),
+        int(saved["step"]),
+    )
+    return where, totals, phases
