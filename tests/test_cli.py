@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
 import dkfac.cli.launch as launch_module
-from dkfac.cli.checkpoint import load_checkpoint, save_atomic
+from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
 from dkfac.cli.launch import (
     ExternalRank,
@@ -537,7 +538,93 @@ def test_save_atomic_keeps_the_previous_checkpoint_when_writing_fails(
     monkeypatch.undo()
     saved = load_checkpoint(tmp_path)
     assert saved is not None and saved["step"] == 1 and torch.equal(saved["weights"], torch.ones(3))
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
+    # A write that fails on the disk (fsync) leaves no temporary and the checkpoint intact.
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        save_atomic({"step": 3, "weights": torch.zeros(3)}, tmp_path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "checkpoint.pt.sha256"]
+    assert load_checkpoint(tmp_path)["step"] == 1  # type: ignore[index]
+
+
+class NotACheckpoint:
+    pass
+
+
+def test_the_last_two_checkpoints_are_kept_and_a_damaged_one_is_detected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in (1, 2, 3):
+        save_atomic({"step": step}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.prev.pt",
+        "checkpoint.prev.pt.sha256",
+        "checkpoint.pt",
+        "checkpoint.pt.sha256",
+    ]
+    assert load_checkpoint(tmp_path) == {"step": 3}
+    newest = tmp_path / "checkpoint.pt"
+    data = newest.read_bytes()
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "corrupted": data[:100] + bytes([data[100] ^ 0xFF]) + data[101:],
+    }
+    for kind, content in damaged.items():
+        newest.write_bytes(content)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dkfac.cli.checkpoint"):
+            assert load_checkpoint(tmp_path) == {"step": 2}, kind
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "checkpoint.pt: its SHA-256 does not match" in line and "truncated or" in line
+        assert line.endswith("using " + str(tmp_path / "checkpoint.prev.pt") + " instead")
+    # Both damaged: nothing usable is an error that names both.
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint: .*checkpoint.pt: .*prev"):
+        load_checkpoint(tmp_path)
+    # Only plain data is read back (torch.load weights_only=True): no arbitrary objects.
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save({"step": 1, "x": NotACheckpoint()}, other / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match=r"cannot be read .*Weights only load failed"):
+        load_checkpoint(other)
+
+
+def dkfac_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``dkfac ARGV`` in a process of its own: its workers' output is captured too."""
+    return subprocess.run(
+        [sys.executable, "-m", "dkfac.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_resume_after_a_damaged_checkpoint_uses_the_previous_one_and_ends_the_same(
+    tmp_path: Path,
+) -> None:
+    common = ["train", *QUICK, "--epochs", "2", "--nproc", "1", "--checkpoint-every", "2"]
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    assert main([*common, "--out", str(full)]) == 0
+    assert main([*common, "--out", str(parts), "--stop-after-steps", "5"]) == 0
+    newest = parts / "checkpoint.pt"  # step 5; the previous one is step 4
+    newest.write_bytes(newest.read_bytes()[:-300])  # a write cut short
+    done = dkfac_command("train", "--out", str(parts), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "its SHA-256 does not match" in done.stderr
+    assert "checkpoint.prev.pt instead" in done.stderr
+    keys = ("step", "loss", "lr")
+    assert [[s[k] for k in keys] for s in steps_of(parts)] == [
+        [s[k] for k in keys] for s in steps_of(full)
+    ]
+    assert epochs_of(parts)[-1]["test_loss"] == epochs_of(full)[-1]["test_loss"]
+    # Nothing usable: one line, exit code 2.
+    for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+        (parts / name).write_bytes(b"not a checkpoint")
+    done = dkfac_command("train", "--out", str(parts), "--resume")
+    assert done.returncode == 2
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("dkfac:")]
+    assert line.startswith("dkfac: error: no usable checkpoint:") and "prev.pt" in line
 
 
 def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -561,7 +648,8 @@ def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_a_crash_in_a_worker_is_exit_code_1_with_its_error(tmp_path: Path, capsys) -> None:
     assert main(["train", *QUICK, "--nproc", "1", "--epochs", "1", "--out", str(tmp_path)]) == 0
-    torch.save({"model": {}}, tmp_path / "checkpoint.pt")  # not this model's weights
+    torch.save({"model": {}}, tmp_path / "checkpoint.pt")  # intact, not this model's weights
+    (tmp_path / "checkpoint.pt.sha256").unlink()  # as an older dkfac wrote them
     code = main(["train", *QUICK, "--nproc", "1", "--resume", "--out", str(tmp_path)])
     assert code == 1
     err = capsys.readouterr().err

@@ -146,7 +146,9 @@ def _worker_context() -> Any:
     the server starts in about 0.1 s. The server forks before any torch computation runs
     (no intra-op threads exist yet), so the children are as clean as spawned ones. Each
     worker takes the parent's environment at its own start (:func:`_worker`), not the
-    server's.
+    server's. Their standard output and error are the server's, i.e. the parent's when it
+    first started workers (a later redirection of the parent's file descriptors, as pytest's
+    ``capfd`` does, does not reach them).
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")

@@ -23,6 +23,7 @@ from dkfac.cli.bench import (
     write_json,
 )
 from dkfac.cli.bench_report import format_summary, write_chart
+from dkfac.cli.checkpoint import has_checkpoint
 from dkfac.cli.config import (
     STRATEGIES,
     ConfigError,
@@ -346,8 +347,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not config.out:
         config = dataclasses.replace(config, out=os.path.join("runs", "train"))
     out = _prepare_out(config.out)
-    if args.resume and not (out / "checkpoint.pt").is_file():
+    if args.resume and not has_checkpoint(out):
         raise ConfigError(f"--resume: no checkpoint in {out} (start without --resume)")
+
     if _is_lead():
         (out / "config.toml").write_text(config.to_toml())
     result = execute(config, resume=args.resume)
