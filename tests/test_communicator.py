@@ -228,3 +228,21 @@ def group_churn(rank: int, world_size: int, cycles: int) -> int:
 
 def test_groups_made_and_released_at_once_never_break_a_peer() -> None:
     assert run_workers(group_churn, 2, args=(100,), timeout=120) == [100, 100]
+
+
+def group_timeouts(rank: int, world_size: int) -> list[float]:
+    comm = Communicator.with_own_group(StepRecorder())
+    groups = comm.new_groups([[0, 1]])
+    seconds = [
+        group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for group in (dist.group.WORLD, comm.group, groups[(0, 1)])
+    ]
+    comm.close()
+    return seconds
+
+
+def test_groups_dkfac_makes_have_the_default_groups_timeout() -> None:
+    # torch gives a new group 30 minutes whatever init_process_group said; a lost peer must
+    # fail dkfac's own groups (SPD/PAD, DeAR, KAISA's rows and columns) as soon as the world.
+    results = run_workers(group_timeouts, 2, timeout=60)  # the harness's groups: 30 s
+    assert results == [[30.0, 30.0, 30.0]] * 2

@@ -63,6 +63,10 @@ class TrainConfig:
     stop_after_steps: int = 0
     log_every: int = 10
     target_accuracy: float = 0.0
+    #: Seconds a collective may wait for a peer before the run fails (every process group).
+    collective_timeout: float = 300.0
+    #: Times ``dkfac train`` restarts its local workers after one is lost (torchrun: its own).
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         choices = {
@@ -88,6 +92,7 @@ class TrainConfig:
             "nproc",
             "threads",
             "log_every",
+            "collective_timeout",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -103,6 +108,7 @@ class TrainConfig:
             "checkpoint_every",
             "kl_clip",
             "target_accuracy",
+            "max_restarts",
         )
         for name in non_negative:
             if not getattr(self, name) >= 0:

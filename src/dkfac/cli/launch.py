@@ -41,12 +41,14 @@ class WorkerFailure:
         summary: ``"ExceptionType: message"``, how the process exited, or that it was stopped.
         details: the worker's traceback, or where it was when it was stopped ("" if unknown).
         cause: the worker's exception, when it could be sent to the parent.
+        lost: the process ended without reporting (killed, or crashed in native code).
     """
 
     rank: int
     summary: str
     details: str = ""
     cause: BaseException | None = None
+    lost: bool = False
 
 
 class WorkerError(RuntimeError):
@@ -72,7 +74,8 @@ class WorkerError(RuntimeError):
         *,
         others: Sequence[WorkerFailure] = (),
     ) -> None:
-        super().__init__(f"worker {rank} failed: {summary}")
+        verb = "" if summary.startswith("was lost") else "failed: "
+        super().__init__(f"worker {rank} {verb}{summary}")
         self.rank, self.summary, self.details, self.cause = rank, summary, details, cause
         self.failures = [WorkerFailure(rank, summary, details, cause), *others]
 
@@ -104,18 +107,48 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
     return None
 
 
+#: How gloo and NCCL say that a peer of a collective vanished or stopped answering.
+_LOST_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "timed out",
+    "communicator was aborted",
+)
+
+
+def lost_peer_message(error: BaseException) -> str | None:
+    """One line for a collective that failed because a peer is gone, or None if it did not.
+
+    Under torchrun or Slurm every surviving rank sees the same failure; its launcher's own
+    report names the rank that was lost (torchrun: "Root Cause").
+    """
+    text = " ".join(str(error).split())
+    if not isinstance(error, RuntimeError) or not any(s in text for s in _LOST_PEER_SIGNS):
+        return None
+    brief = text if len(text) <= 160 else text[:157] + "..."
+    return (
+        f"a peer worker was lost or stopped answering: a collective failed ({brief}); the "
+        "launcher's report names the lost rank"
+    )
+
+
 def backend_for(device: torch.device) -> str:
     """The process group backend for tensors on ``device``: NCCL for CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_external(rank: ExternalRank, threads: int, backend: str) -> None:
+def join_external(
+    rank: ExternalRank, threads: int, backend: str, collective_timeout: float = 600.0
+) -> None:
     """Initialise the job's process group.
 
     Args:
         rank: this process's place in the job (:func:`external_rank`).
         threads: intra-op threads of this process.
         backend: ``"gloo"`` or ``"nccl"``, from :func:`backend_for` of the run's device.
+        collective_timeout: seconds a collective may wait before the process group fails.
     """
     torch.set_num_threads(threads)
     if rank.launcher == "slurm":  # srun sets no rendezvous variables of torch's own
@@ -124,7 +157,12 @@ def join_external(rank: ExternalRank, threads: int, backend: str) -> None:
         )
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank.rank), str(rank.world_size)
-    dist.init_process_group(backend, rank=rank.rank, world_size=rank.world_size)
+    dist.init_process_group(
+        backend,
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=timedelta(seconds=collective_timeout),
+    )
 
 
 #: Modules the fork server imports once for every worker it starts.
@@ -246,10 +284,13 @@ class _WorkerPool:
             for rank in self.pending():
                 code = self.processes[rank].exitcode
                 if code not in (None, 0):
-                    how = f"exited with code {code}"
-                    if code < 0:
-                        how += f" ({signal.Signals(-code).name})"
-                    self.failures.append(WorkerFailure(rank, how, self._stack(rank)))
+                    how = f"was lost: its process (pid {self.processes[rank].pid}) "
+                    how += (
+                        f"was killed by {signal.Signals(-code).name}"
+                        if code < 0
+                        else f"exited with code {code} without reporting"
+                    )
+                    self.failures.append(WorkerFailure(rank, how, self._stack(rank), lost=True))
             return
         if ok:
             self.values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -283,8 +324,13 @@ class _WorkerPool:
             return ""
 
     def error(self) -> WorkerError:
-        """The run's failure: the first one reported, then every other worker's."""
-        first, *others = self.failures
+        """The run's failure, then every other worker's.
+
+        A lost worker comes first (its peers only saw it vanish), else the first failure
+        reported.
+        """
+        ordered = sorted(self.failures, key=lambda failure: not failure.lost)
+        first, *others = ordered
         others += self.stop_pending(f"when rank {first.rank} failed")
         return WorkerError(first.rank, first.summary, first.details, first.cause, others=others)
 
@@ -383,10 +429,18 @@ def spawn_local(
     args: tuple[Any, ...] = (),
     *,
     backend: str = "gloo",
+    collective_timeout: float = 600.0,
 ) -> Any:
     """Run ``target(*args)`` on ``world_size`` local processes; rank 0's return value.
 
     Raises:
         WorkerError: the first worker that failed (the others are stopped).
     """
-    return spawn_workers(target, world_size, threads, args, backend=backend)[0]
+    return spawn_workers(
+        target,
+        world_size,
+        threads,
+        args,
+        backend=backend,
+        collective_timeout=collective_timeout,
+    )[0]

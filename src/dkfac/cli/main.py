@@ -36,6 +36,7 @@ from dkfac.cli.launch import (
     backend_for,
     external_rank,
     join_external,
+    lost_peer_message,
     spawn_local,
 )
 from dkfac.cli.rank_logging import configure_logging, quiet
@@ -82,6 +83,10 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "stop_after_steps": "checkpoint and stop after N steps, as a preempted job would "
         "(continue with --resume; 0: run to the end)",
         "target_accuracy": "test accuracy whose first crossing `compare` reports",
+        "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
+        "run fails",
+        "max_restarts": "restart the local workers this many times when one is lost, resuming "
+        "from the last checkpoint (train only; under torchrun use its --max-restarts)",
     }
     for f in fields(TrainConfig):
         if f.name == "dataset_options":
@@ -144,6 +149,8 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "log_every",
     "checkpoint_every",
     "stop_after_steps",
+    "collective_timeout",
+    "max_restarts",
 )
 
 
@@ -307,22 +314,54 @@ def execute_runs(
     backend = backend_for(run_device(first))
     args = (tuple(configs), tuple(labels or [""] * len(configs)), resume, show_progress)
     if outside is not None:
-        join_external(outside, first.threads, backend)
+        join_external(outside, first.threads, backend, first.collective_timeout)
         try:
             results = _run_worker(*args)
             dist.barrier()  # nobody tears the group down while a peer still talks to it
             return results if outside.rank == 0 else None
         finally:
             dist.destroy_process_group()
-    return list(spawn_local(_run_worker, first.nproc, first.threads, args=args, backend=backend))
+    return list(
+        spawn_local(
+            _run_worker,
+            first.nproc,
+            first.threads,
+            args=args,
+            backend=backend,
+            collective_timeout=first.collective_timeout,
+        )
+    )
 
 
 def execute(
     config: TrainConfig, *, resume: bool = False, show_progress: bool = True
 ) -> RunResult | None:
-    """Run ``config`` on the right number of processes; rank 0's result (None elsewhere)."""
-    results = execute_runs([config], resume=resume, show_progress=show_progress)
-    return None if results is None else results[0]
+    """Run ``config`` on the right number of processes; rank 0's result (None elsewhere).
+
+    With local workers and ``config.max_restarts``, a run whose worker was lost or crashed
+    is started again on fresh workers, from the last checkpoint in ``config.out`` (or from
+    the start when there is none yet); bad input is never retried.
+    """
+    restarts = 0
+    while True:
+        try:
+            results = execute_runs([config], resume=resume, show_progress=show_progress)
+            return None if results is None else results[0]
+        except WorkerError as error:
+            retry = restarts < config.max_restarts and not isinstance(
+                error.cause, (*WORKER_USAGE_ERRORS, ImportError)
+            )
+            if not retry or external_rank() is not None:
+                raise
+            restarts += 1
+            resume = bool(config.out) and has_checkpoint(Path(config.out))
+            logger.warning(
+                "%s; restarting the workers (restart %d of %d) %s",
+                error,
+                restarts,
+                config.max_restarts,
+                "from the last checkpoint" if resume else "from the start (no checkpoint yet)",
+            )
 
 
 def _print_plots(results: dict[str, RunResult], folder: Path) -> None:
@@ -349,10 +388,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = _prepare_out(config.out)
     if args.resume and not has_checkpoint(out):
         raise ConfigError(f"--resume: no checkpoint in {out} (start without --resume)")
+    # A worker restarted by torchrun (--max-restarts) runs the same command again: it
+    # continues from the last checkpoint its run wrote.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    resume = args.resume or (restarted and has_checkpoint(out))
+    if restarted and _is_lead():
+        logger.warning(
+            "restarted by torchrun (restart %s): %s",
+            os.environ["TORCHELASTIC_RESTART_COUNT"],
+            "resuming from the last checkpoint" if resume else "no checkpoint yet, from the start",
+        )
 
     if _is_lead():
         (out / "config.toml").write_text(config.to_toml())
-    result = execute(config, resume=args.resume)
+    result = execute(config, resume=resume)
     if result is None:
         return 0
     if result.stopped:
@@ -409,6 +458,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "--strategy is not allowed with --strategies: list every run in --strategies"
         )
     config = _resolve(args)
+    if config.max_restarts:
+        raise ConfigError(
+            "--max-restarts is not allowed with compare: it restarts one run from its "
+            "checkpoint (use dkfac train)"
+        )
     strategies = compare_strategies(args.strategies, config)
     out = _prepare_out(config.out or os.path.join("runs", "compare"))
     labels = [run_label(config.optimizer, strategy) for strategy in strategies]
@@ -545,6 +599,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dkfac: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as error:  # under torchrun/Slurm: this rank's collective failed
+        message = lost_peer_message(error) if outside is not None else None
+        if message is None:
+            raise
+        print(error_prefix, message, file=sys.stderr)
+        return EXIT_WORKER
 
 
 if __name__ == "__main__":

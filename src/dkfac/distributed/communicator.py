@@ -25,6 +25,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +35,25 @@ from torch import Tensor
 from dkfac.distributed.recorder import StepRecorder
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
+
+
+def default_group_timeout() -> timedelta | None:
+    """The timeout the default process group was created with, or None if it cannot be read.
+
+    ``torch.distributed.new_group`` gives a new group torch's default timeout (30 minutes for
+    gloo) whatever ``init_process_group(timeout=...)`` said; the groups dkfac makes take the
+    default group's instead, so a lost peer fails every group's collectives alike. torch has
+    no public accessor: the backend's options are read defensively.
+    """
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        for device_type in group._device_types:
+            timeout = group._get_backend(device_type).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return None
 
 
 def require_distributed(
@@ -272,7 +292,7 @@ class Communicator:
         one group could interleave differently on different ranks. Every rank must call it,
         in the same order as its other group creations; :meth:`close` destroys the group.
         """
-        group = dist.new_group(list(range(dist.get_world_size())))
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=default_group_timeout())
         comm = cls(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype, group=group)
         comm._owns_group = True
         return comm
@@ -329,7 +349,7 @@ class Communicator:
             if len(key) == self.world_size and self.group is None:
                 groups[key] = None if len(key) == 1 else dist.group.WORLD
             elif len(key) > 1:
-                groups[key] = dist.new_group(list(key))
+                groups[key] = dist.new_group(list(key), timeout=default_group_timeout())
                 if self.rank in key:  # elsewhere torch returns a non-member placeholder
                     self._subgroups.append(groups[key])
             else:
