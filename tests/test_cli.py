@@ -479,7 +479,7 @@ def test_backend_follows_the_run_device(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setenv(name, value)
     joined: list[str] = []
 
-    def join(rank: ExternalRank, threads: int, backend: str) -> None:
+    def join(rank: ExternalRank, threads: int, backend: str, timeout: float) -> None:
         joined.append(backend)
         raise RuntimeError("stop before training")
 
@@ -507,12 +507,14 @@ def test_join_external_under_slurm_sets_the_rendezvous(monkeypatch: pytest.Monke
     monkeypatch.setattr(
         launch_module.dist,
         "init_process_group",
-        lambda backend, rank, world_size: calls.append((backend, rank, world_size)),
+        lambda backend, rank, world_size, timeout, store: calls.append(
+            (backend, rank, world_size, timeout.total_seconds(), store)
+        ),
     )
     outside = external_rank()
     assert outside == ExternalRank(1, 2, "slurm")
-    join_external(outside, torch.get_num_threads(), "gloo")
-    assert calls == [("gloo", 1, 2)]
+    join_external(outside, torch.get_num_threads(), "gloo", collective_timeout=45.0)
+    assert calls == [("gloo", 1, 2, 45.0, None)]  # the job's own store: no torchrun attempts
     assert {
         name: environ[name] for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
     } == {

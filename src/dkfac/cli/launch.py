@@ -157,12 +157,36 @@ def join_external(
         )
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank.rank), str(rank.world_size)
+    timeout = timedelta(seconds=collective_timeout)
     dist.init_process_group(
         backend,
         rank=rank.rank,
         world_size=rank.world_size,
-        timeout=timedelta(seconds=collective_timeout),
+        timeout=timeout,
+        store=_attempt_store(rank, timeout),
     )
+
+
+def _attempt_store(rank: ExternalRank, timeout: timedelta) -> Any:
+    """Under torchrun, the job's store with keys of its own per restart attempt (else None).
+
+    torchrun's agent keeps its store across ``--max-restarts`` attempts; restarted workers
+    could read the previous attempt's gloo addresses and fail to connect to processes that
+    are gone ("Connection refused", seen in 3 of 6 restarts here; pytorch issue 167288 for
+    NCCL). A prefix per attempt keeps each attempt's rendezvous apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if rank.launcher != "torchrun" or attempt is None:
+        return None
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public, not in the stubs
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        rank.world_size,
+        is_master=not agent_hosts_it and rank.rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"dkfac/attempt-{attempt}/", store)  # type: ignore[attr-defined]
 
 
 #: Modules the fork server imports once for every worker it starts.
