@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dkfac-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-slow lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dkfac compare --nproc 2 --damping 0.03 --out runs/demo
 
+# The suite a developer runs (under 10 minutes on 2 cores); test-slow adds the end-to-end
+# benchmark runs and the extra strategy variants; CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

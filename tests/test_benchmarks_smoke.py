@@ -20,6 +20,7 @@ def _load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return load_benchmark("step_overhead", monkeypatch)
 
 
+@pytest.mark.slow
 def test_step_overhead_quick_run_writes_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -112,6 +113,7 @@ def test_strategies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (quick.models, quick.nprocs, quick.rounds) == (("resnet20",), (2,), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
 def test_strategies_quick_run_writes_json(

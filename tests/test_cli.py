@@ -97,7 +97,12 @@ def test_train_writes_config_metrics_plots_and_checkpoint(tmp_path: Path, capsys
 
 @pytest.mark.parametrize(
     ("strategy", "grad_sync"),
-    [("dkfac", "ddp"), ("kaisa", "ddp"), ("pad", "ddp"), ("none", "dear")],
+    [
+        ("dkfac", "ddp"),
+        pytest.param("kaisa", "ddp", marks=pytest.mark.slow),
+        pytest.param("pad", "ddp", marks=pytest.mark.slow),
+        ("none", "dear"),
+    ],
 )
 def test_resume_reproduces_the_uninterrupted_run(
     tmp_path: Path, strategy: str, grad_sync: str

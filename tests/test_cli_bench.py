@@ -44,6 +44,7 @@ def _torchrun_available() -> bool:
     return importlib.util.find_spec("torch.distributed.run") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
 def test_bench_quick_writes_json_chart_and_table(

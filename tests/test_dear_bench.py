@@ -14,6 +14,7 @@ from script_loader import load_benchmark
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "dear.py"
 
 
+@pytest.mark.slow
 def test_quick_run_writes_table_json_and_traces(tmp_path: Path) -> None:
     out = tmp_path / "dear.json"
     done = subprocess.run(

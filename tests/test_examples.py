@@ -13,7 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "pad"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "dkfac",
+        pytest.param("kaisa", marks=pytest.mark.slow),
+        pytest.param("pad", marks=pytest.mark.slow),
+    ],
+)
 def test_torchrun_example_trains_and_replicas_agree(strategy: str) -> None:
     pytest.importorskip("sklearn")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -577,21 +577,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(rank)
     # Under torchrun every rank reports its own failure: say which one it is.
     error_prefix = "dkfac: error:" if rank == 0 else f"dkfac: [rank {rank}] error:"
+
+    def report(message: str) -> None:
+        # One write per report: torchrun stops the survivors as soon as one worker fails, and a
+        # line printed in pieces would be cut (or interleaved with another rank's) mid-way.
+        sys.stderr.write(f"{error_prefix} {message}\n")
+        sys.stderr.flush()
+
     commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except ImportError as error:
-        print(error_prefix, missing_dependency_message(error), file=sys.stderr)
+        report(missing_dependency_message(error))
         return EXIT_USAGE
     except USAGE_ERRORS as error:
-        print(error_prefix, _one_line(error), file=sys.stderr)
+        report(_one_line(error))
         return EXIT_USAGE
     except WorkerError as error:
         if isinstance(error.cause, ImportError):
-            print(error_prefix, missing_dependency_message(error.cause), file=sys.stderr)
+            report(missing_dependency_message(error.cause))
             return EXIT_USAGE
         if isinstance(error.cause, WORKER_USAGE_ERRORS):  # bad input only a worker could see
-            print(error_prefix, _one_line(error.cause), file=sys.stderr)
+            report(_one_line(error.cause))
             return EXIT_USAGE
         print(f"dkfac: {error}", file=sys.stderr)
         print(error.report(), file=sys.stderr)
@@ -603,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = lost_peer_message(error) if outside is not None else None
         if message is None:
             raise
-        print(error_prefix, message, file=sys.stderr)
+        report(message)
         return EXIT_WORKER
 
 
