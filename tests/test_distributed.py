@@ -451,20 +451,26 @@ class WithUnusedHead(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
-def troubled_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
-    model = WithUnusedHead().double()
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    kwargs = {"grad_worker_fraction": 1 / world_size} if strategy == "kaisa" else {}
-    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, **F64, **kwargs)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+def troubled_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``; rank 0's first example is NaN at step 2."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    if step == 2 and rank == 0:
+        x[0, 0] = float("nan")  # one worker's statistics go bad for one step
+    return x, torch.randint(0, 3, (4,), generator=g)
+
+
+def troubled_steps(
+    model: nn.Module, forward: nn.Module, pre: dkfac.KFACPreconditioner, ranks: list[int]
+) -> list[str]:
+    """Four SGD steps on the batches of ``ranks`` (concatenated); returns the warnings."""
+    opt = torch.optim.SGD(forward.parameters(), lr=0.1)
     warned = []
     for step in range(4):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randn(4, 6, generator=g, dtype=torch.float64)
-        if step == 2 and rank == 0:
-            x[0, 0] = float("nan")  # one worker's statistics go bad for one step
+        batches = [troubled_batch(step, rank) for rank in ranks]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         opt.zero_grad()
-        F.cross_entropy(ddp(x), torch.randint(0, 3, (4,), generator=g)).backward()
+        F.cross_entropy(forward(x), y).backward()
         for p in model.parameters():
             if p.grad is not None:
                 p.grad = torch.nan_to_num(p.grad)
@@ -473,14 +479,32 @@ def troubled_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
             pre.step()
         warned += [str(w.message) for w in caught]
         opt.step()
+    return warned
+
+
+def troubled_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    model = WithUnusedHead().double()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    kwargs = {"grad_worker_fraction": 1 / world_size} if strategy == "kaisa" else {}
+    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, lr=0.1, **F64, **kwargs)
+    warned = troubled_steps(model, ddp, pre, [rank])
     return {"params": [p.detach().clone() for p in model.parameters()], "warned": warned}
 
 
 @pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd", "pad"])
 def test_unused_layer_and_nan_statistics_on_one_worker_stay_consistent(strategy: str) -> None:
     results = run_workers(troubled_run, 2, args=(strategy,), timeout=90)
-    for got, want in zip(results[1]["params"], results[0]["params"], strict=True):
-        assert torch.isfinite(want).all()
+    # Oracle: one process on the global batch (the NaN example included), same rule: the step's
+    # factors are not updated anywhere, the unused layer is left alone.
+    model = WithUnusedHead().double()
+    pre = dkfac.KFACPreconditioner(model, lr=0.1, **F64)
+    warned = troubled_steps(model, model, pre, [0, 1])
+    assert any("NaN/Inf" in message for message in warned)
+    for rank in range(2):
+        for got, want in zip(results[rank]["params"], model.parameters(), strict=True):
+            assert torch.isfinite(want).all()
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
         # Every worker applied the very same update, to the last bit.
-        assert torch.equal(got, want)
+        for got, want in zip(results[rank]["params"], results[0]["params"], strict=True):
+            assert torch.equal(got, want)
     assert any("NaN/Inf" in message for result in results for message in result["warned"])

@@ -324,8 +324,13 @@ def test_eval_and_no_grad_forwards_are_not_captured() -> None:
     with torch.no_grad():
         model(x)
     model.eval()
-    model(x)
+    y = model(x)
     assert all(not layer.has_statistics for layer in pre.layers)
+    # A step after them says why nothing was updated (the gradient from the eval forward).
+    y.sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"no factor statistics before this step: .*eval"):
+        pre.step()
+    assert all(layer.a is None and layer.g is None for layer in pre.layers)
 
 
 def test_unused_layer_keeps_its_gradient_none_and_others_are_preconditioned() -> None:

@@ -200,6 +200,10 @@ class KFACPreconditioner:
         # worker captures them), and layers found used outside their forward: these have a
         # gradient but never statistics, and pass it through unpreconditioned.
         self._forwarded: set[str] = set()
+        # Whether any layer ran forward in training mode with gradients on since the last
+        # factor update, captured here or not (under DP-KFAC this worker's own layers may all
+        # sit out a window that other layers trained in).
+        self._trained_forward = False
         self._silent: set[str] = set()
         # Layers whose forward ran on some worker at least once: never silent again, so once
         # every layer is known, finding silent layers costs no communication.
@@ -299,10 +303,11 @@ class KFACPreconditioner:
         # Recorded on every worker, capturing or not, so all workers agree on which layers are
         # used outside their forward (see _find_silent).
         self._forwarded.add(layer.name)
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self._trained_forward = True
         if (
-            not module.training
-            or not torch.is_grad_enabled()
-            or not self._strategy.captures(layer)
+            not self._strategy.captures(layer)
             or not inputs
             or not isinstance(inputs[0], Tensor)
             or not isinstance(output, Tensor)
@@ -486,11 +491,14 @@ class KFACPreconditioner:
                 )
 
     def _check_statistics(self) -> None:
+        trained, self._trained_forward = self._trained_forward, False
         captured = [layer for layer in self._layers if self._strategy.captures(layer)]
         if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
             return
         # A layer may sit out some passes (a branch): the window had as many as any layer saw.
         calls = [layer.backward_passes for layer in captured if layer.has_statistics]
+        if not calls and trained:  # other layers trained; this worker's own sat this one out
+            return
         if not calls:
             self._warn_once(
                 "no-statistics",
@@ -671,6 +679,7 @@ class KFACPreconditioner:
             layer.load_state(saved[layer.name])
         self._steps = int(state["steps"])
         self._forwarded.clear()
+        self._trained_forward = False
         self._capture = self._is_factor_step(self._steps)
         # A state with factors but no decomposition (e.g. saved on another world size, where
         # decompositions live on their owners) is decomposed at the next step, on every rank.
