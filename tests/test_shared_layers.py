@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dkfac
 from distributed_harness import run_workers
@@ -83,7 +84,36 @@ class TiedLoop(nn.Module):
         return self.head(h)
 
 
+class CheckpointedLoop(TiedLoop):
+    """``TiedLoop`` with each step of the loop under activation checkpointing (as ALBERT-like
+    models with gradient checkpointing run a shared block): the segment is recomputed in
+    backward, where the reentrant variant makes its only capture."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def step(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.cell(h)) + 0.5 * h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x.flatten(1)))
+        for _ in range(5):
+            h = checkpoint(self.step, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 MODELS = {"twice": LinearTwice, "branches": ConvBranches, "loop": TiedLoop}
+#: The same parameters and function as "loop", recomputed in backward.
+CHECKPOINTED = {
+    "loop-checkpointed": lambda: CheckpointedLoop(reentrant=False),
+    "loop-checkpointed-reentrant": lambda: CheckpointedLoop(reentrant=True),
+}
+
+
+def build_model(name: str) -> nn.Module:
+    return {**MODELS, **CHECKPOINTED}[name]().double()
+
 
 #: Backward passes of each window; ``accumulation_steps`` is 1 (regular) or 2 (mismatched:
 #: one window has fewer passes than configured, one more).
@@ -169,7 +199,7 @@ def local_run(
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """``strategy="local"`` on the global batch (or on ``rank``'s shard alone)."""
     accumulation, windows = windows_of(config)
-    model = MODELS[config["model"]]().double()
+    model = build_model(config["model"])
     pre = dkfac.KFACPreconditioner(
         model, inverse_method=config["method"], accumulation_steps=accumulation, **F64
     )
@@ -192,8 +222,10 @@ def distributed_run(
     out = []
     for config in configs:
         accumulation, windows = windows_of(config)
-        model = MODELS[config["model"]]().double()
-        ddp = nn.parallel.DistributedDataParallel(model)
+        model = build_model(config["model"])
+        # DDP needs a static graph to see a parameter used in several reentrant backwards.
+        static = config["model"].endswith("reentrant")
+        ddp = nn.parallel.DistributedDataParallel(model, static_graph=static)
         pre = dkfac.KFACPreconditioner(
             ddp,
             strategy=config["strategy"],
@@ -256,6 +288,29 @@ def test_every_strategy_equals_local_on_the_global_batch_with_shared_layers(
         assert held == set(want_factors), label  # every factor is somewhere
 
 
+def test_checkpointed_segments_recomputed_in_backward_equal_the_plain_model() -> None:
+    """Activation checkpointing, reentrant or not, at P = 2: every strategy's parameters and
+    factors equal ``local`` on the plain (not checkpointed) model and the global batch."""
+    configs = [
+        {"strategy": strategy, "method": "eigen", "model": model, "schedule": schedule}
+        for strategy in ("dkfac", "kaisa", "spd", "pad")
+        for model in CHECKPOINTED
+        for schedule in SCHEDULES
+        # DDP's static graph, which reentrant checkpointing of a shared layer needs, does not
+        # support no_sync (PyTorch asserts): gradient accumulation is DDP's limit there.
+        if not (model.endswith("reentrant") and schedule != "regular")
+    ]
+    results = run_workers(distributed_run, 2, args=(configs,), timeout=200)
+    for index, config in enumerate(configs):
+        want_params, want_factors = local_run({**config, "model": "loop"}, 2)
+        for rank in range(2):
+            got = results[rank][index]
+            for param, want in zip(got["params"], want_params, strict=True):
+                torch.testing.assert_close(param, want, rtol=0, atol=1e-10, msg=str(config))
+            for key, factor in got["factors"].items():
+                assert_close(factor, want_factors[key], what=f"{config} rank {rank} {key}")
+
+
 # -- the single-worker convention -------------------------------------------------------------
 def oracle_factors(
     model: nn.Module, path: str, x: torch.Tensor, y: torch.Tensor
@@ -301,18 +356,28 @@ def oracle_factors(
 
 
 @pytest.mark.parametrize(
-    ("model_name", "shared"), [("twice", "shared"), ("branches", "conv"), ("loop", "cell")]
+    ("model_name", "shared"),
+    [
+        ("twice", "shared"),
+        ("branches", "conv"),
+        ("loop", "cell"),
+        ("loop-checkpointed", "cell"),
+        ("loop-checkpointed-reentrant", "cell"),
+    ],
 )
 def test_a_layer_used_several_times_per_pass_has_the_expand_factors(
     model_name: str, shared: str
 ) -> None:
-    model = MODELS[model_name]().double()
+    model = build_model(model_name)
     x, y = window_batch(0, 0, 2)
     pre = dkfac.KFACPreconditioner(model, **F64)
     F.cross_entropy(model(x), y).backward()
-    pre.step()  # the first fold is the window's factor itself
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recomputed segment is no extra backward pass
+        pre.step()  # the first fold is the window's factor itself
+    plain = build_model(model_name.split("-")[0])  # the oracle runs no recomputation
     for name in (shared, "head"):  # "head" runs once: the ordinary factors
-        want_a, want_g = oracle_factors(model, name, x, y)
+        want_a, want_g = oracle_factors(plain, name, x, y)
         got_a, got_g = pre.factors()[name]
         assert_close(got_a, want_a, what=f"{name} A")
         assert_close(got_g, want_g, what=f"{name} G")

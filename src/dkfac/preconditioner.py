@@ -27,6 +27,20 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
+def current_backward_id() -> int | None:
+    """An id of the backward pass the autograd engine is running on this thread, else None.
+
+    PyTorch exposes no public "inside backward" query; the engine's graph-task id is what
+    ``torch.utils.checkpoint`` itself uses. Without it (an older build) nothing is recomputed
+    as far as dkfac can tell, and each recomputed call counts as a pass of its own.
+    """
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None:
+        return None
+    current = int(task_id())
+    return None if current == -1 else current
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix)."""
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -218,6 +232,8 @@ class KFACPreconditioner:
         # their own.
         self._passes = 0
         self._pass_depth = 0
+        # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
+        self._recomputing: tuple[int, int] | None = None
         self._handles: list[RemovableHandle] = [
             self._model.register_forward_pre_hook(self._pass_starts),
             self._model.register_forward_hook(self._pass_ends, always_call=True),
@@ -287,9 +303,23 @@ class KFACPreconditioner:
             self._pass_depth -= 1
 
     def _current_pass(self) -> int:
-        """The model's forward pass in progress; outside one, a new pass for this call."""
-        if self._pass_depth == 0:
-            self._passes += 1
+        """The model's forward pass in progress; outside one, a new pass for this call.
+
+        A forward run inside a backward pass is activation checkpointing recomputing a segment
+        (``torch.utils.checkpoint``): every such call of one backward belongs to one pass, the
+        forward pass that backward differentiates. Under reentrant checkpointing that is the
+        only capture of the segment (its first forward ran without gradients); counted a pass
+        per call, a layer used in several segments would count its examples once per use.
+        """
+        if self._pass_depth > 0:
+            return self._passes
+        backward = current_backward_id()
+        if backward is not None:
+            if self._recomputing is None or self._recomputing[0] != backward:
+                self._passes += 1
+                self._recomputing = (backward, self._passes)
+            return self._recomputing[1]
+        self._passes += 1
         return self._passes
 
     def _forward_hook(
