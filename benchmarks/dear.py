@@ -39,8 +39,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
-from dkfac.cli.bench_configs import INPUT_SHAPES, LR, MODEL_LABELS, MODELS, MOMENTUM, environment
-from dkfac.cli.bench_worker import make_batch
+from dkfac.bench.configs import INPUT_SHAPES, LR, MODEL_LABELS, MODELS, MOMENTUM, environment
+from dkfac.bench.worker import make_batch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Bucket sizes (MiB): DDP's default, and DeAR's fixed size for the comparison.

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import dkfac
-from dkfac.cli.bench_configs import git_commit
+from dkfac.bench.configs import git_commit
 from dkfac.models import resnet20
 
 NUM_CLASSES = 10

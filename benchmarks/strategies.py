@@ -1,8 +1,8 @@
 """Cost of the distributed K-FAC strategies (dkfac, kaisa, spd, pad, dp) against DDP + SGD.
 
-A thin front end of ``dkfac bench`` (:mod:`dkfac.cli.bench`, which launches
-``python -m torch.distributed.run ... -m dkfac.cli.bench_worker`` per world size; the
-measurement is described in :mod:`dkfac.cli.bench_worker`). This script keeps its own defaults:
+A thin front end of ``dkfac bench`` (:mod:`dkfac.bench.command`, which launches
+``python -m torch.distributed.run ... -m dkfac.bench.worker`` per world size; the
+measurement is described in :mod:`dkfac.bench.worker`). This script keeps its own defaults:
 ResNet-20, ResNet-32 and MLP-6 (a 6-layer MLP with 1024-wide layers, the communication-bound
 case), P in 2 and 4, every strategy (``dkfac``; ``kaisa`` at f = 1/P, and 1/2 when P > 2
 is even; ``spd`` = SPD-KFAC; ``pad`` = PAD-KFAC; ``dp`` = DP-KFAC) at schedules (1,1) and
@@ -16,7 +16,7 @@ ImageNet ResNet-50's layer shapes it computes, with the strategies' own planners
 rules, each strategy's bytes per worker, decomposition work and factor + decomposition memory
 of one second-order update at P = 64 (``--nprocs`` to change), prints the table and the
 dp vs dkfac ratios against the DP-KFAC paper's 2.79x / 1.14x, and writes
-``results/resnet50_dry_run.json`` (:mod:`dkfac.cli.bench_dry_run`).
+``results/resnet50_dry_run.json`` (:mod:`dkfac.bench.dry_run`).
 
 Usage::
 
@@ -32,15 +32,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from dkfac.cli.bench import (
+from dkfac.bench.command import (
     add_bench_options,
     failed_launches,
     options_from_args,
     run_bench,
     write_json,
 )
-from dkfac.cli.bench_configs import PHASES
-from dkfac.cli.bench_report import format_summary
+from dkfac.bench.configs import PHASES
+from dkfac.bench.report import format_summary
 from dkfac.cli.config import ConfigError
 
 __all__ = ["PHASES", "main"]

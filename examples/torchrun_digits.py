@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
-from dkfac.data import load_digits_tensors
+from dkfac.data.builtin import load_digits_tensors
 from dkfac.models import SmallCNN
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from dkfac.cli.bench_dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_run
+from dkfac.bench.dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_run
 from dkfac.cli.main import main as dkfac_main
-from dkfac.distributed import dp
-from dkfac.distributed.accounting import (
+from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
+from dkfac.strategies import dp
+from dkfac.strategies.accounting import (
     DryRunSettings,
     LayerShape,
     account_strategy,
@@ -26,11 +27,10 @@ from dkfac.distributed.accounting import (
     resnet50_layer_shapes,
     summarize_accounts,
 )
-from dkfac.distributed.cost_model import AlphaBeta, ClusterCostModel
-from dkfac.distributed.factor_inverses import EVERY_WORKER
-from dkfac.distributed.pad import PADStrategy
-from dkfac.distributed.pipeline import ready_order_of
-from dkfac.distributed.spd import SPDStrategy
+from dkfac.strategies.factor_inverses import EVERY_WORKER
+from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.pipeline import ready_order_of
+from dkfac.strategies.spd import SPDStrategy
 from test_benchmarks_smoke import _load_strategies
 from test_distributed import configurations, entry, expected_bytes, tri, uneven_model
 from test_pipelined import COST, expected_broadcast

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import dkfac
-from dkfac.cli.bench import BenchOptions, options_from_args
-from dkfac.cli.bench_configs import (
+from dkfac.bench.command import BenchOptions, options_from_args
+from dkfac.bench.configs import (
     INPUT_SHAPES,
     MODEL_LABELS,
     MODELS,
@@ -29,8 +29,8 @@ from dkfac.cli.bench_configs import (
     git_commit,
     mlp6,
 )
-from dkfac.cli.bench_targets import evaluate_pipelined_target, format_pipelined_target
-from dkfac.cli.bench_worker import make_batch
+from dkfac.bench.targets import evaluate_pipelined_target, format_pipelined_target
+from dkfac.bench.worker import make_batch
 from dkfac.cli.main import BENCH_MODELS, BENCH_NPROCS, build_parser, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -78,7 +78,7 @@ def test_bench_quick_writes_json_chart_and_table(
     (launch,) = report["launches"]
     assert launch["ok"] is True
     # The workers run from the package, not from the benchmarks/ folder.
-    assert launch["command"][5:7] == ["-m", "dkfac.cli.bench_worker"]
+    assert launch["command"][5:7] == ["-m", "dkfac.bench.worker"]
     keys = ["sgd"]
     for schedule in ("1_1", "10_100"):
         keys += [f"{s}_{schedule}" for s in ("dkfac", "kaisa_1of2", "spd", "pad", "dp")]

@@ -13,8 +13,8 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.distributed.communicator import Communicator, FusionBucket
-from dkfac.distributed.recorder import PHASES, StepRecorder
+from dkfac.comm.communicator import Communicator, FusionBucket
+from dkfac.comm.recorder import PHASES, StepRecorder
 
 
 def symmetric(d: int, seed: int) -> torch.Tensor:

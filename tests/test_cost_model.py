@@ -13,8 +13,8 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.distributed import StepRecorder, cost_model, make_strategy
-from dkfac.distributed.cost_model import (
+from dkfac.comm import StepRecorder, cost_model
+from dkfac.comm.cost_model import (
     AlphaBeta,
     CostModelCache,
     CubicCost,
@@ -23,6 +23,7 @@ from dkfac.distributed.cost_model import (
     fit_alpha_beta,
     fit_cubic,
 )
+from dkfac.strategies import make_strategy
 
 
 def test_fits_recover_the_generating_parameters() -> None:

@@ -1,4 +1,4 @@
-"""Tests of the named-dataset registry in ``dkfac.datasets``."""
+"""Tests of the named-dataset registry in ``dkfac.data.registry``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dkfac.datasets import (
+from dkfac.data.registry import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DATASET_NAMES,

@@ -15,7 +15,7 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.distributed.bucket_search import (
+from dkfac.dear.bucket_search import (
     BucketSizeSearch,
     distinct_candidates,
     power_of_two_sizes,

@@ -15,10 +15,10 @@ from torch import nn
 
 import dkfac
 from distributed_harness import WorkerFailedError, run_workers
-from dkfac.cli.bench_worker import kfac_memory_bytes
-from dkfac.distributed import ClusterCostModel
-from dkfac.distributed.accounting import DryRunSettings, account_strategy, layer_shapes_of
-from dkfac.distributed.placement import longest_processing_time
+from dkfac.bench.worker import kfac_memory_bytes
+from dkfac.comm import ClusterCostModel
+from dkfac.strategies.accounting import DryRunSettings, account_strategy, layer_shapes_of
+from dkfac.strategies.placement import longest_processing_time
 
 STEPS = 5
 LOCAL_BATCH = 4

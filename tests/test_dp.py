@@ -12,8 +12,8 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.data import load_digits_tensors
-from dkfac.demo import evaluate
+from dkfac.cli.demo import evaluate
+from dkfac.data.builtin import load_digits_tensors
 from dkfac.models import SmallCNN
 from test_distributed import (
     F64,

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from dkfac.distributed.cost_model import AlphaBeta
-from dkfac.distributed.fusion import (
+from dkfac.comm.cost_model import AlphaBeta
+from dkfac.comm.fusion import (
     plan_buckets_alpha_beta,
     plan_buckets_by_size,
     predict_timeline,

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from dkfac.data import load_digits_tensors, synthetic_images
-from dkfac.demo import DigitsRun, first_epoch_reaching, format_table, run_digits
+from dkfac.cli.demo import DigitsRun, first_epoch_reaching, format_table, run_digits
+from dkfac.data.builtin import load_digits_tensors, synthetic_images
 from dkfac.models import MLP, CifarResNet, SmallCNN, resnet20, resnet32, resnet56
 
 

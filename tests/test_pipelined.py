@@ -14,9 +14,9 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.cli.bench_worker import kfac_memory_bytes
-from dkfac.distributed import ClusterCostModel
-from dkfac.distributed.cost_model import AlphaBeta, CubicCost
+from dkfac.bench.worker import kfac_memory_bytes
+from dkfac.comm import ClusterCostModel
+from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from test_distributed import (
     F64,
     LOCAL_BATCH,

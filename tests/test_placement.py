@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dkfac.distributed.placement import (
+from dkfac.strategies.placement import (
     largest_block_cost,
     longest_processing_time,
     plan_contiguous_partition,

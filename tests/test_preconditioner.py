@@ -112,7 +112,7 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
         ),
         (
             {"cost_model": "fast"},
-            r"cost_model='fast' is not allowed: expected a dkfac\.distributed\.ClusterCostModel, "
+            r"cost_model='fast' is not allowed: expected a dkfac\.comm\.ClusterCostModel, "
             r"a CostModelCache or None",
         ),
         (
@@ -799,7 +799,7 @@ def test_accumulation_mismatch_is_reported() -> None:
 # -- convergence on real data ------------------------------------------------------------------
 def test_kfac_reaches_95_percent_on_digits_in_fewer_epochs_than_sgd() -> None:
     pytest.importorskip("sklearn")
-    from dkfac.demo import TARGET_ACCURACY, first_epoch_reaching, train_digits
+    from dkfac.cli.demo import TARGET_ACCURACY, first_epoch_reaching, train_digits
 
     assert TARGET_ACCURACY == 0.95
     torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -26,8 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.distributed import ClusterCostModel
-from dkfac.distributed.cost_model import AlphaBeta, CubicCost
+from dkfac.comm import ClusterCostModel
+from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from test_oracle_numerics import assert_close, conv_patches
 
 DT = torch.float64

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import dkfac
-from dkfac.datasets import load_dataset
+from dkfac.data.registry import load_dataset
 from dkfac.models import MODEL_NAMES, TransformerClassifier, build_model
 
 

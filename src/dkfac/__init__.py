@@ -11,7 +11,7 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerHealth
-from dkfac.distributed.dear import DeAR
+from dkfac.dear.averaging import DeAR
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import Health, KFACPreconditioner
 

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature, LayerHealth
-from dkfac.distributed import ClusterCostModel, CostModelCache, StepRecorder, make_strategy
 from dkfac.layer_table import SkippedModule, format_layer_table
+from dkfac.strategies import make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ class KFACPreconditioner:
             tensors in their own dtype.
         profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured factor ready
             times re-plan the fusion buckets (alpha-beta merge rule); 0 keeps the size plan.
-        cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.distributed.ClusterCostModel` to plan
-            with, or a :class:`~dkfac.distributed.CostModelCache` that measures on first use
+        cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.comm.ClusterCostModel` to plan
+            with, or a :class:`~dkfac.comm.CostModelCache` that measures on first use
             and then reuses (for several preconditioners in one job); ``None`` measures the
             process group and the decompositions at construction (about a second, collective:
             every rank builds its preconditioner together).
@@ -167,7 +168,7 @@ class KFACPreconditioner:
         if cost_model is not None and not isinstance(cost_model, ClusterCostModel | CostModelCache):
             raise ValueError(
                 f"cost_model={cost_model!r} is not allowed: expected a "
-                "dkfac.distributed.ClusterCostModel, a CostModelCache or None"
+                "dkfac.comm.ClusterCostModel, a CostModelCache or None"
             )
         self.config = KFACConfig(
             strategy=strategy,

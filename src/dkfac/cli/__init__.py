@@ -1,5 +1,5 @@
-"""The ``dkfac`` command: ``train``, ``compare`` (default) and the helpers behind them."""
+"""The ``dkfac`` command (:func:`dkfac.cli.main.main`): ``train``, ``compare`` and ``bench``.
 
-from dkfac.cli.main import main
-
-__all__ = ["main"]
+Nothing is imported here: ``dkfac.bench`` uses the command's configuration errors, and the
+command imports the benchmark harness.
+"""

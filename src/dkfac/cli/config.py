@@ -177,7 +177,7 @@ class TrainConfig:
 
     @property
     def dataset_kwargs(self) -> dict[str, Any]:
-        """The dataset options as keyword arguments of :func:`dkfac.datasets.load_dataset`."""
+        """The dataset options as keyword arguments of :func:`dkfac.data.registry.load_dataset`."""
         return dict(self.dataset_options)
 
     @property

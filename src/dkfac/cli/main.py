@@ -15,14 +15,14 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dkfac.cli.bench import (
+from dkfac.bench.command import (
     add_bench_options,
     failed_launches,
     options_from_args,
     run_bench,
     write_json,
 )
-from dkfac.cli.bench_report import format_summary, write_chart
+from dkfac.bench.report import format_summary, write_chart
 from dkfac.cli.checkpoint import has_checkpoint
 from dkfac.cli.config import (
     STRATEGIES,

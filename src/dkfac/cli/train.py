@@ -26,7 +26,7 @@ import dkfac
 from dkfac.cli.checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
 from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.sampling import EpochSampler
-from dkfac.datasets import DatasetSpec, load_dataset
+from dkfac.data.registry import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
 
 logger = logging.getLogger(__name__)

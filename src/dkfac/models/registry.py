@@ -31,7 +31,7 @@ MODEL_KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "transformer": ("tokens",),
     }
 )
-"""Input kinds (see ``dkfac.datasets.DATASET_KINDS``) each model accepts."""
+"""Input kinds (see ``dkfac.data.registry.DATASET_KINDS``) each model accepts."""
 
 _RESNET_DEPTHS: Mapping[str, int] = MappingProxyType(
     {"resnet20": 20, "resnet32": 32, "resnet56": 56}
@@ -49,7 +49,7 @@ _OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
 
 
 class DataInfo(Protocol):
-    """What :func:`build_model` reads from a dataset (``dkfac.datasets.DatasetSpec`` fits)."""
+    """What :func:`build_model` reads from a dataset (``dkfac.data.registry.DatasetSpec`` fits)."""
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dkfac.distributed.recorder import StepRecorder
+from dkfac.comm.recorder import StepRecorder
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
 
@@ -127,7 +127,7 @@ def plan_fusion(
     In order, a bucket closes before the tensor that would take it past ``cap_bytes`` (a
     tensor larger than the cap travels alone). A bucket travels in ``comm_dtype`` or else in
     the promoted dtype of its tensors; symmetric tensors send their upper triangle only.
-    Pure (no tensors, no process group): the dry run (:mod:`dkfac.distributed.accounting`)
+    Pure (no tensors, no process group): the dry run (:mod:`dkfac.strategies.accounting`)
     counts bytes with it exactly as the communicator does.
     """
     flags = list(symmetric)

@@ -32,14 +32,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from dkfac.cifar10 import (
+from dkfac.data.builtin import import_numpy, load_digits_tensors
+from dkfac.data.cifar10 import (
     CIFAR10_CLASSES,
     CIFAR10_MEAN,
     CIFAR10_STD,
     default_cifar10_root,
     load_cifar10,
 )
-from dkfac.data import import_numpy, load_digits_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def _fraction(name: str, value: Any) -> float:
 
 
 def _load_digits(_root: Path | None, seed: int, *, test_fraction: float = 0.25) -> DatasetSpec:
-    """scikit-learn's digits through :func:`dkfac.data.load_digits_tensors`."""
+    """scikit-learn's digits through :func:`dkfac.data.builtin.load_digits_tensors`."""
     train, test = load_digits_tensors(
         test_fraction=_fraction("test_fraction", test_fraction), seed=seed
     )

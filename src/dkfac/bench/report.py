@@ -1,6 +1,6 @@
 """The results of ``dkfac bench``: summary rows, the table, the printed summary, the chart.
 
-The targets the summary reports are evaluated in :mod:`dkfac.cli.bench_targets`. The chart
+The targets the summary reports are evaluated in :mod:`dkfac.bench.targets`. The chart
 stacks the phases of every configuration (:func:`write_chart`).
 """
 
@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dkfac.cli.bench_configs import INVERSE_METHOD, LR, MODEL_LABELS, MOMENTUM, PHASES
-from dkfac.cli.bench_dry_run import format_dry_run, write_dry_run_chart
-from dkfac.cli.bench_targets import format_ms, format_pipelined_target, format_target
+from dkfac.bench.configs import INVERSE_METHOD, LR, MODEL_LABELS, MOMENTUM, PHASES
+from dkfac.bench.dry_run import format_dry_run, write_dry_run_chart
+from dkfac.bench.targets import format_ms, format_pipelined_target, format_target
 
 MB = 1e6
 

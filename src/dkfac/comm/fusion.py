@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dkfac.distributed.cost_model import AlphaBeta
+from dkfac.comm.cost_model import AlphaBeta
 
 
 def _check(nbytes: Sequence[int], cap_bytes: int, boundaries: Sequence[int]) -> set[int]:

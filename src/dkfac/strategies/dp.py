@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.layer import LayerCurvature, update_inverses
-from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.local import fold_local_factors
-from dkfac.distributed.placement import longest_processing_time
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import DistributedStrategy, layer_owner_factors
+from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
+from dkfac.strategies.local import fold_local_factors
+from dkfac.strategies.placement import longest_processing_time
 
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:

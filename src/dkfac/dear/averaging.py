@@ -36,25 +36,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.distributed.bucket_search import (
-    BucketSizeSearch,
-    distinct_candidates,
-    power_of_two_sizes,
-)
-from dkfac.distributed.communicator import (
+from dkfac.comm.communicator import (
     CollectiveHandle,
     Communicator,
     ProcessGroup,
     require_distributed,
 )
-from dkfac.distributed.gradient_buckets import (
+from dkfac.comm.recorder import StepRecorder
+from dkfac.dear.bucket_search import (
+    BucketSizeSearch,
+    distinct_candidates,
+    power_of_two_sizes,
+)
+from dkfac.dear.gradient_buckets import (
     GradientBucket,
     build_gradient_buckets,
     plan_gradient_buckets,
     trainable_parameters,
 )
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.update_sites import UpdateSites
+from dkfac.dear.update_sites import UpdateSites
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
   asynchronous allreduce starts as soon as the bucket is complete, under the rest of the
   forward/backward pass. Buckets are planned first by size (``bucket_cap_mb``), then, after
   ``profile_steps`` measured windows, by the alpha-beta merge rule on the measured ready times
-  (:func:`~dkfac.distributed.fusion.plan_buckets_alpha_beta`).
+  (:func:`~dkfac.comm.fusion.plan_buckets_alpha_beta`).
 * Load-balanced decompositions: a factor whose decomposition is predicted cheaper than
   receiving its result (its share ``β·bytes`` of a fused broadcast) is decomposed by every
   worker; the others go to owners by longest-processing-time on the predicted decomposition
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dkfac.distributed.factor_inverses import EVERY_WORKER
-from dkfac.distributed.pipelined import PipelinedStrategy, SlotCosts, decomposition_bytes
-from dkfac.distributed.placement import longest_processing_time
+from dkfac.strategies.factor_inverses import EVERY_WORKER
+from dkfac.strategies.pipelined import PipelinedStrategy, SlotCosts, decomposition_bytes
+from dkfac.strategies.placement import longest_processing_time
 
 
 class SPDStrategy(PipelinedStrategy):

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dkfac.comm.communicator import CollectiveHandle, Communicator, packed_values
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import SummedFactor
-from dkfac.distributed.communicator import CollectiveHandle, Communicator, packed_values
-from dkfac.distributed.recorder import StepRecorder
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Models: the CIFAR ResNets ``resnet20`` and ``resnet32`` (3x32x32 images) and ``m
 communication-bound case). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC), ``pad``
 (PAD-KFAC) and ``dp`` (DP-KFAC), always next to the DDP + SGD reference.
 
-Shared by the launcher (:mod:`dkfac.cli.bench`), the workers (:mod:`dkfac.cli.bench_worker`) and
-the table and chart (:mod:`dkfac.cli.bench_report`).
+Shared by the launcher (:mod:`dkfac.bench.command`), the workers (:mod:`dkfac.bench.worker`) and
+the table and chart (:mod:`dkfac.bench.report`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compare SGD with and without K-FAC on scikit-learn's digits.
 
-Run ``python -m dkfac.demo``. The script trains :class:`~dkfac.models.SmallCNN` twice
+Run ``python -m dkfac.cli.demo``. The script trains :class:`~dkfac.models.SmallCNN` twice
 from the same initialization and the same mini-batch order: once with SGD with
 momentum, once with the same optimizer preconditioned by
 :class:`dkfac.KFACPreconditioner`. It prints the test accuracy after every epoch, the
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dkfac.data import load_digits_tensors
+from dkfac.data.builtin import load_digits_tensors
 from dkfac.models import SmallCNN
 
 logger = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ def format_table(runs: Sequence[DigitsRun]) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m dkfac.demo",
+        prog="python -m dkfac.cli.demo",
         description="Train a small CNN on scikit-learn's digits with SGD and SGD+K-FAC.",
     )
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")

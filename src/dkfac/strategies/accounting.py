@@ -11,14 +11,14 @@ of a world of ``P``, :func:`account_strategy` returns
 * the bytes of running factors and of decompositions the rank holds.
 
 It is the strategies' own accounting, not a model of it: owners come from the same planners
-the strategies call (:func:`dkfac.distributed.kaisa.plan_layer_owners`,
-:func:`dkfac.distributed.dp.plan_layer_owners`,
-:meth:`dkfac.distributed.pipelined.PipelinedStrategy.place_factors`), who sends what to whom
+the strategies call (:func:`dkfac.strategies.kaisa.plan_layer_owners`,
+:func:`dkfac.strategies.dp.plan_layer_owners`,
+:meth:`dkfac.strategies.pipelined.PipelinedStrategy.place_factors`), who sends what to whom
 from the same grouping functions (``row_broadcasts``, ``column_sources``, ``group_by_source``,
 ``broadcast_sources``), payload tensors from the same shape functions, and bytes from the
-communicator's own fusion and packing rules (:func:`~dkfac.distributed.communicator.plan_fusion`,
-:func:`~dkfac.distributed.communicator.record_collective`), recorded in a real
-:class:`~dkfac.distributed.recorder.StepRecorder`. ``tests/test_accounting.py`` checks the
+communicator's own fusion and packing rules (:func:`~dkfac.comm.communicator.plan_fusion`,
+:func:`~dkfac.comm.communicator.record_collective`), recorded in a real
+:class:`~dkfac.comm.recorder.StepRecorder`. ``tests/test_accounting.py`` checks the
 result against the analytic byte counts the distributed tests assert on real runs.
 
 Not counted: DDP's gradient allreduce (the same for every strategy; reported separately by
@@ -38,24 +38,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from dkfac.curvature.blocks import make_block
-from dkfac.distributed import dp, kaisa
-from dkfac.distributed.communicator import (
+from dkfac.comm.communicator import (
     element_size,
     group_by_source,
     plan_fusion,
     record_collective,
 )
-from dkfac.distributed.cost_model import ClusterCostModel
-from dkfac.distributed.factor_inverses import (
+from dkfac.comm.cost_model import ClusterCostModel
+from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.blocks import make_block
+from dkfac.strategies import dp, kaisa
+from dkfac.strategies.factor_inverses import (
     EVERY_WORKER,
     broadcast_sources,
     factor_payload_shapes,
 )
-from dkfac.distributed.pad import PADStrategy
-from dkfac.distributed.pipelined import PipelinedStrategy, keeps_factor
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.spd import SPDStrategy
+from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.pipelined import PipelinedStrategy, keeps_factor
+from dkfac.strategies.spd import SPDStrategy
 
 #: Strategies :func:`account_strategy` knows.
 ACCOUNTED_STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad", "dp")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dkfac.distributed.pipelined import PipelinedStrategy, SlotCosts
-from dkfac.distributed.placement import plan_contiguous_partition
+from dkfac.strategies.pipelined import PipelinedStrategy, SlotCosts
+from dkfac.strategies.placement import plan_contiguous_partition
 
 
 class PADStrategy(PipelinedStrategy):

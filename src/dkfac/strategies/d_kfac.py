@@ -7,9 +7,9 @@ every worker preconditions every layer. This is KAISA with ``grad_worker_fractio
 
 from __future__ import annotations
 
-from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.kaisa import KAISAStrategy
-from dkfac.distributed.recorder import StepRecorder
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.recorder import StepRecorder
+from dkfac.strategies.kaisa import KAISAStrategy
 
 
 class DKFACStrategy(KAISAStrategy):

@@ -18,19 +18,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.cost_model import ClusterCostModel, CostModelCache
-from dkfac.distributed.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
-from dkfac.distributed.fusion import (
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.comm.fusion import (
     plan_buckets_alpha_beta,
     plan_buckets_by_size,
     predict_timeline,
 )
-from dkfac.distributed.local import precondition_here
-from dkfac.distributed.pipeline import FactorPipeline, FactorSlot, ready_order_of
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import DistributedStrategy
+from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.base import DistributedStrategy
+from dkfac.strategies.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
+from dkfac.strategies.local import precondition_here
+from dkfac.strategies.pipeline import FactorPipeline, FactorSlot, ready_order_of
 
 logger = logging.getLogger(__name__)
 

@@ -5,16 +5,16 @@ the CIFAR ResNets ``resnet20`` and ``resnet32`` and ``mlp6``, a 6-layer MLP with
 layers (the communication-bound case).
 
 For every world size ``P`` in ``--nprocs`` this process starts its own workers with
-``python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.cli.bench_worker``
+``python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker``
 (``OMP_NUM_THREADS=1``, a timeout per launch), collects the JSON report that rank 0 writes and
 combines the launches into one report. What a worker measures is described in
-:mod:`dkfac.cli.bench_worker`; the table, the reference line, the two targets (dkfac's
-overhead; spd and pad against dkfac) and the chart are in :mod:`dkfac.cli.bench_report`.
+:mod:`dkfac.bench.worker`; the table, the reference line, the two targets (dkfac's
+overhead; spd and pad against dkfac) and the chart are in :mod:`dkfac.bench.report`.
 ``benchmarks/strategies.py`` is a thin front end of this module.
 
 ``--layers resnet50`` launches nothing: it is a dry run that computes each strategy's bytes
 per worker, decomposition work and memory of one second-order update from the model's layer
-shapes (:mod:`dkfac.cli.bench_dry_run`), at ``P = 64`` unless ``--nprocs`` says otherwise.
+shapes (:mod:`dkfac.bench.dry_run`), at ``P = 64`` unless ``--nprocs`` says otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import dkfac
-from dkfac.cli.bench_configs import (
+from dkfac.bench.configs import (
     INPUT_SHAPES,
     INVERSE_METHOD,
     LR,
@@ -45,18 +45,18 @@ from dkfac.cli.bench_configs import (
     STRATEGIES,
     environment,
 )
-from dkfac.cli.bench_dry_run import (
+from dkfac.bench.dry_run import (
     DRY_RUN_NPROCS,
     NOMINAL_COST_MODEL,
     dry_run_models,
     dry_run_report,
 )
-from dkfac.cli.bench_report import MB, summary_rows
-from dkfac.cli.bench_targets import REFERENCE, evaluate_pipelined_target, evaluate_target
+from dkfac.bench.report import MB, summary_rows
+from dkfac.bench.targets import REFERENCE, evaluate_pipelined_target, evaluate_target
 from dkfac.cli.config import ConfigError
-from dkfac.distributed.cost_model import AlphaBeta, ClusterCostModel, CubicCost
+from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 
-WORKER_MODULE = "dkfac.cli.bench_worker"
+WORKER_MODULE = "dkfac.bench.worker"
 
 #: Defaults of a full run and of ``--quick`` (models and world sizes come from the front end).
 FULL_DEFAULTS: dict[str, Any] = {
@@ -98,7 +98,7 @@ class BenchOptions:
     cost_model: ClusterCostModel = NOMINAL_COST_MODEL
 
     def worker_argv(self, out: Path) -> list[str]:
-        """The options of :mod:`dkfac.cli.bench_worker`, rank 0 writing to ``out``."""
+        """The options of :mod:`dkfac.bench.worker`, rank 0 writing to ``out``."""
         return [
             "--out",
             str(out),
@@ -499,7 +499,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Launch every world size in turn; the combined report (JSON-ready).
 
     With ``options.layers`` nothing is launched: the report is the dry run's
-    (:func:`dkfac.cli.bench_dry_run.dry_run_report`, ``"benchmark": "dry_run"``).
+    (:func:`dkfac.bench.dry_run.dry_run_report`, ``"benchmark": "dry_run"``).
 
     Raises:
         ConfigError: this process is itself a rank of a torch.distributed launch.

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.layer import LayerCurvature, update_inverses
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import Strategy
+from dkfac.strategies.base import Strategy
 
 
 def fold_local_factors(layers: Sequence[LayerCurvature], decay: float, loss_reduction: str) -> None:

@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.recorder import StepRecorder
 
 
 class Strategy(ABC):

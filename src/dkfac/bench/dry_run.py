@@ -2,7 +2,7 @@
 
 A dry run: no training, no process group. From a model's layer shapes, every strategy's
 per-worker accounting of one second-order update (one factor update + one decomposition +
-one preconditioning) is computed by :mod:`dkfac.distributed.accounting`, which calls the
+one preconditioning) is computed by :mod:`dkfac.strategies.accounting`, which calls the
 strategies' own planners, grouping and packing rules. The report compares DP-KFAC with D-KFAC
 against the figures of the DP-KFAC paper (ALGORITHMS.md §6: at least 2.79x less communication
 and 1.14x less memory per second-order update, 64 GPUs).
@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from dkfac.cli.bench_configs import INVERSE_METHOD, environment
-from dkfac.distributed.accounting import (
+from dkfac.bench.configs import INVERSE_METHOD, environment
+from dkfac.comm.communicator import element_size, wire_bytes
+from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
+from dkfac.strategies.accounting import (
     DryRunSettings,
     LayerShape,
     account_strategy,
     resnet50_layer_shapes,
     summarize_accounts,
 )
-from dkfac.distributed.communicator import element_size, wire_bytes
-from dkfac.distributed.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 
 MB = 1e6
 #: Width the prose lines of the printed report are wrapped to.
@@ -43,7 +43,7 @@ GIGA = 1e9
 #: Nominal constants for the spd/pad placement of a dry run: NOT measured. alpha: 50 µs
 #: start-up per collective; beta: a ring allreduce on 100 Gb/s links (2 bytes sent per payload
 #: byte at 12.5 GB/s); decomposition: 1 ms fixed plus 1e-11 s·d³ (a 4096-wide eigh in about
-#: 0.7 s). Measure a real cluster with ``dkfac.distributed.cost_model.calibrate_cluster``.
+#: 0.7 s). Measure a real cluster with ``dkfac.comm.cost_model.calibrate_cluster``.
 NOMINAL_COST_MODEL = ClusterCostModel(AlphaBeta(5e-5, 1.6e-10), CubicCost(1e-3, 1e-11))
 
 #: Default world size of a dry run (the paper's 64 GPUs).

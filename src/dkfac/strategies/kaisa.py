@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dkfac.comm.communicator import CollectiveHandle, Communicator
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import (
     FACTOR_LAYOUT,
     FACTOR_SIDES,
@@ -31,10 +33,8 @@ from dkfac.curvature.inverse import (
     inverse_from_tensors,
 )
 from dkfac.curvature.layer import LayerCurvature, update_inverses
-from dkfac.distributed.communicator import CollectiveHandle, Communicator
-from dkfac.distributed.placement import longest_processing_time
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.strategy import DistributedStrategy, layer_owner_factors
+from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
+from dkfac.strategies.placement import longest_processing_time
 
 
 def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
@@ -179,7 +179,7 @@ class KAISAStrategy(DistributedStrategy):
 
         Each factor pools the workers that have statistics for it (``A`` where the layer's
         forward ran, ``G`` where a gradient reached its output) and is folded when some
-        worker had any, as :func:`~dkfac.distributed.local.fold_local_factors` does alone.
+        worker had any, as :func:`~dkfac.strategies.local.fold_local_factors` does alone.
         """
         tensors, counts = [], []
         for layer in layers:

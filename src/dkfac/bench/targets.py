@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dkfac.cli.bench_configs import MODEL_LABELS, SGD
+from dkfac.bench.configs import MODEL_LABELS, SGD
 
 
 def format_ms(seconds: float) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import TensorDataset
 
-from dkfac.data import import_numpy
+from dkfac.data.builtin import import_numpy
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,13 +1,13 @@
 """One rank of ``dkfac bench``: time DDP + SGD against the K-FAC strategies.
 
-Started by :mod:`dkfac.cli.bench` through torchrun, as a module so that it runs from an
+Started by :mod:`dkfac.bench.command` through torchrun, as a module so that it runs from an
 installed package::
 
-    python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.cli.bench_worker ...
+    python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker ...
 
 gloo process group, one intra-op thread, a fixed synthetic batch per rank and model
 (``--batch-size`` per worker, each model's input shape from
-:data:`~dkfac.cli.bench_configs.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
+:data:`~dkfac.bench.configs.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
 1024 features for ``mlp6``), SGD (momentum 0.9, lr 0.1) on a DDP-wrapped model.
 Configurations: SGD alone (DDP, no K-FAC), then per ``(f, i)`` schedule ``strategy="dkfac"``,
 ``strategy="kaisa"`` with ``grad_worker_fraction`` 1/P (and 1/2 when P > 2 is even),
@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
-from dkfac.cli.bench_configs import (
+from dkfac.bench.configs import (
     INPUT_SHAPES,
     INVERSE_METHOD,
     LR,
@@ -384,7 +384,7 @@ def _schedules(value: str) -> list[tuple[int, int]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The worker's options; the launcher passes every one of them, already validated."""
-    parser = argparse.ArgumentParser(prog="python -m dkfac.cli.bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m dkfac.bench.worker")
     parser.add_argument("--out", type=Path, required=True, help="report JSON (rank 0)")
     parser.add_argument("--models", type=_csv, required=True)
     parser.add_argument("--strategies", type=_csv, default=list(STRATEGIES))

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import (
     FACTOR_LAYOUT,
     FACTOR_SIDES,
@@ -21,8 +23,6 @@ from dkfac.curvature.inverse import (
     trace_mean,
 )
 from dkfac.curvature.layer import FactorRequest, LayerCurvature, decompose_factors
-from dkfac.distributed.communicator import Communicator
-from dkfac.distributed.recorder import StepRecorder
 
 #: Owner value of a factor decomposed by every worker (nothing broadcast).
 EVERY_WORKER = -1

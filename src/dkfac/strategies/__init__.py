@@ -1,4 +1,4 @@
-"""Placement strategies, the communicator they share, and the placement planners.
+"""Where each K-FAC phase runs: one module per strategy, the planners, the dry-run accounting.
 
 :func:`make_strategy` maps a ``strategy=`` name to its implementation.
 """
@@ -10,17 +10,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dkfac.distributed.communicator import Communicator, require_distributed
-from dkfac.distributed.cost_model import ClusterCostModel, CostModelCache
-from dkfac.distributed.d_kfac import DKFACStrategy
-from dkfac.distributed.dear import DeAR
-from dkfac.distributed.dp import DPStrategy
-from dkfac.distributed.kaisa import KAISAStrategy
-from dkfac.distributed.local import LocalStrategy
-from dkfac.distributed.pad import PADStrategy
-from dkfac.distributed.recorder import StepRecorder
-from dkfac.distributed.spd import SPDStrategy
-from dkfac.distributed.strategy import Strategy
+from dkfac.comm.communicator import Communicator, require_distributed
+from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.comm.recorder import StepRecorder
+from dkfac.strategies.base import Strategy
+from dkfac.strategies.d_kfac import DKFACStrategy
+from dkfac.strategies.dp import DPStrategy
+from dkfac.strategies.kaisa import KAISAStrategy
+from dkfac.strategies.local import LocalStrategy
+from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.spd import SPDStrategy
 
 STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa", "spd", "pad", "dp")
 
@@ -90,17 +89,12 @@ def make_strategy(
 
 __all__ = [
     "STRATEGY_NAMES",
-    "ClusterCostModel",
-    "Communicator",
-    "CostModelCache",
     "DKFACStrategy",
     "DPStrategy",
-    "DeAR",
     "KAISAStrategy",
     "LocalStrategy",
     "PADStrategy",
     "SPDStrategy",
-    "StepRecorder",
     "Strategy",
     "make_strategy",
 ]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dkfac.comm.communicator import ProcessGroup
 from dkfac.curvature.inverse import decompose_factor
-from dkfac.distributed.communicator import ProcessGroup
 
 #: Below this coefficient of determination a fit does not explain the measured times well
 #: enough to plan with (planners fall back to sizes).

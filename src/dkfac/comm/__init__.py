@@ -1,0 +1,17 @@
+"""The one door to ``torch.distributed``.
+
+The communicator, fusion plans, the cost model of the cluster, and the per-step recorder of
+traffic and phase times.
+"""
+
+from dkfac.comm.communicator import Communicator, require_distributed
+from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.comm.recorder import StepRecorder
+
+__all__ = [
+    "ClusterCostModel",
+    "Communicator",
+    "CostModelCache",
+    "StepRecorder",
+    "require_distributed",
+]
