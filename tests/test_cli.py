@@ -117,8 +117,7 @@ def test_resume_reproduces_the_uninterrupted_run(
         strategy,
         "--grad-sync",
         grad_sync,
-        "--grad-worker-fraction",
-        "0.5",
+        *(["--grad-worker-fraction", "0.5"] if strategy == "kaisa" else []),
         "--inv-update-steps",
         "4",
         "--schedule",
@@ -315,7 +314,13 @@ def test_compare_on_other_ranks_returns_without_reporting(
         (["train", "--strategy", "magic"], "--strategy 'magic'"),
         (
             ["train", "--nproc", "3", "--strategy", "kaisa", "--grad-worker-fraction", "0.5"],
-            "--grad-worker-fraction",
+            "--grad-worker-fraction 0.5 is not allowed with --nproc 3: fraction·P must be an "
+            "integer dividing P (allowed: 1/3, 3/3)",
+        ),
+        (
+            ["train", "--nproc", "2", "--strategy", "spd", "--grad-worker-fraction", "0.5"],
+            "--grad-worker-fraction 0.5 is not allowed with --strategy spd: it is an option of "
+            "--strategy kaisa",
         ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
         (["train", "--lr", "-1"], "--lr"),

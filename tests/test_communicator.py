@@ -192,10 +192,15 @@ def test_timings_and_trace_of_a_local_run(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"grad_worker_fraction": 0.0}, {"bucket_cap_mb": -1}, {"comm_dtype": torch.int8}]
+    "kwargs",
+    [
+        {"strategy": "kaisa", "grad_worker_fraction": 0.0},
+        {"bucket_cap_mb": -1},
+        {"comm_dtype": torch.int8},
+    ],
 )
 def test_distributed_options_are_validated(kwargs: dict) -> None:
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    with pytest.raises(ValueError, match=list(kwargs)[-1]):
         dkfac.KFACPreconditioner(nn.Linear(2, 2), **kwargs)
 
 

@@ -23,7 +23,7 @@ from dkfac.comm.cost_model import (
     fit_alpha_beta,
     fit_cubic,
 )
-from dkfac.strategies import make_strategy
+from dkfac.strategies import make_strategy, resolve_options
 
 
 def test_fits_recover_the_generating_parameters() -> None:
@@ -142,7 +142,7 @@ def cached_builds(rank: int, world_size: int) -> dict[str, Any]:
             pre = dkfac.KFACPreconditioner(model, strategy=strategy, cost_model=cost)
             out["plans"].append(pre.plan())
             # A strategy handed the cache itself takes it from there too.
-            direct = make_strategy(strategy, StepRecorder(), cost_model=cache)
+            direct = make_strategy(resolve_options(strategy, cost_model=cache), StepRecorder())
             direct.setup(pre.layers)
             out["costs"].append(direct.plan()["cost_model"])
             direct.close()

@@ -111,9 +111,38 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
             r"grad_scaler=.* is not allowed: expected a torch\.amp\.GradScaler or None",
         ),
         (
-            {"cost_model": "fast"},
+            {"strategy": "spd", "cost_model": "fast"},
             r"cost_model='fast' is not allowed: expected a dkfac\.comm\.ClusterCostModel, "
             r"a CostModelCache or None",
+        ),
+        (
+            {"strategy": "kaisa", "grad_worker_fraction": 1.5},
+            r"grad_worker_fraction=1\.5 is not allowed: expected a number in \(0, 1\]",
+        ),
+        (
+            {"strategy": "pad", "profile_steps": -1},
+            r"profile_steps=-1 is not allowed: expected an integer >= 0",
+        ),
+        # An option the chosen strategy does not read is refused, not ignored.
+        (
+            {"cost_model": "fast"},
+            r"cost_model='fast' is not allowed with strategy='local': it is an option of "
+            r"strategy 'spd' or 'pad'",
+        ),
+        (
+            {"strategy": "spd", "grad_worker_fraction": 0.5},
+            r"grad_worker_fraction=0\.5 is not allowed with strategy='spd': it is an option "
+            r"of strategy 'kaisa'",
+        ),
+        (
+            {"strategy": dkfac.strategies.KAISAOptions(0.5), "grad_worker_fraction": 0.25},
+            r"grad_worker_fraction=0\.25 is not allowed with strategy='kaisa': set it in the "
+            r"options object \(KAISAOptions\(grad_worker_fraction=...\)\)",
+        ),
+        (
+            {"strategy": 3},
+            r"strategy=3 is not allowed: expected one of 'local', 'dkfac', 'kaisa', 'spd', "
+            r"'pad', 'dp' or an options object \(LocalOptions, ",
         ),
         (
             {"bucket_cap_mb": math.inf},

@@ -1,4 +1,4 @@
-"""The README's quickstart runs as printed and trains."""
+"""The README's quickstart runs as printed and trains; its strategy table is the registry's."""
 
 from __future__ import annotations
 
@@ -25,3 +25,19 @@ def test_quickstart_runs_and_learns() -> None:
     assert pre.steps == 28
     accuracy = (model(x).argmax(-1) == y).float().mean().item()
     assert accuracy > 0.8, accuracy  # one pass over the digits, K-FAC preconditioned
+
+
+def test_the_strategy_table_lists_every_registered_strategy_with_its_reference() -> None:
+    from dkfac.bench.configs import STRATEGIES as BENCHED
+    from dkfac.cli.config import STRATEGIES as COMMAND_LINE
+    from dkfac.strategies import STRATEGIES
+    from dkfac.strategies.accounting import ACCOUNTED_STRATEGIES
+
+    rows = [line for line in README.read_text().splitlines() if line.startswith('| `"')]
+    names = [row.split('`"')[1].split('"`')[0] for row in rows]
+    assert names == list(STRATEGIES)
+    for row, spec in zip(rows, STRATEGIES.values(), strict=True):
+        assert row.rstrip().endswith(f"| {spec.reference} |"), row
+    distributed = [name for name, spec in STRATEGIES.items() if spec.distributed]
+    assert list(COMMAND_LINE) == ["none", *STRATEGIES]
+    assert list(BENCHED) == list(ACCOUNTED_STRATEGIES) == distributed

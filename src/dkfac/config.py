@@ -12,16 +12,15 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
+
+from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.strategies.registry import StrategyOptions, resolve_options
 
 #: A number, or a function of the K-FAC step (0-based count of completed ``step()`` calls).
 Hyperparameter = float | Callable[[int], float]
 IntHyperparameter = int | Callable[[int], int]
-
-InverseMethod = Literal["eigen", "inverse"]
-LossReduction = Literal["mean", "sum"]
 
 INVERSE_METHODS: tuple[str, ...] = ("eigen", "inverse")
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
@@ -171,7 +170,7 @@ class KFACConfig:
     See the preconditioner's docstring for the meaning of each field.
     """
 
-    strategy: str = "local"
+    strategy: str | StrategyOptions = "local"
     inverse_method: str = "eigen"
     damping: Hyperparameter = 0.003
     factor_decay: Hyperparameter = 0.95
@@ -188,7 +187,10 @@ class KFACConfig:
     bucket_cap_mb: float = 25.0
     comm_dtype: torch.dtype | None = None
     profile_steps: int = 5
+    cost_model: ClusterCostModel | CostModelCache | None = None
     check_replicas_every: int = 0
+    #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`).
+    options: StrategyOptions = field(init=False, repr=False)
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
     factor_decay_at: FloatSchedule = field(init=False, repr=False)
@@ -221,16 +223,14 @@ class KFACConfig:
                 "torch.float32 or torch.float64"
             )
         check_int("accumulation_steps", self.accumulation_steps)
-        check_int("profile_steps", self.profile_steps, low=0)
         check_int("check_replicas_every", self.check_replicas_every, low=0)
-        check_float(
-            "grad_worker_fraction",
-            self.grad_worker_fraction,
-            low=0.0,
-            high=1.0,
-            low_open=True,
-            allowed="a number in (0, 1], e.g. 1/P, 2/P, ..., 1",
+        options = resolve_options(
+            self.strategy,
+            grad_worker_fraction=self.grad_worker_fraction,
+            profile_steps=self.profile_steps,
+            cost_model=self.cost_model,
         )
+        object.__setattr__(self, "options", options)
         check_float(
             "bucket_cap_mb",
             self.bucket_cap_mb,

@@ -21,7 +21,7 @@ from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature, LayerHealth
 from dkfac.layer_table import SkippedModule, format_layer_table
-from dkfac.strategies import make_strategy
+from dkfac.strategies import StrategyOptions, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,11 @@ class KFACPreconditioner:
         model: the model (plain or wrapped by DDP). ``nn.Linear`` and ``nn.Conv2d`` layers are
             preconditioned; other modules with parameters keep their gradients and are listed
             as skipped in ``repr(pre)``.
-        strategy: how work is placed on workers; ``"local"`` runs everything here.
+        strategy: how work is placed on workers: a name from
+            :data:`dkfac.strategies.STRATEGIES` (``"local"`` runs everything here) or its
+            options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``).
+            ``grad_worker_fraction``, ``profile_steps`` and ``cost_model`` below are shorthands
+            for those options; one set for a strategy that does not read it is an error.
         inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
             factored Tikhonov through Cholesky).
         damping: γ > 0 (finite).
@@ -135,7 +139,7 @@ class KFACPreconditioner:
         self,
         model: nn.Module,
         *,
-        strategy: str = "local",
+        strategy: str | StrategyOptions = "local",
         inverse_method: str = "eigen",
         damping: Hyperparameter = 0.003,
         factor_decay: Hyperparameter = 0.95,
@@ -165,11 +169,6 @@ class KFACPreconditioner:
                 f"grad_scaler={grad_scaler!r} is not allowed: expected a "
                 "torch.amp.GradScaler or None"
             )
-        if cost_model is not None and not isinstance(cost_model, ClusterCostModel | CostModelCache):
-            raise ValueError(
-                f"cost_model={cost_model!r} is not allowed: expected a "
-                "dkfac.comm.ClusterCostModel, a CostModelCache or None"
-            )
         self.config = KFACConfig(
             strategy=strategy,
             inverse_method=inverse_method,
@@ -188,19 +187,17 @@ class KFACPreconditioner:
             bucket_cap_mb=bucket_cap_mb,
             comm_dtype=comm_dtype,
             profile_steps=profile_steps,
+            cost_model=cost_model,
             check_replicas_every=check_replicas_every,
         )
         self._recorder = StepRecorder()
         self._strategy = make_strategy(
-            strategy,
+            self.config.options,
             self._recorder,
-            grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
             comm_dtype=comm_dtype,
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
-            cost_model=cost_model,
-            profile_steps=profile_steps,
         )
         self._model = _unwrap(model)
         self._grad_scaler = grad_scaler
@@ -661,7 +658,7 @@ class KFACPreconditioner:
 
     def __repr__(self) -> str:
         header = (
-            f"KFACPreconditioner(strategy={self.config.strategy!r}, "
+            f"KFACPreconditioner(strategy={self.config.options.name!r}, "
             f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
             f"layers={len(self._layers)}, skipped={len(self._skipped)})"
         )

@@ -25,6 +25,7 @@ from torch import nn
 
 import dkfac
 from dkfac.models import MLP, resnet20, resnet32
+from dkfac.strategies.registry import strategy_names
 
 NUM_CLASSES = 10
 LR = 0.1
@@ -66,7 +67,7 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "mlp6": (MLP6_WIDTH,),
 }
 #: K-FAC strategies that can be measured (SGD is always measured as the reference).
-STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad", "dp")
+STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
 #: Default ``(factor_update_steps, inv_update_steps)`` schedules.
 SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (10, 100))
 

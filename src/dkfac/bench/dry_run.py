@@ -33,6 +33,7 @@ from dkfac.strategies.accounting import (
     resnet50_layer_shapes,
     summarize_accounts,
 )
+from dkfac.strategies.registry import strategy_names
 
 MB = 1e6
 #: Width the prose lines of the printed report are wrapped to.
@@ -43,7 +44,7 @@ GIGA = 1e9
 #: Nominal constants for the spd/pad placement of a dry run: NOT measured. alpha: 50 µs
 #: start-up per collective; beta: a ring allreduce on 100 Gb/s links (2 bytes sent per payload
 #: byte at 12.5 GB/s); decomposition: 1 ms fixed plus 1e-11 s·d³ (a 4096-wide eigh in about
-#: 0.7 s). Measure a real cluster with ``dkfac.comm.cost_model.calibrate_cluster``.
+#: 0.7 s). Measure a real cluster with ``dkfac.comm.CostModelCache().get(...)``.
 NOMINAL_COST_MODEL = ClusterCostModel(AlphaBeta(5e-5, 1.6e-10), CubicCost(1e-3, 1e-11))
 
 #: Default world size of a dry run (the paper's 64 GPUs).
@@ -81,7 +82,7 @@ def dry_run_configurations(
 ) -> list[tuple[str, str, float]]:
     """``(label, strategy, grad_worker_fraction)``; kaisa at ``f = 1/P`` and ``f = 1``."""
     configs: list[tuple[str, str, float]] = []
-    for strategy in ("dkfac", "kaisa", "spd", "pad", "dp"):
+    for strategy in strategy_names(distributed=True):
         if strategy not in strategies:
             continue
         if strategy == "kaisa":

@@ -61,6 +61,7 @@ from dkfac.bench.configs import (
     environment,
 )
 from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.strategies import option_keywords
 
 #: ``comm_stats()`` phase prefix -> name of the byte split.
 BYTE_SPLIT = {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
@@ -135,8 +136,8 @@ def time_window(
             lr=LR,
             factor_update_steps=config.factor_update_steps,
             inv_update_steps=config.inv_update_steps,
-            grad_worker_fraction=config.grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
+            **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
         )
 
     def iteration() -> Tensor:

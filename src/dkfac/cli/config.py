@@ -14,9 +14,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dkfac.strategies.registry import KAISAOptions, strategy_names
+
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
-STRATEGIES: tuple[str, ...] = ("none", "local", "dkfac", "kaisa", "spd", "pad", "dp")
+#: ``--strategy``: "none" (the plain optimizer) or a strategy of the library's registry.
+STRATEGIES: tuple[str, ...] = ("none", *strategy_names())
 GRAD_SYNCS: tuple[str, ...] = ("ddp", "dear")
 
 
@@ -133,15 +136,19 @@ class TrainConfig:
                 "worker would precondition with its own factors and the replicas "
                 "would drift apart; use --strategy dkfac or kaisa"
             )
-        g = self.grad_worker_fraction * self.nproc
-        if self.strategy == "kaisa" and (
-            abs(g - round(g)) > 1e-9 or round(g) < 1 or self.nproc % round(g)
-        ):
+        if self.strategy != "kaisa" and self.grad_worker_fraction != 1.0:
             raise ConfigError(
-                f"--grad-worker-fraction {self.grad_worker_fraction!r} is not "
-                f"allowed with --nproc {self.nproc}: fraction x nproc must be a "
-                "whole number dividing nproc"
+                f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed with "
+                f"--strategy {self.strategy}: it is an option of --strategy kaisa"
             )
+        if self.strategy == "kaisa":
+            try:  # the library's own check, worded for the command line
+                KAISAOptions(self.grad_worker_fraction).check_world_size(self.nproc)
+            except ValueError as error:
+                raise ConfigError(
+                    f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed with "
+                    f"--nproc {self.nproc}: {str(error).split(': ', 1)[1]}"
+                ) from None
 
     @property
     def bucket_cap_mb(self) -> float | str:

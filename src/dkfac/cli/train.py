@@ -28,6 +28,7 @@ from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.sampling import EpochSampler
 from dkfac.data.registry import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
+from dkfac.strategies import option_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ def run_training(
             lr=lambda _: float(scheduler.get_last_lr()[0]),
             factor_update_steps=config.factor_update_steps,
             inv_update_steps=config.inv_update_steps,
-            grad_worker_fraction=config.grad_worker_fraction,
+            **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
         )
 
     out = Path(config.out) if config.out else None

@@ -264,20 +264,6 @@ class ClusterCostModel:
         return self.collective.problems() + self.decomposition.problems()
 
 
-def calibrate_cluster(
-    method: str,
-    dtype: torch.dtype,
-    device: torch.device | None = None,
-    group: object | None = None,
-) -> ClusterCostModel:
-    """Measure the alpha-beta model of ``group`` and the decomposition cost (about a second).
-
-    Every rank must call it; all ranks return the same model. Nothing is kept: a
-    :class:`CostModelCache` measures once for several preconditioners.
-    """
-    return CostModelCache().get(method, dtype, device, group)
-
-
 class CostModelCache:
     """Calibrations measured once and reused by every SPD/PAD preconditioner built after.
 

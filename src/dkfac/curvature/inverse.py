@@ -29,11 +29,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-
-class DecompositionError(RuntimeError):
-    """A factor could not be decomposed (not finite, or the algorithm failed)."""
-
-
 #: Per method and factor side: the names of the tensors that define one factor's
 #: decomposition, in transport order, and whether each is a symmetric matrix.
 FACTOR_LAYOUT: Mapping[str, Mapping[str, tuple[tuple[str, bool], ...]]] = MappingProxyType(
@@ -126,10 +121,6 @@ class KroneckerInverse(ABC):
     def tensors(self) -> dict[str, Tensor]:
         """The tensors that define this inverse (for state_dict)."""
 
-    @abstractmethod
-    def ok(self) -> Tensor:
-        """Device boolean: every stored tensor is finite (and factorisations succeeded)."""
-
 
 class EigenInverse(KroneckerInverse):
     """Eigendecompositions of both factors; exact damped Kronecker inverse."""
@@ -150,10 +141,6 @@ class EigenInverse(KroneckerInverse):
         """Eigenvectors and eigenvalues of both factors."""
         return {"qa": self.qa, "la": self.la, "qg": self.qg, "lg": self.lg}
 
-    def ok(self) -> Tensor:
-        """All eigenpairs finite."""
-        return torch.stack([torch.isfinite(t).all() for t in self.tensors().values()]).all()
-
 
 class TikhonovInverse(KroneckerInverse):
     """Inverses of the π-damped factors, through Cholesky."""
@@ -171,10 +158,6 @@ class TikhonovInverse(KroneckerInverse):
     def tensors(self) -> dict[str, Tensor]:
         """The two damped inverses."""
         return {"a_inv": self.a_inv, "g_inv": self.g_inv}
-
-    def ok(self) -> Tensor:
-        """Both inverses are finite."""
-        return torch.isfinite(self.a_inv).all() & torch.isfinite(self.g_inv).all()
 
 
 def _cholesky_inverse(matrix: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from dkfac.comm.communicator import Communicator, require_distributed
-from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.comm.recorder import StepRecorder
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.d_kfac import DKFACStrategy
@@ -19,38 +18,45 @@ from dkfac.strategies.dp import DPStrategy
 from dkfac.strategies.kaisa import KAISAStrategy
 from dkfac.strategies.local import LocalStrategy
 from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.registry import (
+    STRATEGIES,
+    DKFACOptions,
+    DPOptions,
+    KAISAOptions,
+    LocalOptions,
+    PADOptions,
+    PipelinedOptions,
+    SPDOptions,
+    StrategyOptions,
+    StrategySpec,
+    option_keywords,
+    resolve_options,
+    strategy_names,
+)
 from dkfac.strategies.spd import SPDStrategy
-
-STRATEGY_NAMES: tuple[str, ...] = ("local", "dkfac", "kaisa", "spd", "pad", "dp")
 
 
 def make_strategy(
-    name: str,
+    options: StrategyOptions,
     recorder: StepRecorder,
     *,
-    grad_worker_fraction: float = 1.0,
     bucket_cap_mb: float = 25.0,
     comm_dtype: torch.dtype | None = None,
     inverse_method: str = "eigen",
     inv_dtype: torch.dtype = torch.float32,
-    cost_model: ClusterCostModel | CostModelCache | None = None,
-    profile_steps: int = 5,
 ) -> Strategy:
-    """The strategy called ``name``, with its communicator when it needs one.
+    """The strategy ``options`` select, with its communicator when it needs one.
 
     SPD and PAD launch collectives from autograd hooks, while DDP may be allreducing
     gradients on the default group: they get a process group of their own so the two
     streams of collectives can never interleave differently on different ranks
     (:meth:`Communicator.with_own_group`; the strategy's ``close()`` destroys it).
-    ``cost_model`` (SPD/PAD only) is a measured :class:`ClusterCostModel`, a
-    :class:`CostModelCache` that measures on first use and serves every later strategy, or
-    ``None`` to measure for this strategy alone.
 
     Raises:
-        ValueError: unknown name, or a fraction the world size does not allow.
+        ValueError: options the world size does not allow.
         RuntimeError: a distributed strategy without an initialised process group.
     """
-    if name == LocalStrategy.name:
+    if isinstance(options, LocalOptions):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warnings.warn(
                 "strategy='local' in a process group of several workers: each worker "
@@ -60,41 +66,47 @@ def make_strategy(
                 stacklevel=3,
             )
         return LocalStrategy(recorder)
-    if name not in STRATEGY_NAMES:
-        raise ValueError(
-            f"strategy={name!r} is not allowed: expected one of "
-            f"{', '.join(map(repr, STRATEGY_NAMES))}"
-        )
-    require_distributed(f"strategy={name!r}")
-    if name in (SPDStrategy.name, PADStrategy.name):
+    require_distributed(f"strategy={options.name!r}")
+    if isinstance(options, PipelinedOptions):
         comm = Communicator.with_own_group(
             recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype
         )
-        pipelined = SPDStrategy if name == SPDStrategy.name else PADStrategy
+        pipelined = SPDStrategy if isinstance(options, SPDOptions) else PADStrategy
         return pipelined(
             comm,
             recorder,
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
-            cost_model=cost_model,
-            profile_steps=profile_steps,
+            cost_model=options.cost_model,
+            profile_steps=options.profile_steps,
         )
     comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
-    if name == DKFACStrategy.name:
-        return DKFACStrategy(comm, recorder)
-    if name == DPStrategy.name:
+    if isinstance(options, KAISAOptions):
+        return KAISAStrategy(comm, recorder, options)
+    if isinstance(options, DPOptions):
         return DPStrategy(comm, recorder)
-    return KAISAStrategy(comm, recorder, grad_worker_fraction)
+    return DKFACStrategy(comm, recorder)
 
 
 __all__ = [
-    "STRATEGY_NAMES",
+    "STRATEGIES",
+    "DKFACOptions",
     "DKFACStrategy",
+    "DPOptions",
     "DPStrategy",
+    "KAISAOptions",
     "KAISAStrategy",
+    "LocalOptions",
     "LocalStrategy",
+    "PADOptions",
     "PADStrategy",
+    "SPDOptions",
     "SPDStrategy",
     "Strategy",
+    "StrategyOptions",
+    "StrategySpec",
     "make_strategy",
+    "option_keywords",
+    "resolve_options",
+    "strategy_names",
 ]

@@ -55,10 +55,11 @@ from dkfac.strategies.factor_inverses import (
 )
 from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.pipelined import PipelinedStrategy, keeps_factor
+from dkfac.strategies.registry import KAISAOptions, strategy_names
 from dkfac.strategies.spd import SPDStrategy
 
-#: Strategies :func:`account_strategy` knows.
-ACCOUNTED_STRATEGIES: tuple[str, ...] = ("dkfac", "kaisa", "spd", "pad", "dp")
+#: Strategies :func:`account_strategy` knows: every distributed one.
+ACCOUNTED_STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ def account_kaisa(
 ) -> list[RankAccount]:
     """KAISA (and D-KFAC, fraction 1) per rank: what :class:`~.kaisa.KAISAStrategy` does."""
     world = settings.world_size
-    g = kaisa.grad_workers_for(grad_worker_fraction, world)
+    g = KAISAOptions(grad_worker_fraction).grad_workers(world)
     owners = kaisa.plan_layer_owners([layer.dims for layer in layers], world)
     factors = [((dim, dim), True, settings.factor_dtype) for layer in layers for dim in layer.dims]
     accounts = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
 from dkfac.strategies.kaisa import KAISAStrategy
+from dkfac.strategies.registry import KAISAOptions
 
 
 class DKFACStrategy(KAISAStrategy):
@@ -18,4 +19,4 @@ class DKFACStrategy(KAISAStrategy):
     name = "dkfac"
 
     def __init__(self, comm: Communicator, recorder: StepRecorder) -> None:
-        super().__init__(comm, recorder, grad_worker_fraction=1.0)
+        super().__init__(comm, recorder, KAISAOptions(grad_worker_fraction=1.0))

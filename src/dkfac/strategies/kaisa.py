@@ -17,7 +17,6 @@ broadcasts the preconditioned gradient to all.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,35 +34,12 @@ from dkfac.curvature.inverse import (
 from dkfac.curvature.layer import LayerCurvature, update_inverses
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
 from dkfac.strategies.placement import longest_processing_time
+from dkfac.strategies.registry import KAISAOptions
 
 
 def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
     """Names and symmetry of the tensors of a layer's inverse, in transport order."""
     return tuple(entry for side in FACTOR_SIDES for entry in FACTOR_LAYOUT[method][side])
-
-
-def grad_workers_for(fraction: float, world_size: int) -> int:
-    """Number of gradient workers ``fraction · world_size``, validated.
-
-    Raises:
-        ValueError: the product is not an integer dividing ``world_size``.
-    """
-    count = fraction * world_size
-    rounded = round(count)
-    if (
-        not 0 < fraction <= 1
-        or not math.isclose(count, rounded, abs_tol=1e-9)
-        or world_size % rounded
-    ):
-        allowed = ", ".join(
-            f"{k}/{world_size}" for k in range(1, world_size + 1) if world_size % k == 0
-        )
-        raise ValueError(
-            f"grad_worker_fraction={fraction!r} is not allowed with "
-            f"{world_size} workers: fraction·P must be an integer dividing P "
-            f"(allowed: {allowed})"
-        )
-    return rounded
 
 
 def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[int]:
@@ -126,13 +102,11 @@ class KAISAStrategy(DistributedStrategy):
 
     name = "kaisa"
 
-    def __init__(
-        self, comm: Communicator, recorder: StepRecorder, grad_worker_fraction: float
-    ) -> None:
+    def __init__(self, comm: Communicator, recorder: StepRecorder, options: KAISAOptions) -> None:
         self.comm = comm
         self.recorder = recorder
         world, rank = comm.world_size, comm.rank
-        self.grad_workers = grad_workers_for(grad_worker_fraction, world)
+        self.grad_workers = options.grad_workers(world)
         g = self.grad_workers
         self.rows, self.columns = grid(world, g)
         groups = comm.new_groups(self.rows + self.columns)
