@@ -153,6 +153,31 @@ class DistributedStrategy(Strategy):
                 "decomposes each factor once and broadcasts it (strategy='pad' or 'dkfac')"
             )
 
+    def precondition_and_broadcast(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        sources: Sequence[int] | None,
+        group: Any = None,
+    ) -> list[Tensor]:
+        """Each layer preconditioned by its source rank, then broadcast from there.
+
+        ``sources``: per layer, the rank of ``group`` (default: the world) that preconditions
+        it and sends the result, fused per source; ``None``: this worker preconditions every
+        layer itself and nothing is sent.
+        """
+        results: list[Tensor] = list(grads)
+        rank = self.comm.rank
+        with self.recorder.phase("precondition"):
+            for index, layer in enumerate(layers):
+                if sources is None or sources[index] == rank:
+                    results[index] = layer.precondition(grads[index], damping)
+        if sources is None:
+            return results
+        with self.recorder.phase("grad_comm"):
+            return self.comm.broadcast_from(results, sources, phase="grad_comm", group=group)
+
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
         values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)

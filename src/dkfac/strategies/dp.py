@@ -108,15 +108,8 @@ class DPStrategy(DistributedStrategy):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Owners precondition; each broadcasts its layers' directions in fused buckets."""
-        results: list[Tensor] = list(grads)
-        with self.recorder.phase("precondition"):
-            for index, layer in enumerate(layers):
-                if self.owns(layer):
-                    results[index] = layer.precondition(grads[index], damping)
-        with self.recorder.phase("grad_comm"):
-            sources = [self.owner[layer.name] for layer in layers]
-            results = self.comm.broadcast_from(results, sources, phase="grad_comm")
-        return results
+        sources = [self.owner[layer.name] for layer in layers]
+        return self.precondition_and_broadcast(layers, grads, damping, sources)
 
     def plan(self) -> dict[str, Any]:
         """The owner of each layer (it captures, decomposes and preconditions it)."""

@@ -132,14 +132,6 @@ class KAISAStrategy(DistributedStrategy):
             "buckets": [],
         }
 
-    def row_of(self, layer: LayerCurvature) -> int:
-        """The grid row (gradient-worker group) of the layer's owner."""
-        return self.owner[layer.name] // self.grad_workers
-
-    def is_grad_worker(self, layer: LayerCurvature) -> bool:
-        """Whether this worker preconditions ``layer``."""
-        return self.row_of(layer) == self.my_row
-
     # -- factors ---------------------------------------------------------------------------
     def update_factors(
         self,
@@ -231,21 +223,16 @@ class KAISAStrategy(DistributedStrategy):
     def precondition(
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
-        """Gradient workers precondition; results travel down the grid columns."""
-        results: list[Tensor] = list(grads)
-        with self.recorder.phase("precondition"):
-            for index, layer in enumerate(layers):
-                if self.is_grad_worker(layer):
-                    results[index] = layer.precondition(grads[index], damping)
+        """Gradient workers precondition; results travel down the grid columns.
+
+        In its grid column, a layer's gradient worker is the one rank of the owner's row.
+        Without a column group (f = 1, every worker is a gradient worker) nothing is sent.
+        """
         if self.column_group is None:
-            return results
-        with self.recorder.phase("grad_comm"):
-            owners = [self.owner[layer.name] for layer in layers]
-            sources = column_sources(owners, self.grad_workers, self.my_column)
-            results = self.comm.broadcast_from(
-                results, sources, phase="grad_comm", group=self.column_group
-            )
-        return results
+            return self.precondition_and_broadcast(layers, grads, damping, None)
+        owners = [self.owner[layer.name] for layer in layers]
+        sources = column_sources(owners, self.grad_workers, self.my_column)
+        return self.precondition_and_broadcast(layers, grads, damping, sources, self.column_group)
 
 
 def _inverse_payload(
