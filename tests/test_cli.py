@@ -318,9 +318,8 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "integer dividing P (allowed: 1/3, 3/3)",
         ),
         (
-            ["train", "--nproc", "2", "--strategy", "spd", "--grad-worker-fraction", "0.5"],
-            "--grad-worker-fraction 0.5 is not allowed with --strategy spd: it is an option of "
-            "--strategy kaisa",
+            ["train", "--strategy", "spd", "--grad-worker-fraction", "0"],
+            "--grad-worker-fraction 0.0 is not allowed: expected a number in (0, 1]",
         ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
         (["train", "--lr", "-1"], "--lr"),

@@ -140,6 +140,10 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
             r"options object \(KAISAOptions\(grad_worker_fraction=...\)\)",
         ),
         (
+            {"strategy": dkfac.strategies.StrategyOptions()},
+            r"strategy=StrategyOptions\(\) is not allowed: expected one of 'local'",
+        ),
+        (
             {"strategy": 3},
             r"strategy=3 is not allowed: expected one of 'local', 'dkfac', 'kaisa', 'spd', "
             r"'pad', 'dp' or an options object \(LocalOptions, ",

@@ -136,14 +136,18 @@ class TrainConfig:
                 "worker would precondition with its own factors and the replicas "
                 "would drift apart; use --strategy dkfac or kaisa"
             )
-        if self.strategy != "kaisa" and self.grad_worker_fraction != 1.0:
+        # The flag reaches the kaisa runs only (dkfac compare runs several strategies from one
+        # configuration); it is checked whatever the strategy, with the library's own checks.
+        try:
+            kaisa = KAISAOptions(self.grad_worker_fraction)
+        except ValueError as error:
             raise ConfigError(
-                f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed with "
-                f"--strategy {self.strategy}: it is an option of --strategy kaisa"
-            )
+                f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed: "
+                f"{str(error).split(': ', 1)[1]}"
+            ) from None
         if self.strategy == "kaisa":
-            try:  # the library's own check, worded for the command line
-                KAISAOptions(self.grad_worker_fraction).check_world_size(self.nproc)
+            try:
+                kaisa.check_world_size(self.nproc)
             except ValueError as error:
                 raise ConfigError(
                     f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed with "

@@ -163,9 +163,9 @@ class DistributedStrategy(Strategy):
     ) -> list[Tensor]:
         """Each layer preconditioned by its source rank, then broadcast from there.
 
-        ``sources``: per layer, the rank of ``group`` (default: the world) that preconditions
-        it and sends the result, fused per source; ``None``: this worker preconditions every
-        layer itself and nothing is sent.
+        ``sources``: per layer, the (global) rank that preconditions it and sends the result
+        to the other members of ``group`` (default: the world), fused per source; ``None``:
+        this worker preconditions every layer itself and nothing is sent.
         """
         results: list[Tensor] = list(grads)
         rank = self.comm.rank

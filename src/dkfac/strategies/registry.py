@@ -221,7 +221,8 @@ def resolve_options(strategy: str | StrategyOptions, **shorthand: Any) -> Strate
     Raises:
         ValueError: an unknown name, an option the strategy does not have, or a bad value.
     """
-    if isinstance(strategy, StrategyOptions):
+    registered = {spec.options for spec in STRATEGIES.values()}
+    if isinstance(strategy, StrategyOptions) and type(strategy) in registered:
         options_class: type[StrategyOptions] = type(strategy)
     elif isinstance(strategy, str) and strategy in STRATEGIES:
         options_class = STRATEGIES[strategy].options
