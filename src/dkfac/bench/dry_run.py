@@ -4,7 +4,7 @@ A dry run: no training, no process group. From a model's layer shapes, every str
 per-worker accounting of one second-order update (one factor update + one decomposition +
 one preconditioning) is computed by :mod:`dkfac.strategies.accounting`, which calls the
 strategies' own planners, grouping and packing rules. The report compares DP-KFAC with D-KFAC
-against the figures of the DP-KFAC paper (ALGORITHMS.md §6: at least 2.79x less communication
+against the figures of the DP-KFAC paper (docs/strategies.md: at least 2.79x less communication
 and 1.14x less memory per second-order update, 64 GPUs).
 
 SPD-KFAC and PAD-KFAC place factors with a cost model, which a dry run cannot measure: it
@@ -50,7 +50,7 @@ NOMINAL_COST_MODEL = ClusterCostModel(AlphaBeta(5e-5, 1.6e-10), CubicCost(1e-3, 
 #: Default world size of a dry run (the paper's 64 GPUs).
 DRY_RUN_NPROCS = 64
 
-#: The DP-KFAC paper's figures per second-order update vs D-KFAC (ALGORITHMS.md §6, 64 GPUs).
+#: The DP-KFAC paper's figures per second-order update vs D-KFAC (docs/strategies.md, 64 GPUs).
 DRY_RUN_TARGET: Mapping[str, float] = MappingProxyType({"communication": 2.79, "memory": 1.14})
 
 COUNTED = (

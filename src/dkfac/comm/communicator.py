@@ -52,7 +52,7 @@ def default_group_timeout() -> timedelta | None:
             if isinstance(timeout, timedelta):
                 return timeout
     except (AttributeError, RuntimeError, ValueError):
-        pass
+        return None  # a torch without these internals: the groups keep torch's default
     return None
 
 

@@ -59,7 +59,7 @@ def plan_buckets_alpha_beta(
     cap_bytes: int,
     boundaries: Sequence[int] = (),
 ) -> list[list[int]]:
-    """SPD-KFAC's merge rule on measured ready times (ALGORITHMS.md §4).
+    """SPD-KFAC's merge rule on measured ready times (docs/strategies.md).
 
     Walking the items in order, the open bucket (ready when its last member is) would start at
     ``max(bucket ready, link free)``. Item ``l+1`` joins it when that start is not before

@@ -1,4 +1,4 @@
-"""DeAR: data-parallel gradient aggregation with the all-reduce decoupled (ALGORITHMS.md §7).
+"""DeAR: data-parallel gradient aggregation with the all-reduce decoupled (docs/dear.md).
 
 An all-reduce is a reduce-scatter followed by an all-gather. :class:`DeAR` runs the first half
 under the backward pass and the second under the *next* forward pass:

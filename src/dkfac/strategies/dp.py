@@ -1,6 +1,6 @@
 """``strategy="dp"``: DP-KFAC, distributed preconditioning (Zhang, Shi, Wang, Li, 2022).
 
-ALGORITHMS.md §6. Every layer has one owner (longest-processing-time on its predicted cost:
+docs/strategies.md. Every layer has one owner (longest-processing-time on its predicted cost:
 decompositions ``d_A³ + d_G³`` plus preconditioning ``d_G·d_A·(d_G + d_A)``). Only the owner
 captures the layer's ``a`` and ``g`` in the hooks; it builds ``A`` and ``G`` from **its own
 local mini-batch**, keeps the running averages, decomposes them, preconditions the layer's
@@ -31,7 +31,7 @@ from dkfac.strategies.placement import longest_processing_time
 
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
-    """Relative cost of owning a layer: both decompositions plus preconditioning (§8)."""
+    """Relative cost of owning a layer: both decompositions plus preconditioning (see docs)."""
     return float(a_dim**3 + g_dim**3 + g_dim * a_dim * (g_dim + a_dim))
 
 

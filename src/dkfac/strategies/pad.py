@@ -1,4 +1,4 @@
-"""``strategy="pad"``: PAD-KFAC (placement-aware D-KFAC, Lin Zhang's thesis), ALGORITHMS.md §5.
+"""``strategy="pad"``: PAD-KFAC (placement-aware D-KFAC, Lin Zhang's thesis), docs/strategies.md.
 
 An allreduce delivers every factor to every worker although only its owner decomposes it.
 PAD-KFAC sends each factor with a *reduce* to its owner instead, launched from the hooks like

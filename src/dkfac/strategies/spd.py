@@ -1,4 +1,4 @@
-"""``strategy="spd"``: SPD-KFAC (Shi, Zhang, Li, ICDCS 2021), ALGORITHMS.md §4.
+"""``strategy="spd"``: SPD-KFAC (Shi, Zhang, Li, ICDCS 2021), docs/strategies.md.
 
 * Pipelining with tensor fusion: each factor's summed statistic is handed over in the hook
   that completes it (A in the forward hook, G in the backward hook) and its bucket's
