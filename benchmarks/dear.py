@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dkfac
 from dkfac.bench.configs import INPUT_SHAPES, LR, MODEL_LABELS, MODELS, MOMENTUM, environment
 from dkfac.bench.worker import make_batch
+from dkfac.comm import destroy_process_groups
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Bucket sizes (MiB): DDP's default, and DeAR's fixed size for the comparison.
@@ -163,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 # -- launcher and report -----------------------------------------------------------------------

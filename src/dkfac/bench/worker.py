@@ -60,6 +60,7 @@ from dkfac.bench.configs import (
     count_schedule_hits,
     environment,
 )
+from dkfac.comm import destroy_process_groups
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.strategies import option_keywords
 
@@ -413,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
     return 0
 
 

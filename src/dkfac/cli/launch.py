@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dkfac.comm import destroy_process_groups
+
 
 @dataclass(frozen=True)
 class WorkerFailure:
@@ -259,8 +261,7 @@ def _worker(
             summary = f"{type(error).__name__}: {error}"
             results.put((rank, False, summary, traceback.format_exc(), _pickled(error)))
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            destroy_process_groups()
 
 
 def _pickled(error: BaseException) -> bytes:

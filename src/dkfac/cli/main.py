@@ -42,6 +42,7 @@ from dkfac.cli.launch import (
 from dkfac.cli.rank_logging import configure_logging, quiet
 from dkfac.cli.report import compare_table, epoch_table, write_plots
 from dkfac.cli.train import RunResult, check_fits, load_run_dataset, run_device, run_training
+from dkfac.comm import destroy_process_groups
 from dkfac.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ def execute_runs(
             dist.barrier()  # nobody tears the group down while a peer still talks to it
             return results if outside.rank == 0 else None
         finally:
-            dist.destroy_process_group()
+            destroy_process_groups()
     return list(
         spawn_local(
             _run_worker,

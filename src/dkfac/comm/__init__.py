@@ -7,11 +7,13 @@ traffic and phase times.
 from dkfac.comm.communicator import Communicator, require_distributed
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.shutdown import destroy_process_groups
 
 __all__ = [
     "ClusterCostModel",
     "Communicator",
     "CostModelCache",
     "StepRecorder",
+    "destroy_process_groups",
     "require_distributed",
 ]
