@@ -165,12 +165,16 @@ def test_under_torchrun_the_others_stop_at_once_and_the_lost_rank_is_named(
     _, err = process.communicate(timeout=90)
     assert process.returncode != 0
     assert time.monotonic() - killed < 60
-    # Each survivor says in one line that a peer was lost (no traceback of its own), and
-    # torchrun's report names the lost rank.
-    survivors = [line for line in err.splitlines() if "a peer worker was lost" in line]
-    assert len(survivors) >= 1, err[-3000:]
+    # Each survivor says in one line why it stopped, with no traceback of its own: its
+    # collective failed (a peer was lost), or torchrun's SIGTERM came first, as it does when
+    # torchrun notices the death before the survivor's collective does. torchrun's report
+    # names the lost rank.
+    signs = ("a peer worker was lost", "stopped by the launcher (SIGTERM)")
+    survivors = [line for line in err.splitlines() if any(sign in line for sign in signs)]
+    assert len(survivors) == 2, err[-3000:]
     # (torchrun may prefix a worker's lines with "[rankN]:")
     assert all("dkfac: [rank " in line or "dkfac: error:" in line for line in survivors), survivors
+    assert err.count("Traceback (most recent call last)") == 1, err[-3000:]  # torchrun's own
     assert f"exitcode  : -9 (pid: {victim})" in err
 
 
@@ -192,3 +196,46 @@ def test_a_stuck_worker_fails_the_run_within_the_collective_timeout(tmp_path: Pa
     assert time.monotonic() - stopped < 8 + 20
     assert "Timed out" in err or "timed out" in err, err[-3000:]
     assert "still running when rank" in err and "; stopped" in err
+
+
+def test_a_worker_stopped_by_its_launcher_says_so_in_one_line(tmp_path: Path) -> None:
+    # As torchrun (a peer failed) or Slurm (scancel, preemption) would: SIGTERM to a worker.
+    out = tmp_path / "run"
+    environ = os.environ | {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29400 + os.getpid() % 500),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dkfac.cli.main", *RUN, "--out", str(out)],
+        cwd=tmp_path,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(steps_done(out)) < 2:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    lines = [line for line in err.splitlines() if "stopped by the launcher (SIGTERM)" in line]
+    assert len(lines) == 1 and lines[0].startswith("dkfac: error: "), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_sigterm_raises_only_inside_the_block_and_the_old_handler_comes_back() -> None:
+    from dkfac.cli.launcher_signals import LauncherStopError, sigterm_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(LauncherStopError, match="SIGTERM"), sigterm_raises():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this at once
+    assert signal.getsignal(signal.SIGTERM) is before
+    with sigterm_raises(enabled=False):
+        assert signal.getsignal(signal.SIGTERM) is before

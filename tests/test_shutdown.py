@@ -15,12 +15,18 @@ from dkfac.comm import destroy_process_groups
 
 
 def _train_and_leave_cycles() -> tuple[weakref.ref[nn.Module], weakref.ref[object]]:
-    """A DDP model and a preconditioner used for one step, then abandoned (as a run ends)."""
+    """A DDP model and a preconditioner used for one step, then abandoned in a reference cycle.
+
+    The cycle is made explicit: which cycles DDP and the preconditioner form by themselves
+    depends on torch's internals, and the test needs objects that only a collection frees.
+    """
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
     pre = dkfac.KFACPreconditioner(model, strategy="dkfac", lr=0.1)
     model(torch.randn(6, 4)).square().sum().backward()
     pre.step()
     pre.remove()
+    cycle: list[object] = [model, pre]
+    cycle.append(cycle)
     return weakref.ref(model), weakref.ref(pre)
 
 

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,6 +32,7 @@ from dkfac.cli.config import (
     parse_dataset_option,
 )
 from dkfac.cli.launch import (
+    ExternalRank,
     WorkerError,
     backend_for,
     external_rank,
@@ -39,6 +40,7 @@ from dkfac.cli.launch import (
     lost_peer_message,
     spawn_local,
 )
+from dkfac.cli.launcher_signals import LauncherStopError, ignore_sigterm, sigterm_raises
 from dkfac.cli.rank_logging import configure_logging, quiet
 from dkfac.cli.report import compare_table, epoch_table, write_plots
 from dkfac.cli.train import RunResult, check_fits, load_run_dataset, run_device, run_training
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_WORKER = 1
+EXIT_SIGTERM = 128 + 15  # what a shell reports for a process ended by SIGTERM
 #: Defaults of ``dkfac bench`` without ``--quick``.
 BENCH_MODELS = "resnet20"
 BENCH_NPROCS = "2"
@@ -579,15 +582,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Under torchrun every rank reports its own failure: say which one it is.
     error_prefix = "dkfac: error:" if rank == 0 else f"dkfac: [rank {rank}] error:"
 
+    with sigterm_raises(outside is not None):
+        return _run_reported(args, outside, error_prefix)
+
+
+def _run_reported(args: argparse.Namespace, outside: ExternalRank | None, prefix: str) -> int:
+    """Run the parsed command; failures, and a SIGTERM under a launcher, become one line."""
+
     def report(message: str) -> None:
         # One write per report: torchrun stops the survivors as soon as one worker fails, and a
         # line printed in pieces would be cut (or interleaved with another rank's) mid-way.
-        sys.stderr.write(f"{error_prefix} {message}\n")
+        if outside is not None:
+            ignore_sigterm()
+        sys.stderr.write(f"{prefix} {message}\n")
         sys.stderr.flush()
 
     commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
     try:
-        return commands[args.command](args)
+        return _run_command(commands[args.command], args, report, outside is not None)
+    except LauncherStopError as stop:  # also when it interrupts the handling of another error
+        report(
+            f"stopped by the launcher ({stop}): another worker failed (the launcher's report "
+            "names it) or the job was cancelled"
+        )
+        return EXIT_SIGTERM
+
+
+def _run_command(
+    command: Callable[[argparse.Namespace], int],
+    args: argparse.Namespace,
+    report: Callable[[str], None],
+    external: bool,
+) -> int:
+    """Run one command; every failure a user can act on becomes one reported line."""
+    try:
+        return command(args)
     except ImportError as error:
         report(missing_dependency_message(error))
         return EXIT_USAGE
@@ -608,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("dkfac: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as error:  # under torchrun/Slurm: this rank's collective failed
-        message = lost_peer_message(error) if outside is not None else None
+        message = lost_peer_message(error) if external else None
         if message is None:
             raise
         report(message)
