@@ -32,14 +32,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dkfac.bench.command import (
-    add_bench_options,
-    failed_launches,
-    options_from_args,
-    run_bench,
-    write_json,
-)
+from dkfac.bench.command import failed_launches, run_bench, write_json
 from dkfac.bench.configs import PHASES
+from dkfac.bench.options import add_bench_options, options_from_args
 from dkfac.bench.report import format_summary
 from dkfac.cli.config import ConfigError
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dkfac.cli.launch import WorkerError, spawn_workers
+from dkfac.cli.local_workers import WorkerError, spawn_workers
 
 
 class WorkerFailedError(AssertionError):

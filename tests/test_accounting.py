@@ -17,17 +17,15 @@ from dkfac.bench.dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_r
 from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
 from dkfac.strategies import dp
-from dkfac.strategies.accounting import (
-    DryRunSettings,
+from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
+from dkfac.strategies.factor_inverses import EVERY_WORKER
+from dkfac.strategies.layer_shapes import (
     LayerShape,
-    account_strategy,
     conv2d_shape,
     layer_shapes_of,
     linear_shape,
     resnet50_layer_shapes,
-    summarize_accounts,
 )
-from dkfac.strategies.factor_inverses import EVERY_WORKER
 from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.pipeline import ready_order_of
 from dkfac.strategies.spd import SPDStrategy

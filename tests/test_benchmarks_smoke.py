@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from dkfac.bench.command import add_bench_options, options_from_args
+from dkfac.bench.options import add_bench_options, options_from_args
 from script_loader import load_benchmark
 
 

@@ -20,22 +20,24 @@ from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
+import dkfac.cli.commands as commands_module
+import dkfac.cli.execution as execution_module
 import dkfac.cli.launch as launch_module
 from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from dkfac.cli.commands import compare_strategies
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
-from dkfac.cli.launch import (
-    ExternalRank,
-    WorkerError,
-    backend_for,
-    external_rank,
-    join_external,
-    spawn_local,
-)
-from dkfac.cli.main import build_parser, compare_strategies, main, missing_dependency_message
+from dkfac.cli.config_resolution import resolve_config
+from dkfac.cli.launch import ExternalRank, backend_for, external_rank, join_external
+from dkfac.cli.local_workers import WorkerError, spawn_local
+from dkfac.cli.main import main, missing_dependency_message
+from dkfac.cli.parser import build_parser
 from dkfac.cli.rank_logging import configure_logging
 from dkfac.cli.report import compare_table, write_plots
+from dkfac.cli.run_checkpoint import restore_checkpoint
+from dkfac.cli.run_metrics import RunResult
 from dkfac.cli.sampling import EpochSampler
-from dkfac.cli.train import RunResult, restore_checkpoint, run_device, run_training
+from dkfac.cli.train import run_training
+from dkfac.cli.training_setup import run_device
 
 # The module, not the `main` function that dkfac.cli re-exports under the same name.
 main_module = importlib.import_module("dkfac.cli.main")
@@ -286,7 +288,7 @@ def test_no_arguments_run_compare(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [args.command for args in seen] == ["compare", "compare"]
     args = seen[0]
     assert args.strategies is None and args.nproc is None and args.strategy is None
-    config = main_module._resolve(args)
+    config = resolve_config(args)
     assert compare_strategies(args.strategies, config) == ("none", "dkfac")
     assert (config.nproc, config.dataset) == (2, "digits")
 
@@ -298,7 +300,9 @@ def test_compare_on_other_ranks_returns_without_reporting(
     for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(name, value)
     runs: list[Any] = []
-    monkeypatch.setattr(main_module, "execute_runs", lambda configs, labels: runs.append(labels))
+    monkeypatch.setattr(
+        commands_module, "execute_runs", lambda configs, labels: runs.append(labels)
+    )
     assert main(["compare", *QUICK, "--out", str(tmp_path)]) == 0
     assert runs == [["SGD", "SGD+K-FAC (dkfac)"]]
     assert capsys.readouterr().out == ""
@@ -492,9 +496,9 @@ def test_backend_follows_the_run_device(monkeypatch: pytest.MonkeyPatch) -> None
         joined.append(backend)
         raise RuntimeError("stop before training")
 
-    monkeypatch.setattr(main_module, "join_external", join)
+    monkeypatch.setattr(execution_module, "join_external", join)
     with pytest.raises(RuntimeError, match="stop before training"):
-        main_module.execute(TrainConfig(model="mlp"))
+        execution_module.execute(TrainConfig(model="mlp"))
     assert joined == ["gloo"]
 
 
@@ -643,7 +647,7 @@ def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     args = build_parser().parse_args(
         [*argv, "--nproc", "1", "--checkpoint-every", "3", "--out", str(tmp_path)]
     )
-    config = main_module._resolve(args)
+    config = resolve_config(args)
     assert config.checkpoint_every == 3
     written: list[tuple[int, int, int]] = []
 
@@ -651,7 +655,7 @@ def test_checkpoint_every_n_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         written.append((payload["step"], payload["epoch"], payload["batch"]))
         return save_atomic(payload, folder)
 
-    monkeypatch.setattr("dkfac.cli.train.save_atomic", recording_save)
+    monkeypatch.setattr("dkfac.cli.run_checkpoint.save_atomic", recording_save)
     run_training(config)  # in this process: one rank, no process group
     # Every 3 steps (epoch, batch within it), and at both epoch ends.
     assert written == [(3, 0, 3), (5, 1, 0), (6, 1, 1), (9, 1, 4), (10, 2, 0)]
@@ -672,7 +676,7 @@ def test_bad_input_found_by_a_worker_is_one_line_and_exit_code_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     # Without the parent's check, the worker refuses the batch size itself.
-    monkeypatch.setattr(main_module, "_check_before_start", lambda configs, world: None)
+    monkeypatch.setattr(execution_module, "_check_before_start", lambda configs, world: None)
     argv = ["train", "--model", "mlp", "--nproc", "1", "--batch-size", "5000"]
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -695,7 +699,7 @@ def test_worker_errors_map_to_exit_codes(monkeypatch: pytest.MonkeyPatch, tmp_pa
         (ValueError("zip() argument 2 is shorter"), 1, "ValueError: zip() argument 2"),
     ]
     for cause, code, message in cases:
-        monkeypatch.setattr(main_module, "execute", failing(cause))
+        monkeypatch.setattr(commands_module, "execute", failing(cause))
         assert main(argv) == code
         err = capsys.readouterr().err
         assert message in err and (code == 1) == ("Traceback" in err), err
@@ -716,7 +720,7 @@ def test_missing_optional_dependencies_say_what_to_install(
     assert "pip install matplotlib" in plots and "dkfac[cli]" in plots
     assert "scikit-learn" in missing_dependency_message(ModuleNotFoundError(name="sklearn.base"))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    main_module._print_plots({"run": RunResult()}, tmp_path / "plots")
+    commands_module._print_plots({"run": RunResult()}, tmp_path / "plots")
     assert "plots: skipped" in capsys.readouterr().out and not (tmp_path / "plots").exists()
 
 

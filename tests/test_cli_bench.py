@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import dkfac
-from dkfac.bench.command import BenchOptions, options_from_args
 from dkfac.bench.configs import (
     INPUT_SHAPES,
     MODEL_LABELS,
@@ -29,9 +28,11 @@ from dkfac.bench.configs import (
     git_commit,
     mlp6,
 )
+from dkfac.bench.options import BenchOptions, options_from_args
 from dkfac.bench.targets import evaluate_pipelined_target, format_pipelined_target
 from dkfac.bench.worker import make_batch
-from dkfac.cli.main import BENCH_MODELS, BENCH_NPROCS, build_parser, main
+from dkfac.cli.main import main
+from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS, build_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -13,8 +13,9 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.comm.communicator import Communicator, FusionBucket
+from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import PHASES, StepRecorder
+from dkfac.comm.wire import FusionBucket
 
 
 def symmetric(d: int, seed: int) -> torch.Tensor:

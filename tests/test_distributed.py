@@ -15,9 +15,10 @@ from torch import nn
 
 import dkfac
 from distributed_harness import WorkerFailedError, run_workers
-from dkfac.bench.worker import kfac_memory_bytes
+from dkfac.bench.timed_window import kfac_memory_bytes
 from dkfac.comm import ClusterCostModel
-from dkfac.strategies.accounting import DryRunSettings, account_strategy, layer_shapes_of
+from dkfac.strategies.accounting import DryRunSettings, account_strategy
+from dkfac.strategies.layer_shapes import layer_shapes_of
 from dkfac.strategies.placement import longest_processing_time
 
 STEPS = 5

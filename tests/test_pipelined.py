@@ -14,7 +14,7 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.bench.worker import kfac_memory_bytes
+from dkfac.bench.timed_window import kfac_memory_bytes
 from dkfac.comm import ClusterCostModel
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from test_distributed import (

@@ -781,7 +781,7 @@ def test_factor_steps_of_conv_layers_read_nothing_back_from_the_device(
     assert step(1) == []
     assert step(2) == []
     # A decomposition step of four layers: one batched read of every flag together.
-    assert step(3) == [("tolist", "dkfac.curvature.layer")]
+    assert step(3) == [("tolist", "dkfac.curvature.decomposition")]
     assert len(pre.layers) == 4
 
 

@@ -312,3 +312,12 @@ class KFACConfig:
         if callable(self.factor_update_steps) or callable(self.inv_update_steps):
             check_multiple(factor_steps, inv_steps, step)
         return factor_steps, inv_steps
+
+    def updates_at(self, step: int) -> tuple[bool, bool]:
+        """Whether K-FAC step ``step`` updates factors, and decompositions (:meth:`intervals_at`).
+
+        Raises:
+            ValueError: as :meth:`intervals_at`.
+        """
+        factor_steps, inv_steps = self.intervals_at(step)
+        return step % factor_steps == 0, step % inv_steps == 0

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,40 +11,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
+from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
-from dkfac.curvature.blocks import UnsupportedLayerError, make_block
+from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.curvature.layer import LayerCurvature, LayerHealth
+from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
 from dkfac.layer_table import SkippedModule, format_layer_table
+from dkfac.layer_usage import LayerUsage
+from dkfac.mixed_precision import gradients_finite
+from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import StrategyOptions, make_strategy
 
 logger = logging.getLogger(__name__)
-
-STATE_VERSION = 1
-
-
-def current_backward_id() -> int | None:
-    """An id of the backward pass the autograd engine is running on this thread, else None.
-
-    PyTorch exposes no public "inside backward" query; the engine's graph-task id is what
-    ``torch.utils.checkpoint`` itself uses. Without it (an older build) nothing is recomputed
-    as far as dkfac can tell, and each recomputed call counts as a pass of its own.
-    """
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    if task_id is None:
-        return None
-    current = int(task_id())
-    return None if current == -1 else current
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix)."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
-    return model
 
 
 @dataclass(frozen=True)
@@ -199,209 +176,34 @@ class KFACPreconditioner:
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
         )
-        self._model = _unwrap(model)
-        self._grad_scaler = grad_scaler
-        discovered, self._skipped = self._discover_layers()
+        self._model = unwrap_model(model)
+        discovered, self._skipped = discover_layers(
+            self._model, self.config.skip_patterns, self.config.factor_dtype
+        )
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
         self._strategy.setup(self._layers, accumulation_steps=accumulation_steps)
+        self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = False
-        self._warned: set[str] = set()
-        # Layers whose forward hook ran in the current capture window (whether or not this
-        # worker captures them), and layers found used outside their forward: these have a
-        # gradient but never statistics, and pass it through unpreconditioned.
-        self._forwarded: set[str] = set()
-        # Whether any layer ran forward in training mode with gradients on since the last
-        # factor update, captured here or not (under DP-KFAC this worker's own layers may all
-        # sit out a window that other layers trained in).
-        self._trained_forward = False
-        self._silent: set[str] = set()
-        # Layers whose forward ran on some worker at least once: never silent again, so once
-        # every layer is known, finding silent layers costs no communication.
-        self._seen_forward: set[str] = set()
-        self._capture = self._is_factor_step(0)
         self._force_inverse = False
-        self._window_scale: float | None = None
         self._skipped_steps = 0
         self._decomposition_steps = 0
-        # Forward passes of the model: a layer's examples count once per pass (a shared layer
-        # runs several times in one). Calls made outside the model's forward are passes of
-        # their own.
-        self._passes = 0
-        self._pass_depth = 0
-        # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
-        self._recomputing: tuple[int, int] | None = None
-        self._handles: list[RemovableHandle] = [
-            self._model.register_forward_pre_hook(self._pass_starts),
-            self._model.register_forward_hook(self._pass_ends, always_call=True),
-        ]
-        self._handles += [
-            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
-            for index, layer in enumerate(self._layers)
-        ]
-
-    # -- construction -----------------------------------------------------------------------
-    def _discover_layers(self) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
-        """Every module with parameters: a (path, curvature) pair, or a skipped entry."""
-        layers: list[tuple[str, LayerCurvature]] = []
-        skipped: list[SkippedModule] = []
-        holders = self._parameter_holders()
-        for name, module in self._model.named_modules():
-            params = list(module.parameters(recurse=False))
-            if not params:
-                continue
-            kind = type(module).__name__
-            if any(p.search(name) or p.search(kind) for p in self.config.skip_patterns):
-                skipped.append(SkippedModule(name, kind, "matches skip_layers"))
-                continue
-            try:
-                block = make_block(module)
-            except UnsupportedLayerError as error:
-                raise ValueError(f"layer {name!r} ({kind}): {error}") from None
-            if block is None:
-                skipped.append(SkippedModule(name, kind, "unsupported type"))
-            elif not all(p.requires_grad for p in block.parameters()):
-                skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
-            elif others := sorted(
-                {other for p in params for other in holders[id(p)] if other != name}
-            ):
-                # A tied parameter's gradient sums its uses in every holder (GPT-2's LM head
-                # and token embedding): this layer's factors describe only its own use.
-                shared = ", ".join(repr(other) for other in others)
-                skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
-            else:
-                curvature = LayerCurvature(name or kind, block, self.config.factor_dtype)
-                layers.append((name, curvature))
-        if not layers:
-            found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
-            raise ValueError(
-                f"model={type(self._model).__name__} is not allowed: it has no "
-                f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}"
-            )
-        return layers, skipped
-
-    def _parameter_holders(self) -> dict[int, list[str]]:
-        """Per parameter (by id), the names of the modules that register it directly."""
-        holders: dict[int, list[str]] = {}
-        for name, module in self._model.named_modules():
-            for param in module.parameters(recurse=False):
-                holders.setdefault(id(param), []).append(name)
-        return holders
-
-    # -- hooks --------------------------------------------------------------------------------
-    def _pass_starts(self, module: nn.Module, inputs: Any) -> None:
-        if module is self._model:  # not a deep copy's
-            if self._pass_depth == 0:
-                self._passes += 1
-            self._pass_depth += 1
-
-    def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if module is self._model and self._pass_depth > 0:
-            self._pass_depth -= 1
-
-    def _current_pass(self) -> int:
-        """The model's forward pass in progress; outside one, a new pass for this call.
-
-        A forward run inside a backward pass is activation checkpointing recomputing a segment
-        (``torch.utils.checkpoint``): every such call of one backward belongs to one pass, the
-        forward pass that backward differentiates. Under reentrant checkpointing that is the
-        only capture of the segment (its first forward ran without gradients); counted a pass
-        per call, a layer used in several segments would count its examples once per use.
-        """
-        if self._pass_depth > 0:
-            return self._passes
-        backward = current_backward_id()
-        if backward is not None:
-            if self._recomputing is None or self._recomputing[0] != backward:
-                self._passes += 1
-                self._recomputing = (backward, self._passes)
-            return self._recomputing[1]
-        self._passes += 1
-        return self._passes
-
-    def _forward_hook(
-        self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
-    ) -> None:
-        # The hook holds the layer's index, not the layer: a deep copy of the model then
-        # copies no K-FAC state, and its hooks (module is the copy) do nothing.
-        layer = self._layers[index]
-        if self._removed or not self._capture or module is not layer.block.module:
-            return
-        # Recorded on every worker, capturing or not, so all workers agree on which layers are
-        # used outside their forward (see _find_silent).
-        self._forwarded.add(layer.name)
-        if not module.training or not torch.is_grad_enabled():
-            return
-        self._trained_forward = True
-        if (
-            not self._strategy.captures(layer)
-            or not inputs
-            or not isinstance(inputs[0], Tensor)
-            or not isinstance(output, Tensor)
-        ):
-            return
-        pass_id = self._current_pass()
-        with self._recorder.phase("factor_compute"):
-            layer.accumulate_a(inputs[0], pass_id)
-        self._strategy.statistic_added(layer, "a", self.config.loss_reduction)
-        if output.requires_grad:
-            # The pass is bound now: the backward of several passes may come later at once.
-            hook = functools.partial(self._output_grad_hook, layer, pass_id)
-            output.register_hook(hook)  # type: ignore[no-untyped-call]
-
-    def _output_grad_hook(self, layer: LayerCurvature, pass_id: int, grad: Tensor) -> None:
-        if not self._removed:
-            with self._recorder.phase("factor_compute"):
-                layer.accumulate_g(grad, pass_id, self._loss_scale())
-            self._strategy.statistic_added(layer, "g", self.config.loss_reduction)
-
-    def _loss_scale(self) -> float | None:
-        """The GradScaler's loss scale, read once per capture window (public ``get_scale()``).
-
-        The scale only changes in ``scaler.update()``, after the optimizer step, so it is the
-        same for every backward pass of a window; reading it once keeps the backward hooks
-        free of host synchronisations after the first one of the window.
-        """
-        scaler = self._grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return None
-        if self._window_scale is None:
-            self._window_scale = float(scaler.get_scale())
-        return self._window_scale
-
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient of the model is finite (checked only with a GradScaler).
-
-        A GradScaler skips the optimizer step when a gradient is not finite; such a step must
-        not change factors or decompositions either. One host read per factor-update step,
-        only when a scaler is enabled. Gradients are read after averaging (DDP, DeAR), so
-        every worker decides alike.
-        """
-        scaler = self._grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return True
-        flags = [
-            torch.isfinite(p.grad).all() for p in self._model.parameters() if p.grad is not None
-        ]
-        if not flags:
-            return True
-        return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())
+        self._usage = LayerUsage(self._layers, accumulation_steps)
+        self._capture = StatisticsCapture(
+            self._model,
+            self._layers,
+            self._strategy,
+            self._recorder,
+            self._usage,
+            loss_reduction=loss_reduction,
+            grad_scaler=grad_scaler,
+            capturing=self._is_factor_step(0),
+        )
 
     # -- schedule -----------------------------------------------------------------------------
     def _is_factor_step(self, step: int) -> bool:
         return step % self.config.factor_update_steps_at(step) == 0
-
-    def _schedule(self, step: int) -> tuple[bool, bool]:
-        """Whether ``step`` updates factors and decompositions; both intervals validated.
-
-        Raises:
-            ValueError: a callable interval returned a value that is not allowed at ``step``
-                (not an integer >= 1, or ``inv_update_steps`` not a multiple of
-                ``factor_update_steps``).
-        """
-        factor_steps, inv_steps = self.config.intervals_at(step)
-        return step % factor_steps == 0, step % inv_steps == 0
 
     @property
     def steps(self) -> int:
@@ -430,7 +232,7 @@ class KFACPreconditioner:
                 "step() after remove(): this preconditioner has detached its "
                 "hooks; build a new KFACPreconditioner"
             )
-        self._check_model()
+        check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
             self._step()
@@ -446,23 +248,27 @@ class KFACPreconditioner:
         k, config = self._steps, self.config
         # Every interval this step needs (including whether the next step captures) is
         # evaluated and validated before anything changes.
-        factor_step, inverse_step = self._schedule(k)
+        factor_step, inverse_step = config.updates_at(k)
         capture_next = self._is_factor_step(k + 1)
         skipped = False
         if factor_step:
-            self._check_statistics()
-            skipped = not self._gradients_finite()
+            self._usage.check_statistics(
+                [layer for layer in self._layers if self._strategy.captures(layer)]
+            )
+            skipped = not gradients_finite(self._model, self._grad_scaler)
             if skipped:  # the GradScaler skips this step: no factor, no decomposition from it
                 self._skipped_steps += 1
                 self._force_inverse = self._force_inverse or inverse_step
             self._strategy.update_factors(
                 self._layers, config.factor_decay_at(k), config.loss_reduction, fold=not skipped
             )
-            self._window_scale = None
+            self._capture.end_window()
             # After the factor update: SPD/PAD may still hold back factor collectives launched
             # from hooks on ranks that skipped a layer; update_factors issues them all, so the
             # usage agreement below comes after them in the same order on every rank.
-            self._find_silent(active)
+            self._usage.find_silent(
+                active, self._strategy.any_worker, self._layers[0].block.weight.device
+            )
         if not skipped and (inverse_step or self._force_inverse):
             self._force_inverse = False
             self._strategy.update_inverses(
@@ -472,133 +278,20 @@ class KFACPreconditioner:
             every = config.check_replicas_every
             if every and self._decomposition_steps % every == 0:
                 self._strategy.check_replicas(self._layers)
-        active = [layer for layer in active if layer.name not in self._silent]
+        silent = self._usage.silent
+        active = [layer for layer in active if layer.name not in silent]
         if active:
             grads = [layer.block.grad_matrix() for layer in active]
             directions = self._strategy.precondition(active, grads, config.damping_at(k))
-            scale = self._kl_scale(directions, grads, k)
+            scale = None
+            if config.kl_clip_at is not None:
+                lr = config.lr_at(k)
+                scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
             for layer, direction in zip(active, directions, strict=True):
                 layer.block.set_grad(direction if scale is None else direction * scale)
         self._recorder.finish_step(self._steps)
         self._steps += 1
-        self._capture = capture_next
-
-    def _kl_scale(
-        self, directions: Sequence[Tensor], grads: Sequence[Tensor], step: int
-    ) -> Tensor | None:
-        """ν = min(1, sqrt(κ / (η² Σ⟨V, ∇⟩))) as a device scalar: no host synchronisation."""
-        kl_clip = self.config.kl_clip_at
-        if kl_clip is None:
-            return None
-        device = grads[0].device
-        terms = [
-            (v * g).sum(dtype=torch.float64).to(device)
-            for v, g in zip(directions, grads, strict=True)
-        ]
-        lr = self.config.lr_at(step)
-        vg = torch.stack(terms).sum() * (lr * lr)
-        nu = torch.sqrt(kl_clip(step) / vg.clamp_min(0.0)).clamp(max=1.0)
-        return nu.to(grads[0].dtype)
-
-    def _check_model(self) -> None:
-        for layer, path in zip(self._layers, self._paths, strict=True):
-            block = layer.block
-            try:
-                current: nn.Module | None = self._model.get_submodule(path)
-            except AttributeError:
-                current = None
-            if (
-                current is not block.module
-                or getattr(current, "weight", None) is not block.weight
-                or tuple(block.weight.shape) != block.weight_shape
-            ):
-                raise RuntimeError(
-                    f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
-                    "was replaced or resized. Build the preconditioner after the model is final "
-                    "(call pre.remove() and create a new one)"
-                )
-
-    def _check_statistics(self) -> None:
-        trained, self._trained_forward = self._trained_forward, False
-        captured = [layer for layer in self._layers if self._strategy.captures(layer)]
-        if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
-            return
-        # A layer may sit out some passes (a branch): the window had as many as any layer saw.
-        calls = [layer.backward_passes for layer in captured if layer.has_statistics]
-        if not calls and trained:  # other layers trained; this worker's own sat this one out
-            return
-        if not calls:
-            self._warn_once(
-                "no-statistics",
-                (
-                    "K-FAC captured no factor statistics before this step: forward passes run in "
-                    "model.eval() mode or under torch.no_grad() are ignored; factors not updated"
-                ),
-            )
-            return
-        if max(calls) != self.config.accumulation_steps:
-            self._warn_once(
-                "accumulation",
-                (
-                    f"K-FAC saw {max(calls)} backward pass(es) before step() but "
-                    f"accumulation_steps={self.config.accumulation_steps}; statistics are pooled "
-                    "over all of them"
-                ),
-            )
-
-    def _find_silent(self, active: Sequence[LayerCurvature]) -> None:
-        """Mark the layers that have a gradient but whose forward ran on no worker this window.
-
-        Such a layer's weight is used by its parent outside the layer's ``forward()``, so no
-        statistics can exist for it; it passes its gradient through until a later factor
-        window sees its forward. The decision is the same on every worker: whether a layer's
-        forward ran is OR-ed over the workers (one small collective, only while some layer's
-        forward has never run anywhere), so a layer that only some ranks use in a step is
-        preconditioned everywhere. When no hook ran on any worker (no forward since the last
-        factor update), nothing is decided.
-        """
-        unknown = [layer for layer in self._layers if layer.name not in self._seen_forward]
-        local = [bool(self._forwarded)] + [layer.name in self._forwarded for layer in unknown]
-        self._forwarded.clear()
-        if not unknown:
-            self._silent = set()
-            return
-        ran = self._strategy.any_worker(local, self._layers[0].block.weight.device)
-        if not ran[0]:
-            return
-        self._seen_forward.update(
-            layer.name for layer, r in zip(unknown, ran[1:], strict=True) if r
-        )
-        self._silent = {layer.name for layer in active if layer.name not in self._seen_forward}
-        for layer in active:
-            if layer.name not in self._silent:
-                continue
-            kind = type(layer.block.module).__name__
-            pattern = f"^{re.escape(layer.name)}$"
-            self._warn_once(
-                f"silent:{layer.name}",
-                (
-                    f"K-FAC layer {layer.name!r} ({kind}) has a gradient but captured no factor "
-                    "statistics: its forward() did not run, so its parent uses its weight outside "
-                    "its forward (e.g. nn.MultiheadAttention calls F.linear on out_proj.weight). "
-                    "Its gradient passes through unpreconditioned and unclipped; add it to "
-                    f"skip_layers (e.g. skip_layers=[{pattern!r}]) to say so explicitly"
-                ),
-            )
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> KFACPreconditioner:
-        """The same preconditioner: a deep-copied model's hooks (EMA, snapshots) are inert.
-
-        The hooks hold this object (and through it a process group, which cannot be copied)
-        and a layer index; called with a module of the copy, :meth:`_forward_hook` returns.
-        """
-        return self
+        self._capture.capturing = capture_next
 
     # -- inspection -------------------------------------------------------------------------
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -667,20 +360,14 @@ class KFACPreconditioner:
             dict(zip(self._paths, self._layers, strict=True)),
             self._skipped,
             self._strategy.plan(),
-            silent=self._silent,
+            silent=self._usage.silent,
         )
         return "\n".join([header, *lines])
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Steps, running factors and decompositions: enough to continue bitwise identically."""
-        layers = {layer.name: layer.state() for layer in self._layers}
-        return {
-            "version": STATE_VERSION,
-            "steps": self._steps,
-            "inverse_method": self.config.inverse_method,
-            "layers": layers,
-        }
+        return pack_state(self._steps, self.config.inverse_method, self._layers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same model architecture).
@@ -688,32 +375,10 @@ class KFACPreconditioner:
         Raises:
             ValueError: the state does not match this preconditioner's layers.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(
-                "state_dict is not a dkfac KFACPreconditioner state (version "
-                f"{STATE_VERSION} expected)"
-            )
-        saved = state["layers"]
-        names = {layer.name for layer in self._layers}
-        if set(saved) != names:
-            missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
-            raise ValueError(
-                f"state_dict layers do not match the model: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
-        for layer in self._layers:  # validate everything before changing anything
-            layer.check_state(saved[layer.name])
-        for layer in self._layers:
-            layer.load_state(saved[layer.name])
-        self._steps = int(state["steps"])
-        self._forwarded.clear()
-        self._trained_forward = False
-        self._capture = self._is_factor_step(self._steps)
-        # A state with factors but no decomposition (e.g. saved on another world size, where
-        # decompositions live on their owners) is decomposed at the next step, on every rank.
-        self._force_inverse = any(
-            layer.a is not None or layer.g is not None for layer in self._layers
-        ) and all(layer.inverse is None for layer in self._layers)
+        self._steps = restore_state(state, self._layers)
+        self._usage.new_window()
+        self._capture.capturing = self._is_factor_step(self._steps)
+        self._force_inverse = needs_decomposition(self._layers)
         self._strategy.after_load(self._layers)
 
     def remove(self) -> None:
@@ -722,9 +387,7 @@ class KFACPreconditioner:
         The model is left exactly as it was before. Under ``torch.distributed`` every rank
         calls it (like building the preconditioner).
         """
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._capture.remove()
         if not self._removed:
             self._strategy.close()
         self._removed = True

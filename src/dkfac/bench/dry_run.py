@@ -24,15 +24,10 @@ from typing import Any
 import torch
 
 from dkfac.bench.configs import INVERSE_METHOD, environment
-from dkfac.comm.communicator import element_size, wire_bytes
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
-from dkfac.strategies.accounting import (
-    DryRunSettings,
-    LayerShape,
-    account_strategy,
-    resnet50_layer_shapes,
-    summarize_accounts,
-)
+from dkfac.comm.wire import element_size, wire_bytes
+from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
+from dkfac.strategies.layer_shapes import LayerShape, resnet50_layer_shapes
 from dkfac.strategies.registry import strategy_names
 
 MB = 1e6

@@ -21,51 +21,37 @@ that starts after a ``dist.barrier()``. Periodic configurations (``f > 1`` or ``
 rounds (the order rotates from round to round); the overhead of a K-FAC configuration is taken
 inside a round against that round's SGD window, then reduced by the median over rounds. Rank 0
 writes the report (raw rounds and the per-model summary) to ``--out``.
+
+This module runs the rounds on this rank and writes the report; one window is timed by
+:mod:`dkfac.bench.timed_window` and combined across ranks and rounds by
+:mod:`dkfac.bench.window_reduction`.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import gc
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 
-import dkfac
 from dkfac.bench.configs import (
     INPUT_SHAPES,
-    INVERSE_METHOD,
-    LR,
-    MODELS,
-    MOMENTUM,
     NUM_CLASSES,
-    PHASES,
     SCHEDULES,
-    SGD,
     STRATEGIES,
-    Configuration,
     configurations,
-    count_schedule_hits,
     environment,
 )
+from dkfac.bench.timed_window import time_window
+from dkfac.bench.window_reduction import reduce_window, summarize
 from dkfac.comm import destroy_process_groups
-from dkfac.curvature.inverse import FACTOR_SIDES
-from dkfac.strategies import option_keywords
-
-#: ``comm_stats()`` phase prefix -> name of the byte split.
-BYTE_SPLIT = {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
 
 
 def make_batch(batch_size: int, seed: int, shape: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -84,235 +70,6 @@ def make_batch(batch_size: int, seed: int, shape: Sequence[int]) -> tuple[Tensor
     x = torch.randn(batch_size, *shape, generator=generator)
     y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
     return x, y
-
-
-def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
-    """Bytes of the running factors and of the decompositions this rank holds.
-
-    Factors are counted one by one: under PAD an owner may hold a layer's ``A`` and not its
-    ``G`` (``pre.factors()`` lists only layers with both, so it would miss those).
-    """
-    factor_bytes = 0
-    for layer in pre.layers:
-        for side in FACTOR_SIDES:
-            factor = layer.factor(side)
-            if factor is not None:
-                factor_bytes += factor.numel() * factor.element_size()
-    inverse_bytes = 0
-    for layer in pre.layers:
-        if layer.inverse is not None:
-            inverse_bytes += sum(
-                t.numel() * t.element_size() for t in layer.inverse.tensors().values()
-            )
-    return factor_bytes, inverse_bytes
-
-
-def time_window(
-    config: Configuration,
-    model_name: str,
-    x: Tensor,
-    y: Tensor,
-    *,
-    warmup: int,
-    iters: int,
-    seed: int,
-    bucket_cap_mb: float,
-) -> dict[str, Any]:
-    """Build a fresh DDP model for ``config``, warm it up, time ``iters`` iterations.
-
-    Returns this rank's raw numbers; :func:`reduce_window` combines the ranks. The garbage
-    collector is paused during the window (for every configuration alike).
-    """
-    torch.manual_seed(seed)
-    net = MODELS[model_name](num_classes=NUM_CLASSES)
-    net.train()
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    pre: dkfac.KFACPreconditioner | None = None
-    if config.strategy is not None:
-        pre = dkfac.KFACPreconditioner(
-            model,
-            strategy=config.strategy,
-            inverse_method=INVERSE_METHOD,
-            lr=LR,
-            factor_update_steps=config.factor_update_steps,
-            inv_update_steps=config.inv_update_steps,
-            bucket_cap_mb=bucket_cap_mb,
-            **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
-        )
-
-    def iteration() -> Tensor:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        torch.autograd.backward(loss)  # loss.backward(), untyped in torch's stubs
-        if pre is not None:
-            pre.step()
-        optimizer.step()
-        return loss
-
-    clock = time.perf_counter
-    iter_s: list[float] = []
-    phase_sums: dict[str, float] = collections.defaultdict(float)
-    byte_sums: dict[str, int] = collections.defaultdict(int)
-    call_sums: dict[str, int] = collections.defaultdict(int)
-    try:
-        loss = torch.zeros(())
-        for _ in range(warmup):
-            loss = iteration()
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            dist.barrier()
-            window_start = clock()
-            for _ in range(iters):
-                t0 = clock()
-                loss = iteration()
-                iter_s.append(clock() - t0)
-                if pre is not None:
-                    for phase, seconds in pre.timings().items():
-                        phase_sums[phase] += seconds
-                    for key, count in pre.comm_stats().items():
-                        byte_sums[key] += count["bytes"]
-                        call_sums[key] += count["calls"]
-            wall_s = clock() - window_start
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        final_loss = float(loss.detach())
-        factor_bytes = inverse_bytes = 0
-        if pre is not None:
-            if pre.steps != warmup + iters:
-                raise RuntimeError(
-                    f"{config.key}: pre.steps={pre.steps}, expected {warmup + iters}"
-                )
-            factor_bytes, inverse_bytes = kfac_memory_bytes(pre)
-    finally:
-        if pre is not None:
-            pre.remove()
-    return {
-        "wall_s": wall_s,
-        "iter_s": iter_s,
-        "phase_s": {name: value / iters for name, value in phase_sums.items()},
-        "bytes_per_step": {key: value / iters for key, value in byte_sums.items()},
-        "calls_per_step": {key: value / iters for key, value in call_sums.items()},
-        "factor_bytes": factor_bytes,
-        "inverse_bytes": inverse_bytes,
-        "final_loss": final_loss,
-    }
-
-
-def split_bytes(bytes_per_step: dict[str, float]) -> dict[str, float]:
-    """Total bytes per step and its factor / inverse / grad (/ other) parts."""
-    parts = {"total": 0.0, "factor": 0.0, "inverse": 0.0, "grad": 0.0, "other": 0.0}
-    for key, value in bytes_per_step.items():
-        parts["total"] += value
-        parts[BYTE_SPLIT.get(key.split("/", 1)[0], "other")] += value
-    return parts
-
-
-def reduce_window(
-    config: Configuration, ranks: Sequence[dict[str, Any]], *, warmup: int, iters: int
-) -> dict[str, Any]:
-    """Combine the raw windows of all ranks into one JSON-ready window."""
-    wall_s = max(r["wall_s"] for r in ranks)
-    iter_s = [max(values) for values in zip(*(r["iter_s"] for r in ranks), strict=True)]
-    window: dict[str, Any] = {
-        "iters": iters,
-        "warmup": warmup,
-        "wall_s": wall_s,
-        "amortized_s": wall_s / iters,
-        "median_s": statistics.median(iter_s),
-        "iter_s": iter_s,
-        "iter_s_rank0": ranks[0]["iter_s"],
-        "final_loss": ranks[0]["final_loss"],
-        "factor_updates_in_window": None,
-        "inverse_updates_in_window": None,
-    }
-    if not config.kfac:
-        return window
-    extra = sorted({name for r in ranks for name in r["phase_s"]} - set(PHASES))
-    phase_names = [*PHASES, *extra]
-    phase_s_per_rank = [{name: r["phase_s"].get(name, 0.0) for name in phase_names} for r in ranks]
-    bytes_split_per_rank = [split_bytes(r["bytes_per_step"]) for r in ranks]
-    memory_per_rank = [r["factor_bytes"] + r["inverse_bytes"] for r in ranks]
-    return window | {
-        "factor_updates_in_window": count_schedule_hits(config.factor_update_steps, warmup, iters),
-        "inverse_updates_in_window": count_schedule_hits(config.inv_update_steps, warmup, iters),
-        "whole_inverse_periods": iters % config.inv_update_steps == 0,
-        "phase_s": {
-            name: statistics.fmean(p[name] for p in phase_s_per_rank) for name in phase_names
-        },
-        "phase_s_per_rank": phase_s_per_rank,
-        "bytes_per_step": {
-            part: statistics.fmean(b[part] for b in bytes_split_per_rank)
-            for part in bytes_split_per_rank[0]
-        },
-        "bytes_per_step_per_rank": bytes_split_per_rank,
-        "comm_per_step_per_rank": [
-            {
-                key: {"bytes": r["bytes_per_step"][key], "calls": r["calls_per_step"][key]}
-                for key in sorted(r["bytes_per_step"])
-            }
-            for r in ranks
-        ],
-        "kfac_memory_bytes": max(memory_per_rank),
-        "kfac_memory_bytes_per_rank": memory_per_rank,
-        "factor_bytes_per_rank": [r["factor_bytes"] for r in ranks],
-        "inverse_bytes_per_rank": [r["inverse_bytes"] for r in ranks],
-    }
-
-
-def summarize(
-    models: Sequence[str], configs: Sequence[Configuration], rounds: Sequence[dict[str, Any]]
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """Reduce the rounds per model and configuration (medians over rounds).
-
-    The overhead of a K-FAC configuration is computed inside each round against that round's
-    SGD window (amortized times), then reduced by the median over rounds.
-    """
-    summary: dict[str, dict[str, dict[str, Any]]] = {}
-    for model in models:
-        entries: dict[str, dict[str, Any]] = {}
-        for config in configs:
-            windows = [r["windows"][model][config.key] for r in rounds]
-            sgd = [r["windows"][model][SGD.key] for r in rounds]
-            entry: dict[str, Any] = {
-                **config.to_json(),
-                "iters": windows[0]["iters"],
-                "amortized_s": statistics.median(w["amortized_s"] for w in windows),
-                "median_s": statistics.median(w["median_s"] for w in windows),
-                "amortized_s_per_round": [w["amortized_s"] for w in windows],
-                "overhead_s": None,
-                "overhead_pct": None,
-                "overhead_s_per_round": None,
-                "overhead_pct_per_round": None,
-            }
-            if config.kfac:
-                pairs = list(zip(windows, sgd, strict=True))
-                over_s = [w["amortized_s"] - s["amortized_s"] for w, s in pairs]
-                over_pct = [100.0 * (w["amortized_s"] / s["amortized_s"] - 1.0) for w, s in pairs]
-                entry |= {
-                    "overhead_s": statistics.median(over_s),
-                    "overhead_pct": statistics.median(over_pct),
-                    "overhead_s_per_round": over_s,
-                    "overhead_pct_per_round": over_pct,
-                    "whole_inverse_periods": all(w["whole_inverse_periods"] for w in windows),
-                    "factor_updates_in_window": windows[0]["factor_updates_in_window"],
-                    "inverse_updates_in_window": windows[0]["inverse_updates_in_window"],
-                    "phase_s": {
-                        name: statistics.median(w["phase_s"][name] for w in windows)
-                        for name in windows[0]["phase_s"]
-                    },
-                    "bytes_per_step": {
-                        part: statistics.median(w["bytes_per_step"][part] for w in windows)
-                        for part in windows[0]["bytes_per_step"]
-                    },
-                    "kfac_memory_bytes": max(w["kfac_memory_bytes"] for w in windows),
-                }
-            entries[config.key] = entry
-        summary[model] = entries
-    return summary
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from dkfac.cli.train import RunResult
+from dkfac.cli.run_metrics import RunResult
 
 
 def first_epoch_reaching(result: RunResult, target: float) -> int | None:

@@ -3,8 +3,8 @@
 Strategies never call ``torch.distributed`` themselves: they hand lists of tensors to a
 :class:`Communicator`, which
 
-* fuses them into flat buffers of at most ``bucket_cap_mb`` (:class:`FusionBucket`), one
-  collective per bucket;
+* fuses them into flat buffers of at most ``bucket_cap_mb``
+  (:class:`~dkfac.comm.wire.FusionBucket`), one collective per bucket;
 * sends only the upper triangle of tensors marked symmetric (``d(d+1)/2`` values);
 * optionally transports in a lower precision (``comm_dtype``) and restores the working dtype
   (``exact=True`` keeps a collective in its own dtype: counts, agreed values);
@@ -21,207 +21,18 @@ DeAR that launch collectives from autograd hooks), released by :meth:`Communicat
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dkfac.comm.groups import default_group_timeout
 from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.wire import FusionBucket, group_by_source, plan_fusion, record_collective
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
-
-
-def default_group_timeout() -> timedelta | None:
-    """The timeout the default process group was created with, or None if it cannot be read.
-
-    ``torch.distributed.new_group`` gives a new group torch's default timeout (30 minutes for
-    gloo) whatever ``init_process_group(timeout=...)`` said; the groups dkfac makes take the
-    default group's instead, so a lost peer fails every group's collectives alike. torch has
-    no public accessor: the backend's options are read defensively.
-    """
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        for device_type in group._device_types:
-            timeout = group._get_backend(device_type).options._timeout
-            if isinstance(timeout, timedelta):
-                return timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return None  # a torch without these internals: the groups keep torch's default
-    return None
-
-
-def require_distributed(
-    strategy: str,
-    *,
-    builder: str = "KFACPreconditioner",
-    alternative: str = "use strategy='local' for a single process",
-) -> None:
-    """Raise a RuntimeError with launch instructions when no process group exists.
-
-    Args:
-        strategy: what needs the process group, as the message names it.
-        builder: the object the user builds after ``init_process_group()``.
-        alternative: what to do in a single process instead.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{strategy} needs torch.distributed: launch with "
-            "`torchrun --nproc_per_node=N train.py` (or Slurm) and call "
-            f"torch.distributed.init_process_group() before building {builder}; "
-            f"{alternative}"
-        )
-
-
-#: Bytes one rank sends per payload byte in a bandwidth-optimal algorithm, times P/(P-1).
-_WIRE_FACTOR = {"allreduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "reduce_scatter": 1}
-
-
-def wire_bytes(op: str, nbytes: int, ranks: int) -> int:
-    """Bytes each rank sends for a collective of ``nbytes`` payload over ``ranks`` ranks."""
-    return _WIRE_FACTOR[op] * nbytes * (ranks - 1) // max(ranks, 1)
-
-
-def packed_values(shape: Sequence[int], symmetric: bool) -> int:
-    """Values a tensor of ``shape`` occupies on the wire: the upper triangle if symmetric."""
-    if symmetric:
-        d = shape[0]
-        return d * (d + 1) // 2
-    return math.prod(shape)
-
-
-def packed_numel(tensor: Tensor, symmetric: bool) -> int:
-    """Values a tensor occupies on the wire."""
-    return packed_values(tensor.shape, symmetric)
-
-
-def element_size(dtype: torch.dtype) -> int:
-    """Bytes of one value of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class FusedPayload:
-    """One fused collective of a plan: tensors ``[start, end)``, its dtype and payload bytes."""
-
-    start: int
-    end: int
-    dtype: torch.dtype
-    nbytes: int
-
-
-def plan_fusion(
-    shapes: Sequence[Sequence[int]],
-    dtypes: Sequence[torch.dtype],
-    symmetric: Sequence[bool],
-    cap_bytes: int,
-    comm_dtype: torch.dtype | None = None,
-) -> list[FusedPayload]:
-    """How :meth:`Communicator.buckets` fuses tensors, from their shapes and dtypes alone.
-
-    In order, a bucket closes before the tensor that would take it past ``cap_bytes`` (a
-    tensor larger than the cap travels alone). A bucket travels in ``comm_dtype`` or else in
-    the promoted dtype of its tensors; symmetric tensors send their upper triangle only.
-    Pure (no tensors, no process group): the dry run (:mod:`dkfac.strategies.accounting`)
-    counts bytes with it exactly as the communicator does.
-    """
-    flags = list(symmetric)
-    result: list[FusedPayload] = []
-
-    def close(start: int, end: int) -> None:
-        dtype = comm_dtype or functools.reduce(torch.promote_types, dtypes[start:end])
-        values = sum(packed_values(shapes[i], flags[i]) for i in range(start, end))
-        result.append(FusedPayload(start, end, dtype, values * element_size(dtype)))
-
-    start, size = 0, 0
-    for index, (shape, dtype, sym) in enumerate(zip(shapes, dtypes, flags, strict=True)):
-        nbytes = packed_values(shape, sym) * element_size(comm_dtype or dtype)
-        if index > start and size + nbytes > cap_bytes:
-            close(start, index)
-            start, size = index, 0
-        size += nbytes
-    if start < len(flags):
-        close(start, len(flags))
-    return result
-
-
-def group_by_source(sources: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """``(source, indices)`` per distinct source, ascending: one fused broadcast each."""
-    return [
-        (source, [i for i, s in enumerate(sources) if s == source])
-        for source in sorted(set(sources))
-    ]
-
-
-def record_collective(recorder: StepRecorder, phase: str, op: str, nbytes: int, ranks: int) -> None:
-    """Count one collective of ``nbytes`` payload over ``ranks`` ranks (and its wire bytes)."""
-    recorder.count(phase, op, nbytes, wire_bytes(op, nbytes, ranks))
-
-
-@dataclass
-class FusionBucket:
-    """Tensors that travel together in one collective, flattened into ``flat``.
-
-    Attributes:
-        tensors: the tensors, in order; results are written back into them.
-        symmetric: per tensor, whether only its upper triangle travels.
-        flat: the packed buffer in the transport dtype.
-    """
-
-    tensors: list[Tensor]
-    symmetric: list[bool]
-    comm_dtype: torch.dtype
-    flat: Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        parts = []
-        for tensor, sym in zip(self.tensors, self.symmetric, strict=True):
-            if sym:
-                rows, cols = _triangle(tensor)
-                parts.append(tensor[rows, cols].to(self.comm_dtype))
-            else:
-                parts.append(tensor.reshape(-1).to(self.comm_dtype))
-        self.flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-
-    @property
-    def nbytes(self) -> int:
-        """Payload size of the collective."""
-        return self.flat.numel() * self.flat.element_size()
-
-    @property
-    def rounds(self) -> bool:
-        """Whether the transport dtype cannot hold some tensor exactly (float32 in bfloat16)."""
-        return any(
-            torch.promote_types(tensor.dtype, self.comm_dtype) != self.comm_dtype
-            for tensor in self.tensors
-        )
-
-    def unpack(self, scale: float | None = None) -> None:
-        """Write ``flat`` (times ``scale``) back into the tensors, both triangles if symmetric."""
-        offset = 0
-        for tensor, sym in zip(self.tensors, self.symmetric, strict=True):
-            size = packed_numel(tensor, sym)
-            values = self.flat[offset : offset + size].to(tensor.dtype)
-            if scale is not None:
-                values = values * scale
-            if sym:
-                rows, cols = _triangle(tensor)
-                tensor[rows, cols] = values
-                tensor[cols, rows] = values
-            else:
-                tensor.copy_(values.view_as(tensor))
-            offset += size
-
-
-def _triangle(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    d = tensor.shape[0]
-    index = torch.triu_indices(d, d, device=tensor.device)
-    return index[0], index[1]
 
 
 class CollectiveHandle:
@@ -275,6 +86,18 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self._owns_group = False
         self._subgroups: list[ProcessGroup] = []  # made by new_groups, with this rank in them
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks of :attr:`group`, in group order."""
+        if self.group is None:
+            return tuple(range(self.world_size))
+        return tuple(dist.get_process_group_ranks(self.group))
+
+    @property
+    def backend(self) -> str:
+        """The backend of :attr:`group` (``"gloo"``, ``"nccl"``)."""
+        return str(dist.get_backend(self.group))
 
     # -- groups ----------------------------------------------------------------------------
     @classmethod

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dkfac.comm.communicator import ProcessGroup
+from dkfac.comm.communicator import Communicator, ProcessGroup
+from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import decompose_factor
 
 #: Below this coefficient of determination a fit does not explain the measured times well
@@ -154,38 +155,61 @@ def _fastest_seconds(action: Callable[[], object], repeats: int) -> float:
     return min(samples)
 
 
-def _agree(values: list[float], device: torch.device) -> list[float]:
+def _agree(values: list[float], device: torch.device, comm: Communicator | None) -> list[float]:
     """The element-wise maximum over ranks, so every rank plans with the same numbers."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if comm is None or comm.world_size == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    comm.allreduce([tensor], phase="calibration", maximum=True, exact=True).wait()
     return [float(v) for v in tensor.tolist()]
+
+
+def _world_communicator() -> Communicator | None:
+    """A communicator on the default group, or None outside ``torch.distributed``.
+
+    Its recorder is thrown away: calibration traffic belongs to no training step.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return Communicator(StepRecorder())
 
 
 def calibrate_alpha_beta(
     sizes: Sequence[int] = (2**10, 2**14, 2**18, 2**20, 2**22),
     repeats: int = 9,
     device: torch.device | None = None,
-    group: object | None = None,
+    comm: Communicator | None = None,
 ) -> AlphaBeta:
-    """Time allreduces of ``sizes`` bytes on the process group and fit ``alpha``, ``beta``.
+    """Time allreduces of ``sizes`` bytes through ``comm`` and fit ``alpha``, ``beta``.
 
-    Every rank must call it (it runs collectives); all ranks return the same model because the
-    measured times are combined with a max-allreduce before fitting.
+    The allreduces go through the communicator, packing included, as the strategies' own
+    collectives do. Every rank must call it (it runs collectives); all ranks return the same
+    model because the measured times are combined with a max-allreduce before fitting.
+
+    Args:
+        sizes: payload bytes of the timed allreduces.
+        repeats: timed calls per size (the fastest counts).
+        device: where the buffers live (default: CPU).
+        comm: the communicator of the group to measure (default: one on the world).
+
+    Raises:
+        RuntimeError: no process group exists.
     """
+    comm = comm or _world_communicator()
+    if comm is None:
+        raise RuntimeError("calibrate_alpha_beta needs torch.distributed: no process group")
     target = device or torch.device("cpu")
     measured = []
     for nbytes in sizes:
         buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=target)
 
-        def allreduce(buffer: torch.Tensor = buffer) -> None:
-            dist.all_reduce(buffer, group=group)
+        def allreduce(buffer: torch.Tensor = buffer, comm: Communicator = comm) -> None:
+            comm.allreduce([buffer], phase="calibration", exact=True).wait()
             if buffer.is_cuda:
                 torch.cuda.synchronize(buffer.device)
 
         measured.append(_fastest_seconds(allreduce, repeats))
-    return fit_alpha_beta([float(s) for s in sizes], _agree(measured, target))
+    return fit_alpha_beta([float(s) for s in sizes], _agree(measured, target, comm))
 
 
 def decomposition_dims(largest: int | None = None, smallest: int = 32) -> list[int]:
@@ -211,12 +235,13 @@ def calibrate_decomposition(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     method: str = "eigen",
+    comm: Communicator | None = None,
 ) -> CubicCost:
     """Time one factor's decomposition (``method``) at ``dims`` and fit ``c0 + c3·d³``.
 
     ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Sizes
     above 1024 are timed once (each takes seconds on a CPU). Under ``torch.distributed`` the
-    times are max-reduced so all ranks agree.
+    times are max-reduced over ``comm``'s group (default: the world) so all ranks agree.
     """
     target = device or torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -233,7 +258,7 @@ def calibrate_decomposition(
                 torch.cuda.synchronize(matrix.device)
 
         measured.append(_fastest_seconds(decompose, repeats if d <= 1024 else 1))
-    return fit_cubic(list(dims), _agree(measured, target))
+    return fit_cubic(list(dims), _agree(measured, target, comm or _world_communicator()))
 
 
 @dataclass(frozen=True)
@@ -312,19 +337,17 @@ class CostModelCache:
                 (:func:`decomposition_dims`).
         """
         target = device or torch.device("cpu")
-        ranks = (
-            tuple(dist.get_process_group_ranks(group))
-            if group is not None
-            else tuple(range(dist.get_world_size()))
-        )
-        collective_key = (ranks, str(dist.get_backend(group)), target.type)
+        comm = Communicator(StepRecorder(), group=group)  # calibration: no step's traffic
+        collective_key = (comm.ranks, comm.backend, target.type)
         if collective_key not in self._collective:
-            self._collective[collective_key] = calibrate_alpha_beta(device=target, group=group)
+            self._collective[collective_key] = calibrate_alpha_beta(device=target, comm=comm)
         decomposition_key = (method, dtype, target.type)
         cached = self._decomposition.get(decomposition_key)
         dims = decomposition_dims(largest_dim)
         if cached is None or cached[1] < dims[-1]:
-            fit = calibrate_decomposition(dims, dtype=dtype, device=target, method=method)
+            fit = calibrate_decomposition(
+                dims, dtype=dtype, device=target, method=method, comm=comm
+            )
             self._decomposition[decomposition_key] = (fit, dims[-1])
         return ClusterCostModel(
             self._collective[collective_key], self._decomposition[decomposition_key][0]

@@ -11,6 +11,12 @@ from dkfac.curvature.blocks import (
     UnsupportedLayerError,
     make_block,
 )
+from dkfac.curvature.decomposition import (
+    FactorRequest,
+    decompose_factors,
+    factor_requests,
+    update_inverses,
+)
 from dkfac.curvature.inverse import (
     EigenInverse,
     FactorDecomposition,
@@ -22,13 +28,8 @@ from dkfac.curvature.inverse import (
     tikhonov_shifts,
     trace_mean,
 )
-from dkfac.curvature.layer import (
-    FactorRequest,
-    LayerCurvature,
-    decompose_factors,
-    factor_requests,
-    update_inverses,
-)
+from dkfac.curvature.kl_clip import kl_clip_scale
+from dkfac.curvature.layer import LayerCurvature
 
 __all__ = [
     "Conv2dBlock",
@@ -47,6 +48,7 @@ __all__ = [
     "decompose_factor",
     "decompose_factors",
     "factor_requests",
+    "kl_clip_scale",
     "make_block",
     "tikhonov_shifts",
     "trace_mean",

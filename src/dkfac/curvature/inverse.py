@@ -44,6 +44,20 @@ FACTOR_LAYOUT: Mapping[str, Mapping[str, tuple[tuple[str, bool], ...]]] = Mappin
 FACTOR_SIDES: tuple[str, str] = ("a", "g")
 
 
+def factor_tensor_shapes(
+    method: str, side: str, dim: int
+) -> list[tuple[str, tuple[int, ...], bool]]:
+    """``(name, shape, symmetric)`` of the tensors of one factor's decomposition, in order.
+
+    The first tensor of a layout is a ``d × d`` matrix (eigenvectors, or the damped inverse);
+    the others are ``d``-vectors (eigenvalues).
+    """
+    return [
+        (name, (dim, dim) if position == 0 else (dim,), symmetric)
+        for position, (name, symmetric) in enumerate(FACTOR_LAYOUT[method][side])
+    ]
+
+
 @dataclass
 class FactorDecomposition:
     """The decomposition of one Kronecker factor.

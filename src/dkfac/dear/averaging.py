@@ -21,6 +21,9 @@ by the optimizer. The update of each step is applied exactly once: by the pre-ho
 :meth:`DeAR.finish` (call it before evaluation that bypasses the modules' forward, at the end
 of training, or let ``model.state_dict()``/``optimizer.state_dict()`` call it), or at the
 latest before the same bucket's next reduce-scatter.
+
+This module is the public class and its hooks into the model and autograd; the buckets, their
+collectives and the deferred updates are :mod:`dkfac.dear.bucket_pipeline`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,24 +39,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.comm.communicator import (
-    CollectiveHandle,
-    Communicator,
-    ProcessGroup,
-    require_distributed,
-)
+from dkfac.comm.communicator import CollectiveHandle, Communicator, ProcessGroup
+from dkfac.comm.groups import require_distributed
 from dkfac.comm.recorder import StepRecorder
+from dkfac.dear.argument_checks import (
+    OptimizerFactory,
+    check_bucket_options,
+    check_model,
+    make_optimizer,
+)
+from dkfac.dear.bucket_pipeline import BucketPipeline
 from dkfac.dear.bucket_search import (
     BucketSizeSearch,
     distinct_candidates,
     power_of_two_sizes,
 )
-from dkfac.dear.gradient_buckets import (
-    GradientBucket,
-    build_gradient_buckets,
-    plan_gradient_buckets,
-    trainable_parameters,
-)
+from dkfac.dear.gradient_buckets import plan_gradient_buckets, trainable_parameters
 from dkfac.dear.update_sites import UpdateSites
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,8 @@ DEAR_PHASES: tuple[str, ...] = (
     "buffer_broadcast",
 )
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
-
-class DeAR:
+class DeAR(BucketPipeline):
     """Drop-in replacement of DDP + ``optimizer.step()`` that overlaps both halves of the allreduce.
 
     Example::
@@ -128,34 +127,27 @@ class DeAR:
         broadcast_buffers: bool = True,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module) or isinstance(
-            model, nn.parallel.DistributedDataParallel
-        ):
-            raise ValueError(
-                f"model={type(model).__name__} is not allowed: expected a torch.nn.Module "
-                "that is not wrapped in DistributedDataParallel (DeAR replaces DDP)"
-            )
-        search = self._validate_bucket_cap(bucket_cap_mb, auto_range_mb, auto_trial_steps)
-        self._params = trainable_parameters(model)
-        self.optimizer = self._make_optimizer(model, optimizer)
+        check_model(model)
+        search = check_bucket_options(bucket_cap_mb, auto_range_mb, auto_trial_steps)
+        params = trainable_parameters(model)
+        checked_optimizer = make_optimizer(model, optimizer)
         self.module = model
         require_distributed(
             "DeAR",
             builder="DeAR",
             alternative="in a single process, call optimizer.step() directly",
         )
-        self._recorder = StepRecorder(phases=DEAR_PHASES)
-        self._comm = (
-            Communicator.with_own_group(self._recorder)
+        recorder = StepRecorder(phases=DEAR_PHASES)
+        comm = (
+            Communicator.with_own_group(recorder)
             if process_group is None
-            else Communicator(self._recorder, group=process_group)
+            else Communicator(recorder, group=process_group)
         )
-        self._world = self._comm.world_size
+        super().__init__(params, checked_optimizer, UpdateSites(model, params), comm, recorder)
         self._broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._steps = 0
         self._gathered = False
-        self._hyperparameters: list[dict[str, Any]] = []
         self._buffer_sync: CollectiveHandle | None = None
         self._last_step_at: float | None = None
         self._backward_started: float | None = None
@@ -173,115 +165,16 @@ class DeAR:
         else:
             self.bucket_cap_mb = float(bucket_cap_mb)
         self.tuning: list[tuple[float, float]] = []
-        self._buckets: list[GradientBucket] = []
-        self._bucket_of: dict[int, tuple[GradientBucket, int]] = {}
-        # Where each parameter's update is applied: the pre-hooks of the modules that hold it,
-        # plus, for a parameter its parent uses without calling its module (the out_proj of
-        # nn.MultiheadAttention), the nearest ancestor whose forward runs (learned at step 0).
-        self._sites = UpdateSites(model, self._params)
-        self._apply_at: dict[int, list[GradientBucket]] = {}
-        self._next_launch = -1
-        self._build_buckets()
+        self._build_buckets(self.bucket_cap_mb)
         self._handles: list[RemovableHandle] = self._register_hooks()
 
     # -- construction ----------------------------------------------------------------------
-    @staticmethod
-    def _validate_bucket_cap(
-        bucket_cap_mb: float | str, auto_range_mb: tuple[float, float], auto_trial_steps: int
-    ) -> bool:
-        """Check the bucket options; True when the size is searched online."""
-        if isinstance(bucket_cap_mb, str):
-            if bucket_cap_mb != "auto":
-                raise ValueError(
-                    f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected a positive "
-                    "number of MiB or 'auto'"
-                )
-            if len(auto_range_mb) != 2:
-                raise ValueError(
-                    f"auto_range_mb={auto_range_mb!r} is not allowed: expected (low, high) MiB"
-                )
-            power_of_two_sizes(*auto_range_mb)
-            if (
-                isinstance(auto_trial_steps, bool)
-                or not isinstance(auto_trial_steps, int)
-                or (auto_trial_steps < 1)
-            ):
-                raise ValueError(
-                    f"auto_trial_steps={auto_trial_steps!r} is not allowed: expected an int >= 1"
-                )
-            return True
-        if (
-            isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, (int, float))
-            or not 0 < bucket_cap_mb < float("inf")
-        ):
-            raise ValueError(
-                f"bucket_cap_mb={bucket_cap_mb!r} is not allowed: expected a positive number "
-                "of MiB or 'auto'"
-            )
-        return False
-
-    @staticmethod
-    def _make_optimizer(
-        model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory
-    ) -> torch.optim.Optimizer:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            if not callable(optimizer):
-                raise ValueError(
-                    f"optimizer={optimizer!r} is not allowed: expected a torch.optim.Optimizer "
-                    "or a callable params -> Optimizer"
-                )
-            optimizer = optimizer(model.parameters())
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise ValueError(
-                    f"optimizer factory returned {type(optimizer).__name__}: expected a "
-                    "torch.optim.Optimizer"
-                )
-        owned = {id(p) for p in model.parameters()}
-        foreign = [
-            tuple(p.shape)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if id(p) not in owned
-        ]
-        if foreign:
-            raise ValueError(
-                f"optimizer is not allowed: it updates {len(foreign)} tensor(s) that are not "
-                f"parameters of the model (shapes {foreign[:3]}); DeAR applies updates from "
-                "the model's hooks, so every optimized tensor must be a model parameter"
-            )
-        return optimizer
-
     def _broadcast_state(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (as DDP does)."""
         tensors = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
         if tensors and self._world > 1:
             with torch.no_grad():
                 self._comm.broadcast(tensors, 0, phase="broadcast").wait()
-
-    def _build_buckets(self) -> None:
-        self._buckets = build_gradient_buckets(self._params, self.bucket_cap_mb, self._world)
-        self._bucket_of = {
-            id(param): (bucket, position)
-            for bucket in self._buckets
-            for position, param in enumerate(bucket.params)
-        }
-        self._next_launch = len(self._buckets) - 1
-        self._index_sites()
-
-    def _index_sites(self) -> None:
-        """``_apply_at``: per module, the buckets its pre-hook must bring up to date."""
-        self._apply_at = {}
-        for param in self._params:
-            bucket = self._bucket_of[id(param)][0]
-            for module in self._sites.modules_of(param):
-                buckets = self._apply_at.setdefault(id(module), [])
-                if bucket not in buckets:
-                    buckets.append(bucket)
-
-    def _learn_sites(self) -> None:
-        if self._sites.learn():
-            self._index_sites()
 
     def _register_hooks(self) -> list[RemovableHandle]:
         register = nn.Parameter.register_post_accumulate_grad_hook
@@ -327,11 +220,7 @@ class DeAR:
                 "of gradient accumulation inside `with dear.no_sync():`"
             )
         bucket.ready.add(position)
-        while self._next_launch >= 0:
-            candidate = self._buckets[self._next_launch]
-            if len(candidate.ready) < len(candidate.params):
-                break
-            self._launch_reduce_scatter(candidate)
+        self._launch_complete_reduce_scatters()
 
     def _before_model_forward(self, module: nn.Module, args: Any) -> None:
         if module is not self.module:  # a deep copy of the model
@@ -358,105 +247,7 @@ class DeAR:
 
     def _before_module_forward(self, module: nn.Module, *_: Any) -> None:
         self._sites.saw_forward(module)
-        for bucket in self._apply_at.get(id(module), ()):
-            if bucket.pending:
-                self._apply(bucket)
-
-    # -- collectives -----------------------------------------------------------------------
-    def _launch_reduce_scatter(self, bucket: GradientBucket) -> None:
-        """Pack this rank's gradients and used flags (1/P each) and start the reduce-scatter."""
-        if bucket.pending:  # last step's update was never needed by a forward: apply it now
-            self._apply(bucket)
-        with torch.no_grad():
-            bucket.flat.zero_()
-            for position, param in enumerate(bucket.params):
-                if param.grad is not None:
-                    start = bucket.offsets[position]
-                    bucket.flat[start : start + param.numel()].copy_(param.grad.reshape(-1))
-                    bucket.flags[position] = 1
-            bucket.flat.div_(self._world)
-        bucket.reduce = self._comm.reduce_scatter(
-            bucket.flat, bucket.shard, phase="grad_reduce_scatter"
-        )
-        bucket.launched = True
-        bucket.reduce_started = self._recorder.now()
-        self._next_launch = bucket.index - 1
-
-    def _launch_remaining_reduce_scatters(self) -> None:
-        """Buckets not complete in backward (unused parameters) go now, last bucket first."""
-        while self._next_launch >= 0:
-            self._launch_reduce_scatter(self._buckets[self._next_launch])
-
-    def _launch_all_gathers(self) -> None:
-        """Wait for each reduce-scatter and start its all-gather, first bucket first."""
-        for bucket in self._buckets:
-            assert bucket.reduce is not None
-            with self._recorder.phase("grad_reduce_scatter"):
-                bucket.reduce.wait()
-            self._recorder.span(
-                "reduce_scatter in flight", bucket.reduce_started, self._recorder.now()
-            )
-            bucket.reduce = None
-            bucket.gather = self._comm.all_gather(
-                bucket.shard, bucket.flat, phase="grad_all_gather"
-            )
-            bucket.gather_started = self._recorder.now()
-
-    def _wait_gather(self, bucket: GradientBucket) -> None:
-        if bucket.gather is None:
-            return
-        with self._recorder.phase("grad_all_gather"):
-            bucket.gather.wait()
-        self._recorder.span("all_gather in flight", bucket.gather_started, self._recorder.now())
-        bucket.gather = None
-
-    def _install_gradients(self, bucket: GradientBucket) -> list[nn.Parameter]:
-        """Averaged gradients into ``.grad`` (views of ``flat``); the parameters some rank used."""
-        self._wait_gather(bucket)
-        used = bucket.flags.gt(0).tolist()
-        installed = []
-        for position, param in enumerate(bucket.params):
-            if used[position]:
-                param.grad = bucket.grad_view(position)
-                installed.append(param)
-        return installed
-
-    def _apply(self, bucket: GradientBucket) -> None:
-        """The deferred optimizer update of ``bucket``'s parameters, exactly once.
-
-        The optimizer steps every parameter that has a ``.grad``, so gradients of other
-        parameters (a backward pass may be under way when a late update runs) are set aside
-        and put back afterwards.
-        """
-        bucket.pending = False
-        aside = [(param, param.grad) for param in self._params if param.grad is not None]
-        for param, _ in aside:
-            param.grad = None
-        # Optimizer state created under an evaluation's inference_mode would be unusable later.
-        with torch.inference_mode(False):
-            self._install_gradients(bucket)
-            self._optimizer_step()
-        for param in bucket.params:
-            param.grad = None
-        for param, grad in aside:
-            param.grad = grad
-
-    def _optimizer_step(self) -> None:
-        """``optimizer.step()`` with the hyperparameters of the step that produced the grads.
-
-        Only parameters whose ``.grad`` is set are touched: every other ``.grad`` is ``None``.
-        """
-        with self._recorder.phase("update"):
-            groups = self.optimizer.param_groups
-            current = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-            # Groups added after the step (add_param_group) keep their own values.
-            for group, saved in zip(groups, self._hyperparameters, strict=False):
-                group.update(saved)
-            try:
-                self.optimizer.step()
-            finally:
-                for group, values in zip(groups, current, strict=True):
-                    group.update(values)
+        self._apply_updates_due_before(module)
 
     # -- public ----------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> DeAR:
@@ -510,11 +301,7 @@ class DeAR:
             self._learn_sites()
         if deferred:  # may apply last step's late updates, with last step's hyperparameters
             self._launch_remaining_reduce_scatters()
-        # Values, not references: schedulers change a tensor lr in place.
-        self._hyperparameters = [
-            {k: v.clone() if isinstance(v, Tensor) else v for k, v in g.items() if k != "params"}
-            for g in self.optimizer.param_groups
-        ]
+        self._remember_hyperparameters()
         # Before the all-gathers: on a backend that runs a group's collectives in order
         # (NCCL), the next forward must not wait behind every all-gather for the buffers.
         buffers = list(self.module.buffers()) if self._broadcast_buffers else []
@@ -542,13 +329,6 @@ class DeAR:
             same = [b for b in buffers if b.dtype == dtype]
             pending.append(self._comm.broadcast(same, 0, phase="buffer_broadcast"))
         return CollectiveHandle.joined(pending)
-
-    def _reset_buckets(self, *, pending: bool) -> None:
-        for bucket in self._buckets:
-            bucket.ready.clear()
-            bucket.launched = False
-            bucket.pending = pending
-        self._next_launch = len(self._buckets) - 1
 
     def finish(self) -> None:
         """Apply every pending update now (before evaluation, saving, or the end of training)."""
@@ -588,7 +368,7 @@ class DeAR:
         if chosen != self.bucket_cap_mb:
             self.finish()
             self.bucket_cap_mb = chosen
-            self._build_buckets()
+            self._build_buckets(self.bucket_cap_mb)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""

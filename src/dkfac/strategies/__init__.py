@@ -10,7 +10,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dkfac.comm.communicator import Communicator, require_distributed
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.groups import require_distributed
 from dkfac.comm.recorder import StepRecorder
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.d_kfac import DKFACStrategy

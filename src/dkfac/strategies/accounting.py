@@ -16,8 +16,8 @@ the strategies call (:func:`dkfac.strategies.kaisa.plan_layer_owners`,
 :meth:`dkfac.strategies.pipelined.PipelinedStrategy.place_factors`), who sends what to whom
 from the same grouping functions (``row_broadcasts``, ``column_sources``, ``group_by_source``,
 ``broadcast_sources``), payload tensors from the same shape functions, and bytes from the
-communicator's own fusion and packing rules (:func:`~dkfac.comm.communicator.plan_fusion`,
-:func:`~dkfac.comm.communicator.record_collective`), recorded in a real
+communicator's own fusion and packing rules (:func:`~dkfac.comm.wire.plan_fusion`,
+:func:`~dkfac.comm.wire.record_collective`), recorded in a real
 :class:`~dkfac.comm.recorder.StepRecorder`. ``tests/test_accounting.py`` checks the
 result against the analytic byte counts the distributed tests assert on real runs.
 
@@ -36,106 +36,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from dkfac.comm.communicator import (
+from dkfac.comm.cost_model import ClusterCostModel
+from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.wire import (
     element_size,
     group_by_source,
     plan_fusion,
     record_collective,
 )
-from dkfac.comm.cost_model import ClusterCostModel
-from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.blocks import make_block
 from dkfac.strategies import dp, kaisa
+from dkfac.strategies.decomposition_payload import payload_shapes
 from dkfac.strategies.factor_inverses import (
     EVERY_WORKER,
     broadcast_sources,
-    factor_payload_shapes,
 )
+from dkfac.strategies.factor_placement import keeps_factor
+from dkfac.strategies.layer_shapes import LayerShape
 from dkfac.strategies.pad import PADStrategy
-from dkfac.strategies.pipelined import PipelinedStrategy, keeps_factor
+from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 from dkfac.strategies.spd import SPDStrategy
 
 #: Strategies :func:`account_strategy` knows: every distributed one.
 ACCOUNTED_STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One preconditioned layer: its name and the sides of its two Kronecker factors."""
-
-    name: str
-    a_dim: int
-    g_dim: int
-
-    @property
-    def dims(self) -> tuple[int, int]:
-        """``(d_A, d_G)``."""
-        return self.a_dim, self.g_dim
-
-
-def conv2d_shape(
-    name: str,
-    in_channels: int,
-    out_channels: int,
-    kernel_size: int,
-    *,
-    groups: int = 1,
-    bias: bool = False,
-) -> LayerShape:
-    """A Conv2d: ``d_A = in_channels/groups · kh · kw`` (+1 with a bias), ``d_G = out``."""
-    a_dim = in_channels // groups * kernel_size * kernel_size + (1 if bias else 0)
-    return LayerShape(name, a_dim, out_channels)
-
-
-def linear_shape(
-    name: str, in_features: int, out_features: int, *, bias: bool = True
-) -> LayerShape:
-    """A Linear layer: ``d_A = in_features`` (+1 with a bias), ``d_G = out_features``."""
-    return LayerShape(name, in_features + (1 if bias else 0), out_features)
-
-
-def resnet50_layer_shapes(num_classes: int = 1000) -> list[LayerShape]:
-    """ImageNet ResNet-50 (torchvision's layout and names): 53 Conv2d and the final Linear.
-
-    Convolutions have no bias; the bottleneck's 3x3 convolution is ``conv2`` and the
-    projection shortcut ``downsample.0`` comes after ``conv3`` (registration and forward
-    order). Weights and the classifier bias: 25,503,912 parameters (torchvision's 25,557,032
-    minus the 53,120 BatchNorm parameters, which K-FAC does not precondition).
-    """
-    layers = [conv2d_shape("conv1", 3, 64, 7)]
-    channels = 64
-    for stage, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3)), start=1):
-        for block in range(blocks):
-            prefix = f"layer{stage}.{block}"
-            layers += [
-                conv2d_shape(f"{prefix}.conv1", channels, width, 1),
-                conv2d_shape(f"{prefix}.conv2", width, width, 3),
-                conv2d_shape(f"{prefix}.conv3", width, 4 * width, 1),
-            ]
-            if block == 0:
-                layers.append(conv2d_shape(f"{prefix}.downsample.0", channels, 4 * width, 1))
-            channels = 4 * width
-    layers.append(linear_shape("fc", channels, num_classes))
-    return layers
-
-
-def layer_shapes_of(model: nn.Module) -> list[LayerShape]:
-    """Shapes of the layers K-FAC supports in ``model``, in registration order.
-
-    Uses the preconditioner's own block rule (:func:`dkfac.curvature.blocks.make_block`);
-    ``skip_layers`` and frozen parameters are not considered.
-    """
-    shapes = []
-    for name, module in model.named_modules():
-        if not list(module.parameters(recurse=False)):
-            continue
-        block = make_block(module)
-        if block is not None:
-            shapes.append(LayerShape(name or type(module).__name__, block.a_dim, block.g_dim))
-    return shapes
 
 
 @dataclass(frozen=True)
@@ -243,8 +167,13 @@ def _values(shapes: Sequence[tuple[tuple[int, ...], bool]]) -> int:
 
 def _inverse_bytes(layer: LayerShape, settings: DryRunSettings) -> int:
     """Bytes of a layer's stored decomposition (the payload tensors without the flag)."""
-    *tensors, _ = kaisa.inverse_payload_shapes(layer.a_dim, layer.g_dim, settings.inverse_method)
+    *tensors, _ = payload_shapes(settings.inverse_method, _both_factors(layer))
     return _values(tensors) * element_size(settings.inv_dtype)
+
+
+def _both_factors(layer: LayerShape) -> list[tuple[str, int]]:
+    """A layer's two factors as one payload carries them (KAISA's per-layer decomposition)."""
+    return [("a", layer.a_dim), ("g", layer.g_dim)]
 
 
 def _factor_bytes(dim: int, settings: DryRunSettings) -> int:
@@ -280,8 +209,8 @@ def account_kaisa(
                 payload = [
                     (shape, sym, settings.inv_dtype)
                     for index in indices
-                    for shape, sym in kaisa.inverse_payload_shapes(
-                        layers[index].a_dim, layers[index].g_dim, settings.inverse_method
+                    for shape, sym in payload_shapes(
+                        settings.inverse_method, _both_factors(layers[index])
                     )
                 ]
                 ledger.collective("inverse_comm", "broadcast", payload, g)
@@ -376,10 +305,9 @@ def account_pipelined(
             payload = [
                 (shape, sym, settings.inv_dtype)
                 for index, side in keys
-                for shape, sym in factor_payload_shapes(
-                    layers[index].a_dim if side == "a" else layers[index].g_dim,
-                    side,
+                for shape, sym in payload_shapes(
                     settings.inverse_method,
+                    [(side, layers[index].a_dim if side == "a" else layers[index].g_dim)],
                 )
             ]
             ledger.collective("inverse_comm", "broadcast", payload, world)

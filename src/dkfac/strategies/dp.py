@@ -24,7 +24,8 @@ from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.curvature.decomposition import update_inverses
+from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
 from dkfac.strategies.local import fold_local_factors
 from dkfac.strategies.placement import longest_processing_time

@@ -14,15 +14,16 @@ from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import (
-    FACTOR_LAYOUT,
     FACTOR_SIDES,
     FactorDecomposition,
     combine_factors,
     tikhonov_shifts,
     trace_mean,
 )
-from dkfac.curvature.layer import FactorRequest, LayerCurvature, decompose_factors
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.decomposition_payload import DecompositionPayload, share_payloads
 
 #: Owner value of a factor decomposed by every worker (nothing broadcast).
 EVERY_WORKER = -1
@@ -54,18 +55,6 @@ def _trace_means(
     return means
 
 
-def factor_payload_shapes(dim: int, side: str, method: str) -> list[tuple[tuple[int, ...], bool]]:
-    """Shapes and symmetry of the tensors carrying one factor's decomposition, flag last.
-
-    eigen: ``(Q, λ)``; inverse: the packed ``F⁻¹``; then a one-value validity flag.
-    """
-    layout = FACTOR_LAYOUT[method][side]
-    shapes: list[tuple[tuple[int, ...], bool]] = [
-        ((dim, dim) if position == 0 else (dim,), sym) for position, (_, sym) in enumerate(layout)
-    ]
-    return [*shapes, ((1,), False)]
-
-
 def broadcast_sources(
     owners: dict[FactorKey, int], world_size: int
 ) -> list[tuple[int, list[FactorKey]]]:
@@ -80,29 +69,6 @@ def broadcast_sources(
         if owned:
             result.append((source, owned))
     return result
-
-
-def _payload(
-    layer: LayerCurvature,
-    side: str,
-    method: str,
-    dtype: torch.dtype,
-    result: FactorDecomposition | None,
-    send: bool,
-) -> tuple[list[Tensor], list[bool]]:
-    """Tensors carrying one factor's decomposition, plus a validity flag last."""
-    dim = layer.block.a_dim if side == "a" else layer.block.g_dim
-    device = layer.block.weight.device
-    layout = FACTOR_LAYOUT[method][side]
-    *specs, _ = factor_payload_shapes(dim, side, method)
-    parts = []
-    for (name, _), (shape, _) in zip(layout, specs, strict=True):
-        if send and result is not None:
-            parts.append(result.tensors[name].to(dtype).contiguous())
-        else:  # eigen: (Q, λ); inverse: (F⁻¹,)
-            parts.append(torch.zeros(shape, dtype=dtype, device=device))
-    flag = torch.tensor([1.0 if send and result is not None else 0.0], dtype=dtype, device=device)
-    return [*parts, flag], [sym for _, sym in specs] + [False]
 
 
 def update_factor_inverses(
@@ -153,32 +119,37 @@ def update_factor_inverses(
     parts: dict[FactorKey, FactorDecomposition | None] = {
         key: result for key, result in results.items() if owners[key] == EVERY_WORKER
     }
-    received: list[tuple[FactorKey, list[Tensor]]] = []
+    sources = broadcast_sources(owners, comm.world_size)
+    received = [key for _, owned in sources for key in owned]
     with recorder.phase("inverse_comm"):
-        handles = []
-        for source, owned in broadcast_sources(owners, comm.world_size):
-            payloads = [
-                _payload(layers[i], side, method, dtype, results.get((i, side)), source == rank)
-                for i, side in owned
-            ]
-            tensors = [t for tensors, _ in payloads for t in tensors]
-            symmetric = [s for _, flags in payloads for s in flags]
-            handles.append(
-                comm.broadcast(tensors, source, phase="inverse_comm", symmetric=symmetric)
+        payloads = {
+            (i, side): _factor_payload(
+                layers[i], side, method, dtype, results.get((i, side)), owners[(i, side)] == rank
             )
-            received += [(key, payload) for key, (payload, _) in zip(owned, payloads, strict=True)]
-        for handle in handles:
-            handle.wait()
-    if received:  # one host synchronisation for every validity flag
-        valid = torch.cat([payload[-1] for _, payload in received]).tolist()
-        for ((index, side), payload), ok in zip(received, valid, strict=True):
-            names = [name for name, _ in FACTOR_LAYOUT[method][side]]
-            parts[(index, side)] = (
-                FactorDecomposition(dict(zip(names, payload[:-1], strict=True)), payload[-1] > 0)
-                if ok
-                else None
-            )
+            for i, side in received
+        }
+        per_source = [(source, [payloads[key] for key in owned]) for source, owned in sources]
+        valid = share_payloads(comm, per_source)
+    for key, ok in zip(received, valid, strict=True):
+        payload = payloads[key]
+        parts[key] = FactorDecomposition(payload.named(), payload.flag > 0) if ok else None
     for index, layer in enumerate(layers):
         a, g = parts.get((index, "a")), parts.get((index, "g"))
         if a is not None and g is not None:
             layer.inverse = combine_factors(method, a, g)
+
+
+def _factor_payload(
+    layer: LayerCurvature,
+    side: str,
+    method: str,
+    dtype: torch.dtype,
+    result: FactorDecomposition | None,
+    send: bool,
+) -> DecompositionPayload:
+    """One factor's decomposition as its owner sends it, or receive buffers."""
+    dim = layer.block.a_dim if side == "a" else layer.block.g_dim
+    stored = result.tensors if send and result is not None else None
+    return DecompositionPayload.build(
+        method, [(side, dim)], stored, dtype, layer.block.weight.device
+    )

@@ -23,23 +23,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.comm.communicator import CollectiveHandle, Communicator
+from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.inverse import (
-    FACTOR_LAYOUT,
-    FACTOR_SIDES,
-    KroneckerInverse,
-    inverse_from_tensors,
-)
-from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.curvature.decomposition import update_inverses
+from dkfac.curvature.inverse import FACTOR_SIDES, inverse_from_tensors
+from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
+from dkfac.strategies.decomposition_payload import DecompositionPayload, share_payloads
 from dkfac.strategies.placement import longest_processing_time
 from dkfac.strategies.registry import KAISAOptions
-
-
-def _inverse_layout(method: str) -> tuple[tuple[str, bool], ...]:
-    """Names and symmetry of the tensors of a layer's inverse, in transport order."""
-    return tuple(entry for side in FACTOR_SIDES for entry in FACTOR_LAYOUT[method][side])
 
 
 def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[int]:
@@ -80,21 +72,6 @@ def row_broadcasts(
 def column_sources(owners: Sequence[int], grad_workers: int, column: int) -> list[int]:
     """Per layer, the rank of grid column ``column`` that preconditions it (in the owner's row)."""
     return [(owner // grad_workers) * grad_workers + column for owner in owners]
-
-
-def inverse_payload_shapes(
-    a_dim: int, g_dim: int, method: str
-) -> list[tuple[tuple[int, ...], bool]]:
-    """Shapes and symmetry of the tensors carrying a layer's decomposition, flag last."""
-    shapes = {
-        "qa": (a_dim, a_dim),
-        "la": (a_dim,),
-        "qg": (g_dim, g_dim),
-        "lg": (g_dim,),
-        "a_inv": (a_dim, a_dim),
-        "g_inv": (g_dim, g_dim),
-    }
-    return [(shapes[name], sym) for name, sym in _inverse_layout(method)] + [((1,), False)]
 
 
 class KAISAStrategy(DistributedStrategy):
@@ -182,42 +159,18 @@ class KAISAStrategy(DistributedStrategy):
         mine = [layer for layer in layers if self.owner[layer.name] == rank]
         with self.recorder.phase("inverse_compute"):
             update_inverses(mine, damping, method, dtype)
-        pending: list[
-            tuple[
-                CollectiveHandle | None, list[LayerCurvature], list[tuple[list[Tensor], list[bool]]]
-            ]
-        ] = []
         owners = [self.owner[layer.name] for layer in layers]
         broadcasts = row_broadcasts(owners, self.grad_workers, self.my_row, self.comm.world_size)
+        group = self.row_group[self.my_row]
+        received = [i for _, indices in broadcasts for i in indices]
         with self.recorder.phase("inverse_comm"):
-            for owner, indices in broadcasts:
-                owned = [layers[index] for index in indices]
-                payload = [
-                    _inverse_payload(layer, method, dtype, send=owner == rank) for layer in owned
-                ]
-                tensors = [t for p in payload for t in p[0]]
-                symmetric = [s for p in payload for s in p[1]]
-                group = self.row_group[self.my_row]
-                launched = (
-                    None
-                    if group is None
-                    else self.comm.broadcast(
-                        tensors, owner, phase="inverse_comm", symmetric=symmetric, group=group
-                    )
-                )
-                pending.append((launched, owned, payload))
-            for handle, _, _ in pending:
-                if handle is not None:
-                    handle.wait()
-        received = [
-            (layer, parts)
-            for _, owned, payload in pending
-            for layer, (parts, _) in zip(owned, payload, strict=True)
-        ]
-        if received:  # one host synchronisation for every validity flag
-            valid = torch.cat([parts[-1] for _, parts in received]).tolist()
-            for (layer, parts), ok in zip(received, valid, strict=True):
-                layer.inverse = _inverse_from_payload(method, parts[:-1]) if ok else None
+            payloads = {
+                i: _layer_payload(layers[i], method, dtype, owners[i] == rank) for i in received
+            }
+            per_source = [(owner, [payloads[i] for i in indices]) for owner, indices in broadcasts]
+            valid = share_payloads(self.comm, per_source, group=group, launch=group is not None)
+        for i, ok in zip(received, valid, strict=True):
+            layers[i].inverse = inverse_from_tensors(method, payloads[i].named()) if ok else None
 
     # -- preconditioning -------------------------------------------------------------------
     def precondition(
@@ -235,25 +188,16 @@ class KAISAStrategy(DistributedStrategy):
         return self.precondition_and_broadcast(layers, grads, damping, sources, self.column_group)
 
 
-def _inverse_payload(
+def _layer_payload(
     layer: LayerCurvature, method: str, dtype: torch.dtype, send: bool
-) -> tuple[list[Tensor], list[bool]]:
-    """Tensors (plus a validity flag) that carry ``layer``'s decomposition."""
+) -> DecompositionPayload:
+    """``layer``'s decomposition (both factors) as its owner sends it, or receive buffers."""
     block = layer.block
-    device = block.weight.device
-    *specs, _ = inverse_payload_shapes(block.a_dim, block.g_dim, method)
-    layout = _inverse_layout(method)
     inverse = layer.inverse if send else None
-    if inverse is not None:
-        stored = inverse.tensors()
-        parts = [stored[name].to(dtype).contiguous() for name, _ in layout]
-    else:
-        parts = [torch.zeros(shape, dtype=dtype, device=device) for shape, _ in specs]
-    flag = torch.tensor([1.0 if inverse is not None else 0.0], dtype=dtype, device=device)
-    return [*parts, flag], [sym for _, sym in specs] + [False]
-
-
-def _inverse_from_payload(method: str, tensors: Sequence[Tensor]) -> KroneckerInverse:
-    """Rebuild the decomposition a payload carries (without its validity flag)."""
-    names = [name for name, _ in _inverse_layout(method)]
-    return inverse_from_tensors(method, dict(zip(names, tensors, strict=True)))
+    return DecompositionPayload.build(
+        method,
+        [("a", block.a_dim), ("g", block.g_dim)],
+        None if inverse is None else inverse.tensors(),
+        dtype,
+        block.weight.device,
+    )

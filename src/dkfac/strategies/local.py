@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.layer import LayerCurvature, update_inverses
+from dkfac.curvature.decomposition import update_inverses
+from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dkfac.strategies.pipelined import PipelinedStrategy, SlotCosts
+from dkfac.strategies.factor_placement import SlotCosts
+from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.placement import plan_contiguous_partition
 
 

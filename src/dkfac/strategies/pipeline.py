@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.comm.communicator import CollectiveHandle, Communicator, packed_values
+from dkfac.comm.communicator import CollectiveHandle, Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.wire import packed_values
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import SummedFactor
 

@@ -12,7 +12,6 @@ import logging
 import warnings
 from abc import abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,63 +28,16 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy
 from dkfac.strategies.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
+from dkfac.strategies.factor_placement import (
+    FactorPlacement,
+    SlotCosts,
+    destination_boundaries,
+    keeps_factor,
+)
 from dkfac.strategies.local import precondition_here
-from dkfac.strategies.pipeline import FactorPipeline, FactorSlot, ready_order_of
+from dkfac.strategies.pipeline import FactorPipeline, ready_order_of
 
 logger = logging.getLogger(__name__)
-
-
-def decomposition_bytes(dim: int, method: str, dtype: torch.dtype) -> int:
-    """Bytes of one factor's broadcast decomposition: ``(Q, λ)`` or a packed inverse."""
-    size = torch.empty((), dtype=dtype).element_size()
-    values = dim * dim + dim if method == "eigen" else dim * (dim + 1) // 2
-    return values * size
-
-
-def destination_boundaries(destination: Sequence[int | None], order: Sequence[int]) -> list[int]:
-    """Positions in ``order`` where the destination changes (a bucket must start there)."""
-    return [p for p in range(1, len(order)) if destination[order[p]] != destination[order[p - 1]]]
-
-
-@dataclass(frozen=True)
-class SlotCosts:
-    """What the placement of factor slots is planned from (pure data, the same on every rank).
-
-    Attributes:
-        slots: the factors in ready order.
-        wire: packed bytes of each factor on the wire.
-        decomposition_s: predicted decomposition time of each factor.
-        cost: the cluster's cost model.
-        inverse_method: ``"eigen"`` or ``"inverse"``.
-        inv_dtype: dtype of the decompositions.
-        world_size: number of workers.
-        size_based: the cost model could not be trusted (:meth:`ClusterCostModel.problems`):
-            ``decomposition_s`` is ``d³`` and placements go by size alone.
-    """
-
-    slots: list[FactorSlot]
-    wire: list[int]
-    decomposition_s: list[float]
-    cost: ClusterCostModel
-    inverse_method: str
-    inv_dtype: torch.dtype
-    world_size: int
-    size_based: bool = False
-
-
-@dataclass(frozen=True)
-class FactorPlacement:
-    """A pipelined strategy's plan: per slot its destination and decomposer; size buckets."""
-
-    costs: SlotCosts
-    destination: list[int | None]
-    decomposer: list[int]
-    buckets: list[list[int]]
-
-
-def keeps_factor(destination: int | None, rank: int) -> bool:
-    """Whether ``rank`` holds a running factor reduced to ``destination`` (``None``: all)."""
-    return destination is None or destination == rank
 
 
 class PipelinedStrategy(DistributedStrategy):

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dkfac.strategies.factor_inverses import EVERY_WORKER
-from dkfac.strategies.pipelined import PipelinedStrategy, SlotCosts, decomposition_bytes
+from dkfac.strategies.factor_placement import SlotCosts, decomposition_bytes
+from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.placement import longest_processing_time
 
 

@@ -1,0 +1,350 @@
+"""The options of ``dkfac bench``: the command-line flags, their defaults, their validation.
+
+:func:`add_bench_options` declares the flags on a parser (``dkfac bench`` and
+``benchmarks/strategies.py`` share them); :func:`options_from_args` fills in the defaults of a
+full run or of ``--quick`` and turns the parsed flags into a validated :class:`BenchOptions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dkfac.bench.configs import (
+    INPUT_SHAPES,
+    INVERSE_METHOD,
+    LR,
+    MODELS,
+    MOMENTUM,
+    NUM_CLASSES,
+    SCHEDULES,
+    STRATEGIES,
+)
+from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL, dry_run_models
+from dkfac.bench.report import MB
+from dkfac.cli.config import ConfigError
+from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
+
+#: Defaults of a full run and of ``--quick`` (models and world sizes come from the front end).
+FULL_DEFAULTS: dict[str, Any] = {
+    "rounds": 2,
+    "warmup": 3,
+    "iters": 10,
+    "iters_long": 100,
+    "timeout": 3600.0,
+}
+QUICK_DEFAULTS: dict[str, Any] = {
+    "nprocs": "2",
+    "models": "resnet20",
+    "rounds": 1,
+    "warmup": 2,
+    "iters": 3,
+    "iters_long": 10,
+    "timeout": 300.0,
+}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """A validated benchmark request."""
+
+    models: tuple[str, ...]
+    nprocs: tuple[int, ...]
+    rounds: int
+    warmup: int
+    iters: int
+    iters_long: int
+    timeout: float
+    strategies: tuple[str, ...] = STRATEGIES
+    schedules: tuple[tuple[int, int], ...] = SCHEDULES
+    batch_size: int = 32
+    seed: int = 0
+    bucket_cap_mb: float = 25.0
+    quick: bool = False
+    layers: str | None = None
+    cost_model: ClusterCostModel = NOMINAL_COST_MODEL
+
+    def worker_argv(self, out: Path) -> list[str]:
+        """The options of :mod:`dkfac.bench.worker`, rank 0 writing to ``out``."""
+        return [
+            "--out",
+            str(out),
+            "--models",
+            ",".join(self.models),
+            "--strategies",
+            ",".join(self.strategies),
+            "--schedules",
+            ",".join(f"{f}:{i}" for f, i in self.schedules),
+            "--rounds",
+            str(self.rounds),
+            "--warmup",
+            str(self.warmup),
+            "--iters",
+            str(self.iters),
+            "--iters-long",
+            str(self.iters_long),
+            "--batch-size",
+            str(self.batch_size),
+            "--seed",
+            str(self.seed),
+            "--bucket-cap-mb",
+            str(self.bucket_cap_mb),
+        ]
+
+    def settings(self) -> dict[str, Any]:
+        """The ``settings`` block of the report."""
+        return {
+            "nprocs": list(self.nprocs),
+            "models": list(self.models),
+            "strategies": list(self.strategies),
+            "rounds": self.rounds,
+            "warmup": self.warmup,
+            "iters": self.iters,
+            "iters_long": self.iters_long,
+            "batch_size_per_worker": self.batch_size,
+            "seed": self.seed,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "timeout_s": self.timeout,
+            "quick": self.quick,
+            "backend": "gloo",
+            "threads_per_process": 1,
+            "inverse_method": INVERSE_METHOD,
+            "lr": LR,
+            "momentum": MOMENTUM,
+            "input_shapes": {model: list(INPUT_SHAPES[model]) for model in self.models},
+            "num_classes": NUM_CLASSES,
+            "schedules": [list(s) for s in self.schedules],
+            "gc_disabled_in_window": True,
+            "mb": MB,
+        }
+
+
+def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: str) -> None:
+    """The benchmark's options; ``models`` and ``nprocs`` are the defaults of a full run."""
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"models, comma-separated, from {', '.join(MODELS)} (default {models})",
+    )
+    parser.add_argument(
+        "--nprocs", default=None, help=f"world sizes to launch, comma-separated (default {nprocs})"
+    )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="K-FAC strategies besides the SGD reference, comma-separated, from "
+        f"{', '.join(STRATEGIES)} (spd = SPD-KFAC, pad = PAD-KFAC); kaisa runs with fraction "
+        f"1/P (and 1/2 when P > 2 is even) (default {','.join(STRATEGIES)})",
+    )
+    default_schedules = ",".join(f"{f}:{i}" for f, i in SCHEDULES)
+    parser.add_argument(
+        "--schedules",
+        default=default_schedules,
+        help="K-FAC factor_update_steps:inv_update_steps pairs, comma-separated "
+        f"(default {default_schedules})",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 2, quick 1)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed iterations per configuration and round (default 3, quick 2)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed iterations of SGD and the (1,1) configurations (default 10, quick 3)",
+    )
+    parser.add_argument(
+        "--iters-long",
+        type=int,
+        default=None,
+        help="timed iterations of the periodic configurations such as (10,100); a multiple of "
+        "100 covers whole inverse periods (default 100, quick 10)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="batch size per worker (default 32)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="K-FAC fusion bucket (default 25)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds allowed per torchrun launch (default 3600, quick 300)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: resnet20, P=2, 1 round, 2 warm-up, iters 3, iters-long 10 (every "
+        "strategy of --strategies)",
+    )
+    dry = parser.add_argument_group(
+        "dry run",
+        "--layers computes, without training or a process group, each strategy's bytes per "
+        "worker, decomposition work and factor + decomposition memory of one second-order "
+        "update from the model's layer shapes, with the strategies' own planners (P from "
+        f"--nprocs, default {DRY_RUN_NPROCS}); the cost model below only places spd/pad's "
+        "factors and is nominal, not measured",
+    )
+    dry.add_argument(
+        "--layers",
+        choices=sorted(dry_run_models()),
+        default=None,
+        help="dry run on this model's layer shapes instead of timing (resnet50: ImageNet "
+        "ResNet-50, 53 Conv2d + the Linear classifier)",
+    )
+    nominal = NOMINAL_COST_MODEL
+    dry.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help=f"collective start-up in s (default {nominal.collective.alpha:g})",
+    )
+    dry.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help=f"collective s per payload byte (default {nominal.collective.beta:g})",
+    )
+    dry.add_argument(
+        "--decomposition-c0",
+        type=float,
+        default=None,
+        help=f"fixed s per decomposition (default {nominal.decomposition.c0:g})",
+    )
+    dry.add_argument(
+        "--decomposition-c3",
+        type=float,
+        default=None,
+        help=f"s per d^3 of a decomposition (default {nominal.decomposition.c3:g})",
+    )
+
+
+def _csv(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
+    schedules: list[tuple[int, int]] = []
+    for item in _csv(value):
+        try:
+            f, i = (int(part) for part in item.split(":"))
+        except ValueError:
+            raise ConfigError(
+                f"--schedules: {item!r} is not factor_steps:inverse_steps (e.g. 10:100)"
+            ) from None
+        if f < 1 or i < 1 or i % f != 0:
+            raise ConfigError(
+                f"--schedules: {item!r} needs steps >= 1 and inverse steps a multiple of the "
+                "factor steps"
+            )
+        if (f, i) not in schedules:
+            schedules.append((f, i))
+    if not schedules:
+        raise ConfigError("--schedules needs at least one factor_steps:inverse_steps pair")
+    return tuple(schedules)
+
+
+def _cost_model_from_args(args: argparse.Namespace) -> ClusterCostModel:
+    """The dry run's cost model: the nominal constants, with those given on the command line."""
+    given = {
+        name: getattr(args, name, None)
+        for name in ("alpha", "beta", "decomposition_c0", "decomposition_c3")
+    }
+    if getattr(args, "layers", None) is None:
+        flags = [
+            f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None
+        ]
+        if flags:
+            raise ConfigError(f"{', '.join(flags)}: options of a dry run, which needs --layers")
+        return NOMINAL_COST_MODEL
+    for name, value in given.items():
+        if value is not None and not value >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value!r}")
+    nominal = NOMINAL_COST_MODEL
+
+    def pick(name: str, default: float) -> float:
+        value = given[name]
+        return default if value is None else float(value)
+
+    return ClusterCostModel(
+        AlphaBeta(pick("alpha", nominal.collective.alpha), pick("beta", nominal.collective.beta)),
+        CubicCost(
+            pick("decomposition_c0", nominal.decomposition.c0),
+            pick("decomposition_c3", nominal.decomposition.c3),
+        ),
+    )
+
+
+def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> BenchOptions:
+    """Fill in the defaults (which depend on ``--quick`` and ``--layers``) and validate.
+
+    Raises:
+        ConfigError: a bad option, with the one line the user sees.
+    """
+    layers = getattr(args, "layers", None)
+    cost_model = _cost_model_from_args(args)
+    if layers is not None:
+        if args.quick:
+            raise ConfigError("--quick times a small run; a dry run (--layers) times nothing")
+        nprocs = str(DRY_RUN_NPROCS)
+    defaults = (
+        QUICK_DEFAULTS if args.quick else {**FULL_DEFAULTS, "models": models, "nprocs": nprocs}
+    )
+    values = {
+        name: default if getattr(args, name) is None else getattr(args, name)
+        for name, default in defaults.items()
+    }
+    model_names = _csv(values["models"])
+    unknown = [m for m in model_names if m not in MODELS]
+    if unknown or not model_names:
+        raise ConfigError(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    try:
+        world_sizes = [int(p) for p in _csv(values["nprocs"])]
+    except ValueError:
+        raise ConfigError(
+            f"--nprocs must be comma-separated integers, got {values['nprocs']!r}"
+        ) from None
+    if not world_sizes or min(world_sizes) < 1:
+        raise ConfigError("--nprocs needs at least one world size >= 1")
+    if layers is not None and min(world_sizes) < 2:
+        raise ConfigError("--nprocs: a dry run (--layers) needs world sizes of at least 2")
+    strategies = _csv(args.strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ConfigError(
+            f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)} (SGD is "
+            "always measured as the reference)"
+        )
+    for name, minimum in (("rounds", 1), ("warmup", 0), ("iters", 1), ("iters_long", 1)):
+        if values[name] < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {minimum}")
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be at least 1")
+    if values["timeout"] <= 0:
+        raise ConfigError("--timeout must be positive")
+    if args.bucket_cap_mb <= 0:
+        raise ConfigError("--bucket-cap-mb must be positive")
+    return BenchOptions(
+        models=tuple(dict.fromkeys(model_names)),
+        nprocs=tuple(dict.fromkeys(world_sizes)),
+        rounds=values["rounds"],
+        warmup=values["warmup"],
+        iters=values["iters"],
+        iters_long=values["iters_long"],
+        timeout=float(values["timeout"]),
+        strategies=tuple(s for s in STRATEGIES if s in strategies),
+        schedules=_parse_schedules(args.schedules),
+        batch_size=args.batch_size,
+        seed=args.seed,
+        bucket_cap_mb=args.bucket_cap_mb,
+        quick=args.quick,
+        layers=layers,
+        cost_model=cost_model,
+    )

@@ -1,0 +1,186 @@
+"""The hooks that feed each layer's factor statistics, bound to the forward pass they belong to.
+
+A forward hook per layer accumulates ``A`` from the layer's input and registers a hook on its
+output that accumulates ``G`` from the output gradient. Examples count once per forward pass of
+the whole model (a shared layer runs several times in one), so every call is bound to a pass
+when it happens: the backward of several passes may come later, all at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from dkfac.comm import StepRecorder
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.layer_usage import LayerUsage
+from dkfac.mixed_precision import loss_scale
+from dkfac.strategies import Strategy
+
+
+def current_backward_id() -> int | None:
+    """An id of the backward pass the autograd engine is running on this thread, else None.
+
+    PyTorch exposes no public "inside backward" query; the engine's graph-task id is what
+    ``torch.utils.checkpoint`` itself uses. Without it (an older build) nothing is recomputed
+    as far as dkfac can tell, and each recomputed call counts as a pass of its own.
+    """
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None:
+        return None
+    current = int(task_id())
+    return None if current == -1 else current
+
+
+class StatisticsCapture:
+    """Hooks on the model and its layers that collect statistics while :attr:`capturing`.
+
+    Args:
+        model: the unwrapped model (its forward delimits a pass).
+        layers: the preconditioned layers.
+        strategy: decides which layers this worker captures, and hears of every statistic.
+        recorder: times the statistics as ``factor_compute``.
+        usage: told of every forward call, captured here or not.
+        loss_reduction: ``"mean"`` or ``"sum"``, passed on to the strategy.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out of ``G``, or None.
+        capturing: whether the first window captures.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[LayerCurvature],
+        strategy: Strategy,
+        recorder: StepRecorder,
+        usage: LayerUsage,
+        *,
+        loss_reduction: str,
+        grad_scaler: Any | None,
+        capturing: bool,
+    ) -> None:
+        self.capturing = capturing
+        self._model = model
+        self._layers = list(layers)
+        self._strategy = strategy
+        self._recorder = recorder
+        self._usage = usage
+        self._loss_reduction = loss_reduction
+        self._grad_scaler = grad_scaler
+        self._removed = False
+        self._window_scale: float | None = None
+        # Forward passes of the model: a layer's examples count once per pass. Calls made
+        # outside the model's forward are passes of their own.
+        self._passes = 0
+        self._pass_depth = 0
+        # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
+        self._recomputing: tuple[int, int] | None = None
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._pass_starts),
+            model.register_forward_hook(self._pass_ends, always_call=True),
+        ]
+        self._handles += [
+            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
+            for index, layer in enumerate(self._layers)
+        ]
+
+    def end_window(self) -> None:
+        """The factor window ended: the loss scale is read again in the next one."""
+        self._window_scale = None
+
+    def remove(self) -> None:
+        """Detach every hook; hooks still referenced elsewhere do nothing from now on."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._removed = True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StatisticsCapture:
+        """The same object: a deep-copied model's hooks (EMA, snapshots) are inert.
+
+        The hooks hold this object (and through it a process group, which cannot be copied)
+        and a layer index; called with a module of the copy, :meth:`_forward_hook` returns.
+        """
+        return self
+
+    # -- passes -------------------------------------------------------------------------------
+    def _pass_starts(self, module: nn.Module, inputs: Any) -> None:
+        if module is self._model:  # not a deep copy's
+            if self._pass_depth == 0:
+                self._passes += 1
+            self._pass_depth += 1
+
+    def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if module is self._model and self._pass_depth > 0:
+            self._pass_depth -= 1
+
+    def _current_pass(self) -> int:
+        """The model's forward pass in progress; outside one, a new pass for this call.
+
+        A forward run inside a backward pass is activation checkpointing recomputing a segment
+        (``torch.utils.checkpoint``): every such call of one backward belongs to one pass, the
+        forward pass that backward differentiates. Under reentrant checkpointing that is the
+        only capture of the segment (its first forward ran without gradients); counted a pass
+        per call, a layer used in several segments would count its examples once per use.
+        """
+        if self._pass_depth > 0:
+            return self._passes
+        backward = current_backward_id()
+        if backward is not None:
+            if self._recomputing is None or self._recomputing[0] != backward:
+                self._passes += 1
+                self._recomputing = (backward, self._passes)
+            return self._recomputing[1]
+        self._passes += 1
+        return self._passes
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _forward_hook(
+        self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
+    ) -> None:
+        # The hook holds the layer's index, not the layer: a deep copy of the model then
+        # copies no K-FAC state, and its hooks (module is the copy) do nothing.
+        layer = self._layers[index]
+        if self._removed or not self.capturing or module is not layer.block.module:
+            return
+        # Recorded on every worker, capturing or not, so all workers agree on which layers are
+        # used outside their forward (LayerUsage.find_silent).
+        training = module.training and torch.is_grad_enabled()
+        self._usage.forward_ran(layer, training=training)
+        if (
+            not training
+            or not self._strategy.captures(layer)
+            or not inputs
+            or not isinstance(inputs[0], Tensor)
+            or not isinstance(output, Tensor)
+        ):
+            return
+        pass_id = self._current_pass()
+        with self._recorder.phase("factor_compute"):
+            layer.accumulate_a(inputs[0], pass_id)
+        self._strategy.statistic_added(layer, "a", self._loss_reduction)
+        if output.requires_grad:
+            # The pass is bound now: the backward of several passes may come later at once.
+            hook = functools.partial(self._output_grad_hook, layer, pass_id)
+            output.register_hook(hook)  # type: ignore[no-untyped-call]
+
+    def _output_grad_hook(self, layer: LayerCurvature, pass_id: int, grad: Tensor) -> None:
+        if not self._removed:
+            with self._recorder.phase("factor_compute"):
+                layer.accumulate_g(grad, pass_id, self._loss_scale())
+            self._strategy.statistic_added(layer, "g", self._loss_reduction)
+
+    def _loss_scale(self) -> float | None:
+        """The GradScaler's loss scale, read once per capture window (public ``get_scale()``).
+
+        The scale only changes in ``scaler.update()``, after the optimizer step, so it is the
+        same for every backward pass of a window; reading it once keeps the backward hooks
+        free of host synchronisations after the first one of the window.
+        """
+        if self._window_scale is None:
+            self._window_scale = loss_scale(self._grad_scaler)
+        return self._window_scale

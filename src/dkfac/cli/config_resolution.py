@@ -1,0 +1,102 @@
+"""The run configuration the user asked for: defaults < ``--config`` file < flags.
+
+A resumed run (``dkfac train --resume``) starts from its saved configuration instead, and
+only how and where it runs may change (:data:`RESUME_MAY_CHANGE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from dkfac.cli.config import ConfigError, TrainConfig, load_config_file, parse_dataset_option
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the user gave: ``--config`` file values, overridden by flags."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_config_file(args.config))
+    values.update(
+        {
+            f.name: getattr(args, f.name)
+            for f in fields(TrainConfig)
+            if f.name != "dataset_options" and getattr(args, f.name, None) is not None
+        }
+    )
+    flags = getattr(args, "dataset_options", None)
+    if flags:
+        from_file = values.get("dataset_options", {})
+        if not isinstance(from_file, dict):
+            raise ConfigError(
+                f"--config {args.config}: dataset_options must be a table of KEY = VALUE"
+            )
+        values["dataset_options"] = {**from_file, **dict(map(parse_dataset_option, flags))}
+    return values
+
+
+def resolve_config(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+    """Defaults < ``--config`` file < flags (dataset options are merged key by key)."""
+    return (base or TrainConfig()).with_overrides(_given(args))
+
+
+#: What ``--resume`` may change in a saved run: how and where it runs, not what it computes.
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "nproc",
+    "threads",
+    "data_root",
+    "log_every",
+    "checkpoint_every",
+    "stop_after_steps",
+    "collective_timeout",
+    "max_restarts",
+)
+
+
+def resumed_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
+    """The saved run's configuration (``OUT/config.toml``), with the options that may change.
+
+    Returns:
+        The configuration, and ``"NAME OLD -> NEW"`` for each option the flags changed.
+
+    Raises:
+        ConfigError: no saved configuration in ``--out``, or a flag that would change what
+            the run computes (model, data, optimizer, K-FAC, schedule...).
+    """
+    given = _given(args)
+    out = Path(str(given.pop("out", "") or os.path.join("runs", "train")))
+    saved_file = out / "config.toml"
+    if not saved_file.is_file():
+        raise ConfigError(
+            f"--resume: no saved run in {out} (no config.toml; start without --resume)"
+        )
+    saved = TrainConfig().with_overrides(load_config_file(str(saved_file)))
+    asked = saved.with_overrides(given)  # the flags' values, in the fields' types
+    differing = [name for name in given if getattr(asked, name) != getattr(saved, name)]
+    refused = [name for name in differing if name not in RESUME_MAY_CHANGE]
+    if refused:
+        changes = ", ".join(
+            f"--{name.replace('_', '-')} {getattr(asked, name)!r} (saved: {getattr(saved, name)!r})"
+            for name in refused
+        )
+        may = ", ".join("--" + name.replace("_", "-") for name in RESUME_MAY_CHANGE)
+        raise ConfigError(
+            f"--resume continues the run saved in {out}, which these flags would change: "
+            f"{changes}; only {may} may change when resuming (start a new run in another "
+            "--out to change the others)"
+        )
+    # A stop requested for the interrupted run does not carry over to its continuation.
+    overrides = {"out": str(out), "stop_after_steps": asked.stop_after_steps}
+    if "stop_after_steps" not in given:
+        overrides["stop_after_steps"] = 0
+    overrides.update({name: getattr(asked, name) for name in differing})
+    config = saved.with_overrides(overrides)
+    changed = [
+        f"{name} {getattr(saved, name)!r} -> {getattr(config, name)!r}"
+        for name in differing
+        if name != "stop_after_steps"
+    ]
+    return config, changed

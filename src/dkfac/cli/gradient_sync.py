@@ -1,0 +1,55 @@
+"""How a training step's gradients are averaged over the ranks: DDP or DeAR."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import dkfac
+from dkfac.cli.config import TrainConfig
+
+
+class GradientSync:
+    """How a step's gradients are averaged over the ranks and the optimizer applied.
+
+    ``--grad-sync ddp``: the model is wrapped in DDP (on several ranks) and ``optimizer.step()``
+    updates. ``--grad-sync dear``: :class:`dkfac.DeAR` hooks the plain model; its step launches
+    the all-gathers and the update lands in the next forward pass (or at once when K-FAC needs
+    the averaged gradients first).
+
+    Args:
+        model: the model on this rank.
+        optimizer: the optimizer over ``model``'s parameters.
+        config: the run's configuration (``grad_sync``, ``bucket_mb``).
+        world: number of ranks.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, world: int
+    ) -> None:
+        self.optimizer = optimizer
+        self.dear: dkfac.DeAR | None = None
+        self.model = model
+        if config.grad_sync == "dear":
+            self.dear = dkfac.DeAR(model, optimizer, bucket_cap_mb=config.bucket_cap_mb)
+        elif world > 1:
+            cap = config.bucket_cap_mb
+            assert isinstance(cap, float)  # "auto" is refused for DDP by TrainConfig
+            self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+
+    def before_preconditioning(self) -> None:
+        """Make ``.grad`` hold the averaged gradients (DDP: already so after backward)."""
+        if self.dear is not None:
+            self.dear.gather_gradients()
+
+    def step(self) -> None:
+        """The optimizer step of this iteration."""
+        if self.dear is not None:
+            self.dear.step()
+        else:
+            self.optimizer.step()
+
+    def close(self) -> None:
+        """Apply what is still pending and detach (DeAR); nothing to do for DDP."""
+        if self.dear is not None:
+            self.dear.remove()

@@ -1,0 +1,114 @@
+"""The ``dkfac`` argument parser: the ``train``, ``compare`` and ``bench`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from typing import NoReturn
+
+from dkfac.bench.options import add_bench_options
+from dkfac.cli.config import TrainConfig
+from dkfac.cli.exit_codes import EXIT_USAGE
+
+#: What ``dkfac --help`` says the command is.
+DESCRIPTION = "``dkfac``: train, compare and benchmark distributed K-FAC from the command line."
+#: Defaults of ``dkfac bench`` without ``--quick``.
+BENCH_MODELS = "resnet20"
+BENCH_NPROCS = "2"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE``, and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line (no usage block) and exit with code 2."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per TrainConfig field to ``parser``, and ``--dataset-option``, ``--config``.
+
+    The flags' defaults are None (not given): the configuration's defaults apply.
+    """
+    helps = {
+        "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer",
+        "dataset": "digits (bundled), synthetic, cifar10, npz, tokens",
+        "data_root": "folder of cifar10 python batches, or the .npz file",
+        "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp",
+        "grad_sync": "ddp (DistributedDataParallel), dear (dkfac.DeAR: reduce-scatter under "
+        "backward, all-gather under the next forward)",
+        "bucket_mb": "MiB per gradient bucket of DDP/DeAR, or auto (DeAR's online search)",
+        "steps_per_epoch": "cap on steps per epoch (0: the whole shard)",
+        "nproc": "local worker processes to start (ignored under torchrun/Slurm)",
+        "checkpoint_every": "also checkpoint every N steps (0: at epoch ends only)",
+        "stop_after_steps": "checkpoint and stop after N steps, as a preempted job would "
+        "(continue with --resume; 0: run to the end)",
+        "target_accuracy": "test accuracy whose first crossing `compare` reports",
+        "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
+        "run fails",
+        "max_restarts": "restart the local workers this many times when one is lost, resuming "
+        "from the last checkpoint (train only; under torchrun use its --max-restarts)",
+    }
+    for f in fields(TrainConfig):
+        if f.name == "dataset_options":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            default=None,
+            type=kind if kind in (int, float) else str,
+            help=f"{helps.get(f.name, '')} (default: {f.default!r})",
+        )
+    parser.add_argument(
+        "--dataset-option",
+        dest="dataset_options",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="an option of --dataset, repeatable; synthetic: shape=3,32,32 num_classes=10 "
+        "train_size=1024 test_size=256; tokens: vocab_size, seq_len, num_classes, "
+        "train_size, test_size, key_position; digits and npz: test_fraction; npz: num_classes",
+    )
+    parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dkfac`` argument parser (its errors are one line and exit code 2)."""
+    parser = CommandParser(prog="dkfac", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command")  # subcommands are CommandParsers too
+    train = sub.add_parser("train", help="train one configuration")
+    _add_train_options(train)
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --out"
+    )
+    compare = sub.add_parser(
+        "compare",
+        help="several strategies (default: the optimizer with and without K-FAC) on the same "
+        "data and seed",
+    )
+    _add_train_options(compare)
+    compare.add_argument(
+        "--strategies",
+        default=None,
+        metavar="LIST",
+        help="comma-separated strategies, one run each, e.g. none,dkfac,dp (none: the plain "
+        "optimizer; default: none and --strategy, or none,dkfac / none,local on one worker)",
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets and a wide MLP "
+        "(torchrun, gloo)",
+        description="Launch torchrun workers per world size, time SGD and every K-FAC "
+        "configuration (model, P, strategy, schedule), print the table and write "
+        "OUT/bench.json and the stacked bar chart OUT/bench.png.",
+    )
+    add_bench_options(bench, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+    bench.add_argument(
+        "--out",
+        default=os.path.join("runs", "bench"),
+        help="folder of bench.json and bench.png (default: runs/bench)",
+    )
+    return parser

@@ -1,0 +1,71 @@
+"""What a run records: its result, its K-FAC phase totals, and its ``metrics.jsonl`` lines."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dkfac
+
+METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class PhaseTotals:
+    """This rank's K-FAC phase seconds and communicated bytes, summed over an epoch."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    comm_bytes: int = 0
+
+    def add_step(self, pre: dkfac.KFACPreconditioner) -> None:
+        """Add the last step of ``pre`` (its timings and communication)."""
+        for phase, seconds in pre.timings().items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self.comm_bytes += sum(stats["bytes"] for stats in pre.comm_stats().values())
+
+    def record(self) -> dict[str, Any]:
+        """The ``metrics.jsonl`` fields (and the checkpointed state)."""
+        return {"kfac_seconds": dict(self.seconds), "comm_bytes": self.comm_bytes}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> PhaseTotals:
+        """Inverse of :meth:`record` (empty totals for ``None``)."""
+        if not record:
+            return cls()
+        return cls(dict(record["kfac_seconds"]), int(record["comm_bytes"]))
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (rank 0's view; evaluation aggregated over ranks)."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0
+    stopped: bool = False
+
+    @property
+    def final_accuracy(self) -> float:
+        """Test accuracy after the last epoch."""
+        return float(self.epochs[-1]["test_accuracy"]) if self.epochs else math.nan
+
+
+def append_metrics(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the metrics file ``path`` as one JSON line."""
+    with path.open("a") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics written after the checkpoint (a crashed run's tail)."""
+    if not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))

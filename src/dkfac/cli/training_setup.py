@@ -1,0 +1,213 @@
+"""What one rank trains with: its device, data shard, model, optimizer, schedule and K-FAC.
+
+:func:`build_training_setup` builds them in the same order on every rank (the model's
+initialization follows ``config.seed``), so that every rank starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import dkfac
+from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.gradient_sync import GradientSync
+from dkfac.cli.sampling import EpochSampler
+from dkfac.data.registry import DatasetSpec, load_dataset
+from dkfac.models.registry import build_model
+from dkfac.strategies import option_keywords
+
+
+def run_device(config: TrainConfig) -> torch.device:
+    """The device ``config`` trains on: the one place that decides it.
+
+    Runs train on the CPU; the process group backend follows from this device
+    (:func:`dkfac.cli.launch.backend_for`).
+    """
+    del config  # every configuration runs on the CPU for now
+    return torch.device("cpu")
+
+
+def load_run_dataset(config: TrainConfig) -> DatasetSpec:
+    """The dataset of ``config`` with its options (same data on every rank and in the parent)."""
+    return load_dataset(
+        config.dataset, root=config.data_root or None, seed=config.seed, **config.dataset_kwargs
+    )
+
+
+def shard_steps(train_size: int, world: int, batch_size: int) -> int:
+    """Full batches per epoch on each rank (the sampler and the loader both drop the rest)."""
+    return (train_size // world) // batch_size
+
+
+def check_fits(config: TrainConfig, spec: DatasetSpec, world: int) -> None:
+    """Refuse a batch size the training split cannot fill on ``world`` workers.
+
+    Raises:
+        ConfigError: not one full batch per worker and epoch.
+    """
+    size = len(spec.train)  # type: ignore[arg-type]
+    if shard_steps(size, world, config.batch_size) == 0:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is not allowed: dataset {config.dataset!r} has "
+            f"{size} training examples, too few for {world} worker(s) x batch "
+            f"{config.batch_size} (at most --batch-size {size // world})"
+        )
+
+
+def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
+    """Multiplier of the base learning rate at optimizer step ``step``."""
+    total = config.epochs * steps_per_epoch
+    warmup = config.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "cosine":
+            progress = (step - warmup) / max(1.0, total - warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        if config.schedule == "step":  # x0.1 at 50% and 75% of training
+            return 0.1 ** sum(step >= total * point for point in (0.5, 0.75))
+        return 1.0
+
+    return factor
+
+
+@dataclass
+class TrainingSetup:
+    """Everything one rank of a run trains with, built by :func:`build_training_setup`.
+
+    Attributes:
+        config: the run's configuration.
+        rank: this process's rank.
+        world: number of ranks.
+        device: the device the run trains on (:func:`run_device`).
+        spec: the run's dataset.
+        model: the model on this rank (unwrapped: what the checkpoint saves).
+        sampler: this rank's share of each epoch's order.
+        loader: the training batches of this rank.
+        steps_per_epoch: optimizer steps per epoch (the loader's length, capped by
+            ``config.steps_per_epoch``).
+        optimizer: the optimizer over ``model``'s parameters.
+        sync: how the gradients are averaged over the ranks (its ``model`` is what trains).
+        scheduler: the learning rate schedule of ``optimizer``.
+        pre: the K-FAC preconditioner (None for the plain optimizer).
+    """
+
+    config: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    spec: DatasetSpec
+    model: nn.Module
+    sampler: EpochSampler
+    loader: DataLoader[Any]
+    steps_per_epoch: int
+    optimizer: torch.optim.Optimizer
+    sync: GradientSync
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    pre: dkfac.KFACPreconditioner | None
+
+    @property
+    def wrapped(self) -> nn.Module:
+        """The model the steps run: wrapped in DDP on several ranks, else :attr:`model`."""
+        return self.sync.model
+
+    @property
+    def global_batch(self) -> int:
+        """Examples one step consumes on all ranks together."""
+        return self.config.batch_size * self.world
+
+
+def build_training_setup(config: TrainConfig, rank: int, world: int) -> TrainingSetup:
+    """Seed, load the data, and build the model, optimizer, schedule and preconditioner.
+
+    Args:
+        config: the validated configuration.
+        rank: this process's rank.
+        world: number of ranks.
+
+    Raises:
+        ConfigError: the training split cannot fill one batch per rank (:func:`check_fits`).
+    """
+    torch.manual_seed(config.seed)
+    device = run_device(config)
+    spec = load_run_dataset(config)
+    check_fits(config, spec, world)
+    model: nn.Module = build_model(config.model, spec).to(device)
+
+    sampler = EpochSampler(len(spec.train), world, rank, config.seed)  # type: ignore[arg-type]
+    # A private generator: creating the loader's iterator then never consumes the global RNG,
+    # whose state a checkpoint restores.
+    loader = DataLoader(
+        spec.train,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+    steps_per_epoch = len(loader)
+    if config.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+
+    optimizer = _build_optimizer(config, model)
+    sync = GradientSync(model, optimizer, config, world)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
+    pre = _build_preconditioner(config, sync.model, scheduler) if config.uses_kfac else None
+    return TrainingSetup(
+        config=config,
+        rank=rank,
+        world=world,
+        device=device,
+        spec=spec,
+        model=model,
+        sampler=sampler,
+        loader=loader,
+        steps_per_epoch=steps_per_epoch,
+        optimizer=optimizer,
+        sync=sync,
+        scheduler=scheduler,
+        pre=pre,
+    )
+
+
+def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, or AdamW, over ``model``'s parameters (``config.optimizer``)."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+        )
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def _build_preconditioner(
+    config: TrainConfig, wrapped: nn.Module, scheduler: torch.optim.lr_scheduler.LambdaLR
+) -> dkfac.KFACPreconditioner:
+    """The K-FAC preconditioner of ``config.strategy`` over the model that trains.
+
+    Args:
+        config: the run's configuration (a K-FAC strategy).
+        wrapped: the model the steps run (DDP-wrapped on several ranks).
+        scheduler: the learning rate schedule; the preconditioner follows its current rate.
+    """
+    return dkfac.KFACPreconditioner(
+        wrapped,
+        strategy=config.strategy,
+        inverse_method=config.inverse_method,
+        damping=config.damping,
+        factor_decay=config.factor_decay,
+        kl_clip=config.kl_clip or None,
+        lr=lambda _: float(scheduler.get_last_lr()[0]),
+        factor_update_steps=config.factor_update_steps,
+        inv_update_steps=config.inv_update_steps,
+        **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
+    )

@@ -1,0 +1,189 @@
+"""Decomposing many layers' factors at once: one host read, float64 retry, keep the last good.
+
+Strategies decide which factors a worker decomposes; this module does it for a list of them,
+never raising for numerical trouble: failures fall back to the last good decomposition and are
+counted per layer (:meth:`~dkfac.curvature.layer.LayerCurvature.health`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.inverse import (
+    FactorDecomposition,
+    combine_factors,
+    decompose_factor,
+    tikhonov_shifts,
+)
+from dkfac.curvature.layer import LayerCurvature
+
+logger = logging.getLogger(__name__)
+
+
+def _host_values(values: Sequence[Tensor]) -> list[int]:
+    """Copy many device scalars (booleans, counts) to the host, one synchronisation per device."""
+    result: list[int] = [0] * len(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, value in enumerate(values):
+        by_device.setdefault(value.device, []).append(index)
+    for indices in by_device.values():
+        read = torch.stack([values[i].reshape(()).to(torch.int64) for i in indices]).tolist()
+        for i, value in zip(indices, read, strict=True):
+            result[i] = int(value)
+    return result
+
+
+@dataclass(frozen=True)
+class FactorRequest:
+    """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift.
+
+    ``damping`` (``"inverse"`` only, when both factors of the layer are held here) lets a
+    float64 retry recompute the shift from float64 traces instead of reusing the one
+    computed in the failed dtype.
+    """
+
+    layer: LayerCurvature
+    side: str
+    shift: Tensor | None = None
+    damping: float | None = None
+
+    def in_float64(self) -> FactorRequest:
+        """This request for a float64 retry (shift recomputed when the damping is known)."""
+        if self.shift is None or self.damping is None:
+            return self
+        shift_a, shift_g = tikhonov_shifts(*self.layer.trace_means(torch.float64), self.damping)
+        return replace(self, shift=shift_a if self.side == "a" else shift_g)
+
+
+def decompose_factors(
+    requests: Sequence[FactorRequest], method: str, dtype: torch.dtype
+) -> list[FactorDecomposition | None]:
+    """Decompose the running factors of ``requests``; never raises for numerical trouble.
+
+    A factor that is not finite is not used (``None``). A decomposition that fails in
+    ``dtype`` (``torch.linalg.LinAlgError``, a failed Cholesky, a non-finite result) is retried
+    in float64; if that fails too the result is ``None``. Every other error (out of memory, a
+    CUDA error, a bug) propagates. Each kind of trouble is counted per layer
+    (:meth:`LayerCurvature.health`) and reported while it persists
+    (:meth:`LayerCurvature.report`). Every factor is decomposed before anything is read back,
+    so the finiteness of the factors, the dropped-batch counts and the success of every
+    decomposition reach the host in one synchronisation for all requests together (plus one
+    per float64 retry, on the failure path only).
+    """
+    if not requests:
+        return []
+    factors = [request.layer.factor(request.side) for request in requests]
+    assert all(factor is not None for factor in factors), "decompose_factors: missing factor"
+    dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
+    results = [_try_decompose(request, method, dtype) for request in requests]
+    attempted = {index: result for index, result in enumerate(results) if result is not None}
+    values = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
+    values += [count for count in dropped if count is not None]
+    values += [result.ok for result in attempted.values()]
+    host = _host_values(values)
+    count, reported = len(requests), sum(count is not None for count in dropped)
+    finite, dropped_host = host[:count], iter(host[count : count + reported])
+    ok = dict(zip(attempted, host[count + reported :], strict=True))
+    # Trouble is counted per factor and reported once per layer and kind for this call.
+    trouble: dict[tuple[int, str], int] = {}
+
+    def tally(layer: LayerCurvature, kind: str, times: int = 1) -> None:
+        key = (id(layer), kind)
+        trouble[key] = trouble.get(key, 0) + times
+
+    for index, (request, factor_ok, drops) in enumerate(
+        zip(requests, finite, dropped, strict=True)
+    ):
+        if drops is not None:
+            tally(request.layer, "nonfinite_batches", next(dropped_host))
+        if not factor_ok:
+            tally(request.layer, "nonfinite_factors")
+            results[index] = None
+    for index, request in enumerate(requests):
+        if not finite[index] or ok.get(index, False):
+            continue
+        retry = (
+            None
+            if dtype == torch.float64
+            else _try_decompose(request.in_float64(), method, torch.float64)
+        )
+        if retry is not None and bool(retry.ok):
+            tally(request.layer, "retried_in_float64")
+            results[index] = retry
+        else:
+            tally(request.layer, "failed_decompositions")
+            results[index] = None
+    layers = {id(request.layer): request.layer for request in requests}
+    for (key, kind), times in trouble.items():
+        if times:
+            layer = layers[key]
+            layer.report(kind, _TROUBLE_MESSAGES[kind].format(name=layer.name, dtype=dtype), times)
+    return results
+
+
+_TROUBLE_MESSAGES = {
+    "nonfinite_batches": "K-FAC layer {name!r}: a batch factor had NaN/Inf values and was not "
+    "used (the running average kept its last value)",
+    "nonfinite_factors": "K-FAC layer {name!r}: factors are not finite; keeping the last good "
+    "decomposition (or the plain gradient before the first one)",
+    "retried_in_float64": "K-FAC layer {name!r}: decomposition failed in {dtype}; recomputed "
+    "in float64",
+    "failed_decompositions": "K-FAC layer {name!r}: decomposition failed (also in float64); "
+    "keeping the last good decomposition (or the plain gradient before the first one)",
+}
+
+
+def factor_requests(
+    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+) -> list[FactorRequest]:
+    """Requests for both factors of each layer, with Tikhonov shifts for ``"inverse"``."""
+    requests = []
+    for layer in layers:
+        if method == "inverse":
+            shift_a, shift_g = tikhonov_shifts(*layer.trace_means(dtype), damping)
+            requests += [
+                FactorRequest(layer, "a", shift_a, damping),
+                FactorRequest(layer, "g", shift_g, damping),
+            ]
+        else:
+            requests += [FactorRequest(layer, "a"), FactorRequest(layer, "g")]
+    return requests
+
+
+def update_inverses(
+    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
+) -> None:
+    """Decompose the running factors of ``layers`` here (see :func:`decompose_factors`).
+
+    A layer keeps its last good decomposition (or none, so its gradient passes unchanged)
+    unless both of its factors decomposed.
+    """
+    ready = [layer for layer in layers if layer.a is not None and layer.g is not None]
+    results = decompose_factors(factor_requests(ready, damping, method, dtype), method, dtype)
+    for layer, a, g in zip(ready, results[0::2], results[1::2], strict=True):
+        if a is not None and g is not None:
+            layer.inverse = combine_factors(method, a, g)
+
+
+def _try_decompose(
+    request: FactorRequest, method: str, dtype: torch.dtype
+) -> FactorDecomposition | None:
+    factor = request.layer.factor(request.side)
+    assert factor is not None
+    try:
+        return decompose_factor(factor, request.side, method, dtype, request.shift)
+    # Only the algorithm's own failure is retried; out of memory, CUDA errors and bugs propagate.
+    except torch.linalg.LinAlgError as error:  # type: ignore[attr-defined]  # public, untyped
+        logger.debug(
+            "decomposition of %s/%s in %s failed: %s",
+            request.layer.name,
+            request.side,
+            dtype,
+            error,
+        )
+        return None

@@ -1,0 +1,105 @@
+"""Which modules of a model K-FAC preconditions, which it leaves alone and why."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dkfac.curvature.blocks import UnsupportedLayerError, make_block
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.layer_table import SkippedModule
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix)."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
+    """Per parameter (by id), the names of the modules that register it directly."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(name)
+    return holders
+
+
+def discover_layers(
+    model: nn.Module, skip_patterns: Sequence[re.Pattern[str]], factor_dtype: torch.dtype
+) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
+    """Every module of ``model`` with parameters: a (path, curvature) pair, or a skipped entry.
+
+    Args:
+        model: the unwrapped model.
+        skip_patterns: a module whose path or class name matches one is skipped.
+        factor_dtype: dtype of the layers' statistics and running factors.
+
+    Raises:
+        ValueError: a layer of a supported type cannot be handled, or no layer can be
+            preconditioned.
+    """
+    layers: list[tuple[str, LayerCurvature]] = []
+    skipped: list[SkippedModule] = []
+    holders = parameter_holders(model)
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        kind = type(module).__name__
+        if any(p.search(name) or p.search(kind) for p in skip_patterns):
+            skipped.append(SkippedModule(name, kind, "matches skip_layers"))
+            continue
+        try:
+            block = make_block(module)
+        except UnsupportedLayerError as error:
+            raise ValueError(f"layer {name!r} ({kind}): {error}") from None
+        if block is None:
+            skipped.append(SkippedModule(name, kind, "unsupported type"))
+        elif not all(p.requires_grad for p in block.parameters()):
+            skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
+        elif others := sorted({other for p in params for other in holders[id(p)] if other != name}):
+            # A tied parameter's gradient sums its uses in every holder (GPT-2's LM head and
+            # token embedding): this layer's factors describe only its own use.
+            shared = ", ".join(repr(other) for other in others)
+            skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
+        else:
+            layers.append((name, LayerCurvature(name or kind, block, factor_dtype)))
+    if not layers:
+        found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
+        raise ValueError(
+            f"model={type(model).__name__} is not allowed: it has no "
+            f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}"
+        )
+    return layers, skipped
+
+
+def check_layers_unchanged(
+    model: nn.Module, paths: Sequence[str], layers: Sequence[LayerCurvature]
+) -> None:
+    """Raise if a preconditioned layer was replaced or resized since it was discovered.
+
+    Raises:
+        RuntimeError: the module at a layer's path, its weight or the weight's shape changed.
+    """
+    for layer, path in zip(layers, paths, strict=True):
+        block = layer.block
+        try:
+            current: nn.Module | None = model.get_submodule(path)
+        except AttributeError:
+            current = None
+        if (
+            current is not block.module
+            or getattr(current, "weight", None) is not block.weight
+            or tuple(block.weight.shape) != block.weight_shape
+        ):
+            raise RuntimeError(
+                f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
+                "was replaced or resized. Build the preconditioner after the model is final "
+                "(call pre.remove() and create a new one)"
+            )

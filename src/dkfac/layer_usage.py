@@ -1,0 +1,143 @@
+"""What the layers did in a factor window: which ran forward, which only got a gradient.
+
+Some layers have a gradient but never statistics: their parent uses their weight outside their
+``forward()`` (``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj.weight``). Such a
+layer passes its gradient through. Whether a layer ran forward is agreed over the workers, so
+every worker decides alike; the checks warn once per kind of trouble.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dkfac.curvature.layer import LayerCurvature
+
+logger = logging.getLogger(__name__)
+
+#: Element-wise OR of flags over the workers (a strategy's ``any_worker``).
+AnyWorker = Callable[[Sequence[bool], torch.device], list[bool]]
+
+
+class LayerUsage:
+    """The layers' forward calls in the current factor window, and the warnings they cause.
+
+    Args:
+        layers: every preconditioned layer, in the same order on every worker.
+        accumulation_steps: the backward passes expected per window.
+    """
+
+    def __init__(self, layers: Sequence[LayerCurvature], accumulation_steps: int) -> None:
+        self._layers = list(layers)
+        self._accumulation_steps = accumulation_steps
+        # Layers whose forward hook ran in the current window (whether or not this worker
+        # captures them).
+        self._forwarded: set[str] = set()
+        # Whether any layer ran forward in training mode with gradients on since the last
+        # factor update, captured here or not (under DP-KFAC this worker's own layers may all
+        # sit out a window that other layers trained in).
+        self._trained_forward = False
+        # Layers whose forward ran on some worker at least once: never silent again, so once
+        # every layer is known, finding silent layers costs no communication.
+        self._seen_forward: set[str] = set()
+        self._silent: set[str] = set()
+        self._warned: set[str] = set()
+
+    @property
+    def silent(self) -> frozenset[str]:
+        """Layers with a gradient whose forward has run on no worker yet: passed through."""
+        return frozenset(self._silent)
+
+    def forward_ran(self, layer: LayerCurvature, *, training: bool) -> None:
+        """``layer``'s forward hook ran; ``training``: in training mode with gradients on."""
+        self._forwarded.add(layer.name)
+        self._trained_forward = self._trained_forward or training
+
+    def new_window(self) -> None:
+        """Forget the current window's forward calls (a loaded state starts a new window)."""
+        self._forwarded.clear()
+        self._trained_forward = False
+
+    def check_statistics(self, captured: Sequence[LayerCurvature]) -> None:
+        """Warn once if the window captured no statistics or not ``accumulation_steps`` passes.
+
+        Args:
+            captured: the layers whose statistics this worker collects.
+        """
+        trained, self._trained_forward = self._trained_forward, False
+        if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
+            return
+        # A layer may sit out some passes (a branch): the window had as many as any layer saw.
+        calls = [layer.backward_passes for layer in captured if layer.has_statistics]
+        if not calls and trained:  # other layers trained; this worker's own sat this one out
+            return
+        if not calls:
+            self._warn_once(
+                "no-statistics",
+                "K-FAC captured no factor statistics before this step: forward passes run in "
+                "model.eval() mode or under torch.no_grad() are ignored; factors not updated",
+            )
+            return
+        if max(calls) != self._accumulation_steps:
+            self._warn_once(
+                "accumulation",
+                f"K-FAC saw {max(calls)} backward pass(es) before step() but "
+                f"accumulation_steps={self._accumulation_steps}; statistics are pooled "
+                "over all of them",
+            )
+
+    def find_silent(
+        self, active: Sequence[LayerCurvature], any_worker: AnyWorker, device: torch.device
+    ) -> None:
+        """Mark the layers that have a gradient but whose forward ran on no worker this window.
+
+        Such a layer's weight is used by its parent outside the layer's ``forward()``, so no
+        statistics can exist for it; it passes its gradient through until a later factor
+        window sees its forward. The decision is the same on every worker: whether a layer's
+        forward ran is OR-ed over the workers (one small collective, only while some layer's
+        forward has never run anywhere), so a layer that only some ranks use in a step is
+        preconditioned everywhere. When no hook ran on any worker (no forward since the last
+        factor update), nothing is decided.
+
+        Args:
+            active: the layers that have a gradient this step.
+            any_worker: the strategy's OR over the workers.
+            device: where the agreement's tensor lives.
+        """
+        unknown = [layer for layer in self._layers if layer.name not in self._seen_forward]
+        local = [bool(self._forwarded)] + [layer.name in self._forwarded for layer in unknown]
+        self._forwarded.clear()
+        if not unknown:
+            self._silent = set()
+            return
+        ran = any_worker(local, device)
+        if not ran[0]:
+            return
+        self._seen_forward.update(
+            layer.name for layer, r in zip(unknown, ran[1:], strict=True) if r
+        )
+        self._silent = {layer.name for layer in active if layer.name not in self._seen_forward}
+        for layer in active:
+            if layer.name not in self._silent:
+                continue
+            kind = type(layer.block.module).__name__
+            pattern = f"^{re.escape(layer.name)}$"
+            self._warn_once(
+                f"silent:{layer.name}",
+                f"K-FAC layer {layer.name!r} ({kind}) has a gradient but captured no factor "
+                "statistics: its forward() did not run, so its parent uses its weight outside "
+                "its forward (e.g. nn.MultiheadAttention calls F.linear on out_proj.weight). "
+                "Its gradient passes through unpreconditioned and unclipped; add it to "
+                f"skip_layers (e.g. skip_layers=[{pattern!r}]) to say so explicitly",
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+            # Attributed to the user's pre.step() (step -> _step -> the check -> here).
+            warnings.warn(message, RuntimeWarning, stacklevel=5)

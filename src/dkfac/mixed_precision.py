@@ -1,0 +1,33 @@
+"""What a ``torch.amp.GradScaler`` means for K-FAC, through its public methods only.
+
+``G`` must be computed from unscaled output gradients, and a step whose gradients are not
+finite (the scaler skips the optimizer step) must change no factor and no decomposition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def loss_scale(grad_scaler: Any | None) -> float | None:
+    """The scaler's current loss scale (one host read), or None without an enabled scaler."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return None
+    return float(grad_scaler.get_scale())
+
+
+def gradients_finite(model: nn.Module, grad_scaler: Any | None) -> bool:
+    """Whether every gradient of ``model`` is finite (checked only with an enabled scaler).
+
+    One host read per call. Gradients are read after averaging (DDP, DeAR), so every worker
+    decides alike.
+    """
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return True
+    flags = [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
+    if not flags:
+        return True
+    return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())

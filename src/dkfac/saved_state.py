@@ -1,0 +1,56 @@
+"""The preconditioner's saved state: steps, running factors and decompositions per layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dkfac.curvature.layer import LayerCurvature
+
+STATE_VERSION = 1
+
+
+def pack_state(steps: int, inverse_method: str, layers: Sequence[LayerCurvature]) -> dict[str, Any]:
+    """Everything needed to continue bitwise identically, as ``state_dict()`` returns it."""
+    return {
+        "version": STATE_VERSION,
+        "steps": steps,
+        "inverse_method": inverse_method,
+        "layers": {layer.name: layer.state() for layer in layers},
+    }
+
+
+def restore_state(state: Any, layers: Sequence[LayerCurvature]) -> int:
+    """Load ``state`` (from :func:`pack_state`) into ``layers``; returns the saved step count.
+
+    Everything is validated before anything changes.
+
+    Raises:
+        ValueError: the state is not a dkfac state or does not match the layers.
+    """
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"state_dict is not a dkfac KFACPreconditioner state (version {STATE_VERSION} expected)"
+        )
+    saved = state["layers"]
+    names = {layer.name for layer in layers}
+    if set(saved) != names:
+        missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
+        raise ValueError(
+            f"state_dict layers do not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    for layer in layers:
+        layer.check_state(saved[layer.name])
+    for layer in layers:
+        layer.load_state(saved[layer.name])
+    return int(state["steps"])
+
+
+def needs_decomposition(layers: Sequence[LayerCurvature]) -> bool:
+    """Whether loaded layers have factors but no decomposition anywhere.
+
+    So is a state saved on another world size, where decompositions live on their owners: it
+    is decomposed at the next step, on every rank.
+    """
+    has_factors = any(layer.a is not None or layer.g is not None for layer in layers)
+    return has_factors and all(layer.inverse is None for layer in layers)

@@ -1,0 +1,115 @@
+"""How decompositions travel: one payload per layer or factor, fused per source, one flag each.
+
+A payload is the tensors of some factors' decompositions in :data:`~dkfac.curvature.inverse.
+FACTOR_LAYOUT` order (zeros on ranks that receive), then a one-value validity flag: a
+decomposition that failed on its owner arrives marked invalid, and every rank keeps its last
+good one alike. KAISA sends a layer's two factors in one payload (inside a grid row),
+SPD-KFAC and PAD-KFAC send each factor on its own (to every worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dkfac.comm.communicator import Communicator, ProcessGroup
+from dkfac.curvature.inverse import factor_tensor_shapes
+
+#: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
+FactorSides = Sequence[tuple[str, int]]
+
+
+def payload_shapes(method: str, factors: FactorSides) -> list[tuple[tuple[int, ...], bool]]:
+    """Shapes and symmetry of a payload's tensors, the validity flag last."""
+    shapes = [
+        (shape, symmetric)
+        for side, dim in factors
+        for _, shape, symmetric in factor_tensor_shapes(method, side, dim)
+    ]
+    return [*shapes, ((1,), False)]
+
+
+@dataclass
+class DecompositionPayload:
+    """The tensors one collective carries for some factors' decompositions, flag last.
+
+    Attributes:
+        names: the decomposition tensors' names (without the flag).
+        tensors: the tensors, then the flag (1: valid).
+        symmetric: per tensor, whether only its upper triangle travels.
+    """
+
+    names: list[str]
+    tensors: list[Tensor]
+    symmetric: list[bool]
+
+    @classmethod
+    def build(
+        cls,
+        method: str,
+        factors: FactorSides,
+        stored: Mapping[str, Tensor] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> DecompositionPayload:
+        """The payload of ``stored`` decomposition tensors, or zeros marked invalid if None."""
+        specs = [spec for side, dim in factors for spec in factor_tensor_shapes(method, side, dim)]
+        if stored is not None:
+            parts = [stored[name].to(dtype).contiguous() for name, _, _ in specs]
+        else:  # a receiver's buffers, or a failed decomposition
+            parts = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, _ in specs]
+        flag = torch.tensor([0.0 if stored is None else 1.0], dtype=dtype, device=device)
+        return cls(
+            names=[name for name, _, _ in specs],
+            tensors=[*parts, flag],
+            symmetric=[symmetric for _, _, symmetric in specs] + [False],
+        )
+
+    def named(self) -> dict[str, Tensor]:
+        """The decomposition tensors by name (without the flag)."""
+        return dict(zip(self.names, self.tensors[:-1], strict=True))
+
+    @property
+    def flag(self) -> Tensor:
+        """The one-value validity flag (1: valid)."""
+        return self.tensors[-1]
+
+
+def share_payloads(
+    comm: Communicator,
+    per_source: Sequence[tuple[int, Sequence[DecompositionPayload]]],
+    *,
+    group: ProcessGroup | None = None,
+    launch: bool = True,
+) -> list[bool]:
+    """Broadcast each source's payloads fused, wait, and read every validity flag once.
+
+    Args:
+        comm: the strategy's communicator.
+        per_source: ``(source rank, payloads)`` in the same order on every rank.
+        group: the process group (None: the communicator's own).
+        launch: False when the group has this rank alone (nothing to send: the payloads
+            already hold this rank's own decompositions).
+
+    Returns:
+        Per payload, in order, whether it arrived valid: one host synchronisation for all.
+    """
+    handles = []
+    if launch:
+        for source, payloads in per_source:
+            tensors = [t for payload in payloads for t in payload.tensors]
+            symmetric = [s for payload in payloads for s in payload.symmetric]
+            handles.append(
+                comm.broadcast(
+                    tensors, source, phase="inverse_comm", symmetric=symmetric, group=group
+                )
+            )
+    for handle in handles:
+        handle.wait()
+    flags = [payload.flag for _, payloads in per_source for payload in payloads]
+    if not flags:
+        return []
+    return [value > 0 for value in torch.cat(flags).tolist()]
