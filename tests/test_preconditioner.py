@@ -139,6 +139,20 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
             r"grad_worker_fraction=0\.25 is not allowed with strategy='kaisa': set it in the "
             r"options object \(KAISAOptions\(grad_worker_fraction=...\)\)",
         ),
+        (  # equal to the default, but given next to the object: which one is meant?
+            {"strategy": dkfac.strategies.KAISAOptions(0.5), "grad_worker_fraction": 1.0},
+            r"grad_worker_fraction=1\.0 is not allowed with strategy='kaisa': set it in the "
+            r"options object",
+        ),
+        (  # True == 1.0, but it is not a fraction
+            {"strategy": "dkfac", "grad_worker_fraction": True},
+            r"grad_worker_fraction=True is not allowed with strategy='dkfac': it is an option "
+            r"of strategy 'kaisa'",
+        ),
+        (
+            {"strategy": dkfac.strategies.SPDOptions(), "profile_steps": 5},
+            r"profile_steps=5 is not allowed with strategy='spd': set it in the options object",
+        ),
         (
             {"strategy": dkfac.strategies.StrategyOptions()},
             r"strategy=StrategyOptions\(\) is not allowed: expected one of 'local'",
@@ -846,3 +860,17 @@ def test_kfac_reaches_95_percent_on_digits_in_fewer_epochs_than_sgd() -> None:
     assert kfac_epoch is not None, f"K-FAC not at 95% by epoch {sgd_epoch - 1}: {kfac} vs {sgd}"
     assert kfac_epoch < sgd_epoch, (sgd, kfac)
     assert all(math.isfinite(accuracy) for accuracy in kfac)
+
+
+def test_shorthands_become_the_strategys_options_and_unset_ones_keep_its_defaults() -> None:
+    from dkfac.config import KFACConfig
+    from dkfac.strategies import KAISAOptions, LocalOptions, PADOptions, SPDOptions
+
+    assert KFACConfig(strategy="kaisa").options == KAISAOptions(grad_worker_fraction=1.0)
+    assert KFACConfig(strategy="kaisa", grad_worker_fraction=0.5).options == KAISAOptions(0.5)
+    assert KFACConfig(strategy="pad", profile_steps=0).options == PADOptions(profile_steps=0)
+    assert KFACConfig(strategy="spd").options == SPDOptions(profile_steps=5, cost_model=None)
+    # Equal to the default of an option the strategy does not have: says nothing, accepted.
+    assert KFACConfig(strategy="local", grad_worker_fraction=1.0).options == LocalOptions()
+    given = KAISAOptions(0.25)
+    assert KFACConfig(strategy=given).options is given

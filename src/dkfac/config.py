@@ -183,10 +183,10 @@ class KFACConfig:
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
-    grad_worker_fraction: float = 1.0
+    grad_worker_fraction: float | None = None
     bucket_cap_mb: float = 25.0
     comm_dtype: torch.dtype | None = None
-    profile_steps: int = 5
+    profile_steps: int | None = None
     cost_model: ClusterCostModel | CostModelCache | None = None
     check_replicas_every: int = 0
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`).

@@ -61,7 +61,8 @@ class KFACPreconditioner:
             :data:`dkfac.strategies.STRATEGIES` (``"local"`` runs everything here) or its
             options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``).
             ``grad_worker_fraction``, ``profile_steps`` and ``cost_model`` below are shorthands
-            for those options; one set for a strategy that does not read it is an error.
+            for those options (``None``: not given); one set for a strategy that does not
+            read it, or next to an options object, is an error.
         inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
             factored Tikhonov through Cholesky).
         damping: γ > 0 (finite).
@@ -85,12 +86,13 @@ class KFACPreconditioner:
         inv_dtype: dtype of the decompositions (float32 or float64). A failed decomposition is
             retried in float64.
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
-            (``strategy="kaisa"``); ``f·P`` must divide the world size ``P``.
+            (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
         bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
         comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None`` sends
             tensors in their own dtype.
         profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured factor ready
-            times re-plan the fusion buckets (alpha-beta merge rule); 0 keeps the size plan.
+            times re-plan the fusion buckets (alpha-beta merge rule, default 5); 0 keeps the
+            size plan.
         cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.comm.ClusterCostModel` to plan
             with, or a :class:`~dkfac.comm.CostModelCache` that measures on first use
             and then reuses (for several preconditioners in one job); ``None`` measures the
@@ -130,10 +132,10 @@ class KFACPreconditioner:
         grad_scaler: Any | None = None,
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
-        grad_worker_fraction: float = 1.0,
+        grad_worker_fraction: float | None = None,
         bucket_cap_mb: float = 25.0,
         comm_dtype: torch.dtype | None = None,
-        profile_steps: int = 5,
+        profile_steps: int | None = None,
         cost_model: ClusterCostModel | CostModelCache | None = None,
         check_replicas_every: int = 0,
     ) -> None:

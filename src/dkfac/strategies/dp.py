@@ -24,10 +24,9 @@ from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.decomposition import update_inverses
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
-from dkfac.strategies.local import fold_local_factors
+from dkfac.strategies.local import decompose_here, fold_here
 from dkfac.strategies.placement import longest_processing_time
 
 
@@ -92,18 +91,15 @@ class DPStrategy(DistributedStrategy):
         fold: bool = True,
     ) -> None:
         """Fold the owner's local batch factors; nothing is sent."""
-        if fold:
-            owned = [layer for layer in layers if self.owns(layer)]
-            fold_local_factors(owned, decay, loss_reduction)
-        for layer in layers:
-            layer.clear_statistics()
+        owned = [layer for layer in layers if self.owns(layer)]
+        fold_here(layers, owned, decay, loss_reduction, fold=fold)
 
     def update_inverses(
         self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
     ) -> None:
         """Decompose the owned layers here."""
-        with self.recorder.phase("inverse_compute"):
-            update_inverses([layer for layer in layers if self.owns(layer)], damping, method, dtype)
+        owned = [layer for layer in layers if self.owns(layer)]
+        decompose_here(self.recorder, owned, damping, method, dtype)
 
     def precondition(
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float

@@ -25,11 +25,11 @@ from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.decomposition import update_inverses
 from dkfac.curvature.inverse import FACTOR_SIDES, inverse_from_tensors
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
 from dkfac.strategies.decomposition_payload import DecompositionPayload, share_payloads
+from dkfac.strategies.local import decompose_here
 from dkfac.strategies.placement import longest_processing_time
 from dkfac.strategies.registry import KAISAOptions
 
@@ -122,7 +122,7 @@ class KAISAStrategy(DistributedStrategy):
 
         Each factor pools the workers that have statistics for it (``A`` where the layer's
         forward ran, ``G`` where a gradient reached its output) and is folded when some
-        worker had any, as :func:`~dkfac.strategies.local.fold_local_factors` does alone.
+        worker had any, as :func:`~dkfac.strategies.local.fold_here` does alone.
         """
         tensors, counts = [], []
         for layer in layers:
@@ -157,8 +157,7 @@ class KAISAStrategy(DistributedStrategy):
         """Owners decompose; each owner broadcasts inside its gradient-worker row."""
         rank = self.comm.rank
         mine = [layer for layer in layers if self.owner[layer.name] == rank]
-        with self.recorder.phase("inverse_compute"):
-            update_inverses(mine, damping, method, dtype)
+        decompose_here(self.recorder, mine, damping, method, dtype)
         owners = [self.owner[layer.name] for layer in layers]
         broadcasts = row_broadcasts(owners, self.grad_workers, self.my_row, self.comm.world_size)
         group = self.row_group[self.my_row]

@@ -16,14 +16,37 @@ from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
 
 
-def fold_local_factors(layers: Sequence[LayerCurvature], decay: float, loss_reduction: str) -> None:
-    """Fold the batch factors each of ``layers`` captured on this worker alone.
+def fold_here(
+    layers: Sequence[LayerCurvature],
+    folded: Sequence[LayerCurvature],
+    decay: float,
+    loss_reduction: str,
+    *,
+    fold: bool,
+) -> None:
+    """Fold the batch factors ``folded`` captured on this worker alone; clear every layer's.
 
     Each factor is folded when it has statistics: ``A`` when the layer's forward ran, ``G``
-    when a gradient reached its output (docs/math.md, "Which statistics count").
+    when a gradient reached its output (docs/math.md, "Which statistics count"). ``fold``
+    False (a step whose gradients were not finite) folds nothing and still clears.
     """
+    if fold:
+        for layer in folded:
+            layer.fold_window(loss_reduction, decay)
     for layer in layers:
-        layer.fold_window(loss_reduction, decay)
+        layer.clear_statistics()
+
+
+def decompose_here(
+    recorder: StepRecorder,
+    layers: Sequence[LayerCurvature],
+    damping: float,
+    method: str,
+    dtype: torch.dtype,
+) -> None:
+    """Decompose the factors of ``layers`` on this worker (timed as ``inverse_compute``)."""
+    with recorder.phase("inverse_compute"):
+        update_inverses(layers, damping, method, dtype)
 
 
 def precondition_here(
@@ -56,17 +79,13 @@ class LocalStrategy(Strategy):
         fold: bool = True,
     ) -> None:
         """Fold each layer's batch factors into its running averages."""
-        if fold:
-            fold_local_factors(layers, decay, loss_reduction)
-        for layer in layers:
-            layer.clear_statistics()
+        fold_here(layers, layers, decay, loss_reduction, fold=fold)
 
     def update_inverses(
         self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
     ) -> None:
         """Decompose every layer's factors here."""
-        with self.recorder.phase("inverse_compute"):
-            update_inverses(layers, damping, method, dtype)
+        decompose_here(self.recorder, layers, damping, method, dtype)
 
     def precondition(
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float

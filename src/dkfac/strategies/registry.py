@@ -214,9 +214,10 @@ def resolve_options(strategy: str | StrategyOptions, **shorthand: Any) -> Strate
     """The options object ``strategy`` means, with the flat keyword shorthands applied.
 
     ``shorthand`` holds the preconditioner's flat keywords (``grad_worker_fraction=``,
-    ``profile_steps=``, ``cost_model=``). Each is applied to the options that have it; one
-    set to something other than its default for a strategy that does not read it is an
-    error, as is any set next to an options object (say it in the object).
+    ``profile_steps=``, ``cost_model=``); ``None`` means not given. Each given one is applied
+    to the options that have it; one set to something other than its default for a strategy
+    that does not read it is an error, as is any given next to an options object (say it in
+    the object).
 
     Raises:
         ValueError: an unknown name, an option the strategy does not have, or a bad value.
@@ -236,10 +237,11 @@ def resolve_options(strategy: str | StrategyOptions, **shorthand: Any) -> Strate
     defaults = _shorthand_defaults()
     applied = {}
     for key, value in shorthand.items():
-        changed = value is not defaults[key] and value != defaults[key]
+        if value is None:  # not given
+            continue
         if key in fields and not isinstance(strategy, StrategyOptions):
             applied[key] = value
-        elif changed:
+        elif isinstance(strategy, StrategyOptions) or _differs(value, defaults[key]):
             owners = [s.name for s in STRATEGIES.values() if key in _field_names(s.options)]
             where = (
                 f"set it in the options object ({options_class.__name__}({key}=...))"
@@ -262,6 +264,13 @@ def option_keywords(strategy: str, **values: Any) -> dict[str, Any]:
     """
     fields = _field_names(STRATEGIES[strategy].options) if strategy in STRATEGIES else set()
     return {key: value for key, value in values.items() if key in fields}
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """Whether ``value`` says something other than ``default`` (``True`` is not ``1.0``)."""
+    if value is default:
+        return False
+    return bool(value != default) or isinstance(value, bool) != isinstance(default, bool)
 
 
 def _field_names(options_class: type[StrategyOptions]) -> set[str]:
