@@ -164,3 +164,31 @@ def test_a_second_preconditioner_reuses_the_cached_calibration() -> None:
     # Every rank hit and missed together and plans with the same numbers.
     assert results[0]["plans"] == results[1]["plans"]
     assert results[0]["costs"] == results[1]["costs"]
+
+
+def calibrations_per_group(rank: int, world_size: int) -> dict[str, int]:
+    import torch.distributed as dist
+
+    calls: collections.Counter[str] = collections.Counter()
+    measure = cost_model.calibrate_decomposition
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["decomposition"] += 1
+        return measure(*args, **kwargs)
+
+    alone = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
+    with mock.patch.object(cost_model, "calibrate_decomposition", counted):
+        cache = CostModelCache()
+        cache.get("eigen", torch.float32, group=alone[rank])
+        cache.get("eigen", torch.float32)  # the world agrees on other times: measured again
+        cache.get("eigen", torch.float32)
+    for group in alone:
+        dist.destroy_process_group(group)
+    return dict(calls)
+
+
+def test_decomposition_costs_agreed_in_one_group_are_not_reused_for_another() -> None:
+    # Ranks of a group plan with the group's maximum times; a rank's own sub-group measured
+    # other times, and reusing them would give ranks different plans (mismatched collectives).
+    for calls in run_workers(calibrations_per_group, 2, timeout=90):
+        assert calls == {"decomposition": 2}

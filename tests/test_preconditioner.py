@@ -874,3 +874,13 @@ def test_shorthands_become_the_strategys_options_and_unset_ones_keep_its_default
     assert KFACConfig(strategy="local", grad_worker_fraction=1.0).options == LocalOptions()
     given = KAISAOptions(0.25)
     assert KFACConfig(strategy=given).options is given
+
+
+def test_deep_copying_what_holds_the_preconditioner_keeps_one_preconditioner() -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    snapshot = copy.deepcopy({"model": model, "pre": pre})
+    assert snapshot["pre"] is pre
+    snapshot["pre"].remove()  # the same object: removing it removes the original's hooks
+    with pytest.raises(RuntimeError, match=r"step\(\) after remove\(\)"):
+        pre.step()

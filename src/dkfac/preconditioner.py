@@ -1,4 +1,4 @@
-"""The public K-FAC preconditioner: hooks, schedule, KL clipping; work delegated to a strategy."""
+"""The public K-FAC preconditioner: the schedule and the step; work delegated to a strategy."""
 
 from __future__ import annotations
 
@@ -294,6 +294,14 @@ class KFACPreconditioner:
         self._recorder.finish_step(self._steps)
         self._steps += 1
         self._capture.capturing = capture_next
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KFACPreconditioner:
+        """The same preconditioner: copying what holds it (a snapshot) copies no K-FAC state.
+
+        It holds a process group, which cannot be copied, and its hooks feed this object's
+        layers; a second object sharing them would take them away on its ``remove()``.
+        """
+        return self
 
     # -- inspection -------------------------------------------------------------------------
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:

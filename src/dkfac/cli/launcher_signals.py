@@ -14,8 +14,12 @@ from collections.abc import Iterator
 from types import FrameType
 
 
-class LauncherStopError(Exception):
-    """The launcher asked this worker to stop (SIGTERM): a peer failed, or the job was ended."""
+class LauncherStopError(BaseException):
+    """The launcher asked this worker to stop (SIGTERM): a peer failed, or the job was ended.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: an ``except Exception`` on the way (a
+    checkpoint reader falling back to the previous checkpoint) must not swallow it.
+    """
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:

@@ -296,8 +296,10 @@ class CostModelCache:
     no global cache. A calibration is reused only where it measured the same thing: the
     alpha-beta model per (ranks of the group, backend, device type), so a new group over the
     same ranks (each SPD/PAD preconditioner makes one) reuses it; the decomposition cost per
-    (method, dtype, device type). Keys never depend on the rank (``cuda:0`` and ``cuda:1`` are
-    both ``"cuda"``), so every rank hits or misses together: a miss runs collectives, and
+    (ranks of the group, method, dtype, device type), as the group's ranks agree on the
+    slowest one's times and another group's agreement may differ. Keys never depend on the
+    rank (``cuda:0`` and ``cuda:1`` are both ``"cuda"``), so every rank hits or misses
+    together: a miss runs collectives, and
     every rank must call :meth:`get` with the same arguments in the same order, like building
     the preconditioners themselves.
 
@@ -312,7 +314,9 @@ class CostModelCache:
     def __init__(self) -> None:
         self._collective: dict[tuple[tuple[int, ...], str, str], AlphaBeta] = {}
         # Per key: the fit and the largest size it measured.
-        self._decomposition: dict[tuple[str, torch.dtype, str], tuple[CubicCost, int]] = {}
+        self._decomposition: dict[
+            tuple[tuple[int, ...], str, torch.dtype, str], tuple[CubicCost, int]
+        ] = {}
 
     def get(
         self,
@@ -341,7 +345,9 @@ class CostModelCache:
         collective_key = (comm.ranks, comm.backend, target.type)
         if collective_key not in self._collective:
             self._collective[collective_key] = calibrate_alpha_beta(device=target, comm=comm)
-        decomposition_key = (method, dtype, target.type)
+        # The group is part of the key: its ranks agree on the times (their maximum), and
+        # another group's agreement may differ.
+        decomposition_key = (comm.ranks, method, dtype, target.type)
         cached = self._decomposition.get(decomposition_key)
         dims = decomposition_dims(largest_dim)
         if cached is None or cached[1] < dims[-1]:
