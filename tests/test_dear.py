@@ -183,7 +183,7 @@ def run_dear(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
         "comm": comm,
         "cap": dear.bucket_cap_mb,
         "tuning": dear.tuning,
-        "flat_bytes": [b.flat.numel() * b.flat.element_size() for b in dear._buckets],
+        "flat_bytes": [b.flat.numel() * b.flat.element_size() for b in dear._pipeline.buckets],
     }
     dear.remove()
     return result

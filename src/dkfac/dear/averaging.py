@@ -68,7 +68,7 @@ DEAR_PHASES: tuple[str, ...] = (
 )
 
 
-class DeAR(BucketPipeline):
+class DeAR:
     """Drop-in replacement of DDP + ``optimizer.step()`` that overlaps both halves of the allreduce.
 
     Example::
@@ -143,7 +143,13 @@ class DeAR(BucketPipeline):
             if process_group is None
             else Communicator(recorder, group=process_group)
         )
-        super().__init__(params, checked_optimizer, UpdateSites(model, params), comm, recorder)
+        self.optimizer = checked_optimizer
+        self._params = params
+        self._comm = comm
+        self._recorder = recorder
+        self._world = comm.world_size
+        self._sites = UpdateSites(model, params)
+        self._pipeline = BucketPipeline(params, checked_optimizer, self._sites, comm, recorder)
         self._broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._steps = 0
@@ -165,7 +171,7 @@ class DeAR(BucketPipeline):
         else:
             self.bucket_cap_mb = float(bucket_cap_mb)
         self.tuning: list[tuple[float, float]] = []
-        self._build_buckets(self.bucket_cap_mb)
+        self._pipeline.build(self.bucket_cap_mb)
         self._handles: list[RemovableHandle] = self._register_hooks()
 
     # -- construction ----------------------------------------------------------------------
@@ -199,7 +205,7 @@ class DeAR(BucketPipeline):
         self.finish()
 
     def _on_gradient(self, param: Tensor) -> None:
-        entry = self._bucket_of.get(id(param))
+        entry = self._pipeline.bucket_of(param)
         if not self._sync_enabled or entry is None:  # entry None: a deep copy's parameter
             return
         if self._backward_started is None:
@@ -220,7 +226,7 @@ class DeAR(BucketPipeline):
                 "of gradient accumulation inside `with dear.no_sync():`"
             )
         bucket.ready.add(position)
-        self._launch_complete_reduce_scatters()
+        self._pipeline.launch_complete_reduce_scatters()
 
     def _before_model_forward(self, module: nn.Module, args: Any) -> None:
         if module is not self.module:  # a deep copy of the model
@@ -247,7 +253,7 @@ class DeAR(BucketPipeline):
 
     def _before_module_forward(self, module: nn.Module, *_: Any) -> None:
         self._sites.saw_forward(module)
-        self._apply_updates_due_before(module)
+        self._pipeline.apply_updates_due_before(module)
 
     # -- public ----------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> DeAR:
@@ -278,11 +284,11 @@ class DeAR(BucketPipeline):
         if self._gathered:
             return
         if self._sites.learning:
-            self._learn_sites()
-        self._launch_remaining_reduce_scatters()
-        self._launch_all_gathers()
-        for bucket in self._buckets:
-            self._install_gradients(bucket)
+            self._pipeline.learn_sites()
+        self._pipeline.launch_remaining_reduce_scatters()
+        self._pipeline.launch_all_gathers()
+        for bucket in self._pipeline.buckets:
+            self._pipeline.install_gradients(bucket)
         self._gathered = True
 
     def step(self) -> None:
@@ -298,10 +304,10 @@ class DeAR(BucketPipeline):
             self._backward_started = None
         deferred = not self._gathered
         if self._sites.learning:
-            self._learn_sites()
+            self._pipeline.learn_sites()
         if deferred:  # may apply last step's late updates, with last step's hyperparameters
-            self._launch_remaining_reduce_scatters()
-        self._remember_hyperparameters()
+            self._pipeline.launch_remaining_reduce_scatters()
+        self._pipeline.remember_hyperparameters()
         # Before the all-gathers: on a backend that runs a group's collectives in order
         # (NCCL), the next forward must not wait behind every all-gather for the buffers.
         buffers = list(self.module.buffers()) if self._broadcast_buffers else []
@@ -309,13 +315,13 @@ class DeAR(BucketPipeline):
             self._receive_buffers()  # normally done by the forward pass before this step
             self._buffer_sync = self._broadcast_by_dtype(buffers)
         if deferred:
-            self._launch_all_gathers()
+            self._pipeline.launch_all_gathers()
         else:
-            self._optimizer_step()
+            self._pipeline.optimizer_step()
         self._gathered = False
         for param in self._params:
             param.grad = None
-        self._reset_buckets(pending=deferred)
+        self._pipeline.reset(pending=deferred)
         if self._steps == 0:
             self.finish()
         self._tune(now)
@@ -332,9 +338,7 @@ class DeAR(BucketPipeline):
 
     def finish(self) -> None:
         """Apply every pending update now (before evaluation, saving, or the end of training)."""
-        for bucket in self._buckets:
-            if bucket.pending:
-                self._apply(bucket)
+        self._pipeline.apply_pending()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -352,7 +356,7 @@ class DeAR(BucketPipeline):
             return
         search = self._search
         if search.measured_all:
-            device = self._buckets[0].flat.device  # NCCL reduces device tensors only
+            device = self._pipeline.buckets[0].flat.device  # NCCL reduces device tensors only
             medians = torch.tensor(search.medians, dtype=torch.float64, device=device)
             self._comm.allreduce([medians], phase="tuning", maximum=True).wait()
             self.tuning = list(zip(search.candidates, medians.tolist(), strict=True))
@@ -368,7 +372,7 @@ class DeAR(BucketPipeline):
         if chosen != self.bucket_cap_mb:
             self.finish()
             self.bucket_cap_mb = chosen
-            self._build_buckets(self.bucket_cap_mb)
+            self._pipeline.build(self.bucket_cap_mb)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""

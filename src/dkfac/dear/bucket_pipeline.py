@@ -4,7 +4,7 @@ Bucket state and shard bookkeeping: which bucket holds each parameter's gradient
 bucket's reduce-scatter goes next (strictly last bucket to first), the all-gathers, the
 averaged gradients installed as ``.grad`` views, and each bucket's deferred optimizer update,
 applied exactly once with the hyperparameters of the step that produced its gradients.
-:class:`~dkfac.dear.averaging.DeAR` drives it from its hooks and its ``step``.
+:class:`~dkfac.dear.averaging.DeAR` holds one and drives it from its hooks and its ``step``.
 """
 
 from __future__ import annotations
@@ -54,8 +54,23 @@ class BucketPipeline:
         self._apply_at: dict[int, list[GradientBucket]] = {}
         self._next_launch = -1
 
+    @property
+    def buckets(self) -> list[GradientBucket]:
+        """The buckets of the current layout, first (earliest parameters) to last."""
+        return self._buckets
+
+    def bucket_of(self, param: Tensor) -> tuple[GradientBucket, int] | None:
+        """``param``'s bucket and position in it, or None for a parameter not averaged here."""
+        return self._bucket_of.get(id(param))
+
+    def apply_pending(self) -> None:
+        """Apply every bucket's pending update now."""
+        for bucket in self._buckets:
+            if bucket.pending:
+                self.apply(bucket)
+
     # -- bucket state ----------------------------------------------------------------------
-    def _build_buckets(self, cap_mb: float) -> None:
+    def build(self, cap_mb: float) -> None:
         """Buckets of at most ``cap_mb`` MiB, none launched, last bucket next."""
         self._buckets = build_gradient_buckets(self._params, cap_mb, self._world)
         self._bucket_of = {
@@ -76,12 +91,12 @@ class BucketPipeline:
                 if bucket not in buckets:
                     buckets.append(bucket)
 
-    def _learn_sites(self) -> None:
+    def learn_sites(self) -> None:
         """Add the sites of parameters used outside their module (see :class:`UpdateSites`)."""
         if self._sites.learn():
             self._index_sites()
 
-    def _reset_buckets(self, *, pending: bool) -> None:
+    def reset(self, *, pending: bool) -> None:
         """Ready for the next backward pass; ``pending``: an update awaits every bucket."""
         for bucket in self._buckets:
             bucket.ready.clear()
@@ -93,7 +108,7 @@ class BucketPipeline:
     def _launch_reduce_scatter(self, bucket: GradientBucket) -> None:
         """Pack this rank's gradients and used flags (1/P each) and start the reduce-scatter."""
         if bucket.pending:  # last step's update was never needed by a forward: apply it now
-            self._apply(bucket)
+            self.apply(bucket)
         with torch.no_grad():
             bucket.flat.zero_()
             for position, param in enumerate(bucket.params):
@@ -109,7 +124,7 @@ class BucketPipeline:
         bucket.reduce_started = self._recorder.now()
         self._next_launch = bucket.index - 1
 
-    def _launch_complete_reduce_scatters(self) -> None:
+    def launch_complete_reduce_scatters(self) -> None:
         """Start the next buckets whose gradients are all ready, last bucket first."""
         while self._next_launch >= 0:
             candidate = self._buckets[self._next_launch]
@@ -117,12 +132,12 @@ class BucketPipeline:
                 break
             self._launch_reduce_scatter(candidate)
 
-    def _launch_remaining_reduce_scatters(self) -> None:
+    def launch_remaining_reduce_scatters(self) -> None:
         """Buckets not complete in backward (unused parameters) go now, last bucket first."""
         while self._next_launch >= 0:
             self._launch_reduce_scatter(self._buckets[self._next_launch])
 
-    def _launch_all_gathers(self) -> None:
+    def launch_all_gathers(self) -> None:
         """Wait for each reduce-scatter and start its all-gather, first bucket first."""
         for bucket in self._buckets:
             assert bucket.reduce is not None
@@ -146,7 +161,7 @@ class BucketPipeline:
         self._recorder.span("all_gather in flight", bucket.gather_started, self._recorder.now())
         bucket.gather = None
 
-    def _install_gradients(self, bucket: GradientBucket) -> list[nn.Parameter]:
+    def install_gradients(self, bucket: GradientBucket) -> list[nn.Parameter]:
         """Averaged gradients into ``.grad`` (views of ``flat``); the parameters some rank used."""
         self._wait_gather(bucket)
         used = bucket.flags.gt(0).tolist()
@@ -158,13 +173,13 @@ class BucketPipeline:
         return installed
 
     # -- deferred updates ------------------------------------------------------------------
-    def _apply_updates_due_before(self, module: nn.Module) -> None:
+    def apply_updates_due_before(self, module: nn.Module) -> None:
         """Apply the pending updates of the buckets ``module``'s forward must see up to date."""
         for bucket in self._apply_at.get(id(module), ()):
             if bucket.pending:
-                self._apply(bucket)
+                self.apply(bucket)
 
-    def _apply(self, bucket: GradientBucket) -> None:
+    def apply(self, bucket: GradientBucket) -> None:
         """The deferred optimizer update of ``bucket``'s parameters, exactly once.
 
         The optimizer steps every parameter that has a ``.grad``, so gradients of other
@@ -177,14 +192,14 @@ class BucketPipeline:
             param.grad = None
         # Optimizer state created under an evaluation's inference_mode would be unusable later.
         with torch.inference_mode(False):
-            self._install_gradients(bucket)
-            self._optimizer_step()
+            self.install_gradients(bucket)
+            self.optimizer_step()
         for param in bucket.params:
             param.grad = None
         for param, grad in aside:
             param.grad = grad
 
-    def _remember_hyperparameters(self) -> None:
+    def remember_hyperparameters(self) -> None:
         """Keep the optimizer's hyperparameters now, for the deferred updates of this step."""
         # Values, not references: schedulers change a tensor lr in place.
         self._hyperparameters = [
@@ -192,7 +207,7 @@ class BucketPipeline:
             for g in self.optimizer.param_groups
         ]
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         """``optimizer.step()`` with the hyperparameters of the step that produced the grads.
 
         Only parameters whose ``.grad`` is set are touched: every other ``.grad`` is ``None``.
