@@ -84,6 +84,11 @@ def check_layers_unchanged(
 ) -> None:
     """Raise if a preconditioned layer was replaced or resized since it was discovered.
 
+    Args:
+        model: the unwrapped model.
+        paths: each layer's module path, as discovered.
+        layers: the preconditioned layers.
+
     Raises:
         RuntimeError: the module at a layer's path, its weight or the weight's shape changed.
     """

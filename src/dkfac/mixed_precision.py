@@ -13,7 +13,11 @@ from torch import nn
 
 
 def loss_scale(grad_scaler: Any | None) -> float | None:
-    """The scaler's current loss scale (one host read), or None without an enabled scaler."""
+    """The scaler's current loss scale (one host read), or None without an enabled scaler.
+
+    Args:
+        grad_scaler: a ``torch.amp.GradScaler`` or None.
+    """
     if grad_scaler is None or not grad_scaler.is_enabled():
         return None
     return float(grad_scaler.get_scale())
@@ -24,6 +28,10 @@ def gradients_finite(model: nn.Module, grad_scaler: Any | None) -> bool:
 
     One host read per call. Gradients are read after averaging (DDP, DeAR), so every worker
     decides alike.
+
+    Args:
+        model: the model whose ``.grad`` tensors are checked.
+        grad_scaler: a ``torch.amp.GradScaler`` or None (then nothing is checked).
     """
     if grad_scaler is None or not grad_scaler.is_enabled():
         return True

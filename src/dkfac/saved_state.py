@@ -11,7 +11,13 @@ STATE_VERSION = 1
 
 
 def pack_state(steps: int, inverse_method: str, layers: Sequence[LayerCurvature]) -> dict[str, Any]:
-    """Everything needed to continue bitwise identically, as ``state_dict()`` returns it."""
+    """Everything needed to continue bitwise identically, as ``state_dict()`` returns it.
+
+    Args:
+        steps: completed ``step()`` calls.
+        inverse_method: ``"eigen"`` or ``"inverse"``.
+        layers: the preconditioned layers (running factors and decompositions).
+    """
     return {
         "version": STATE_VERSION,
         "steps": steps,
@@ -51,6 +57,9 @@ def needs_decomposition(layers: Sequence[LayerCurvature]) -> bool:
 
     So is a state saved on another world size, where decompositions live on their owners: it
     is decomposed at the next step, on every rank.
+
+    Args:
+        layers: the layers after loading.
     """
     has_factors = any(layer.a is not None or layer.g is not None for layer in layers)
     return has_factors and all(layer.inverse is None for layer in layers)

@@ -8,8 +8,10 @@ full run or of ``--quick`` and turns the parsed flags into a validated :class:`B
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from dkfac.bench.configs import (
@@ -28,22 +30,26 @@ from dkfac.cli.config import ConfigError
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 
 #: Defaults of a full run and of ``--quick`` (models and world sizes come from the front end).
-FULL_DEFAULTS: dict[str, Any] = {
-    "rounds": 2,
-    "warmup": 3,
-    "iters": 10,
-    "iters_long": 100,
-    "timeout": 3600.0,
-}
-QUICK_DEFAULTS: dict[str, Any] = {
-    "nprocs": "2",
-    "models": "resnet20",
-    "rounds": 1,
-    "warmup": 2,
-    "iters": 3,
-    "iters_long": 10,
-    "timeout": 300.0,
-}
+FULL_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "rounds": 2,
+        "warmup": 3,
+        "iters": 10,
+        "iters_long": 100,
+        "timeout": 3600.0,
+    }
+)
+QUICK_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "nprocs": "2",
+        "models": "resnet20",
+        "rounds": 1,
+        "warmup": 2,
+        "iters": 3,
+        "iters_long": 10,
+        "timeout": 300.0,
+    }
+)
 
 
 @dataclass(frozen=True)

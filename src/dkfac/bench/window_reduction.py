@@ -9,13 +9,16 @@ K-FAC configuration's overhead taken against the SGD window of the same round.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from dkfac.bench.configs import PHASES, SGD, Configuration, count_schedule_hits
 
 #: ``comm_stats()`` phase prefix -> name of the byte split.
-BYTE_SPLIT = {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
+BYTE_SPLIT: Mapping[str, str] = MappingProxyType(
+    {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
+)
 
 
 def split_bytes(bytes_per_step: dict[str, float]) -> dict[str, float]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -19,7 +20,9 @@ from torch import Tensor
 from dkfac.comm.recorder import StepRecorder
 
 #: Bytes one rank sends per payload byte in a bandwidth-optimal algorithm, times P/(P-1).
-_WIRE_FACTOR = {"allreduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "reduce_scatter": 1}
+_WIRE_FACTOR: Mapping[str, int] = MappingProxyType(
+    {"allreduce": 2, "reduce": 1, "broadcast": 1, "all_gather": 1, "reduce_scatter": 1}
+)
 
 
 def wire_bytes(op: str, nbytes: int, ranks: int) -> int:

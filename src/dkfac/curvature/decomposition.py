@@ -8,8 +8,9 @@ counted per layer (:meth:`~dkfac.curvature.layer.LayerCurvature.health`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -126,16 +127,18 @@ def decompose_factors(
     return results
 
 
-_TROUBLE_MESSAGES = {
-    "nonfinite_batches": "K-FAC layer {name!r}: a batch factor had NaN/Inf values and was not "
-    "used (the running average kept its last value)",
-    "nonfinite_factors": "K-FAC layer {name!r}: factors are not finite; keeping the last good "
-    "decomposition (or the plain gradient before the first one)",
-    "retried_in_float64": "K-FAC layer {name!r}: decomposition failed in {dtype}; recomputed "
-    "in float64",
-    "failed_decompositions": "K-FAC layer {name!r}: decomposition failed (also in float64); "
-    "keeping the last good decomposition (or the plain gradient before the first one)",
-}
+_TROUBLE_MESSAGES: Mapping[str, str] = MappingProxyType(
+    {
+        "nonfinite_batches": "K-FAC layer {name!r}: a batch factor had NaN/Inf values and was not "
+        "used (the running average kept its last value)",
+        "nonfinite_factors": "K-FAC layer {name!r}: factors are not finite; keeping the last good "
+        "decomposition (or the plain gradient before the first one)",
+        "retried_in_float64": "K-FAC layer {name!r}: decomposition failed in {dtype}; recomputed "
+        "in float64",
+        "failed_decompositions": "K-FAC layer {name!r}: decomposition failed (also in float64); "
+        "keeping the last good decomposition (or the plain gradient before the first one)",
+    }
+)
 
 
 def factor_requests(

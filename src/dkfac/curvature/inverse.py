@@ -51,6 +51,11 @@ def factor_tensor_shapes(
 
     The first tensor of a layout is a ``d × d`` matrix (eigenvectors, or the damped inverse);
     the others are ``d``-vectors (eigenvalues).
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        side: ``"a"`` or ``"g"``.
+        dim: the factor's side length ``d``.
     """
     return [
         (name, (dim, dim) if position == 0 else (dim,), symmetric)

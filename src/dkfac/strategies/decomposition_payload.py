@@ -19,11 +19,16 @@ from dkfac.comm.communicator import Communicator, ProcessGroup
 from dkfac.curvature.inverse import factor_tensor_shapes
 
 #: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
-FactorSides = Sequence[tuple[str, int]]
+FactorDims = Sequence[tuple[str, int]]
 
 
-def payload_shapes(method: str, factors: FactorSides) -> list[tuple[tuple[int, ...], bool]]:
-    """Shapes and symmetry of a payload's tensors, the validity flag last."""
+def payload_shapes(method: str, factors: FactorDims) -> list[tuple[tuple[int, ...], bool]]:
+    """Shapes and symmetry of a payload's tensors, the validity flag last.
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        factors: the factors the payload carries, ``(side, dim)`` each, in order.
+    """
     shapes = [
         (shape, symmetric)
         for side, dim in factors
@@ -50,12 +55,21 @@ class DecompositionPayload:
     def build(
         cls,
         method: str,
-        factors: FactorSides,
+        factors: FactorDims,
         stored: Mapping[str, Tensor] | None,
         dtype: torch.dtype,
         device: torch.device,
     ) -> DecompositionPayload:
-        """The payload of ``stored`` decomposition tensors, or zeros marked invalid if None."""
+        """The payload of ``stored`` decomposition tensors, or zeros marked invalid if None.
+
+        Args:
+            method: ``"eigen"`` or ``"inverse"``.
+            factors: the factors it carries, ``(side, dim)`` each, in order.
+            stored: the decomposition tensors by name (a sender's), or None (a receiver's
+                buffers, or a failed decomposition: sent as invalid).
+            dtype: transport dtype of the decompositions.
+            device: where the buffers live.
+        """
         specs = [spec for side, dim in factors for spec in factor_tensor_shapes(method, side, dim)]
         if stored is not None:
             parts = [stored[name].to(dtype).contiguous() for name, _, _ in specs]
@@ -84,8 +98,8 @@ def share_payloads(
     *,
     group: ProcessGroup | None = None,
     launch: bool = True,
-) -> list[bool]:
-    """Broadcast each source's payloads fused, wait, and read every validity flag once.
+) -> None:
+    """Broadcast each source's payloads fused (one collective per source), and wait.
 
     Args:
         comm: the strategy's communicator.
@@ -93,9 +107,6 @@ def share_payloads(
         group: the process group (None: the communicator's own).
         launch: False when the group has this rank alone (nothing to send: the payloads
             already hold this rank's own decompositions).
-
-    Returns:
-        Per payload, in order, whether it arrived valid: one host synchronisation for all.
     """
     handles = []
     if launch:
@@ -109,7 +120,10 @@ def share_payloads(
             )
     for handle in handles:
         handle.wait()
-    flags = [payload.flag for _, payloads in per_source for payload in payloads]
-    if not flags:
+
+
+def valid_flags(payloads: Sequence[DecompositionPayload]) -> list[bool]:
+    """Per payload, whether it arrived valid: one host synchronisation for all of them."""
+    if not payloads:
         return []
-    return [value > 0 for value in torch.cat(flags).tolist()]
+    return [value > 0 for value in torch.cat([payload.flag for payload in payloads]).tolist()]

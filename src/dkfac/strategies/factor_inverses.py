@@ -23,7 +23,11 @@ from dkfac.curvature.inverse import (
     trace_mean,
 )
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.strategies.decomposition_payload import DecompositionPayload, share_payloads
+from dkfac.strategies.decomposition_payload import (
+    DecompositionPayload,
+    share_payloads,
+    valid_flags,
+)
 
 #: Owner value of a factor decomposed by every worker (nothing broadcast).
 EVERY_WORKER = -1
@@ -129,7 +133,8 @@ def update_factor_inverses(
             for i, side in received
         }
         per_source = [(source, [payloads[key] for key in owned]) for source, owned in sources]
-        valid = share_payloads(comm, per_source)
+        share_payloads(comm, per_source)
+    valid = valid_flags([payloads[key] for key in received])
     for key, ok in zip(received, valid, strict=True):
         payload = payloads[key]
         parts[key] = FactorDecomposition(payload.named(), payload.flag > 0) if ok else None

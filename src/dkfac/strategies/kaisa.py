@@ -28,7 +28,11 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import FACTOR_SIDES, inverse_from_tensors
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
-from dkfac.strategies.decomposition_payload import DecompositionPayload, share_payloads
+from dkfac.strategies.decomposition_payload import (
+    DecompositionPayload,
+    share_payloads,
+    valid_flags,
+)
 from dkfac.strategies.local import decompose_here
 from dkfac.strategies.placement import longest_processing_time
 from dkfac.strategies.registry import KAISAOptions
@@ -167,7 +171,8 @@ class KAISAStrategy(DistributedStrategy):
                 i: _layer_payload(layers[i], method, dtype, owners[i] == rank) for i in received
             }
             per_source = [(owner, [payloads[i] for i in indices]) for owner, indices in broadcasts]
-            valid = share_payloads(self.comm, per_source, group=group, launch=group is not None)
+            share_payloads(self.comm, per_source, group=group, launch=group is not None)
+        valid = valid_flags([payloads[i] for i in received])
         for i, ok in zip(received, valid, strict=True):
             layers[i].inverse = inverse_from_tensors(method, payloads[i].named()) if ok else None
 

@@ -56,11 +56,6 @@ def ready_order_of(dims: Sequence[tuple[int, int]]) -> list[FactorSlot]:
     return slots
 
 
-def ready_order(layers: Sequence[LayerCurvature]) -> list[FactorSlot]:
-    """A of every layer in forward (registration) order, then G in reverse order."""
-    return ready_order_of([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
-
-
 @dataclass(frozen=True)
 class ReceivedFactor:
     """A factor after communication: the summed statistic (valid where it was delivered)."""
