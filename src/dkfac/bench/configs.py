@@ -184,6 +184,11 @@ def configurations(
     return configs
 
 
+def comma_separated(value: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated command-line value."""
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
 def count_schedule_hits(period: int, start: int, iters: int) -> int:
     """Number of K-FAC steps ``k`` in ``[start, start + iters)`` with ``k % period == 0``."""
     return sum(1 for k in range(start, start + iters) if k % period == 0)

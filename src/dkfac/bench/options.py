@@ -23,6 +23,7 @@ from dkfac.bench.configs import (
     NUM_CLASSES,
     SCHEDULES,
     STRATEGIES,
+    comma_separated,
 )
 from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL, dry_run_models
 from dkfac.bench.report import MB
@@ -232,13 +233,15 @@ def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: s
     )
 
 
-def _csv(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
+def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
+    """``"f:i,f:i"`` as distinct ``(factor_steps, inverse_steps)`` pairs, checked.
 
-
-def _parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
+    Raises:
+        ConfigError: an item is not two integers >= 1 with ``i`` a multiple of ``f``, or
+            there is none.
+    """
     schedules: list[tuple[int, int]] = []
-    for item in _csv(value):
+    for item in comma_separated(value):
         try:
             f, i = (int(part) for part in item.split(":"))
         except ValueError:
@@ -307,12 +310,12 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         name: default if getattr(args, name) is None else getattr(args, name)
         for name, default in defaults.items()
     }
-    model_names = _csv(values["models"])
+    model_names = comma_separated(values["models"])
     unknown = [m for m in model_names if m not in MODELS]
     if unknown or not model_names:
         raise ConfigError(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     try:
-        world_sizes = [int(p) for p in _csv(values["nprocs"])]
+        world_sizes = [int(p) for p in comma_separated(values["nprocs"])]
     except ValueError:
         raise ConfigError(
             f"--nprocs must be comma-separated integers, got {values['nprocs']!r}"
@@ -321,7 +324,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         raise ConfigError("--nprocs needs at least one world size >= 1")
     if layers is not None and min(world_sizes) < 2:
         raise ConfigError("--nprocs: a dry run (--layers) needs world sizes of at least 2")
-    strategies = _csv(args.strategies)
+    strategies = comma_separated(args.strategies)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise ConfigError(
@@ -346,7 +349,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         iters_long=values["iters_long"],
         timeout=float(values["timeout"]),
         strategies=tuple(s for s in STRATEGIES if s in strategies),
-        schedules=_parse_schedules(args.schedules),
+        schedules=parse_schedules(args.schedules),
         batch_size=args.batch_size,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,

@@ -46,9 +46,11 @@ from dkfac.bench.configs import (
     NUM_CLASSES,
     SCHEDULES,
     STRATEGIES,
+    comma_separated,
     configurations,
     environment,
 )
+from dkfac.bench.options import parse_schedules
 from dkfac.bench.timed_window import time_window
 from dkfac.bench.window_reduction import reduce_window, summarize
 from dkfac.comm import destroy_process_groups
@@ -129,26 +131,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def _csv(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
-def _schedules(value: str) -> list[tuple[int, int]]:
-    pairs = []
-    for item in _csv(value):
-        f, i = item.split(":")
-        pairs.append((int(f), int(i)))
-    return pairs
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The worker's options; the launcher passes every one of them, already validated."""
     parser = argparse.ArgumentParser(prog="python -m dkfac.bench.worker")
     parser.add_argument("--out", type=Path, required=True, help="report JSON (rank 0)")
-    parser.add_argument("--models", type=_csv, required=True)
-    parser.add_argument("--strategies", type=_csv, default=list(STRATEGIES))
+    parser.add_argument("--models", type=comma_separated, required=True)
+    parser.add_argument("--strategies", type=comma_separated, default=list(STRATEGIES))
     parser.add_argument(
-        "--schedules", type=_schedules, default=list(SCHEDULES), help="f:i pairs, e.g. 1:1,10:100"
+        "--schedules", type=parse_schedules, default=SCHEDULES, help="f:i pairs, e.g. 1:1,10:100"
     )
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
