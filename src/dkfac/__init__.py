@@ -12,8 +12,9 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerHealth
 from dkfac.dear.averaging import DeAR
+from dkfac.health import Health
 from dkfac.layer_table import SkippedModule
-from dkfac.preconditioner import Health, KFACPreconditioner
+from dkfac.preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +15,8 @@ from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.curvature.layer import LayerCurvature, LayerHealth
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.health import Health
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
 from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
@@ -25,20 +25,6 @@ from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import StrategyOptions, make_strategy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Health:
-    """What went wrong numerically, as :meth:`KFACPreconditioner.health` reports it.
-
-    Attributes:
-        skipped_steps: factor-update steps whose gradients were not finite (a GradScaler
-            skipped them): no factor or decomposition was changed.
-        layers: per preconditioned layer, the counts of :class:`LayerHealth` on this worker.
-    """
-
-    skipped_steps: int
-    layers: dict[str, LayerHealth]
 
 
 class KFACPreconditioner:
