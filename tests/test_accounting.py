@@ -18,7 +18,6 @@ from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
 from dkfac.strategies import dp
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
-from dkfac.strategies.factor_inverses import EVERY_WORKER
 from dkfac.strategies.layer_shapes import (
     LayerShape,
     conv2d_shape,
@@ -28,6 +27,7 @@ from dkfac.strategies.layer_shapes import (
 )
 from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.pipeline import ready_order_of
+from dkfac.strategies.plan import EVERY_WORKER
 from dkfac.strategies.spd import SPDStrategy
 from test_benchmarks_smoke import _load_strategies
 from test_distributed import configurations, entry, expected_bytes, tri, uneven_model

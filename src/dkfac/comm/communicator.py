@@ -22,7 +22,7 @@ DeAR that launch collectives from autograd hooks), released by :meth:`Communicat
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,13 @@ from torch import Tensor
 
 from dkfac.comm.groups import default_group_timeout
 from dkfac.comm.recorder import StepRecorder
-from dkfac.comm.wire import FusionBucket, group_by_source, plan_fusion, record_collective
+from dkfac.comm.wire import (
+    FusedPayload,
+    FusionBucket,
+    group_by_source,
+    plan_fusion,
+    record_collective,
+)
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
 
@@ -69,6 +75,10 @@ class Communicator:
         group: the process group of all participants (default: the world). A group passed
             here belongs to the caller: :meth:`close` leaves it alone.
     """
+
+    #: Whether collectives run; :class:`~dkfac.comm.recording.RecordingCommunicator` only
+    #: counts them.
+    sends: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -164,45 +174,37 @@ class Communicator:
 
         ``torch.distributed.new_group`` must be called by all ranks for every group in the
         same order; callers pass the same ``layouts`` on every rank. Single-rank lists get no
-        group (``None``): there is nothing to communicate.
+        group (``None``): there is nothing to communicate. The communicator's own ranks get its
+        own group (the world's when it has none), not a new one.
         """
         groups: dict[tuple[int, ...], Any] = {}
         for ranks in layouts:
             key = tuple(ranks)
-            if len(key) == self.world_size and self.group is None:
-                groups[key] = None if len(key) == 1 else dist.group.WORLD
-            elif len(key) > 1:
+            if len(key) <= 1:
+                groups[key] = None
+            elif key == self.ranks:
+                groups[key] = self.group if self.group is not None else dist.group.WORLD
+            else:
                 groups[key] = dist.new_group(list(key), timeout=default_group_timeout())
                 if self.rank in key:  # elsewhere torch returns a non-member placeholder
                     self._subgroups.append(groups[key])
-            else:
-                groups[key] = None
         return groups
 
     # -- buckets ---------------------------------------------------------------------------
-    def buckets(
-        self,
-        tensors: Sequence[Tensor],
-        symmetric: Sequence[bool] | None = None,
-        *,
-        exact: bool = False,
-    ) -> list[FusionBucket]:
-        """Split ``tensors`` in order into buckets of at most ``bucket_cap_mb`` each.
+    def fusion_plan(
+        self, tensors: Sequence[Tensor], symmetric: Sequence[bool], *, exact: bool = False
+    ) -> list[FusedPayload]:
+        """How ``tensors`` are fused: at most ``bucket_cap_mb`` per collective, in order.
 
         Buckets travel in ``comm_dtype`` unless ``exact``, then in their tensors' own dtype.
         """
-        flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
-        plan = plan_fusion(
+        return plan_fusion(
             [tuple(t.shape) for t in tensors],
             [t.dtype for t in tensors],
-            flags,
+            list(symmetric),
             self.bucket_cap_bytes,
             None if exact else self.comm_dtype,
         )
-        return [
-            FusionBucket(list(tensors[p.start : p.end]), flags[p.start : p.end], p.dtype)
-            for p in plan
-        ]
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(
@@ -221,7 +223,7 @@ class Communicator:
         ``exact`` sends the tensors in their own dtype whatever ``comm_dtype`` says: for
         values that must not be rounded (float64 row/example counts, times all ranks agree on).
         """
-        size = dist.get_world_size(group) if group is not None else self.world_size
+        size = self.group_size(group)
         scale = 1.0 / size if average else None
         op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
         return self._launch(
@@ -246,7 +248,7 @@ class Communicator:
         group: ProcessGroup | None = None,
     ) -> CollectiveHandle:
         """Sum (or average) ``tensors`` onto global rank ``dst`` only (others: unchanged)."""
-        size = dist.get_world_size(group) if group is not None else self.world_size
+        size = self.group_size(group)
         scale = 1.0 / size if average else None
         handle = self._launch(
             "reduce",
@@ -347,9 +349,12 @@ class Communicator:
         work = scatter(chunk, flat, group=target, async_op=True)
         return CollectiveHandle([(work, lambda: None)])
 
+    def group_size(self, group: ProcessGroup | None) -> int:
+        """Number of ranks in ``group`` (``None``: the communicator's own group)."""
+        return dist.get_world_size(group) if group is not None else self.world_size
+
     def _count(self, phase: str, op: str, nbytes: int, group: ProcessGroup | None) -> None:
-        ranks = dist.get_world_size(group) if group is not None else self.world_size
-        record_collective(self.recorder, phase, op, nbytes, ranks)
+        record_collective(self.recorder, phase, op, nbytes, self.group_size(group))
 
     def _launch(
         self,
@@ -363,12 +368,18 @@ class Communicator:
         group: ProcessGroup | None = None,
         exact: bool = False,
     ) -> CollectiveHandle:
-        """Start ``op`` on each bucket; on ``wait()`` write back the buckets ``unpack`` says."""
+        """Start ``op`` on each bucket; on ``wait()`` write back the buckets ``unpack`` says.
+
+        Every bucket is counted; it is packed and sent only when :attr:`sends` is true.
+        """
         pending: list[tuple[Any, Callable[[], None]]] = []
-        if not tensors:
-            return CollectiveHandle(pending)
-        for bucket in self.buckets(tensors, symmetric, exact=exact):
-            self._count(phase, op, bucket.nbytes, group)
+        flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
+        for payload in self.fusion_plan(tensors, flags, exact=exact):
+            self._count(phase, op, payload.nbytes, group)
+            if not self.sends:
+                continue
+            part = slice(payload.start, payload.end)
+            bucket = FusionBucket(list(tensors[part]), flags[part], payload.dtype)
             work = start(bucket)
 
             def finish(bucket: FusionBucket = bucket) -> None:

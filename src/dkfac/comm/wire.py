@@ -65,7 +65,7 @@ def plan_fusion(
     cap_bytes: int,
     comm_dtype: torch.dtype | None = None,
 ) -> list[FusedPayload]:
-    """How :meth:`Communicator.buckets` fuses tensors, from their shapes and dtypes alone.
+    """How :meth:`Communicator.fusion_plan` fuses tensors, from their shapes and dtypes alone.
 
     In order, a bucket closes before the tensor that would take it past ``cap_bytes`` (a
     tensor larger than the cap travels alone). A bucket travels in ``comm_dtype`` or else in

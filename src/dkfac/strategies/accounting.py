@@ -10,16 +10,15 @@ of a world of ``P``, :func:`account_strategy` returns
 * the decomposition work, ``Σ d³`` over the factors the rank decomposes;
 * the bytes of running factors and of decompositions the rank holds.
 
-It is the strategies' own accounting, not a model of it: owners come from the same planners
-the strategies call (:func:`dkfac.strategies.kaisa.plan_layer_owners`,
-:func:`dkfac.strategies.dp.plan_layer_owners`,
-:meth:`dkfac.strategies.pipelined.PipelinedStrategy.place_factors`), who sends what to whom
-from the same grouping functions (``row_broadcasts``, ``column_sources``, ``group_by_source``,
-``broadcast_sources``), payload tensors from the same shape functions, and bytes from the
-communicator's own fusion and packing rules (:func:`~dkfac.comm.wire.plan_fusion`,
-:func:`~dkfac.comm.wire.record_collective`), recorded in a real
-:class:`~dkfac.comm.recorder.StepRecorder`. ``tests/test_accounting.py`` checks the
-result against the analytic byte counts the distributed tests assert on real runs.
+It runs the strategies' own code, not a model of it: the placement comes from the planner
+the strategy calls, and the collectives are issued by the strategies' runner
+(:class:`~dkfac.strategies.runner.PlacementRunner`: its factor exchange, trace exchange,
+decomposition and gradient shares) against a
+:class:`~dkfac.comm.recording.RecordingCommunicator`, which fuses and packs by the real
+communicator's rules and counts in a real :class:`~dkfac.comm.recorder.StepRecorder`; tensors
+are shape-only, so nothing is computed. What a rank holds and decomposes is read from the
+placement, as the strategy reads it. ``tests/test_accounting.py`` checks the result against
+the analytic byte counts the distributed tests assert on real runs.
 
 Not counted: DDP's gradient allreduce (the same for every strategy; reported separately by
 the dry-run report), and one-off collectives (SPD/PAD's re-plan after profiling, cost-model
@@ -36,26 +35,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from dkfac.comm.cost_model import ClusterCostModel
 from dkfac.comm.recorder import StepRecorder
-from dkfac.comm.wire import (
-    element_size,
-    group_by_source,
-    plan_fusion,
-    record_collective,
-)
-from dkfac.strategies import dp, kaisa
+from dkfac.comm.recording import RecordingCommunicator
+from dkfac.comm.wire import element_size
 from dkfac.strategies.decomposition_payload import payload_shapes
-from dkfac.strategies.factor_inverses import (
-    EVERY_WORKER,
-    broadcast_sources,
-)
-from dkfac.strategies.factor_placement import keeps_factor
+from dkfac.strategies.dp import dp_placement
+from dkfac.strategies.kaisa import kaisa_placement
 from dkfac.strategies.layer_shapes import LayerShape
 from dkfac.strategies.pad import PADStrategy
-from dkfac.strategies.pipelined import PipelinedStrategy
+from dkfac.strategies.plan import Placement
 from dkfac.strategies.registry import KAISAOptions, strategy_names
+from dkfac.strategies.runner import PlacementRunner
 from dkfac.strategies.spd import SPDStrategy
 
 #: Strategies :func:`account_strategy` knows: every distributed one.
@@ -125,210 +118,83 @@ class RankAccount:
         return self.factor_bytes + self.inverse_bytes
 
 
-class _Ledger:
-    """A communicator without a process group: fuses, packs and records like the real one."""
-
-    def __init__(self, settings: DryRunSettings) -> None:
-        self.settings = settings
-        self.recorder = StepRecorder(keep_steps=1)
-
-    def collective(
-        self,
-        phase: str,
-        op: str,
-        tensors: Sequence[tuple[tuple[int, ...], bool, torch.dtype]],
-        ranks: int,
-        exact: bool = False,
-    ) -> None:
-        """Count the fused collectives of ``tensors`` (shape, symmetric, dtype) over ``ranks``.
-
-        ``exact`` (the float64 counts) ignores ``comm_dtype``, as ``Communicator.allreduce``.
-        """
-        plan = plan_fusion(
-            [shape for shape, _, _ in tensors],
-            [dtype for _, _, dtype in tensors],
-            [sym for _, sym, _ in tensors],
-            self.settings.cap_bytes,
-            None if exact else self.settings.comm_dtype,
-        )
-        for payload in plan:
-            record_collective(self.recorder, phase, op, payload.nbytes, ranks)
-
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """What ``pre.comm_stats()`` reports for the recorded step."""
-        self.recorder.finish_step(0)
-        return self.recorder.comm_stats()
-
-
-def _values(shapes: Sequence[tuple[tuple[int, ...], bool]]) -> int:
-    """Values held by full (unpacked) tensors of ``shapes``."""
-    return sum(math.prod(shape) for shape, _ in shapes)
-
-
 def _inverse_bytes(layer: LayerShape, settings: DryRunSettings) -> int:
-    """Bytes of a layer's stored decomposition (the payload tensors without the flag)."""
-    *tensors, _ = payload_shapes(settings.inverse_method, _both_factors(layer))
-    return _values(tensors) * element_size(settings.inv_dtype)
+    """Bytes of a layer's stored decomposition (its payload's tensors without the flag)."""
+    both = [("a", layer.a_dim), ("g", layer.g_dim)]
+    *tensors, _flag = payload_shapes(settings.inverse_method, both)
+    return sum(math.prod(shape) for shape, _ in tensors) * element_size(settings.inv_dtype)
 
 
-def _both_factors(layer: LayerShape) -> list[tuple[str, int]]:
-    """A layer's two factors as one payload carries them (KAISA's per-layer decomposition)."""
-    return [("a", layer.a_dim), ("g", layer.g_dim)]
+def _shape_only(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor of ``shape`` that holds no memory (one zero, expanded): read for its shape."""
+    return torch.zeros((), dtype=dtype).expand(shape)
 
 
-def _factor_bytes(dim: int, settings: DryRunSettings) -> int:
-    return dim * dim * element_size(settings.factor_dtype)
+def plan_strategy(
+    strategy: str,
+    layers: Sequence[LayerShape],
+    settings: DryRunSettings,
+    *,
+    grad_worker_fraction: float = 1.0,
+) -> Placement:
+    """The placement ``strategy`` plans for ``layers`` (its own planner).
 
-
-def _grad_tensor(
-    layer: LayerShape, settings: DryRunSettings
-) -> tuple[tuple[int, ...], bool, torch.dtype]:
-    """The ``(d_G, d_A)`` gradient matrix (preconditioned or not) as it travels."""
-    return (layer.g_dim, layer.a_dim), False, settings.grad_dtype
-
-
-def account_kaisa(
-    layers: Sequence[LayerShape], settings: DryRunSettings, grad_worker_fraction: float
-) -> list[RankAccount]:
-    """KAISA (and D-KFAC, fraction 1) per rank: what :class:`~.kaisa.KAISAStrategy` does."""
-    world = settings.world_size
-    g = KAISAOptions(grad_worker_fraction).grad_workers(world)
-    owners = kaisa.plan_layer_owners([layer.dims for layer in layers], world)
-    factors = [((dim, dim), True, settings.factor_dtype) for layer in layers for dim in layer.dims]
-    accounts = []
-    for rank in range(world):
-        ledger = _Ledger(settings)
-        my_row, my_column = rank // g, rank % g
-        # update_factors: the float64 counts alone, then every packed factor, fused.
-        ledger.collective(
-            "factor_comm", "allreduce", [((2 * len(layers),), False, torch.float64)], world, True
-        )
-        ledger.collective("factor_comm", "allreduce", factors, world)
-        if g > 1:  # a row of one rank has no group: nothing to broadcast
-            for _, indices in kaisa.row_broadcasts(owners, g, my_row, world):
-                payload = [
-                    (shape, sym, settings.inv_dtype)
-                    for index in indices
-                    for shape, sym in payload_shapes(
-                        settings.inverse_method, _both_factors(layers[index])
-                    )
-                ]
-                ledger.collective("inverse_comm", "broadcast", payload, g)
-        if world // g > 1:  # a column of one rank has no group: no gradient travels
-            sources = kaisa.column_sources(owners, g, my_column)
-            for _, indices in group_by_source(sources):
-                grads = [_grad_tensor(layers[index], settings) for index in indices]
-                ledger.collective("grad_comm", "broadcast", grads, world // g)
-        held = [layer for layer, owner in zip(layers, owners, strict=True) if owner // g == my_row]
-        accounts.append(
-            RankAccount(
-                comm=ledger.comm_stats(),
-                decomposition_work=sum(
-                    layer.a_dim**3 + layer.g_dim**3
-                    for layer, owner in zip(layers, owners, strict=True)
-                    if owner == rank
-                ),
-                factor_bytes=sum(
-                    _factor_bytes(d, settings) for layer in layers for d in layer.dims
-                ),
-                inverse_bytes=sum(_inverse_bytes(layer, settings) for layer in held),
-            )
-        )
-    return accounts
-
-
-def account_dp(layers: Sequence[LayerShape], settings: DryRunSettings) -> list[RankAccount]:
-    """DP-KFAC per rank: what :class:`~.dp.DPStrategy` does (no factor traffic)."""
-    world = settings.world_size
-    owners = dp.plan_layer_owners([layer.dims for layer in layers], world)
-    accounts = []
-    for rank in range(world):
-        ledger = _Ledger(settings)
-        for _, indices in group_by_source(owners):  # Communicator.broadcast_from
-            grads = [_grad_tensor(layers[index], settings) for index in indices]
-            ledger.collective("grad_comm", "broadcast", grads, world)
-        mine = [layer for layer, owner in zip(layers, owners, strict=True) if owner == rank]
-        accounts.append(
-            RankAccount(
-                comm=ledger.comm_stats(),
-                decomposition_work=sum(layer.a_dim**3 + layer.g_dim**3 for layer in mine),
-                factor_bytes=sum(_factor_bytes(d, settings) for layer in mine for d in layer.dims),
-                inverse_bytes=sum(_inverse_bytes(layer, settings) for layer in mine),
-            )
-        )
-    return accounts
-
-
-def account_pipelined(
-    strategy: type[PipelinedStrategy], layers: Sequence[LayerShape], settings: DryRunSettings
-) -> list[RankAccount]:
-    """SPD-KFAC or PAD-KFAC per rank, with the size-first fusion plan.
-
-    The alpha-beta re-plan after profiling moves bucket boundaries only: the same payload,
-    in more or fewer calls (``wire_bytes`` may differ by rounding, under a byte per call).
+    Raises:
+        ValueError: an unknown strategy, a fraction the world size does not allow, or
+            spd/pad without a cost model.
     """
-    if settings.cost_model is None:
-        raise ValueError(f"strategy={strategy.name!r} needs DryRunSettings.cost_model")
+    dims = [layer.dims for layer in layers]
     world = settings.world_size
-    placement = strategy.place_factors(
-        [layer.dims for layer in layers],
+    if strategy in ("dkfac", "kaisa"):
+        fraction = 1.0 if strategy == "dkfac" else grad_worker_fraction
+        return kaisa_placement(dims, world, KAISAOptions(fraction).grad_workers(world))
+    if strategy == "dp":
+        return dp_placement(dims, world)
+    pipelined = {SPDStrategy.name: SPDStrategy, PADStrategy.name: PADStrategy}.get(strategy)
+    if pipelined is None:
+        raise ValueError(
+            f"strategy={strategy!r} is not allowed: expected one of "
+            f"{', '.join(map(repr, ACCOUNTED_STRATEGIES))}"
+        )
+    if settings.cost_model is None:
+        raise ValueError(f"strategy={strategy!r} needs DryRunSettings.cost_model")
+    return pipelined.place_factors(
+        dims,
         world,
         settings.cost_model,
         inverse_method=settings.inverse_method,
         inv_dtype=settings.inv_dtype,
         factor_dtype=settings.comm_dtype or settings.factor_dtype,
         cap_bytes=settings.cap_bytes,
+    ).placement()
+
+
+def _record_update(
+    runner: PlacementRunner, layers: Sequence[LayerShape], settings: DryRunSettings
+) -> None:
+    """Issue one second-order update's collectives of ``runner``, with shape-only tensors."""
+    placement = runner.placement
+    factor_dtype = settings.factor_dtype
+
+    def factor_sum(dim: int) -> Tensor:
+        return _shape_only((dim, dim), factor_dtype)
+
+    if placement.exchange == "step":
+        counts = torch.zeros(len(placement.factors), dtype=torch.float64)
+        runner.send_factor_sums([factor_sum(route.dim) for route in placement.factors], counts)
+    elif runner.pipeline is not None:  # every factor sent at step(), none from hooks
+        runner.pipeline.finish(lambda slot: factor_sum(slot.dim), profile=False)
+    if runner.exchanges_traces(settings.inverse_method):
+        runner.share_traces(_shape_only((placement.layer_count, 2), settings.inv_dtype))
+    meta = torch.device("meta")
+    runner.share_decompositions(
+        runner.decomposition_payloads(settings.inverse_method, settings.inv_dtype, meta, {})
     )
-    slots = placement.costs.slots
-    owners = {
-        (slot.layer, slot.side): owner
-        for slot, owner in zip(slots, placement.decomposer, strict=True)
-    }
-    accounts = []
-    for rank in range(world):
-        ledger = _Ledger(settings)
-        for bucket in placement.buckets:  # FactorPipeline: one collective per planned bucket
-            destination = placement.destination[bucket[0]]
-            factors = [((slots[i].dim, slots[i].dim), True, settings.factor_dtype) for i in bucket]
-            op = "allreduce" if destination is None else "reduce"
-            ledger.collective("factor_comm", op, factors, world)
-        # The counts: one per slot and the late-statistics marker (FactorPipeline.finish).
-        ledger.collective(
-            "factor_comm", "allreduce", [((len(slots) + 1,), False, torch.float64)], world, True
-        )
-        if settings.inverse_method == "inverse" and not strategy.factors_everywhere:
-            # The owners exchange tr(F)/d for the factored Tikhonov damping.
-            ledger.collective(
-                "inverse_comm", "allreduce", [((len(layers), 2), False, settings.inv_dtype)], world
-            )
-        for _, keys in broadcast_sources(owners, world):
-            payload = [
-                (shape, sym, settings.inv_dtype)
-                for index, side in keys
-                for shape, sym in payload_shapes(
-                    settings.inverse_method,
-                    [(side, layers[index].a_dim if side == "a" else layers[index].g_dim)],
-                )
-            ]
-            ledger.collective("inverse_comm", "broadcast", payload, world)
-        accounts.append(
-            RankAccount(
-                comm=ledger.comm_stats(),
-                decomposition_work=sum(
-                    slot.dim**3
-                    for slot, owner in zip(slots, placement.decomposer, strict=True)
-                    if owner in (rank, EVERY_WORKER)
-                ),
-                factor_bytes=sum(
-                    _factor_bytes(slot.dim, settings)
-                    for slot, destination in zip(slots, placement.destination, strict=True)
-                    if keeps_factor(destination, rank)
-                ),
-                # Every rank rebuilds every layer's inverse from the broadcast factors.
-                inverse_bytes=sum(_inverse_bytes(layer, settings) for layer in layers),
-            )
-        )
-    return accounts
+    grads = [
+        torch.empty(layer.g_dim, layer.a_dim, dtype=settings.grad_dtype, device=meta)
+        for layer in layers
+    ]
+    runner.share_gradients(range(len(layers)), grads)
 
 
 def account_strategy(
@@ -344,20 +210,36 @@ def account_strategy(
         ValueError: an unknown strategy, a fraction the world size does not allow, or
             spd/pad without a cost model.
     """
-    if strategy == "dkfac":
-        return account_kaisa(layers, settings, 1.0)
-    if strategy == "kaisa":
-        return account_kaisa(layers, settings, grad_worker_fraction)
-    if strategy == "dp":
-        return account_dp(layers, settings)
-    if strategy == SPDStrategy.name:
-        return account_pipelined(SPDStrategy, layers, settings)
-    if strategy == PADStrategy.name:
-        return account_pipelined(PADStrategy, layers, settings)
-    raise ValueError(
-        f"strategy={strategy!r} is not allowed: expected one of "
-        f"{', '.join(map(repr, ACCOUNTED_STRATEGIES))}"
-    )
+    placement = plan_strategy(strategy, layers, settings, grad_worker_fraction=grad_worker_fraction)
+    accounts = []
+    for rank in range(settings.world_size):
+        recorder = StepRecorder(keep_steps=1)
+        comm = RecordingCommunicator(
+            recorder,
+            settings.world_size,
+            rank,
+            bucket_cap_mb=settings.bucket_cap_mb,
+            comm_dtype=settings.comm_dtype,
+        )
+        _record_update(PlacementRunner(placement, rank, recorder, comm), layers, settings)
+        recorder.finish_step(0)
+        accounts.append(
+            RankAccount(
+                comm=recorder.comm_stats(),
+                decomposition_work=placement.decomposition_work(rank),
+                factor_bytes=sum(
+                    route.dim**2 * element_size(settings.factor_dtype)
+                    for route in placement.factors
+                    if placement.holds_factor(route, rank)
+                ),
+                inverse_bytes=sum(
+                    _inverse_bytes(layer, settings)
+                    for index, layer in enumerate(layers)
+                    if placement.holds_inverse(index, rank)
+                ),
+            )
+        )
+    return accounts
 
 
 def summarize_accounts(accounts: Sequence[RankAccount]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""The interface every placement strategy implements.
+"""The interface every placement strategy implements, and its one implementation.
 
 A K-FAC step has four phases: capture statistics (in the module hooks), update factors,
 update decompositions, precondition gradients. A strategy decides which worker runs which
-phase for which layer and moves the results between workers; the preconditioner only calls
-these methods in order, with no knowledge of the strategy behind them.
+phase for which layer (its :class:`~dkfac.strategies.plan.Placement`); the one runner
+(:class:`~dkfac.strategies.runner.PlacementRunner`) executes that plan and moves the results
+between workers. The preconditioner only calls these methods in order, with no knowledge of
+the strategy behind them.
 """
 
 from __future__ import annotations
@@ -19,22 +21,51 @@ from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.plan import Placement
+from dkfac.strategies.runner import PlacementRunner
 
 
 class Strategy(ABC):
-    """Placement of the K-FAC phases across workers."""
+    """Placement of the K-FAC phases across workers: a plan, executed by the one runner.
+
+    A subclass decides its :class:`~dkfac.strategies.plan.Placement` (:meth:`place`) and,
+    for factors exchanged from the hooks, when each factor is handed over
+    (:meth:`statistic_added`); :class:`~dkfac.strategies.runner.PlacementRunner` does the
+    rest for every strategy.
+
+    Args:
+        recorder: phase timing and accounting.
+        comm: the communicator; ``None`` for a strategy of one worker.
+    """
 
     #: The ``strategy=`` name that selects this class.
     name: ClassVar[str]
 
-    def setup(  # noqa: B027
-        self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1
-    ) -> None:
-        """Plan ownership once the preconditioned layers are known (default: nothing).
+    def __init__(self, recorder: StepRecorder, comm: Communicator | None = None) -> None:
+        self.recorder = recorder
+        self.comm = comm
+        self.rank = comm.rank if comm is not None else 0
+        self.world_size = comm.world_size if comm is not None else 1
+        self.layers: list[LayerCurvature] = []
+
+    @abstractmethod
+    def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
+        """The plan for layers of factor dims ``(d_A, d_G)``, in registration order (pure)."""
+
+    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
+        """Plan the placement once the preconditioned layers are known; make its groups.
 
         ``accumulation_steps`` is the number of backward passes a capture window is meant to
         have (a strategy may learn the real number of statistics per window from the hooks).
         """
+        self.layers = list(layers)
+        self._index = {id(layer): index for index, layer in enumerate(self.layers)}
+        self.placement = self.place([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
+        self.runner = PlacementRunner(self.placement, self.rank, self.recorder, self.comm)
+
+    def index(self, layer: LayerCurvature) -> int:
+        """``layer``'s index in the plan."""
+        return self._index[id(layer)]
 
     def statistic_added(  # noqa: B027
         self, layer: LayerCurvature, side: str, loss_reduction: str
@@ -46,35 +77,37 @@ class Strategy(ABC):
         nothing (work waits for ``step()``).
         """
 
-    def close(self) -> None:  # noqa: B027
-        """Release what the strategy created (process groups); default: nothing."""
+    def close(self) -> None:
+        """Release the process groups the communicator made (its own, KAISA's sub-groups)."""
+        if self.comm is not None:
+            self.comm.close()
 
-    def after_load(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
-        """Drop loaded state this worker does not keep (default: keep everything)."""
+    def after_load(self, layers: Sequence[LayerCurvature]) -> None:
+        """Drop loaded factors and decompositions the plan does not give this worker."""
+        for route in self.placement.factors:
+            if not self.placement.holds_factor(route, self.rank):
+                layers[route.layer].set_factor(route.side, None)
+        for index, layer in enumerate(layers):
+            if not self.placement.holds_inverse(index, self.rank):
+                layer.inverse = None
 
     def plan(self) -> dict[str, Any]:
-        """The placement (and fusion) plan as plain data; see ``KFACPreconditioner.plan``."""
-        return {"strategy": self.name, "factors": [], "buckets": []}
-
-    def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:  # noqa: B027
-        """Raise if workers hold different decompositions of a layer (default: one worker)."""
-
-    def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
-        """Element-wise OR of ``flags`` over all workers (default: this worker is all there is).
-
-        Distributed strategies answer with one small collective and one host read.
-        """
-        return list(flags)
+        """The placement as plain data; see ``KFACPreconditioner.plan``."""
+        names = [layer.name for layer in self.layers]
+        return {"strategy": self.name, "factors": self.placement.describe(names), "buckets": []}
 
     def captures(self, layer: LayerCurvature) -> bool:
         """Whether this worker collects ``layer``'s factor statistics in the hooks."""
-        return True
+        return self.placement.captures(self.index(layer), self.rank)
 
     def holds_factors(self, layer: LayerCurvature) -> bool:
-        """Whether this worker keeps ``layer``'s running factors (for ``factors()``)."""
-        return layer.a is not None
+        """Whether this worker keeps both of ``layer``'s running factors (for ``factors()``)."""
+        index = self.index(layer)
+        return layer.a is not None and all(
+            self.placement.holds_factor(self.placement.route((index, side)), self.rank)
+            for side in "ag"
+        )
 
-    @abstractmethod
     def update_factors(
         self,
         layers: Sequence[LayerCurvature],
@@ -83,35 +116,26 @@ class Strategy(ABC):
         *,
         fold: bool = True,
     ) -> None:
-        """Turn the captured statistics into running factors where they are needed.
+        """Turn the captured statistics into running factors where the plan keeps them.
 
         ``fold=False`` (a step whose gradients are not finite, which the GradScaler skips):
         the statistics are exchanged as usual, so every worker issues the same collectives,
         then dropped; no running factor changes.
         """
+        self.runner.exchange_factors(layers, decay, loss_reduction, fold=fold)
 
-    @abstractmethod
     def update_inverses(
         self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
     ) -> None:
-        """Refresh the decompositions where they are needed."""
+        """Decompose and share the decompositions as planned."""
+        self.runner.decompose_and_share(layers, damping, method, dtype)
 
-    @abstractmethod
     def precondition(
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
-
-
-class DistributedStrategy(Strategy):
-    """A strategy whose workers talk through a :class:`Communicator`."""
-
-    comm: Communicator
-    recorder: StepRecorder
-
-    def close(self) -> None:
-        """Release the process groups the communicator made (its own, KAISA's sub-groups)."""
-        self.comm.close()
+        indices = [self.index(layer) for layer in layers]
+        return self.runner.precondition(indices, layers, grads, damping)
 
     def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:
         """Compare every layer's decomposition bits across the workers that hold it.
@@ -120,11 +144,14 @@ class DistributedStrategy(Strategy):
         :func:`~dkfac.curvature.inverse.bit_checksum` (one all-gather of ``2·L`` int64). Workers
         that decompose the same factor independently (SPD-KFAC's "everywhere" factors) can
         round differently on mixed hardware, and the replicas of the model then drift apart.
+        One worker has nothing to compare.
 
         Raises:
             RuntimeError: some layer's decomposition differs between workers (every worker
                 raises the same error, naming the layers and the ranks).
         """
+        if self.comm is None:
+            return
         device = layers[0].block.weight.device
         local = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)
         for index, layer in enumerate(layers):
@@ -153,51 +180,15 @@ class DistributedStrategy(Strategy):
                 "decomposes each factor once and broadcasts it (strategy='pad' or 'dkfac')"
             )
 
-    def precondition_and_broadcast(
-        self,
-        layers: Sequence[LayerCurvature],
-        grads: Sequence[Tensor],
-        damping: float,
-        sources: Sequence[int] | None,
-        group: Any = None,
-    ) -> list[Tensor]:
-        """Each layer preconditioned by its source rank, then broadcast from there.
-
-        ``sources``: per layer, the (global) rank that preconditions it and sends the result
-        to the other members of ``group`` (default: the world), fused per source; ``None``:
-        this worker preconditions every layer itself and nothing is sent.
-        """
-        results: list[Tensor] = list(grads)
-        rank = self.comm.rank
-        with self.recorder.phase("precondition"):
-            for index, layer in enumerate(layers):
-                if sources is None or sources[index] == rank:
-                    results[index] = layer.precondition(grads[index], damping)
-        if sources is None:
-            return results
-        with self.recorder.phase("grad_comm"):
-            return self.comm.broadcast_from(results, sources, phase="grad_comm", group=group)
-
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
-        """Element-wise OR over the workers: one maximum-allreduce of ``len(flags)`` values."""
+        """Element-wise OR of ``flags`` over all workers.
+
+        One maximum-allreduce of ``len(flags)`` values and one host read; one worker answers
+        alone.
+        """
+        if self.comm is None:
+            return list(flags)
         values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)
         with self.recorder.phase("factor_comm"):  # the agreement is factor-step traffic
             self.comm.allreduce([values], phase="layer_usage", maximum=True, exact=True).wait()
         return [value > 0 for value in values.tolist()]
-
-
-def layer_owner_factors(
-    dims: dict[str, tuple[int, int]], owner: dict[str, int], reduced_to: str
-) -> list[dict[str, Any]]:
-    """``plan()["factors"]`` of a strategy that places whole layers: both factors, one owner."""
-    return [
-        {
-            "layer": name,
-            "factor": side,
-            "dim": dim,
-            "reduced_to": reduced_to,
-            "decomposed_by": owner[name],
-        }
-        for name, pair in dims.items()
-        for side, dim in zip("AG", pair, strict=True)
-    ]

@@ -4,7 +4,8 @@ A payload is the tensors of some factors' decompositions in :data:`~dkfac.curvat
 FACTOR_LAYOUT` order (zeros on ranks that receive), then a one-value validity flag: a
 decomposition that failed on its owner arrives marked invalid, and every rank keeps its last
 good one alike. KAISA sends a layer's two factors in one payload (inside a grid row),
-SPD-KFAC and PAD-KFAC send each factor on its own (to every worker).
+SPD-KFAC and PAD-KFAC send each factor on its own (to every worker); the runner
+(:mod:`dkfac.strategies.runner`) broadcasts them as the placement's shares say.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.comm.communicator import Communicator, ProcessGroup
-from dkfac.curvature.inverse import factor_tensor_shapes
+from dkfac.curvature.inverse import FACTOR_LAYOUT, factor_tensor_shapes
 
 #: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
 FactorDims = Sequence[tuple[str, int]]
@@ -86,40 +86,15 @@ class DecompositionPayload:
         """The decomposition tensors by name (without the flag)."""
         return dict(zip(self.names, self.tensors[:-1], strict=True))
 
+    def factor_tensors(self, method: str, side: str) -> dict[str, Tensor]:
+        """The tensors of factor ``side``'s decomposition (a payload may carry both)."""
+        names = {name for name, _ in FACTOR_LAYOUT[method][side]}
+        return {name: tensor for name, tensor in self.named().items() if name in names}
+
     @property
     def flag(self) -> Tensor:
         """The one-value validity flag (1: valid)."""
         return self.tensors[-1]
-
-
-def share_payloads(
-    comm: Communicator,
-    per_source: Sequence[tuple[int, Sequence[DecompositionPayload]]],
-    *,
-    group: ProcessGroup | None = None,
-    launch: bool = True,
-) -> None:
-    """Broadcast each source's payloads fused (one collective per source), and wait.
-
-    Args:
-        comm: the strategy's communicator.
-        per_source: ``(source rank, payloads)`` in the same order on every rank.
-        group: the process group (None: the communicator's own).
-        launch: False when the group has this rank alone (nothing to send: the payloads
-            already hold this rank's own decompositions).
-    """
-    handles = []
-    if launch:
-        for source, payloads in per_source:
-            tensors = [t for payload in payloads for t in payload.tensors]
-            symmetric = [s for payload in payloads for s in payload.symmetric]
-            handles.append(
-                comm.broadcast(
-                    tensors, source, phase="inverse_comm", symmetric=symmetric, group=group
-                )
-            )
-    for handle in handles:
-        handle.wait()
 
 
 def valid_flags(payloads: Sequence[DecompositionPayload]) -> list[bool]:

@@ -17,17 +17,12 @@ running average over steps smooths it (the authors report unchanged convergence)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.layer import LayerCurvature
-from dkfac.strategies.base import DistributedStrategy, layer_owner_factors
-from dkfac.strategies.local import decompose_here, fold_here
+from dkfac.strategies.base import Strategy
 from dkfac.strategies.placement import longest_processing_time
+from dkfac.strategies.plan import Placement, gradient_shares, layer_owner_routes
 
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
@@ -45,70 +40,25 @@ def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[
     return longest_processing_time([predicted_layer_cost(a, g) for a, g in dims], world_size)
 
 
-class DPStrategy(DistributedStrategy):
+def dp_placement(dims: Sequence[tuple[int, int]], world_size: int) -> Placement:
+    """DP-KFAC's plan: owners keep their shard's factors; gradients broadcast from owners."""
+    owners = plan_layer_owners(dims, world_size)
+    return Placement(
+        world_size,
+        "none",
+        layer_owner_routes(dims, owners),
+        gradients=gradient_shares(owners, tuple(range(world_size))),
+    )
+
+
+class DPStrategy(Strategy):
     """DP-KFAC: owners build, decompose and apply their layers' factors; no factor traffic."""
 
     name = "dp"
 
     def __init__(self, comm: Communicator, recorder: StepRecorder) -> None:
-        self.comm = comm
-        self.recorder = recorder
-        self.owner: dict[str, int] = {}
-        self.dims: dict[str, tuple[int, int]] = {}
+        super().__init__(recorder, comm)
 
-    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
+    def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
         """Owners by longest-processing-time on :func:`predicted_layer_cost`."""
-        dims = [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
-        owners = plan_layer_owners(dims, self.comm.world_size)
-        self.owner = {layer.name: owner for layer, owner in zip(layers, owners, strict=True)}
-        self.dims = {layer.name: (layer.block.a_dim, layer.block.g_dim) for layer in layers}
-
-    def owns(self, layer: LayerCurvature) -> bool:
-        """Whether this worker owns ``layer``."""
-        return self.owner[layer.name] == self.comm.rank
-
-    def captures(self, layer: LayerCurvature) -> bool:
-        """Only the owner captures statistics."""
-        return self.owns(layer)
-
-    def holds_factors(self, layer: LayerCurvature) -> bool:
-        """Only the owner keeps factors."""
-        return self.owns(layer) and layer.a is not None
-
-    def after_load(self, layers: Sequence[LayerCurvature]) -> None:
-        """Forget loaded factors and decompositions of layers another worker owns."""
-        for layer in layers:
-            if not self.owns(layer):
-                layer.a = layer.g = None
-                layer.inverse = None
-
-    def update_factors(
-        self,
-        layers: Sequence[LayerCurvature],
-        decay: float,
-        loss_reduction: str,
-        *,
-        fold: bool = True,
-    ) -> None:
-        """Fold the owner's local batch factors; nothing is sent."""
-        owned = [layer for layer in layers if self.owns(layer)]
-        fold_here(layers, owned, decay, loss_reduction, fold=fold)
-
-    def update_inverses(
-        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
-    ) -> None:
-        """Decompose the owned layers here."""
-        owned = [layer for layer in layers if self.owns(layer)]
-        decompose_here(self.recorder, owned, damping, method, dtype)
-
-    def precondition(
-        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
-    ) -> list[Tensor]:
-        """Owners precondition; each broadcasts its layers' directions in fused buckets."""
-        sources = [self.owner[layer.name] for layer in layers]
-        return self.precondition_and_broadcast(layers, grads, damping, sources)
-
-    def plan(self) -> dict[str, Any]:
-        """The owner of each layer (it captures, decomposes and preconditions it)."""
-        factors = layer_owner_factors(self.dims, self.owner, "none (owner's shard only)")
-        return {"strategy": self.name, "factors": factors, "buckets": []}
+        return dp_placement(dims, self.world_size)

@@ -15,6 +15,7 @@ from dkfac.comm.cost_model import ClusterCostModel
 from dkfac.comm.wire import element_size, packed_values
 from dkfac.strategies.decomposition_payload import payload_shapes
 from dkfac.strategies.pipeline import FactorSlot
+from dkfac.strategies.plan import DecompositionShare, FactorRoute, Placement
 
 
 def decomposition_bytes(dim: int, method: str, dtype: torch.dtype) -> int:
@@ -65,7 +66,28 @@ class FactorPlacement:
     decomposer: list[int]
     buckets: list[list[int]]
 
+    def placement(self) -> Placement:
+        """As the runner executes it: factors in ready order, exchanged from the hooks.
 
-def keeps_factor(destination: int | None, rank: int) -> bool:
-    """Whether ``rank`` holds a running factor reduced to ``destination`` (``None``: all)."""
-    return destination is None or destination == rank
+        Each decomposing rank broadcasts its factors to every worker in one fused share
+        (sources ascending), each factor with its own validity flag.
+        """
+        routes = tuple(
+            FactorRoute(slot.layer, slot.side, slot.dim, destination, decomposer)
+            for slot, destination, decomposer in zip(
+                self.costs.slots, self.destination, self.decomposer, strict=True
+            )
+        )
+        world = tuple(range(self.costs.world_size))
+        shares = []
+        for source in world if len(world) > 1 else ():
+            units = tuple((route.key,) for route in routes if route.decomposed_by == source)
+            if units:
+                shares.append(DecompositionShare(source, units, world))
+        return Placement(
+            self.costs.world_size,
+            "hooks",
+            routes,
+            tuple(shares),
+            buckets=tuple(tuple(bucket) for bucket in self.buckets),
+        )

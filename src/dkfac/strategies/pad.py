@@ -25,7 +25,6 @@ class PADStrategy(PipelinedStrategy):
     """PAD-KFAC: hook-launched fused reduces to contiguous-partition owners."""
 
     name = "pad"
-    factors_everywhere = False
 
     @staticmethod
     def plan_destinations(costs: SlotCosts) -> list[int | None]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,6 @@ from torch import Tensor
 from dkfac.comm.communicator import CollectiveHandle, Communicator
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import packed_values
-from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import SummedFactor
 
 
@@ -149,7 +148,7 @@ class FactorPipeline:
 
     def finish(
         self,
-        layers: Sequence[LayerCurvature],
+        zeros: Callable[[FactorSlot], Tensor],
         profile: bool,
         late: Sequence[SummedFactor | None] | None = None,
     ) -> list[ReceivedFactor]:
@@ -166,7 +165,7 @@ class FactorPipeline:
         late = list(late) if late is not None else [None] * len(self.slots)
         for i, slot in enumerate(self.slots):
             if self._totals[i] is None:
-                self._totals[i] = layers[slot.layer].zeros(slot.side)
+                self._totals[i] = zeros(slot)
         self._launch_due()
         device = self._totals[0].device  # type: ignore[union-attr]
         counts = [
@@ -186,7 +185,7 @@ class FactorPipeline:
             self.profile.append([ended if math.isnan(t) else t for t in self._ready_at])
         *totals, ranks_with_late = counts_tensor.tolist()
         if ranks_with_late > 0:
-            self._add_late(layers, late)
+            self._add_late(zeros, late)
         received = [
             ReceivedFactor(slot, total, count)  # type: ignore[arg-type]
             for slot, total, count in zip(self.slots, self._totals, totals, strict=True)
@@ -195,7 +194,7 @@ class FactorPipeline:
         return received
 
     def _add_late(
-        self, layers: Sequence[LayerCurvature], late: Sequence[SummedFactor | None]
+        self, zeros: Callable[[FactorSlot], Tensor], late: Sequence[SummedFactor | None]
     ) -> None:
         """Agree which slots have late statistics somewhere, send them, add them in."""
         device = self._totals[0].device  # type: ignore[union-attr]
@@ -209,9 +208,7 @@ class FactorPipeline:
                 i: self.destinations[k] for k, b in enumerate(self.buckets) for i in b
             }
             corrections = {
-                i: layers[self.slots[i].layer].zeros(self.slots[i].side)
-                if late[i] is None
-                else late[i].total.clone()  # type: ignore[union-attr]
+                i: zeros(self.slots[i]) if late[i] is None else late[i].total.clone()  # type: ignore[union-attr]
                 for i in flagged
             }
             # One collective per destination (allreduce first, then owners ascending): the

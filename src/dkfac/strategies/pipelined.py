@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
@@ -26,21 +25,19 @@ from dkfac.comm.fusion import (
 )
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.strategies.base import DistributedStrategy
-from dkfac.strategies.factor_inverses import EVERY_WORKER, FactorKey, update_factor_inverses
+from dkfac.strategies.base import Strategy
 from dkfac.strategies.factor_placement import (
     FactorPlacement,
     SlotCosts,
     destination_boundaries,
-    keeps_factor,
 )
-from dkfac.strategies.local import precondition_here
-from dkfac.strategies.pipeline import FactorPipeline, ready_order_of
+from dkfac.strategies.pipeline import ready_order_of
+from dkfac.strategies.plan import EVERY_WORKER, Placement
 
 logger = logging.getLogger(__name__)
 
 
-class PipelinedStrategy(DistributedStrategy):
+class PipelinedStrategy(Strategy):
     """Factor collectives launched from the hooks; factors decomposed where the plan says.
 
     Args:
@@ -55,9 +52,6 @@ class PipelinedStrategy(DistributedStrategy):
             fusion plan is re-planned with the alpha-beta merge rule (0: keep the size plan).
     """
 
-    #: Every rank keeps every running factor (SPD) or only its own (PAD).
-    factors_everywhere: bool = True
-
     def __init__(
         self,
         comm: Communicator,
@@ -68,8 +62,8 @@ class PipelinedStrategy(DistributedStrategy):
         cost_model: ClusterCostModel | CostModelCache | None = None,
         profile_steps: int = 5,
     ) -> None:
-        self.comm = comm
-        self.recorder = recorder
+        super().__init__(recorder, comm)
+        self.comm: Communicator = comm
         self.inverse_method = inverse_method
         self.inv_dtype = inv_dtype
         self.cost: ClusterCostModel | None = (
@@ -78,7 +72,6 @@ class PipelinedStrategy(DistributedStrategy):
         self._cost_cache = cost_model if isinstance(cost_model, CostModelCache) else None
         self.profile_steps = profile_steps
         self.factor_steps = 0
-        self.layers: list[LayerCurvature] = []
         self.measured_ready: list[float] | None = None
 
     # -- planning ----------------------------------------------------------------------------
@@ -89,12 +82,10 @@ class PipelinedStrategy(DistributedStrategy):
         at first after ``accumulation_steps`` statistics, then after as many as the previous
         window had (a layer that runs several times per pass has several per pass).
         """
-        self.layers = list(layers)
-        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         if self.cost is None:
             cache = self._cost_cache or CostModelCache()
-            device = self.layers[0].block.weight.device
-            largest = max(max(layer.block.a_dim, layer.block.g_dim) for layer in self.layers)
+            device = layers[0].block.weight.device
+            largest = max(max(layer.block.a_dim, layer.block.g_dim) for layer in layers)
             self.cost = cache.get(
                 self.inverse_method, self.inv_dtype, device, self.comm.group, largest_dim=largest
             )
@@ -108,29 +99,24 @@ class PipelinedStrategy(DistributedStrategy):
             )
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-        placement = self.place_factors(
-            [(layer.block.a_dim, layer.block.g_dim) for layer in self.layers],
-            self.comm.world_size,
+        self.factor_dtype = self.comm.comm_dtype or layers[0].factor_dtype
+        super().setup(layers, accumulation_steps=accumulation_steps)
+        self._slot_of = {route.key: i for i, route in enumerate(self.placement.factors)}
+        self.expected_updates = [accumulation_steps] * len(self.placement.factors)
+
+    def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
+        """The cost-model placement with the size-first fusion plan (see :meth:`place_factors`)."""
+        assert self.cost is not None, "measured in setup()"
+        self.factor_placement = self.place_factors(
+            dims,
+            self.world_size,
             self.cost,
             inverse_method=self.inverse_method,
             inv_dtype=self.inv_dtype,
-            factor_dtype=self.comm.comm_dtype or self.layers[0].factor_dtype,
+            factor_dtype=self.factor_dtype,
             cap_bytes=self.comm.bucket_cap_bytes,
         )
-        self.slots = placement.costs.slots
-        self.wire = placement.costs.wire
-        self.decomposition_s = placement.costs.decomposition_s
-        self.destination = placement.destination
-        self.decomposer = placement.decomposer
-        self._slot_of = {(slot.layer, slot.side): i for i, slot in enumerate(self.slots)}
-        self.expected_updates = [accumulation_steps] * len(self.slots)
-        self.pipeline = FactorPipeline(
-            self.comm,
-            self.recorder,
-            self.slots,
-            placement.buckets,
-            [self.destination[bucket[0]] for bucket in placement.buckets],
-        )
+        return self.factor_placement.placement()
 
     @classmethod
     def place_factors(
@@ -190,35 +176,32 @@ class PipelinedStrategy(DistributedStrategy):
 
     def replan_order(self, ready: Sequence[float]) -> list[int]:
         """Slot indices in the order the plan walks them after profiling."""
-        return list(range(len(self.slots)))
-
-    def _boundaries(self, order: Sequence[int]) -> list[int]:
-        """Positions in ``order`` where the destination changes (a bucket must start)."""
-        return destination_boundaries(self.destination, order)
+        return list(range(len(self.placement.factors)))
 
     def _replan(self) -> None:
         """Alpha-beta merge plan from the median ready times, agreed (max) over ranks."""
-        assert self.cost is not None
-        medians = self.pipeline.median_ready_times()
+        assert self.cost is not None and self.runner.pipeline is not None
+        medians = self.runner.pipeline.median_ready_times()
         device = self.layers[0].block.weight.device
         agreed = torch.tensor(medians, dtype=torch.float64, device=device)
         self.comm.allreduce([agreed], phase="factor_comm", maximum=True, exact=True).wait()
         ready = agreed.tolist()
         order = self.replan_order(ready)
+        wire = self.factor_placement.costs.wire
         positions = plan_buckets_alpha_beta(
             [ready[i] for i in order],
-            [self.wire[i] for i in order],
+            [wire[i] for i in order],
             self.cost.collective,
             self.comm.bucket_cap_bytes,
-            self._boundaries(order),
+            destination_boundaries(self.factor_placement.destination, order),
         )
         buckets = [[order[p] for p in bucket] for bucket in positions]
-        self.pipeline.set_plan(buckets, [self.destination[bucket[0]] for bucket in buckets])
+        self.placement = self.runner.set_buckets(buckets)
         self.measured_ready = ready
         logger.info(
             "%s: fusion re-planned from %d profiled windows: %d buckets",
             self.name,
-            len(self.pipeline.profile),
+            len(self.runner.pipeline.profile),
             len(buckets),
         )
 
@@ -229,17 +212,13 @@ class PipelinedStrategy(DistributedStrategy):
         Statistics that come after the hand-over are not lost: ``update_factors`` sends them
         as an exact correction (:meth:`FactorStatistics.late`).
         """
-        index = self._index[id(layer)]
+        index = self.index(layer)
         stats = layer.statistics(side)
         if (
             not stats.handed_over
             and stats.updates == self.expected_updates[self._slot_of[(index, side)]]
         ):
-            self._hand_over(index, layer, side, loss_reduction)
-
-    def _hand_over(self, index: int, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
-        summed = layer.statistics(side).hand_over(loss_reduction)
-        self.pipeline.ready(index, side, summed.total, summed.count)
+            self.runner.hand_over(self.layers, index, side, loss_reduction)
 
     def update_factors(
         self,
@@ -249,35 +228,17 @@ class PipelinedStrategy(DistributedStrategy):
         *,
         fold: bool = True,
     ) -> None:
-        """Wait for the factor collectives, correct for late statistics, fold where kept.
+        """Finish the factor collectives (the runner), then learn the next window's shape.
 
-        Statistics the hooks did not hand over (fewer than expected this window) go now; the
-        pipeline keeps the plan order. Each factor is folded when some worker had statistics
-        for it, as under ``strategy="local"``.
+        The next window is expected to look like this one (a layer that did not run keeps its
+        expectation); after ``profile_steps`` windows the fusion is re-planned.
         """
-        for slot in self.slots:
-            layer = self.layers[slot.layer]
-            stats = layer.statistics(slot.side)
-            if stats.has_statistics and not stats.handed_over:
-                self._hand_over(slot.layer, layer, slot.side, loss_reduction)
-        late = [
-            self.layers[slot.layer].statistics(slot.side).late(loss_reduction)
-            for slot in self.slots
-        ]
-        profile = self.factor_steps < self.profile_steps
-        for index, received in enumerate(self.pipeline.finish(self.layers, profile, late)):
-            slot = received.slot
-            if fold and received.count > 0 and self.keeps(index):
-                layer = self.layers[slot.layer]
-                layer.fold_factor(slot.side, received.total / received.count, decay)
-        for index, slot in enumerate(self.slots):
-            # The next window is expected to look like this one (a layer that did not run
-            # keeps its expectation).
-            updates = self.layers[slot.layer].statistic_updates(slot.side)
+        for index, route in enumerate(self.placement.factors):
+            updates = layers[route.layer].statistic_updates(route.side)
             if updates:
                 self.expected_updates[index] = updates
-        for layer in self.layers:
-            layer.clear_statistics()
+        profile = self.factor_steps < self.profile_steps
+        self.runner.exchange_factors(layers, decay, loss_reduction, fold=fold, profile=profile)
         self.factor_steps += 1
         if self.profile_steps and self.factor_steps == self.profile_steps:
             if self.cost_problems:  # the merge rule needs alpha and beta
@@ -285,82 +246,42 @@ class PipelinedStrategy(DistributedStrategy):
             else:
                 self._replan()
 
-    def after_load(self, layers: Sequence[LayerCurvature]) -> None:
-        """Forget loaded running factors that another rank owns (PAD after a resume)."""
-        for index, slot in enumerate(self.slots):
-            if not self.keeps(index):
-                self.layers[slot.layer].set_factor(slot.side, None)
-
-    def keeps(self, slot: int) -> bool:
-        """Whether this rank holds the running average of factor slot ``slot``."""
-        return keeps_factor(self.destination[slot], self.comm.rank)
-
-    # -- decompositions and preconditioning ---------------------------------------------------
-    def update_inverses(
-        self, layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
-    ) -> None:
-        """Owners decompose their factors, results broadcast (fused per owner)."""
-        owners: dict[FactorKey, int] = {
-            (slot.layer, slot.side): owner
-            for slot, owner in zip(self.slots, self.decomposer, strict=True)
-        }
-        update_factor_inverses(
-            self.comm,
-            self.recorder,
-            self.layers,
-            owners,
-            damping,
-            method,
-            dtype,
-            factors_everywhere=self.factors_everywhere,
-        )
-
-    def precondition(
-        self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
-    ) -> list[Tensor]:
-        """Every worker preconditions every layer with the shared decompositions."""
-        return precondition_here(self.recorder, layers, grads, damping)
-
     # -- inspection --------------------------------------------------------------------------
     def plan(self) -> dict[str, Any]:
         """Owner per factor, buckets in launch order, and the predicted times behind them."""
         assert self.cost is not None
-        names = [f"{self.layers[slot.layer].name}/{slot.side.upper()}" for slot in self.slots]
-        bucket_of = {i: k for k, bucket in enumerate(self.pipeline.buckets) for i in bucket}
-        ready = self.measured_ready or [0.0] * len(self.slots)
-        timeline = predict_timeline(ready, self.wire, self.pipeline.buckets, self.cost.collective)
+        placement, costs = self.placement, self.factor_placement.costs
+        names = [f"{self.layers[r.layer].name}/{r.side.upper()}" for r in placement.factors]
+        bucket_of = {i: k for k, bucket in enumerate(placement.buckets) for i in bucket}
+        ready = self.measured_ready or [0.0] * len(placement.factors)
+        timeline = predict_timeline(ready, costs.wire, placement.buckets, self.cost.collective)
         factors = [
             {
-                "layer": self.layers[slot.layer].name,
-                "factor": slot.side.upper(),
-                "dim": slot.dim,
-                "wire_bytes": self.wire[i],
-                "reduced_to": "all" if self.destination[i] is None else self.destination[i],
-                "decomposed_by": "all"
-                if self.decomposer[i] == EVERY_WORKER
-                else self.decomposer[i],
+                **row,
+                "wire_bytes": costs.wire[i],
                 "bucket": bucket_of[i],
-                "predicted_decomposition_s": self.decomposition_s[i],
+                "predicted_decomposition_s": costs.decomposition_s[i],
                 "measured_ready_s": None if self.measured_ready is None else ready[i],
             }
-            for i, slot in enumerate(self.slots)
+            for i, row in enumerate(placement.describe([layer.name for layer in self.layers]))
         ]
-        buckets = [
-            {
-                "factors": [names[i] for i in bucket],
-                "collective": "allreduce" if destination is None else "reduce",
-                "destination": "all" if destination is None else destination,
-                "wire_bytes": sum(self.wire[i] for i in bucket),
-                "predicted_s": timing.end - timing.start,
-                "predicted_start_s": timing.start if self.measured_ready is not None else None,
-            }
-            for bucket, destination, timing in zip(
-                self.pipeline.buckets, self.pipeline.destinations, timeline, strict=True
+        buckets = []
+        for bucket, timing in zip(placement.buckets, timeline, strict=True):
+            destination = placement.factors[bucket[0]].reduced_to
+            buckets.append(
+                {
+                    "factors": [names[i] for i in bucket],
+                    "collective": "allreduce" if destination is None else "reduce",
+                    "destination": "all" if destination is None else destination,
+                    "wire_bytes": sum(costs.wire[i] for i in bucket),
+                    "predicted_s": timing.end - timing.start,
+                    "predicted_start_s": timing.start if self.measured_ready is not None else None,
+                }
             )
-        ]
-        loads = [0.0] * self.comm.world_size
-        for seconds, owner in zip(self.decomposition_s, self.decomposer, strict=True):
-            for rank in range(self.comm.world_size) if owner == EVERY_WORKER else (owner,):
+        loads = [0.0] * self.world_size
+        for seconds, route in zip(costs.decomposition_s, placement.factors, strict=True):
+            owner = route.decomposed_by
+            for rank in range(self.world_size) if owner == EVERY_WORKER else (owner,):
                 loads[rank] += seconds
         return {
             "strategy": self.name,

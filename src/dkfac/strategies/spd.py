@@ -18,17 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dkfac.strategies.factor_inverses import EVERY_WORKER
 from dkfac.strategies.factor_placement import SlotCosts, decomposition_bytes
 from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.placement import longest_processing_time
+from dkfac.strategies.plan import EVERY_WORKER
 
 
 class SPDStrategy(PipelinedStrategy):
     """SPD-KFAC: hook-launched fused allreduces, redundant-or-LPT decompositions."""
 
     name = "spd"
-    factors_everywhere = True
 
     @staticmethod
     def plan_destinations(costs: SlotCosts) -> list[int | None]:
@@ -62,4 +61,4 @@ class SPDStrategy(PipelinedStrategy):
 
     def replan_order(self, ready: list[float]) -> list[int]:  # type: ignore[override]
         """Slots sorted by their agreed measured ready time (registration order breaks ties)."""
-        return sorted(range(len(self.slots)), key=lambda i: (ready[i], i))
+        return sorted(range(len(self.placement.factors)), key=lambda i: (ready[i], i))

@@ -1,0 +1,74 @@
+"""A communicator without a process group: it fuses, packs and counts, and sends nothing.
+
+The dry run (:mod:`dkfac.strategies.accounting`) runs the strategies' own runner against it
+for every rank of a world that does not exist: each collective is split into buckets by the
+real communicator's fusion rule and counted in its :class:`StepRecorder` exactly as a real
+run counts it (payload, calls, wire bytes), and is complete at once. Tensors are only read
+for their shapes and dtypes (``device="meta"`` tensors serve), so no data moves and results
+are whatever the tensors held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dkfac.comm.communicator import Communicator, ProcessGroup
+from dkfac.comm.recorder import StepRecorder
+
+
+class RecordingCommunicator(Communicator):
+    """Rank ``rank`` of a world of ``world_size``, counting collectives instead of running them.
+
+    Process groups are their rank tuples (:meth:`new_groups`), so a collective's size is known.
+
+    Args:
+        recorder: where bytes and calls are counted.
+        world_size: number of ranks of the pretended world.
+        rank: the rank this communicator speaks for.
+        bucket_cap_mb: largest fused buffer in MiB, as :class:`Communicator`.
+        comm_dtype: transport dtype, as :class:`Communicator`.
+    """
+
+    sends = False
+
+    def __init__(
+        self,
+        recorder: StepRecorder,
+        world_size: int,
+        rank: int,
+        *,
+        bucket_cap_mb: float = 25.0,
+        comm_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.recorder = recorder
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.comm_dtype = comm_dtype
+        self.group = None
+        self.rank = rank
+        self.world_size = world_size
+        self._owns_group = False
+        self._subgroups: list[ProcessGroup] = []
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the pretended world."""
+        return tuple(range(self.world_size))
+
+    @property
+    def backend(self) -> str:
+        """No backend: nothing is sent."""
+        return "recording"
+
+    def new_groups(self, layouts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], Any]:
+        """Each layout stands for itself (single-rank ones: ``None``, as for real)."""
+        return {tuple(ranks): tuple(ranks) if len(ranks) > 1 else None for ranks in layouts}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def group_size(self, group: ProcessGroup | None) -> int:
+        """The length of a layout made by :meth:`new_groups` (``None``: the world)."""
+        return len(group) if isinstance(group, tuple) else self.world_size

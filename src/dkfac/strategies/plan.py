@@ -1,0 +1,261 @@
+"""A strategy's plan as data: where each factor goes, who decomposes it, who gets what.
+
+A :class:`Placement` is the whole decision a strategy makes, for every rank at once: pure,
+typed and the same on every rank (computed from the same inputs). One runner
+(:mod:`dkfac.strategies.runner`) executes any placement, and the dry run
+(:mod:`dkfac.strategies.accounting`) runs that same runner against a recording communicator,
+so what a plan sends is said once.
+
+Three phases move data:
+
+* **factor exchange**: each factor's summed statistics are allreduced (``reduced_to`` is
+  ``None``) or reduced to one rank, at ``step()`` (``exchange="step"``) or from the module
+  hooks (``"hooks"``); with ``"none"`` a factor stays on the worker that captured it, built
+  from that worker's shard alone (DP-KFAC);
+* **decomposition sharing**: each factor is decomposed by one rank (or by every rank,
+  :data:`EVERY_WORKER`), and :class:`DecompositionShare` broadcasts carry results to the
+  ranks of a group that did not decompose them;
+* **gradient sharing**: the ranks that hold a layer's decomposition precondition it, and
+  :class:`GradientShare` broadcasts carry the result to the ranks of a group that do not.
+
+Only collectives that move data are planned: a group of one rank has no share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+from dkfac.comm.wire import group_by_source
+
+#: ``decomposed_by`` of a factor that every worker decomposes itself (nothing broadcast).
+EVERY_WORKER = -1
+
+#: A factor: ``(layer index, side)``, side ``"a"`` or ``"g"``.
+FactorKey = tuple[int, str]
+
+#: When factors travel: never (each owner's own shard), at ``step()``, or from the hooks.
+FactorExchange = Literal["none", "step", "hooks"]
+
+
+@dataclass(frozen=True)
+class FactorRoute:
+    """Where one Kronecker factor goes.
+
+    Attributes:
+        layer: index of the layer in the preconditioner's list.
+        side: ``"a"`` or ``"g"``.
+        dim: the factor's side length.
+        reduced_to: the rank its statistics are reduced to, or ``None`` for every rank (an
+            allreduce); with ``exchange="none"`` the factor is not sent and lives on its
+            decomposer.
+        decomposed_by: the rank that decomposes it, or :data:`EVERY_WORKER`.
+    """
+
+    layer: int
+    side: str
+    dim: int
+    reduced_to: int | None
+    decomposed_by: int
+
+    @property
+    def key(self) -> FactorKey:
+        """``(layer, side)``."""
+        return (self.layer, self.side)
+
+
+@dataclass(frozen=True)
+class DecompositionShare:
+    """One fused broadcast of decompositions from ``source`` inside ``group``.
+
+    Attributes:
+        source: the rank that decomposed the factors.
+        units: the payloads, in order; each carries some factors and one validity flag
+            (KAISA sends a layer's two factors together, SPD/PAD each factor alone).
+        group: the ranks that take part (the source among them), ascending.
+    """
+
+    source: int
+    units: tuple[tuple[FactorKey, ...], ...]
+    group: tuple[int, ...]
+
+    @property
+    def factors(self) -> list[FactorKey]:
+        """Every factor it carries, in payload order."""
+        return [key for unit in self.units for key in unit]
+
+
+@dataclass(frozen=True)
+class GradientShare:
+    """One fused broadcast of preconditioned gradients from ``source`` inside ``group``."""
+
+    source: int
+    layers: tuple[int, ...]
+    group: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A strategy's complete plan (see the module docstring).
+
+    Attributes:
+        world_size: number of ranks it plans for.
+        exchange: when factors travel (:data:`FactorExchange`).
+        factors: every factor of every layer once, in exchange order.
+        decompositions: the decomposition broadcasts, in launch order.
+        gradients: the gradient broadcasts, in launch order (per group, sources ascending).
+        buckets: with ``exchange="hooks"``, the fusion plan: lists of indices into
+            ``factors``, launched in this order, each with one destination.
+    """
+
+    world_size: int
+    exchange: FactorExchange
+    factors: tuple[FactorRoute, ...]
+    decompositions: tuple[DecompositionShare, ...] = ()
+    gradients: tuple[GradientShare, ...] = ()
+    buckets: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        keys = [route.key for route in self.factors]
+        layers = {layer for layer, _ in keys}
+        if sorted(keys) != sorted((layer, side) for layer in layers for side in "ag"):
+            raise ValueError("a placement must route both factors of every layer exactly once")
+        if self.exchange == "step" and any(route.reduced_to is not None for route in self.factors):
+            raise ValueError("factors exchanged at step() are allreduced to every rank")
+        ranks = range(self.world_size)
+        for route in self.factors:
+            if route.decomposed_by != EVERY_WORKER and route.decomposed_by not in ranks:
+                raise ValueError(f"factor {route.key} is decomposed by no rank of the world")
+        for share in self.decompositions:
+            for key in share.factors:
+                if self.route(key).decomposed_by != share.source or share.source not in share.group:
+                    raise ValueError(f"factor {key} is shared by a rank that did not decompose it")
+
+    @cached_property
+    def _routes(self) -> dict[FactorKey, FactorRoute]:
+        return {route.key: route for route in self.factors}
+
+    @cached_property
+    def _receivers(self) -> dict[FactorKey, frozenset[int]]:
+        received: dict[FactorKey, set[int]] = {}
+        for share in self.decompositions:
+            for key in share.factors:
+                received.setdefault(key, set()).update(share.group)
+        return {key: frozenset(ranks) for key, ranks in received.items()}
+
+    @property
+    def layer_count(self) -> int:
+        """Number of layers planned."""
+        return len(self.factors) // 2
+
+    def route(self, key: FactorKey) -> FactorRoute:
+        """The route of factor ``key``."""
+        return self._routes[key]
+
+    # -- who holds what --------------------------------------------------------------------
+    def holds_factor(self, route: FactorRoute, rank: int) -> bool:
+        """Whether ``rank`` keeps the running average of ``route``'s factor."""
+        if self.exchange == "none":
+            return route.decomposed_by in (rank, EVERY_WORKER)
+        return route.reduced_to is None or route.reduced_to == rank
+
+    def captures(self, layer: int, rank: int) -> bool:
+        """Whether ``rank`` collects ``layer``'s statistics in the hooks.
+
+        Every rank contributes to an exchanged factor; one that is not exchanged is captured
+        only where it is kept.
+        """
+        if self.exchange != "none":
+            return True
+        return any(self.holds_factor(self.route((layer, side)), rank) for side in "ag")
+
+    def decomposes(self, route: FactorRoute, rank: int) -> bool:
+        """Whether ``rank`` decomposes ``route``'s factor."""
+        return route.decomposed_by in (rank, EVERY_WORKER)
+
+    def holds_decomposition(self, key: FactorKey, rank: int) -> bool:
+        """Whether ``rank`` ends a decomposition step with factor ``key``'s decomposition."""
+        return self.decomposes(self.route(key), rank) or rank in self._receivers.get(key, ())
+
+    def holds_inverse(self, layer: int, rank: int) -> bool:
+        """Whether ``rank`` holds ``layer``'s inverse (and so preconditions it)."""
+        return all(self.holds_decomposition((layer, side), rank) for side in "ag")
+
+    def exchanges_traces(self) -> bool:
+        """Whether a decomposer lacks the other factor of its layer (``π`` needs both traces).
+
+        Then the factored Tikhonov damping of ``inverse_method="inverse"`` takes ``tr(F)/d``
+        of every factor from the rank that holds it, in one small allreduce.
+        """
+        for route in self.factors:
+            other = self.route((route.layer, "g" if route.side == "a" else "a"))
+            ranks = range(self.world_size)
+            deciders = ranks if route.decomposed_by == EVERY_WORKER else (route.decomposed_by,)
+            if any(not self.holds_factor(other, rank) for rank in deciders):
+                return True
+        return False
+
+    def group_layouts(self) -> list[tuple[int, ...]]:
+        """The process groups the shares need, in first-use order (the same on every rank)."""
+        layouts: list[tuple[int, ...]] = []
+        groups = [share.group for share in self.decompositions]
+        for group in groups + [share.group for share in self.gradients]:
+            if group not in layouts:
+                layouts.append(group)
+        return layouts
+
+    # -- accounting ------------------------------------------------------------------------
+    def decomposition_work(self, rank: int) -> int:
+        """``Σ d³`` over the factors ``rank`` decomposes."""
+        return sum(route.dim**3 for route in self.factors if self.decomposes(route, rank))
+
+    def describe(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        """``plan()["factors"]``: per factor its layer name, dim, destination and decomposer."""
+        return [
+            {
+                "layer": names[route.layer],
+                "factor": route.side.upper(),
+                "dim": route.dim,
+                "reduced_to": _reduced_to(self.exchange, route.reduced_to),
+                "decomposed_by": "all"
+                if route.decomposed_by == EVERY_WORKER
+                else route.decomposed_by,
+            }
+            for route in self.factors
+        ]
+
+
+def _reduced_to(exchange: FactorExchange, reduced_to: int | None) -> int | str:
+    if exchange == "none":
+        return "none (owner's shard only)"
+    return "all" if reduced_to is None else reduced_to
+
+
+def layer_owner_routes(
+    dims: Sequence[tuple[int, int]], owners: Sequence[int], reduced_to: int | None = None
+) -> tuple[FactorRoute, ...]:
+    """Both factors of each layer (A then G, layers in order), decomposed by the layer's owner."""
+    return tuple(
+        FactorRoute(layer, side, dim, reduced_to, owner)
+        for layer, (pair, owner) in enumerate(zip(dims, owners, strict=True))
+        for side, dim in zip("ag", pair, strict=True)
+    )
+
+
+def gradient_shares(
+    owners_in_group: Sequence[int], group: Sequence[int]
+) -> tuple[GradientShare, ...]:
+    """Per source (ascending) the layers whose preconditioned gradient it sends in ``group``.
+
+    Args:
+        owners_in_group: per layer, the rank of ``group`` that preconditions it.
+        group: the ranks that take part; a group of one rank shares nothing.
+    """
+    if len(group) < 2:
+        return ()
+    return tuple(
+        GradientShare(source, tuple(layers), tuple(group))
+        for source, layers in group_by_source(owners_in_group)
+    )

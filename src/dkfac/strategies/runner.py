@@ -1,0 +1,395 @@
+"""One runner for every strategy: it executes a :class:`~dkfac.strategies.plan.Placement`.
+
+A strategy decides (its placement, and for SPD/PAD when each factor is handed over); this
+module does, on one rank, the three phases of any placement:
+
+* factor exchange: fold the factors a rank captured alone (``exchange="none"``), allreduce
+  every factor's summed statistics at ``step()`` (``"step"``), or finish the collectives the
+  hooks launched through a :class:`~dkfac.strategies.pipeline.FactorPipeline` (``"hooks"``);
+* decompositions: decompose the factors this rank is given, broadcast them in the planned
+  shares, install every inverse this rank holds;
+* gradients: precondition the layers whose inverse this rank holds, broadcast the results in
+  the planned shares.
+
+The collectives are issued by the methods :meth:`send_factor_sums`, :meth:`share_traces`,
+:meth:`share_decompositions` and :meth:`share_gradients`, which the dry run calls on a
+:class:`~dkfac.comm.recording.RecordingCommunicator` with shape-only tensors: what a plan
+sends is said here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from dkfac.comm.communicator import CollectiveHandle, Communicator
+from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.decomposition import FactorRequest, decompose_factors
+from dkfac.curvature.inverse import (
+    FactorDecomposition,
+    combine_factors,
+    tikhonov_shifts,
+    trace_mean,
+)
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.decomposition_payload import DecompositionPayload, valid_flags
+from dkfac.strategies.pipeline import FactorPipeline, FactorSlot
+from dkfac.strategies.plan import (
+    EVERY_WORKER,
+    DecompositionShare,
+    FactorKey,
+    FactorRoute,
+    Placement,
+)
+
+#: Per factor, the decomposition this rank computed or received (``None``: none usable).
+Parts = dict[FactorKey, FactorDecomposition | None]
+
+
+class PlacementRunner:
+    """Executes ``placement`` as rank ``rank``.
+
+    Args:
+        placement: the plan (the same on every rank).
+        rank: this worker's rank in the placement.
+        recorder: phase timing and accounting.
+        comm: the communicator; ``None`` for a placement that sends nothing (one worker).
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        rank: int,
+        recorder: StepRecorder,
+        comm: Communicator | None = None,
+    ) -> None:
+        self.placement = placement
+        self.rank = rank
+        self.recorder = recorder
+        self.comm = comm
+        layouts = placement.group_layouts()
+        if (layouts or placement.exchange != "none") and comm is None:
+            raise ValueError("a placement that sends data needs a communicator")
+        self.groups = comm.new_groups(layouts) if comm is not None else {}
+        self.pipeline: FactorPipeline | None = None
+        if placement.exchange == "hooks":
+            assert comm is not None
+            self.pipeline = FactorPipeline(
+                comm,
+                recorder,
+                [FactorSlot(r.layer, r.side, r.dim) for r in placement.factors],
+                placement.buckets,
+                [placement.factors[bucket[0]].reduced_to for bucket in placement.buckets],
+            )
+
+    def set_buckets(self, buckets: Sequence[Sequence[int]]) -> Placement:
+        """Replace the fusion plan of a hook exchange (between steps, the same on every rank)."""
+        assert self.pipeline is not None, "only placements with exchange='hooks' have buckets"
+        self.placement = replace(self.placement, buckets=tuple(tuple(b) for b in buckets))
+        self.pipeline.set_plan(
+            buckets, [self.placement.factors[bucket[0]].reduced_to for bucket in buckets]
+        )
+        return self.placement
+
+    def _comm(self) -> Communicator:
+        assert self.comm is not None, "checked at construction"
+        return self.comm
+
+    # -- factor exchange ---------------------------------------------------------------------
+    def exchange_factors(
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        *,
+        fold: bool = True,
+        profile: bool = False,
+    ) -> None:
+        """Turn the window's statistics into running factors where the plan keeps them.
+
+        Each factor is folded when some worker that contributes to it had statistics (``A``
+        where the layer's forward ran, ``G`` where a gradient reached its output), as
+        ``strategy="local"`` does alone; ``fold=False`` exchanges as usual, so every worker
+        issues the same collectives, and folds nothing. ``profile`` (hooks only) keeps the
+        window's ready times for re-planning.
+        """
+        if self.placement.exchange == "none":
+            for route in self.placement.factors:
+                stats = layers[route.layer].statistics(route.side)
+                if fold and stats.has_statistics and self.placement.holds_factor(route, self.rank):
+                    batch = stats.batch_factor(loss_reduction)
+                    layers[route.layer].fold_factor(route.side, batch, decay)
+        elif self.placement.exchange == "step":
+            self._exchange_at_step(layers, decay, loss_reduction, fold)
+        else:
+            self._finish_hooked(layers, decay, loss_reduction, fold, profile)
+        for layer in layers:
+            layer.clear_statistics()
+
+    def _exchange_at_step(
+        self, layers: Sequence[LayerCurvature], decay: float, loss_reduction: str, fold: bool
+    ) -> None:
+        totals, counts = [], []
+        for route in self.placement.factors:
+            layer = layers[route.layer]
+            if layer.statistics(route.side).has_statistics:
+                total, count = layer.summed_factor(route.side, loss_reduction)
+            else:  # still take part: every worker must issue the same collectives
+                total, count = layer.zeros(route.side), 0
+            totals.append(total)
+            counts.append(count)
+        # Counts travel in float64 on their own (also under comm_dtype): exact integers even
+        # summed over many workers, and they do not force the factor bucket into float64.
+        counts_tensor = torch.tensor(counts, dtype=torch.float64, device=totals[0].device)
+        self.send_factor_sums(totals, counts_tensor)
+        summed = counts_tensor.tolist()  # one host synchronisation per factor update
+        for route, total, count in zip(self.placement.factors, totals, summed, strict=True):
+            if fold and count > 0:
+                layers[route.layer].fold_factor(route.side, total / count, decay)
+
+    def send_factor_sums(self, totals: Sequence[Tensor], counts: Tensor) -> None:
+        """Allreduce the float64 counts and the packed factor sums (fused), and wait."""
+        comm = self._comm()
+        with self.recorder.phase("factor_comm"):
+            count_handle = comm.allreduce([counts], phase="factor_comm", exact=True)
+            comm.allreduce(totals, phase="factor_comm", symmetric=[True] * len(totals)).wait()
+            count_handle.wait()
+
+    def hand_over(
+        self, layers: Sequence[LayerCurvature], layer: int, side: str, loss_reduction: str
+    ) -> None:
+        """Give factor ``(layer, side)``'s summed statistics to the pipeline (from a hook)."""
+        assert self.pipeline is not None, "only placements with exchange='hooks' hand over"
+        summed = layers[layer].statistics(side).hand_over(loss_reduction)
+        self.pipeline.ready(layer, side, summed.total, summed.count)
+
+    def _finish_hooked(
+        self,
+        layers: Sequence[LayerCurvature],
+        decay: float,
+        loss_reduction: str,
+        fold: bool,
+        profile: bool,
+    ) -> None:
+        """Hand over what the hooks did not, correct for late statistics, fold where kept."""
+        assert self.pipeline is not None
+        for route in self.placement.factors:
+            stats = layers[route.layer].statistics(route.side)
+            if stats.has_statistics and not stats.handed_over:
+                self.hand_over(layers, route.layer, route.side, loss_reduction)
+        late = [
+            layers[route.layer].statistics(route.side).late(loss_reduction)
+            for route in self.placement.factors
+        ]
+        received = self.pipeline.finish(
+            lambda slot: layers[slot.layer].zeros(slot.side), profile, late
+        )
+        for route, factor in zip(self.placement.factors, received, strict=True):
+            if fold and factor.count > 0 and self.placement.holds_factor(route, self.rank):
+                layers[route.layer].fold_factor(route.side, factor.total / factor.count, decay)
+
+    # -- decompositions ----------------------------------------------------------------------
+    def decompose_and_share(
+        self,
+        layers: Sequence[LayerCurvature],
+        damping: float,
+        method: str,
+        dtype: torch.dtype,
+    ) -> None:
+        """Decompose this rank's factors, share them as planned, install the inverses it holds.
+
+        A layer keeps its last inverse unless both of its factors arrived (or were computed
+        here) valid; the decision is the same on every rank of a share, because validity
+        travels with the payload.
+        """
+        plan, rank = self.placement, self.rank
+        means = self._trace_means(layers, dtype) if method == "inverse" else None
+        requests: list[FactorRequest] = []
+        keys: list[FactorKey] = []
+        for route in plan.factors:
+            layer = layers[route.layer]
+            if not plan.decomposes(route, rank) or layer.factor(route.side) is None:
+                continue
+            requests.append(self._request(layer, route, means, damping))
+            keys.append(route.key)
+        with self.recorder.phase("inverse_compute"):
+            parts: Parts = dict(zip(keys, decompose_factors(requests, method, dtype), strict=True))
+        device = layers[0].block.weight.device if layers else torch.device("cpu")
+        payloads = self.decomposition_payloads(method, dtype, device, parts)
+        self.share_decompositions(payloads)
+        flat = [payload for unit_payloads in payloads for payload in unit_payloads]
+        units = [unit for share in self._my_shares() for unit in share.units]
+        for unit, payload, ok in zip(units, flat, valid_flags(flat), strict=True):
+            for route in (plan.route(key) for key in unit):
+                tensors = payload.factor_tensors(method, route.side)
+                parts[route.key] = FactorDecomposition(tensors, payload.flag > 0) if ok else None
+        for index, layer in enumerate(layers):
+            a, g = parts.get((index, "a")), parts.get((index, "g"))
+            if plan.holds_inverse(index, rank) and a is not None and g is not None:
+                layer.inverse = combine_factors(method, a, g)
+
+    def _request(
+        self,
+        layer: LayerCurvature,
+        route: FactorRoute,
+        means: Tensor | None,
+        damping: float,
+    ) -> FactorRequest:
+        """One factor to decompose, with its Tikhonov shift when the method needs one.
+
+        The damping goes with it when both factors are held here, so a float64 retry
+        recomputes the shift from float64 traces.
+        """
+        if means is None:
+            return FactorRequest(layer, route.side)
+        shift_a, shift_g = tikhonov_shifts(means[route.layer, 0], means[route.layer, 1], damping)
+        both_here = layer.a is not None and layer.g is not None
+        return FactorRequest(
+            layer,
+            route.side,
+            shift_a if route.side == "a" else shift_g,
+            damping if both_here else None,
+        )
+
+    def _trace_means(self, layers: Sequence[LayerCurvature], dtype: torch.dtype) -> Tensor:
+        """``tr(F)/d`` of every factor, ``(L, 2)``, as a single worker computes it.
+
+        Where a decomposer lacks the other factor of its layer (:meth:`Placement.
+        exchanges_traces`), each value comes from the factor's decomposer (rank 0 for a
+        factor every worker decomposes) and the others add zeros, so every rank gets bitwise
+        the single-worker value; otherwise each rank reads the factors it holds.
+        """
+        plan, rank = self.placement, self.rank
+        device = layers[0].block.weight.device
+        means = torch.zeros(plan.layer_count, 2, dtype=dtype, device=device)
+        exchange = self.exchanges_traces("inverse")
+        for route in plan.factors:
+            factor = layers[route.layer].factor(route.side)
+            if exchange:
+                mine = route.decomposed_by == rank or (
+                    route.decomposed_by == EVERY_WORKER and rank == 0
+                )
+            else:
+                mine = plan.holds_factor(route, rank)
+            if factor is not None and mine:
+                means[route.layer, "ag".index(route.side)] = trace_mean(factor, dtype)
+        if exchange:
+            self.share_traces(means)
+        return means
+
+    def exchanges_traces(self, method: str) -> bool:
+        """Whether a decomposition step allreduces the trace means (:meth:`share_traces`)."""
+        return method == "inverse" and self.placement.exchanges_traces()
+
+    def share_traces(self, means: Tensor) -> None:
+        """Allreduce the ``(L, 2)`` trace means (each value from one rank, zeros elsewhere)."""
+        with self.recorder.phase("inverse_comm"):
+            self._comm().allreduce([means], phase="inverse_comm").wait()
+
+    def _my_shares(self) -> list[DecompositionShare]:
+        return [share for share in self.placement.decompositions if self.rank in share.group]
+
+    def decomposition_payloads(
+        self, method: str, dtype: torch.dtype, device: torch.device, parts: Parts
+    ) -> list[list[DecompositionPayload]]:
+        """Per share this rank takes part in, per unit: what it sends, or receive buffers.
+
+        A source sends a unit only when every factor of it decomposed (``parts``); otherwise
+        the unit travels marked invalid.
+        """
+        result = []
+        for share in self._my_shares():
+            unit_payloads = []
+            for unit in share.units:
+                routes = [self.placement.route(key) for key in unit]
+                found = [parts.get(key) for key in unit] if share.source == self.rank else []
+                stored = None
+                if found and all(part is not None for part in found):
+                    stored = {name: t for part in found for name, t in part.tensors.items()}  # type: ignore[union-attr]
+                unit_payloads.append(
+                    DecompositionPayload.build(
+                        method, [(r.side, r.dim) for r in routes], stored, dtype, device
+                    )
+                )
+            result.append(unit_payloads)
+        return result
+
+    def share_decompositions(self, payloads: Sequence[Sequence[DecompositionPayload]]) -> None:
+        """One fused broadcast per share this rank takes part in (plan order), then wait."""
+        if not payloads:
+            return
+        comm = self._comm()
+        handles: list[CollectiveHandle] = []
+        with self.recorder.phase("inverse_comm"):
+            for share, unit_payloads in zip(self._my_shares(), payloads, strict=True):
+                tensors = [t for payload in unit_payloads for t in payload.tensors]
+                symmetric = [s for payload in unit_payloads for s in payload.symmetric]
+                handles.append(
+                    comm.broadcast(
+                        tensors,
+                        share.source,
+                        phase="inverse_comm",
+                        symmetric=symmetric,
+                        group=self.groups[share.group],
+                    )
+                )
+            for handle in handles:
+                handle.wait()
+
+    # -- gradients ---------------------------------------------------------------------------
+    def precondition(
+        self,
+        indices: Sequence[int],
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+    ) -> list[Tensor]:
+        """Preconditioned gradients of ``layers`` (plan indices ``indices``), on this rank.
+
+        This rank preconditions the layers whose inverse it holds; the others arrive in the
+        planned gradient shares.
+        """
+        results = list(grads)
+        with self.recorder.phase("precondition"):
+            for position, (index, layer) in enumerate(zip(indices, layers, strict=True)):
+                if self.placement.holds_inverse(index, self.rank):
+                    results[position] = layer.precondition(grads[position], damping)
+        return self.share_gradients(indices, results)
+
+    def share_gradients(self, indices: Sequence[int], results: Sequence[Tensor]) -> list[Tensor]:
+        """Broadcast the preconditioned gradients of the planned shares among ``indices``.
+
+        Layers not in ``indices`` (no gradient this step, the same on every rank) are left
+        out of their shares; a share left empty is not sent.
+        """
+        position = {index: p for p, index in enumerate(indices)}
+        shares = [
+            (share, [position[i] for i in share.layers if i in position])
+            for share in self.placement.gradients
+            if self.rank in share.group
+        ]
+        shares = [(share, positions) for share, positions in shares if positions]
+        updated = list(results)
+        if not shares:
+            return updated
+        comm = self._comm()
+        handles: list[CollectiveHandle] = []
+        with self.recorder.phase("grad_comm"):
+            for share, positions in shares:
+                buffers = [
+                    results[p] if share.source == self.rank else torch.empty_like(results[p])
+                    for p in positions
+                ]
+                handles.append(
+                    comm.broadcast(
+                        buffers, share.source, phase="grad_comm", group=self.groups[share.group]
+                    )
+                )
+                for p, buffer in zip(positions, buffers, strict=True):
+                    updated[p] = buffer
+            for handle in handles:
+                handle.wait()
+        return updated

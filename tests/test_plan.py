@@ -1,0 +1,188 @@
+"""Placements as data (who keeps, decomposes and receives what) and the recording communicator.
+
+The runner that executes placements is checked end to end by the equivalence tests
+(test_distributed, test_dp, test_pipelined: every strategy against the single-process run on
+the global batch) and by the dry run's byte counts (test_accounting); here the plans' own
+rules are checked against hand-worked cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.recording import RecordingCommunicator
+from dkfac.strategies.dp import dp_placement, plan_layer_owners
+from dkfac.strategies.kaisa import kaisa_placement
+from dkfac.strategies.kaisa import plan_layer_owners as kaisa_owners
+from dkfac.strategies.plan import (
+    EVERY_WORKER,
+    DecompositionShare,
+    FactorRoute,
+    GradientShare,
+    Placement,
+    gradient_shares,
+    layer_owner_routes,
+)
+
+DIMS = [(5, 8), (9, 64), (65, 3), (4, 4), (33, 17)]
+
+
+def test_kaisa_rows_hold_decompositions_and_columns_receive_gradients() -> None:
+    world, grad_workers = 4, 2  # rows [0, 1] and [2, 3]; columns [0, 2] and [1, 3]
+    owners = kaisa_owners(DIMS, world)
+    plan = kaisa_placement(DIMS, world, grad_workers)
+    assert plan.exchange == "step"
+    for layer, owner in enumerate(owners):
+        row = {owner - owner % 2, owner - owner % 2 + 1}
+        for rank in range(world):
+            assert plan.holds_inverse(layer, rank) == (rank in row)
+            assert plan.captures(layer, rank)  # every rank adds to the allreduced factors
+            for side in "ag":
+                route = plan.route((layer, side))
+                assert plan.holds_factor(route, rank)
+                assert plan.decomposes(route, rank) == (rank == owner)
+    # One decomposition share per owner, inside its row; one gradient share per source and
+    # column: the row member of that column.
+    assert {(s.source, s.group) for s in plan.decompositions} == {
+        (o, (o - o % 2, o - o % 2 + 1)) for o in owners
+    }
+    for share in plan.gradients:
+        assert share.group in ((0, 2), (1, 3)) and share.source in share.group
+        for layer in share.layers:
+            assert share.source // 2 == owners[layer] // 2
+    assert plan.group_layouts()[:2] == [(0, 1), (2, 3)]
+
+
+def test_kaisa_extremes_share_only_what_moves() -> None:
+    world = 4
+    comm_opt = kaisa_placement(DIMS, world, world)  # D-KFAC: decompositions to all, no grads
+    assert comm_opt.gradients == () and comm_opt.group_layouts() == [(0, 1, 2, 3)]
+    assert all(comm_opt.holds_inverse(layer, rank) for layer in range(5) for rank in range(4))
+    mem_opt = kaisa_placement(DIMS, world, 1)  # only owners hold; gradients to all
+    owners = kaisa_owners(DIMS, world)
+    assert mem_opt.decompositions == ()
+    for layer, owner in enumerate(owners):
+        assert [mem_opt.holds_inverse(layer, r) for r in range(4)] == [r == owner for r in range(4)]
+    assert {share.source for share in mem_opt.gradients} == set(owners)
+
+
+def test_dp_owners_capture_keep_and_decompose_alone() -> None:
+    world = 3
+    owners = plan_layer_owners(DIMS, world)
+    plan = dp_placement(DIMS, world)
+    for layer, owner in enumerate(owners):
+        for rank in range(world):
+            mine = rank == owner
+            assert plan.captures(layer, rank) == mine
+            assert plan.holds_inverse(layer, rank) == mine
+            assert all(plan.holds_factor(plan.route((layer, s)), rank) == mine for s in "ag")
+    assert plan.decomposition_work(owners[1]) >= 9**3 + 64**3
+    assert not plan.exchanges_traces()  # an owner holds both of its factors
+    assert plan.describe([f"l{i}" for i in range(5)])[0]["reduced_to"] == (
+        "none (owner's shard only)"
+    )
+
+
+def test_factors_reduced_to_owners_are_captured_everywhere_and_need_traces() -> None:
+    # PAD's shape: each factor reduced to the rank that decomposes it; A and G of layer 0 on
+    # different ranks, so the Tikhonov π needs the traces from both.
+    routes = (
+        FactorRoute(0, "a", 5, 0, 0),
+        FactorRoute(0, "g", 8, 1, 1),
+    )
+    shares = (
+        DecompositionShare(0, (((0, "a"),),), (0, 1)),
+        DecompositionShare(1, (((0, "g"),),), (0, 1)),
+    )
+    plan = Placement(2, "hooks", routes, shares, buckets=((0,), (1,)))
+    assert plan.captures(0, 0) and plan.captures(0, 1)  # both contribute to each reduce
+    assert plan.holds_factor(routes[0], 0) and not plan.holds_factor(routes[0], 1)
+    assert plan.holds_inverse(0, 0) and plan.holds_inverse(0, 1)
+    assert plan.exchanges_traces()
+    everywhere = Placement(
+        2,
+        "hooks",
+        (FactorRoute(0, "a", 5, None, EVERY_WORKER), FactorRoute(0, "g", 8, None, EVERY_WORKER)),
+        buckets=((0, 1),),
+    )
+    assert not everywhere.exchanges_traces()
+    assert everywhere.decomposition_work(1) == 5**3 + 8**3
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Placement(1, "none", (FactorRoute(0, "a", 3, None, 0),)), "both factors"),
+        (
+            lambda: Placement(2, "none", layer_owner_routes([(3, 4)], [2])),
+            "decomposed by no rank",
+        ),
+        (
+            lambda: Placement(2, "step", layer_owner_routes([(3, 4)], [0], reduced_to=1)),
+            "allreduced",
+        ),
+        (
+            lambda: Placement(
+                2,
+                "step",
+                layer_owner_routes([(3, 4)], [0]),
+                (DecompositionShare(1, (((0, "a"), (0, "g")),), (0, 1)),),
+            ),
+            "did not decompose",
+        ),
+    ],
+)
+def test_inconsistent_placements_are_refused(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_gradient_share_of_one_rank_is_not_planned() -> None:
+    plan = kaisa_placement(DIMS, 2, 2)
+    assert all(len(share.group) > 1 for share in plan.gradients)
+    assert plan.gradients == ()
+    assert gradient_shares([0, 0, 0], (0,)) == ()
+    assert gradient_shares([1, 0, 1], (0, 1)) == (
+        GradientShare(0, (1,), (0, 1)),
+        GradientShare(1, (0, 2), (0, 1)),
+    )
+
+
+def test_the_recording_communicator_counts_what_the_real_one_counts() -> None:
+    # The hand counts test_communicator asserts on a real 3-rank gloo run, from meta tensors.
+    world = 3
+
+    def sent(payload: int, factor: int, ranks: int = world) -> int:
+        return factor * payload * (ranks - 1) // ranks
+
+    for rank in range(world):
+        recorder = StepRecorder()
+        comm = RecordingCommunicator(recorder, world, rank)
+        meta = torch.device("meta")
+        a = torch.empty(5, 5, dtype=torch.float64, device=meta)
+        v = torch.empty(3, dtype=torch.float64, device=meta)
+        comm.allreduce([a, v], phase="p", symmetric=[True, False], average=True).wait()
+        alone = RecordingCommunicator(recorder, world, rank, bucket_cap_mb=0)
+        parts = [torch.empty(2, dtype=torch.float64, device=meta) for _ in range(3)]
+        alone.allreduce(parts, phase="alone").wait()
+        comm.reduce([torch.empty(4, dtype=torch.float64, device=meta)], 1, phase="reduce")
+        b = torch.empty(4, 4, dtype=torch.float64, device=meta)
+        comm.broadcast([b], world - 1, phase="bcast", symmetric=[True]).wait()
+        low = RecordingCommunicator(recorder, world, rank, comm_dtype=torch.bfloat16)
+        low.allreduce([torch.empty(8, device=meta)], phase="bf16").wait()
+        counts = torch.empty(1, dtype=torch.float64, device=meta)
+        low.allreduce([counts], phase="exact", exact=True).wait()
+        groups = comm.new_groups([[0, 1], list(range(world)), [rank]])
+        assert groups[(rank,)] is None
+        comm.allreduce([torch.empty(1, device=meta)], phase="group", group=groups[(0, 1)])
+        recorder.finish_step(0)
+        stats = recorder.comm_stats()
+        assert stats["p/allreduce"] == {"bytes": 8 * 18, "calls": 1, "wire_bytes": sent(144, 2)}
+        assert stats["alone/allreduce"] == {"bytes": 48, "calls": 3, "wire_bytes": 3 * sent(16, 2)}
+        assert stats["reduce/reduce"] == {"bytes": 32, "calls": 1, "wire_bytes": sent(32, 1)}
+        assert stats["bcast/broadcast"] == {"bytes": 80, "calls": 1, "wire_bytes": sent(80, 1)}
+        assert stats["bf16/allreduce"] == {"bytes": 16, "calls": 1, "wire_bytes": sent(16, 2)}
+        assert stats["exact/allreduce"] == {"bytes": 8, "calls": 1, "wire_bytes": sent(8, 2)}
+        assert stats["group/allreduce"]["wire_bytes"] == sent(4, 2, ranks=2)
