@@ -292,10 +292,9 @@ class KFACPreconditioner:
     # -- inspection -------------------------------------------------------------------------
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer name: (A, G)}`` running factors held by this worker."""
+        held = [layer for layer in self._layers if self._strategy.holds_factors(layer)]
         return {
-            layer.name: (layer.a, layer.g)
-            for layer in self._layers
-            if layer.a is not None and layer.g is not None and self._strategy.holds_factors(layer)
+            layer.name: (layer.factors["a"].value(), layer.factors["g"].value()) for layer in held
         }
 
     def health(self) -> Health:

@@ -11,13 +11,10 @@ from dkfac.curvature.blocks import (
     UnsupportedLayerError,
     make_block,
 )
-from dkfac.curvature.decomposition import (
-    FactorRequest,
-    decompose_factors,
-    factor_requests,
-    update_inverses,
-)
+from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import (
+    CholeskyFactor,
+    EigenFactor,
     EigenInverse,
     FactorDecomposition,
     KroneckerInverse,
@@ -29,15 +26,19 @@ from dkfac.curvature.inverse import (
     trace_mean,
 )
 from dkfac.curvature.kl_clip import kl_clip_scale
+from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.layer import LayerCurvature
 
 __all__ = [
+    "CholeskyFactor",
     "Conv2dBlock",
+    "EigenFactor",
     "EigenInverse",
     "FactorDecomposition",
     "FactorRequest",
     "FactorStatistic",
     "KroneckerBlock",
+    "KroneckerFactor",
     "KroneckerInverse",
     "LayerCurvature",
     "LinearBlock",
@@ -47,10 +48,8 @@ __all__ = [
     "decompose",
     "decompose_factor",
     "decompose_factors",
-    "factor_requests",
     "kl_clip_scale",
     "make_block",
     "tikhonov_shifts",
     "trace_mean",
-    "update_inverses",
 ]

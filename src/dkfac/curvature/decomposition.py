@@ -15,12 +15,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import (
-    FactorDecomposition,
-    combine_factors,
-    decompose_factor,
-    tikhonov_shifts,
-)
+from dkfac.curvature.inverse import FactorDecomposition, decompose_factor, tikhonov_shift
 from dkfac.curvature.layer import LayerCurvature
 
 logger = logging.getLogger(__name__)
@@ -57,8 +52,8 @@ class FactorRequest:
         """This request for a float64 retry (shift recomputed when the damping is known)."""
         if self.shift is None or self.damping is None:
             return self
-        shift_a, shift_g = tikhonov_shifts(*self.layer.trace_means(torch.float64), self.damping)
-        return replace(self, shift=shift_a if self.side == "a" else shift_g)
+        means = self.layer.trace_means(torch.float64)
+        return replace(self, shift=tikhonov_shift(self.side, *means, self.damping))
 
 
 def decompose_factors(
@@ -83,7 +78,7 @@ def decompose_factors(
     dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
     results = [_try_decompose(request, method, dtype) for request in requests]
     attempted = {index: result for index, result in enumerate(results) if result is not None}
-    values = [torch.isfinite(factor).all() for factor in factors]  # type: ignore[arg-type]
+    values = [request.layer.factors[request.side].finite() for request in requests]
     values += [count for count in dropped if count is not None]
     values += [result.ok for result in attempted.values()]
     host = _host_values(values)
@@ -139,38 +134,6 @@ _TROUBLE_MESSAGES: Mapping[str, str] = MappingProxyType(
         "keeping the last good decomposition (or the plain gradient before the first one)",
     }
 )
-
-
-def factor_requests(
-    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
-) -> list[FactorRequest]:
-    """Requests for both factors of each layer, with Tikhonov shifts for ``"inverse"``."""
-    requests = []
-    for layer in layers:
-        if method == "inverse":
-            shift_a, shift_g = tikhonov_shifts(*layer.trace_means(dtype), damping)
-            requests += [
-                FactorRequest(layer, "a", shift_a, damping),
-                FactorRequest(layer, "g", shift_g, damping),
-            ]
-        else:
-            requests += [FactorRequest(layer, "a"), FactorRequest(layer, "g")]
-    return requests
-
-
-def update_inverses(
-    layers: Sequence[LayerCurvature], damping: float, method: str, dtype: torch.dtype
-) -> None:
-    """Decompose the running factors of ``layers`` here (see :func:`decompose_factors`).
-
-    A layer keeps its last good decomposition (or none, so its gradient passes unchanged)
-    unless both of its factors decomposed.
-    """
-    ready = [layer for layer in layers if layer.a is not None and layer.g is not None]
-    results = decompose_factors(factor_requests(ready, damping, method, dtype), method, dtype)
-    for layer, a, g in zip(ready, results[0::2], results[1::2], strict=True):
-        if a is not None and g is not None:
-            layer.inverse = combine_factors(method, a, g)
 
 
 def _try_decompose(

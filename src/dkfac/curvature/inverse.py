@@ -10,7 +10,8 @@ Two methods, one interface (:class:`KroneckerInverse`):
   Tikhonov damping, Martens & Grosse 2015 §6.3) computed through Cholesky, with
   ``π = sqrt((tr A / d_A) / (tr G / d_G))``; it applies ``G_d⁻¹ ∇ A_d⁻¹``.
 
-Both methods decompose each factor on its own (:func:`decompose_factor`), which lets
+Both methods decompose each factor on its own (:class:`EigenFactor`, :class:`CholeskyFactor`,
+each owning the names, shapes and symmetry of its tensors, i.e. what travels), which lets
 distributed strategies place the two factors of one layer on different workers; only the
 Tikhonov shift couples them, through ``π``, which the caller computes from both traces
 (:func:`tikhonov_shifts`). Decompositions report success as a device boolean so the caller can
@@ -22,85 +23,140 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-#: Per method and factor side: the names of the tensors that define one factor's
-#: decomposition, in transport order, and whether each is a symmetric matrix.
-FACTOR_LAYOUT: Mapping[str, Mapping[str, tuple[tuple[str, bool], ...]]] = MappingProxyType(
-    {
-        "eigen": MappingProxyType(
-            {"a": (("qa", False), ("la", False)), "g": (("qg", False), ("lg", False))}
-        ),
-        "inverse": MappingProxyType({"a": (("a_inv", True),), "g": (("g_inv", True),)}),
-    }
-)
-
 #: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
 FACTOR_SIDES: tuple[str, str] = ("a", "g")
 
+#: One tensor of a factor's decomposition: its name, shape and whether it is a symmetric matrix
+#: (then only its upper triangle travels).
+TensorSpec = tuple[str, tuple[int, ...], bool]
 
-def factor_tensor_shapes(
-    method: str, side: str, dim: int
-) -> list[tuple[str, tuple[int, ...], bool]]:
+
+class FactorDecomposition(ABC):
+    """The decomposition of one Kronecker factor; each method owns its tensors' layout.
+
+    Args:
+        side: ``"a"`` or ``"g"``.
+        tensors: named as :meth:`layout` says.
+        ok: device boolean: finite, and the factorisation succeeded.
+    """
+
+    #: The ``inverse_method`` this class implements.
+    method: ClassVar[str]
+
+    def __init__(self, side: str, tensors: dict[str, Tensor], ok: Tensor) -> None:
+        self.side = side
+        self.tensors = tensors
+        self.ok = ok
+
+    @staticmethod
+    @abstractmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """``(name, shape, symmetric)`` of the tensors of a ``d × d`` factor, in wire order.
+
+        The first is a ``d × d`` matrix; the others are ``d``-vectors. The names are the
+        keys of ``state_dict`` and of the layer's :meth:`KroneckerInverse.tensors`.
+        """
+
+
+class EigenFactor(FactorDecomposition):
+    """``F = Q Λ Qᵀ``: eigenvectors ``q<side>`` (``d × d``) and eigenvalues ``l<side>``."""
+
+    method = "eigen"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """Eigenvectors (not symmetric), then eigenvalues."""
+        return [(f"q{side}", (dim, dim), False), (f"l{side}", (dim,), False)]
+
+    @classmethod
+    def compute(cls, matrix: Tensor, side: str, dtype: torch.dtype) -> EigenFactor:
+        """Eigendecomposition in ``dtype``; round-off negative eigenvalues clamped to zero.
+
+        The clamp keeps ``λ_G λ_A + γ >= γ > 0``; eigenvectors are stored row-major like any
+        received copy, so every worker's GEMMs take the same path and round identically.
+
+        Raises:
+            torch.linalg.LinAlgError: the eigensolver did not converge.
+        """
+        eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
+        (q_name, _, _), (l_name, _, _) = cls.layout(side, matrix.shape[0])
+        ok = torch.isfinite(eigenvectors).all() & torch.isfinite(eigenvalues).all()
+        tensors = {q_name: eigenvectors.contiguous(), l_name: eigenvalues.clamp_min(0.0)}
+        return cls(side, tensors, ok)
+
+
+class CholeskyFactor(FactorDecomposition):
+    """``(F + shift·I)⁻¹`` through Cholesky: one symmetric matrix ``<side>_inv``."""
+
+    method = "inverse"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """The damped inverse (symmetric)."""
+        return [(f"{side}_inv", (dim, dim), True)]
+
+    @classmethod
+    def compute(
+        cls, matrix: Tensor, side: str, dtype: torch.dtype, shift: Tensor
+    ) -> CholeskyFactor:
+        """``(F + shift·I)⁻¹`` in ``dtype`` (``shift`` from :func:`tikhonov_shifts`)."""
+        damped = matrix.to(dtype) + torch.diag_embed(shift.to(dtype).expand(matrix.shape[0]))
+        factor, info = torch.linalg.cholesky_ex(damped)
+        inverse = torch.cholesky_inverse(factor)
+        ((name, _, _),) = cls.layout(side, matrix.shape[0])
+        ok = torch.isfinite(inverse).all() & (info == 0)
+        return cls(side, {name: inverse.contiguous()}, ok)
+
+
+#: The factor decomposition of each ``inverse_method``.
+FACTOR_DECOMPOSITIONS: Mapping[str, type[FactorDecomposition]] = MappingProxyType(
+    {"eigen": EigenFactor, "inverse": CholeskyFactor}
+)
+
+
+def factor_tensor_shapes(method: str, side: str, dim: int) -> list[TensorSpec]:
     """``(name, shape, symmetric)`` of the tensors of one factor's decomposition, in order.
-
-    The first tensor of a layout is a ``d × d`` matrix (eigenvectors, or the damped inverse);
-    the others are ``d``-vectors (eigenvalues).
 
     Args:
         method: ``"eigen"`` or ``"inverse"``.
         side: ``"a"`` or ``"g"``.
         dim: the factor's side length ``d``.
     """
-    return [
-        (name, (dim, dim) if position == 0 else (dim,), symmetric)
-        for position, (name, symmetric) in enumerate(FACTOR_LAYOUT[method][side])
-    ]
+    return FACTOR_DECOMPOSITIONS[method].layout(side, dim)
 
 
-@dataclass
-class FactorDecomposition:
-    """The decomposition of one Kronecker factor.
-
-    Attributes:
-        tensors: named as in :data:`FACTOR_LAYOUT` for the method and side.
-        ok: device boolean: finite, and the factorisation succeeded.
-    """
-
-    tensors: dict[str, Tensor]
-    ok: Tensor
+def factor_decomposition(
+    method: str, side: str, tensors: dict[str, Tensor], ok: Tensor
+) -> FactorDecomposition:
+    """A received (or loaded) decomposition of factor ``side`` as its method's class."""
+    return FACTOR_DECOMPOSITIONS[method](side, tensors, ok)
 
 
 def decompose_factor(
     matrix: Tensor, side: str, method: str, dtype: torch.dtype, shift: Tensor | None = None
 ) -> FactorDecomposition:
-    """Decompose one factor in ``dtype``.
-
-    ``"eigen"``: ``F = Q Λ Qᵀ``, tiny negative eigenvalues from round-off clamped to zero (which
-    keeps ``λ_G λ_A + γ >= γ > 0``); eigenvectors stored row-major like any received copy, so
-    every worker's GEMMs take the same path and round identically. ``"inverse"``:
-    ``(F + shift·I)⁻¹`` through Cholesky (``shift`` from :func:`tikhonov_shifts`).
+    """Decompose one factor in ``dtype``: :class:`EigenFactor` or :class:`CholeskyFactor`.
 
     Raises:
+        ValueError: ``"inverse"`` without the Tikhonov ``shift``.
         torch.linalg.LinAlgError: the eigensolver did not converge.
     """
-    q_name, *rest = (name for name, _ in FACTOR_LAYOUT[method][side])
     if method == "eigen":
-        eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
-        tensors = {q_name: eigenvectors.contiguous(), rest[0]: eigenvalues.clamp_min(0.0)}
-        ok = torch.isfinite(eigenvectors).all() & torch.isfinite(eigenvalues).all()
-        return FactorDecomposition(tensors, ok)
+        return EigenFactor.compute(matrix, side, dtype)
     if shift is None:
         raise ValueError("decompose_factor(method='inverse') needs the Tikhonov shift")
-    inverse, info = _cholesky_inverse(matrix.to(dtype), shift.to(dtype))
-    return FactorDecomposition(
-        {q_name: inverse.contiguous()}, torch.isfinite(inverse).all() & (info == 0)
-    )
+    return CholeskyFactor.compute(matrix, side, dtype, shift)
+
+
+def tikhonov_shift(side: str, mean_a: Tensor, mean_g: Tensor, damping: float) -> Tensor:
+    """The shift of factor ``side`` from :func:`tikhonov_shifts`."""
+    return tikhonov_shifts(mean_a, mean_g, damping)[FACTOR_SIDES.index(side)]
 
 
 def tikhonov_shifts(mean_a: Tensor, mean_g: Tensor, damping: float) -> tuple[Tensor, Tensor]:
@@ -177,13 +233,6 @@ class TikhonovInverse(KroneckerInverse):
     def tensors(self) -> dict[str, Tensor]:
         """The two damped inverses."""
         return {"a_inv": self.a_inv, "g_inv": self.g_inv}
-
-
-def _cholesky_inverse(matrix: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """``(matrix + shift·I)⁻¹`` via Cholesky, with the LAPACK info code (0 on success)."""
-    damped = matrix + torch.diag_embed(shift.expand(matrix.shape[0]))
-    factor, info = torch.linalg.cholesky_ex(damped)
-    return torch.cholesky_inverse(factor), info
 
 
 def decompose(

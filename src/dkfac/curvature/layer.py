@@ -17,12 +17,8 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.blocks import KroneckerBlock
-from dkfac.curvature.factors import running_average
-from dkfac.curvature.inverse import (
-    KroneckerInverse,
-    inverse_from_tensors,
-    trace_mean,
-)
+from dkfac.curvature.inverse import FACTOR_SIDES, KroneckerInverse, inverse_from_tensors
+from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.statistics import FactorStatistics
 
 logger = logging.getLogger(__name__)
@@ -65,26 +61,44 @@ class LayerCurvature:
         name: qualified module name (without a DDP ``module.`` prefix).
         block: the layer-type specific statistics.
         factor_dtype: dtype of the statistics and running averages.
-        a: running average of ``A`` (``None`` before the first update; NaN when no finite
-            estimate exists yet).
-        g: running average of ``G``.
         inverse: the latest good decomposition, ``None`` before the first one.
+        factors: the two :class:`~dkfac.curvature.kronecker_factor.KroneckerFactor` by side,
+            ``"a"`` (``d_A``) and ``"g"`` (``d_G``).
     """
 
     name: str
     block: KroneckerBlock
     factor_dtype: torch.dtype = torch.float32
-    a: Tensor | None = None
-    g: Tensor | None = None
     inverse: KroneckerInverse | None = None
-    _stats: dict[str, FactorStatistics] = field(
-        default_factory=lambda: {side: FactorStatistics(side) for side in ("a", "g")},
-        repr=False,
-    )
-    _nonfinite: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    factors: dict[str, KroneckerFactor] = field(init=False, repr=False)
     _trouble: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(TROUBLE_KINDS, 0), repr=False
     )
+
+    def __post_init__(self) -> None:
+        dims = (self.block.a_dim, self.block.g_dim)
+        self.factors = {
+            side: KroneckerFactor(side, dim, self.factor_dtype)
+            for side, dim in zip(FACTOR_SIDES, dims, strict=True)
+        }
+
+    @property
+    def a(self) -> Tensor | None:
+        """Running average of ``A`` (``None`` before the first update; NaN: no finite one yet)."""
+        return self.factors["a"].running
+
+    @a.setter
+    def a(self, value: Tensor | None) -> None:
+        self.factors["a"].running = value
+
+    @property
+    def g(self) -> Tensor | None:
+        """Running average of ``G`` (as :attr:`a`)."""
+        return self.factors["g"].running
+
+    @g.setter
+    def g(self, value: Tensor | None) -> None:
+        self.factors["g"].running = value
 
     # -- statistics ---------------------------------------------------------------------
     def accumulate_a(self, x: Tensor, pass_id: int) -> None:
@@ -95,7 +109,7 @@ class LayerCurvature:
         """
         with torch.autocast(x.device.type, enabled=False):
             statistic = self.block.a_statistic(x.detach(), self.factor_dtype)
-        self._stats["a"].add(statistic, pass_id)
+        self.factors["a"].statistics.add(statistic, pass_id)
 
     def accumulate_g(self, dy: Tensor, pass_id: int, grad_scale: float | None = None) -> None:
         """Add the output-gradient statistics of one backward call.
@@ -109,25 +123,25 @@ class LayerCurvature:
         with torch.autocast(dy.device.type, enabled=False):
             statistic = self.block.g_statistic(dy.detach(), self.factor_dtype)
         scale = 1.0 if grad_scale is None else 1.0 / (grad_scale * grad_scale)
-        self._stats["g"].add(statistic, pass_id, scale)
+        self.factors["g"].statistics.add(statistic, pass_id, scale)
 
     def statistics(self, side: str) -> FactorStatistics:
         """The window's statistics of factor ``side`` (``"a"`` or ``"g"``)."""
-        return self._stats[side]
+        return self.factors[side].statistics
 
     @property
     def has_statistics(self) -> bool:
         """Whether both factors have statistics since the last update."""
-        return all(stats.has_statistics for stats in self._stats.values())
+        return all(factor.statistics.has_statistics for factor in self.factors.values())
 
     @property
     def backward_passes(self) -> int:
         """Forward passes of the window whose output gradient reached this layer."""
-        return self._stats["g"].passes
+        return self.factors["g"].statistics.passes
 
     def statistic_updates(self, side: str) -> int:
         """Statistics accumulated into factor ``side`` this window (one per call)."""
-        return self._stats[side].updates
+        return self.factors[side].statistics.updates
 
     def summed_factor(self, side: str, loss_reduction: str) -> tuple[Tensor, int]:
         """``(R·A, R)`` or ``(N·G, N)`` of the window: sums that add up across workers.
@@ -136,51 +150,42 @@ class LayerCurvature:
         batches exactly, whatever each worker's batch size (each worker's loss being the mean
         over its own examples, as under DDP).
         """
-        summed = self._stats[side].summed(loss_reduction)
+        summed = self.factors[side].statistics.summed(loss_reduction)
         return summed.total, summed.count
 
     def batch_factor(self, side: str, loss_reduction: str) -> Tensor:
         """The normalised factor ``side`` of the window (see :mod:`.statistics`)."""
-        return self._stats[side].batch_factor(loss_reduction)
+        return self.factors[side].statistics.batch_factor(loss_reduction)
 
     def zeros(self, side: str) -> Tensor:
         """A zero factor ``side`` (what a worker without statistics contributes)."""
-        dim = self.block.a_dim if side == "a" else self.block.g_dim
-        return torch.zeros(dim, dim, dtype=self.factor_dtype, device=self.block.weight.device)
+        return self.factors[side].zeros(self.block.weight.device)
 
     def clear_statistics(self) -> None:
         """Forget the statistics of the current window."""
-        for stats in self._stats.values():
-            stats.clear()
+        for factor in self.factors.values():
+            factor.statistics.clear()
 
     def fold_window(self, loss_reduction: str, decay: float) -> None:
         """Fold each factor that has statistics in this window into its running average."""
-        for side, stats in self._stats.items():
-            if stats.has_statistics:
-                self.fold_factor(side, stats.batch_factor(loss_reduction), decay)
+        for factor in self.factors.values():
+            factor.fold_window(loss_reduction, decay)
 
     def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
         """Fold one batch factor into its running average; a non-finite batch is dropped."""
-        bad = (~torch.isfinite(batch).all()).to(torch.int64)
-        previous = self._nonfinite.get(side)
-        self._nonfinite[side] = bad if previous is None else previous + bad
-        self.set_factor(side, running_average(self.factor(side), batch, decay))
+        self.factors[side].fold(batch, decay)
 
     def factor(self, side: str) -> Tensor | None:
         """The running factor ``A`` (``side="a"``) or ``G`` (``"g"``)."""
-        return self.a if side == "a" else self.g
+        return self.factors[side].running
 
     def set_factor(self, side: str, value: Tensor | None) -> None:
         """Replace the running factor of ``side``."""
-        if side == "a":
-            self.a = value
-        else:
-            self.g = value
+        self.factors[side].running = value
 
     def trace_means(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``tr(A)/d_A`` and ``tr(G)/d_G`` in ``dtype`` (the inputs of the Tikhonov ``π``)."""
-        assert self.a is not None and self.g is not None
-        return trace_mean(self.a, dtype), trace_mean(self.g, dtype)
+        return self.factors["a"].trace_mean(dtype), self.factors["g"].trace_mean(dtype)
 
     # -- preconditioning ----------------------------------------------------------------
     def precondition(self, grad: Tensor, damping: float) -> Tensor:
@@ -192,7 +197,7 @@ class LayerCurvature:
     # -- state --------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Running factors and the decomposition, as plain tensors."""
-        entry: dict[str, Any] = {"A": self.a, "G": self.g}
+        entry: dict[str, Any] = {side.upper(): f.running for side, f in self.factors.items()}
         if self.inverse is not None:
             entry["inverse"] = {
                 "method": self.inverse.method,
@@ -202,7 +207,8 @@ class LayerCurvature:
 
     def check_state(self, entry: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``entry`` (from :meth:`state`) does not fit this layer."""
-        for key, dim in (("A", self.block.a_dim), ("G", self.block.g_dim)):
+        for side, factor in self.factors.items():
+            key, dim = side.upper(), factor.dim
             tensor = entry[key]
             if tensor is not None and tuple(tensor.shape) != (dim, dim):
                 raise ValueError(
@@ -217,8 +223,9 @@ class LayerCurvature:
         def own(tensor: Tensor) -> Tensor:
             return tensor.detach().to(device).clone()
 
-        self.a = None if entry["A"] is None else own(entry["A"])
-        self.g = None if entry["G"] is None else own(entry["G"])
+        for side, factor in self.factors.items():
+            saved_factor = entry[side.upper()]
+            factor.running = None if saved_factor is None else own(saved_factor)
         saved = entry.get("inverse")
         self.inverse = (
             None
@@ -249,4 +256,4 @@ class LayerCurvature:
 
     def take_nonfinite_count(self, side: str) -> Tensor | None:
         """Device count of non-finite batches of factor ``side`` dropped since the last call."""
-        return self._nonfinite.pop(side, None)
+        return self.factors[side].take_nonfinite_count()

@@ -103,9 +103,10 @@ class Strategy(ABC):
     def holds_factors(self, layer: LayerCurvature) -> bool:
         """Whether this worker keeps both of ``layer``'s running factors (for ``factors()``)."""
         index = self.index(layer)
-        return layer.a is not None and all(
-            self.placement.holds_factor(self.placement.route((index, side)), self.rank)
-            for side in "ag"
+        return all(
+            factor.running is not None
+            and self.placement.holds_factor(self.placement.route((index, side)), self.rank)
+            for side, factor in layer.factors.items()
         )
 
     def update_factors(

@@ -1,7 +1,8 @@
 """How decompositions travel: one payload per layer or factor, fused per source, one flag each.
 
-A payload is the tensors of some factors' decompositions in :data:`~dkfac.curvature.inverse.
-FACTOR_LAYOUT` order (zeros on ranks that receive), then a one-value validity flag: a
+A payload is the tensors of some factors' decompositions in the order their class lays them out
+(:meth:`~dkfac.curvature.inverse.FactorDecomposition.layout`; zeros on ranks that receive),
+then a one-value validity flag: a
 decomposition that failed on its owner arrives marked invalid, and every rank keeps its last
 good one alike. KAISA sends a layer's two factors in one payload (inside a grid row),
 SPD-KFAC and PAD-KFAC send each factor on its own (to every worker); the runner
@@ -16,7 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import FACTOR_LAYOUT, factor_tensor_shapes
+from dkfac.curvature.inverse import (
+    FactorDecomposition,
+    factor_decomposition,
+    factor_tensor_shapes,
+)
 
 #: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
 FactorDims = Sequence[tuple[str, int]]
@@ -42,11 +47,15 @@ class DecompositionPayload:
     """The tensors one collective carries for some factors' decompositions, flag last.
 
     Attributes:
+        method: ``"eigen"`` or ``"inverse"``.
+        factors: the factors it carries, ``(side, dim)`` each, in order.
         names: the decomposition tensors' names (without the flag).
         tensors: the tensors, then the flag (1: valid).
         symmetric: per tensor, whether only its upper triangle travels.
     """
 
+    method: str
+    factors: list[tuple[str, int]]
     names: list[str]
     tensors: list[Tensor]
     symmetric: list[bool]
@@ -77,6 +86,8 @@ class DecompositionPayload:
             parts = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, _ in specs]
         flag = torch.tensor([0.0 if stored is None else 1.0], dtype=dtype, device=device)
         return cls(
+            method=method,
+            factors=list(factors),
             names=[name for name, _, _ in specs],
             tensors=[*parts, flag],
             symmetric=[symmetric for _, _, symmetric in specs] + [False],
@@ -86,10 +97,12 @@ class DecompositionPayload:
         """The decomposition tensors by name (without the flag)."""
         return dict(zip(self.names, self.tensors[:-1], strict=True))
 
-    def factor_tensors(self, method: str, side: str) -> dict[str, Tensor]:
-        """The tensors of factor ``side``'s decomposition (a payload may carry both)."""
-        names = {name for name, _ in FACTOR_LAYOUT[method][side]}
-        return {name: tensor for name, tensor in self.named().items() if name in names}
+    def decomposition(self, side: str) -> FactorDecomposition:
+        """Factor ``side``'s decomposition as received (a payload may carry both factors)."""
+        dim = dict(self.factors)[side]
+        named = self.named()
+        tensors = {name: named[name] for name, _, _ in factor_tensor_shapes(self.method, side, dim)}
+        return factor_decomposition(self.method, side, tensors, self.flag > 0)
 
     @property
     def flag(self) -> Tensor:

@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from dkfac.comm.wire import group_by_source
+from dkfac.curvature.inverse import FACTOR_SIDES
 
 #: ``decomposed_by`` of a factor that every worker decomposes itself (nothing broadcast).
 EVERY_WORKER = -1
@@ -120,7 +121,7 @@ class Placement:
     def __post_init__(self) -> None:
         keys = [route.key for route in self.factors]
         layers = {layer for layer, _ in keys}
-        if sorted(keys) != sorted((layer, side) for layer in layers for side in "ag"):
+        if sorted(keys) != sorted((layer, side) for layer in layers for side in FACTOR_SIDES):
             raise ValueError("a placement must route both factors of every layer exactly once")
         if self.exchange == "step" and any(route.reduced_to is not None for route in self.factors):
             raise ValueError("factors exchanged at step() are allreduced to every rank")
@@ -169,7 +170,7 @@ class Placement:
         """
         if self.exchange != "none":
             return True
-        return any(self.holds_factor(self.route((layer, side)), rank) for side in "ag")
+        return any(self.holds_factor(self.route((layer, side)), rank) for side in FACTOR_SIDES)
 
     def decomposes(self, route: FactorRoute, rank: int) -> bool:
         """Whether ``rank`` decomposes ``route``'s factor."""
@@ -181,7 +182,7 @@ class Placement:
 
     def holds_inverse(self, layer: int, rank: int) -> bool:
         """Whether ``rank`` holds ``layer``'s inverse (and so preconditions it)."""
-        return all(self.holds_decomposition((layer, side), rank) for side in "ag")
+        return all(self.holds_decomposition((layer, side), rank) for side in FACTOR_SIDES)
 
     def exchanges_traces(self) -> bool:
         """Whether a decomposer lacks the other factor of its layer (``π`` needs both traces).
@@ -190,7 +191,7 @@ class Placement:
         of every factor from the rank that holds it, in one small allreduce.
         """
         for route in self.factors:
-            other = self.route((route.layer, "g" if route.side == "a" else "a"))
+            other = self.route((route.layer, other_side(route.side)))
             ranks = range(self.world_size)
             deciders = ranks if route.decomposed_by == EVERY_WORKER else (route.decomposed_by,)
             if any(not self.holds_factor(other, rank) for rank in deciders):
@@ -227,6 +228,11 @@ class Placement:
         ]
 
 
+def other_side(side: str) -> str:
+    """The other factor of the layer: ``"g"`` for ``"a"`` and back."""
+    return FACTOR_SIDES[1 - FACTOR_SIDES.index(side)]
+
+
 def _reduced_to(exchange: FactorExchange, reduced_to: int | None) -> int | str:
     if exchange == "none":
         return "none (owner's shard only)"
@@ -240,7 +246,7 @@ def layer_owner_routes(
     return tuple(
         FactorRoute(layer, side, dim, reduced_to, owner)
         for layer, (pair, owner) in enumerate(zip(dims, owners, strict=True))
-        for side, dim in zip("ag", pair, strict=True)
+        for side, dim in zip(FACTOR_SIDES, pair, strict=True)
     )
 
 

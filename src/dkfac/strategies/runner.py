@@ -29,10 +29,10 @@ from dkfac.comm.communicator import CollectiveHandle, Communicator
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import (
+    FACTOR_SIDES,
     FactorDecomposition,
     combine_factors,
-    tikhonov_shifts,
-    trace_mean,
+    tikhonov_shift,
 )
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.decomposition_payload import DecompositionPayload, valid_flags
@@ -223,9 +223,8 @@ class PlacementRunner:
         flat = [payload for unit_payloads in payloads for payload in unit_payloads]
         units = [unit for share in self._my_shares() for unit in share.units]
         for unit, payload, ok in zip(units, flat, valid_flags(flat), strict=True):
-            for route in (plan.route(key) for key in unit):
-                tensors = payload.factor_tensors(method, route.side)
-                parts[route.key] = FactorDecomposition(tensors, payload.flag > 0) if ok else None
+            for key in unit:
+                parts[key] = payload.decomposition(key[1]) if ok else None
         for index, layer in enumerate(layers):
             a, g = parts.get((index, "a")), parts.get((index, "g"))
             if plan.holds_inverse(index, rank) and a is not None and g is not None:
@@ -245,14 +244,9 @@ class PlacementRunner:
         """
         if means is None:
             return FactorRequest(layer, route.side)
-        shift_a, shift_g = tikhonov_shifts(means[route.layer, 0], means[route.layer, 1], damping)
-        both_here = layer.a is not None and layer.g is not None
-        return FactorRequest(
-            layer,
-            route.side,
-            shift_a if route.side == "a" else shift_g,
-            damping if both_here else None,
-        )
+        shift = tikhonov_shift(route.side, means[route.layer, 0], means[route.layer, 1], damping)
+        both_here = all(factor.running is not None for factor in layer.factors.values())
+        return FactorRequest(layer, route.side, shift, damping if both_here else None)
 
     def _trace_means(self, layers: Sequence[LayerCurvature], dtype: torch.dtype) -> Tensor:
         """``tr(F)/d`` of every factor, ``(L, 2)``, as a single worker computes it.
@@ -275,7 +269,8 @@ class PlacementRunner:
             else:
                 mine = plan.holds_factor(route, rank)
             if factor is not None and mine:
-                means[route.layer, "ag".index(route.side)] = trace_mean(factor, dtype)
+                side = layers[route.layer].factors[route.side]
+                means[route.layer, FACTOR_SIDES.index(route.side)] = side.trace_mean(dtype)
         if exchange:
             self.share_traces(means)
         return means

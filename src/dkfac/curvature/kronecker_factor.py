@@ -1,0 +1,77 @@
+"""One Kronecker factor of one layer on one worker: its window's statistics and running average.
+
+A layer's curvature is ``A ⊗ G``; both factors live the same life: statistics accumulate over
+a capture window (:class:`~dkfac.curvature.statistics.FactorStatistics`), the window's batch
+factor is folded into a running average, and the average is decomposed. A
+:class:`KroneckerFactor` is that life for one side (``"a"``: the layer's input, ``"g"``: the
+gradient of its output), so a layer holds two of them instead of paired fields.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.factors import running_average
+from dkfac.curvature.inverse import trace_mean
+from dkfac.curvature.statistics import FactorStatistics
+
+
+class KroneckerFactor:
+    """Statistics, running average and validity of one factor.
+
+    Args:
+        side: ``"a"`` or ``"g"``.
+        dim: the factor's side length ``d``.
+        dtype: dtype of the statistics and the running average.
+
+    Attributes:
+        side: ``"a"`` or ``"g"``.
+        dim: the factor's side length.
+        dtype: dtype of the statistics and the running average.
+        statistics: the current capture window's statistics.
+        running: the running average (``None`` before the first update; NaN when no finite
+            estimate exists yet).
+    """
+
+    def __init__(self, side: str, dim: int, dtype: torch.dtype) -> None:
+        self.side = side
+        self.dim = dim
+        self.dtype = dtype
+        self.statistics = FactorStatistics(side)
+        self.running: Tensor | None = None
+        self._nonfinite: Tensor | None = None
+
+    def fold(self, batch: Tensor, decay: float) -> None:
+        """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
+        bad = (~torch.isfinite(batch).all()).to(torch.int64)
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
+        self.running = running_average(self.running, batch, decay)
+
+    def fold_window(self, loss_reduction: str, decay: float) -> None:
+        """Fold this window's batch factor, if the window has statistics."""
+        if self.statistics.has_statistics:
+            self.fold(self.statistics.batch_factor(loss_reduction), decay)
+
+    def take_nonfinite_count(self) -> Tensor | None:
+        """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
+        count, self._nonfinite = self._nonfinite, None
+        return count
+
+    def zeros(self, device: torch.device) -> Tensor:
+        """A zero factor (what a worker without statistics contributes to a sum)."""
+        return torch.zeros(self.dim, self.dim, dtype=self.dtype, device=device)
+
+    def value(self) -> Tensor:
+        """The running average, which must exist."""
+        if self.running is None:
+            raise RuntimeError(f"factor {self.side.upper()} has no running average yet")
+        return self.running
+
+    def finite(self) -> Tensor:
+        """Device boolean: the running average is finite (usable for a decomposition)."""
+        return torch.isfinite(self.value()).all()
+
+    def trace_mean(self, dtype: torch.dtype) -> Tensor:
+        """``tr(F)/d`` of the running average in ``dtype`` (an input of the Tikhonov ``π``)."""
+        return trace_mean(self.value(), dtype)
