@@ -8,9 +8,14 @@ rules are checked against hand-worked cases.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
+import dkfac
+from distributed_harness import run_workers
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
 from dkfac.strategies.dp import dp_placement, plan_layer_owners
@@ -25,6 +30,8 @@ from dkfac.strategies.plan import (
     gradient_shares,
     layer_owner_routes,
 )
+from test_distributed import build, reference_run, train
+from test_pipelined import COST
 
 DIMS = [(5, 8), (9, 64), (65, 3), (4, 4), (33, 17)]
 
@@ -186,3 +193,88 @@ def test_the_recording_communicator_counts_what_the_real_one_counts() -> None:
         assert stats["bf16/allreduce"] == {"bytes": 16, "calls": 1, "wire_bytes": sent(16, 2)}
         assert stats["exact/allreduce"] == {"bytes": 8, "calls": 1, "wire_bytes": sent(8, 2)}
         assert stats["group/allreduce"]["wire_bytes"] == sent(4, 2, ranks=2)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (  # PAD-like: reduced to rank 1, decomposed by rank 0
+            lambda: Placement(
+                2,
+                "hooks",
+                (FactorRoute(0, "a", 3, 1, 0), FactorRoute(0, "g", 4, 1, 1)),
+                buckets=((0, 1),),
+            ),
+            "decomposed where it is not kept",
+        ),
+        (
+            lambda: Placement(
+                2,
+                "none",
+                layer_owner_routes([(3, 4)], [0]),
+                gradients=(GradientShare(1, (0,), (0, 1)),),
+            ),
+            "without its inverse",
+        ),
+        (
+            lambda: Placement(
+                2, "hooks", layer_owner_routes([(3, 4)], [EVERY_WORKER]), buckets=((0,),)
+            ),
+            "cover every factor",
+        ),
+        (
+            lambda: Placement(
+                2,
+                "hooks",
+                (FactorRoute(0, "a", 3, 0, 0), FactorRoute(0, "g", 4, None, EVERY_WORKER)),
+                buckets=((0, 1),),
+            ),
+            "one destination",
+        ),
+        (
+            lambda: Placement(1, "none", layer_owner_routes([(3, 4)], [0]), buckets=((0, 1),)),
+            "no fusion buckets",
+        ),
+    ],
+)
+def test_placements_that_cannot_run_are_refused(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def one_worker_runs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[Any]:
+    out = []
+    for config in configs:
+        model, options = build(config)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        extra = {"cost_model": COST} if config["strategy"] in ("spd", "pad") else {}
+        pre = dkfac.KFACPreconditioner(ddp, lr=0.1, **extra, **options)
+        train(ddp, pre, world_size, rank)
+        out.append(([p.detach().clone() for p in model.parameters()], pre.comm_stats()))
+        pre.remove()
+    return out
+
+
+def test_one_worker_of_a_distributed_strategy_sends_nothing_that_moves_and_equals_local() -> None:
+    # At P = 1 there is nobody to share a decomposition or a gradient with: no broadcast is
+    # issued, so a rounding transport (bf16) cannot touch DP-KFAC's numbers, which equal
+    # strategy="local" in the same one-worker DDP run to the bit; the others allreduce factors
+    # with themselves only. (DDP itself changes the last bit against a plain model.)
+    configs = [
+        {"strategy": "local", "inverse_method": "eigen"},
+        {"strategy": "local", "inverse_method": "inverse"},
+        {"strategy": "dp", "inverse_method": "eigen", "comm_dtype": torch.bfloat16},
+        *({"strategy": s, "inverse_method": "inverse"} for s in ("dkfac", "spd", "pad")),
+    ]
+    (results,) = run_workers(one_worker_runs, 1, args=(configs,), timeout=180)
+    local = {"eigen": results[0][0], "inverse": results[1][0]}
+    want_eigen, _ = reference_run(configs[0], 1)  # and local equals the plain model's run
+    for got, want in zip(local["eigen"], want_eigen, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for config, (params, stats) in zip(configs[2:], results[2:], strict=True):
+        assert not [key for key in stats if "broadcast" in key], config
+        for got, expected in zip(params, local[config["inverse_method"]], strict=True):
+            if config["strategy"] == "dp":
+                assert torch.equal(got, expected), config
+            else:  # the factor allreduce repacks symmetric factors (upper triangle)
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=str(config))

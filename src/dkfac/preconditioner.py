@@ -163,6 +163,7 @@ class KFACPreconditioner:
             comm_dtype=comm_dtype,
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
+            factor_dtype=self.config.factor_dtype,
         )
         self._model = unwrap_model(model)
         discovered, self._skipped = discover_layers(
@@ -373,6 +374,8 @@ class KFACPreconditioner:
         self._steps = restore_state(state, self._layers)
         self._usage.new_window()
         self._capture.capturing = self._is_factor_step(self._steps)
+        # Before after_load, which drops what the plan does not give this rank: the answer
+        # must be the same on every rank (it decides a collective decomposition step).
         self._force_inverse = needs_decomposition(self._layers)
         self._strategy.after_load(self._layers)
 

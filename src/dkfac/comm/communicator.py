@@ -33,7 +33,6 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import (
     FusedPayload,
     FusionBucket,
-    group_by_source,
     plan_fusion,
     record_collective,
 )
@@ -92,10 +91,13 @@ class Communicator:
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.comm_dtype = comm_dtype
         self.group = group
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = self._membership(group)
         self._owns_group = False
         self._subgroups: list[ProcessGroup] = []  # made by new_groups, with this rank in them
+
+    def _membership(self, group: ProcessGroup | None) -> tuple[int, int]:
+        """This process's global rank and the size of ``group`` (``None``: the world)."""
+        return dist.get_rank(), dist.get_world_size(group)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -287,41 +289,16 @@ class Communicator:
             group=group,
         )
 
-    def broadcast_from(
-        self,
-        tensors: Sequence[Tensor],
-        sources: Sequence[int],
-        *,
-        phase: str,
-        group: ProcessGroup | None = None,
-    ) -> list[Tensor]:
-        """Every rank ends with tensor ``i`` of global rank ``sources[i]``; blocks until done.
-
-        One fused broadcast per source, in ascending source order (the same on every rank of
-        ``group``). Tensors of other sources are replaced by fresh buffers, so the inputs of
-        non-sources are only used for their shapes.
-        """
-        results = list(tensors)
-        handles = []
-        for source, indices in group_by_source(sources):
-            buffers = [
-                tensors[i] if source == self.rank else torch.empty_like(tensors[i]) for i in indices
-            ]
-            handles.append(self.broadcast(buffers, source, phase=phase, group=group))
-            for i, buffer in zip(indices, buffers, strict=True):
-                results[i] = buffer
-        for handle in handles:
-            handle.wait()
-        return results
-
     def all_gather(
         self, chunk: Tensor, output: Tensor, *, phase: str, group: ProcessGroup | None = None
     ) -> CollectiveHandle:
         """Gather equal ``chunk``s of every rank into ``output`` (rank-major, flat)."""
         # all_gather_single replaces all_gather_into_tensor in newer torch (same signature).
+        self._count(phase, "all_gather", output.numel() * output.element_size(), group)
+        if not self.sends:
+            return CollectiveHandle([])
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(output, chunk, group=group or self.group, async_op=True)
-        self._count(phase, "all_gather", output.numel() * output.element_size(), group)
         return CollectiveHandle([(work, lambda: None)])
 
     def reduce_scatter(
@@ -336,6 +313,8 @@ class Communicator:
         """
         target = group or self.group
         self._count(phase, "reduce_scatter", flat.numel() * flat.element_size(), group)
+        if not self.sends:
+            return CollectiveHandle([])
         if dist.get_backend(target) == "gloo":
             ranks = dist.get_world_size(target)
             received = torch.empty_like(flat)

@@ -3,9 +3,9 @@
 The dry run (:mod:`dkfac.strategies.accounting`) runs the strategies' own runner against it
 for every rank of a world that does not exist: each collective is split into buckets by the
 real communicator's fusion rule and counted in its :class:`StepRecorder` exactly as a real
-run counts it (payload, calls, wire bytes), and is complete at once. Tensors are only read
-for their shapes and dtypes (``device="meta"`` tensors serve), so no data moves and results
-are whatever the tensors held.
+run counts it (payload, calls, wire bytes), and is complete at once (all-gathers and
+reduce-scatters too). Tensors are only read for their shapes and dtypes (``device="meta"``
+tensors serve), so no data moves and results are whatever the tensors held.
 """
 
 from __future__ import annotations
@@ -43,14 +43,12 @@ class RecordingCommunicator(Communicator):
         bucket_cap_mb: float = 25.0,
         comm_dtype: torch.dtype | None = None,
     ) -> None:
-        self.recorder = recorder
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self.comm_dtype = comm_dtype
-        self.group = None
-        self.rank = rank
-        self.world_size = world_size
-        self._owns_group = False
-        self._subgroups: list[ProcessGroup] = []
+        self._pretended = (rank, world_size)
+        super().__init__(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
+
+    def _membership(self, group: ProcessGroup | None) -> tuple[int, int]:
+        """The pretended rank and world size."""
+        return self._pretended
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -166,11 +166,6 @@ class LayerCurvature:
         for factor in self.factors.values():
             factor.statistics.clear()
 
-    def fold_window(self, loss_reduction: str, decay: float) -> None:
-        """Fold each factor that has statistics in this window into its running average."""
-        for factor in self.factors.values():
-            factor.fold_window(loss_reduction, decay)
-
     def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
         """Fold one batch factor into its running average; a non-finite batch is dropped."""
         self.factors[side].fold(batch, decay)

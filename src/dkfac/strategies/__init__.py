@@ -45,6 +45,7 @@ def make_strategy(
     comm_dtype: torch.dtype | None = None,
     inverse_method: str = "eigen",
     inv_dtype: torch.dtype = torch.float32,
+    factor_dtype: torch.dtype = torch.float32,
 ) -> Strategy:
     """The strategy ``options`` select, with its communicator when it needs one.
 
@@ -72,21 +73,53 @@ def make_strategy(
         comm = Communicator.with_own_group(
             recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype
         )
+    else:
+        comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
+    return distributed_strategy(
+        options,
+        comm,
+        recorder,
+        inverse_method=inverse_method,
+        inv_dtype=inv_dtype,
+        factor_dtype=factor_dtype,
+    )
+
+
+def distributed_strategy(
+    options: StrategyOptions,
+    comm: Communicator,
+    recorder: StepRecorder,
+    *,
+    inverse_method: str = "eigen",
+    inv_dtype: torch.dtype = torch.float32,
+    factor_dtype: torch.dtype = torch.float32,
+) -> Strategy:
+    """The distributed strategy ``options`` select, on ``comm`` (real or recording).
+
+    The one place that maps options to a strategy class: :func:`make_strategy` and the dry
+    run (:mod:`dkfac.strategies.accounting`) both build strategies here.
+
+    Raises:
+        ValueError: options of no distributed strategy, or the world size does not allow them.
+    """
+    if isinstance(options, PipelinedOptions):
         pipelined = SPDStrategy if isinstance(options, SPDOptions) else PADStrategy
         return pipelined(
             comm,
             recorder,
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
+            factor_dtype=factor_dtype,
             cost_model=options.cost_model,
             profile_steps=options.profile_steps,
         )
-    comm = Communicator(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
     if isinstance(options, KAISAOptions):
         return KAISAStrategy(comm, recorder, options)
     if isinstance(options, DPOptions):
         return DPStrategy(comm, recorder)
-    return DKFACStrategy(comm, recorder)
+    if isinstance(options, DKFACOptions):
+        return DKFACStrategy(comm, recorder)
+    raise ValueError(f"strategy={options.name!r} is not a distributed strategy")
 
 
 __all__ = [
@@ -106,6 +139,7 @@ __all__ = [
     "Strategy",
     "StrategyOptions",
     "StrategySpec",
+    "distributed_strategy",
     "make_strategy",
     "option_keywords",
     "resolve_options",

@@ -10,8 +10,9 @@ of a world of ``P``, :func:`account_strategy` returns
 * the decomposition work, ``Σ d³`` over the factors the rank decomposes;
 * the bytes of running factors and of decompositions the rank holds.
 
-It runs the strategies' own code, not a model of it: the placement comes from the planner
-the strategy calls, and the collectives are issued by the strategies' runner
+It runs the strategies' own code, not a model of it: each strategy is built as for a run
+(:func:`~dkfac.strategies.distributed_strategy`) and gives its placement, and the
+collectives are issued by the strategies' runner
 (:class:`~dkfac.strategies.runner.PlacementRunner`: its factor exchange, trace exchange,
 decomposition and gradient shares) against a
 :class:`~dkfac.comm.recording.RecordingCommunicator`, which fuses and packs by the real
@@ -41,15 +42,17 @@ from dkfac.comm.cost_model import ClusterCostModel
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
 from dkfac.comm.wire import element_size
+from dkfac.strategies import distributed_strategy
 from dkfac.strategies.decomposition_payload import payload_shapes
-from dkfac.strategies.dp import dp_placement
-from dkfac.strategies.kaisa import kaisa_placement
 from dkfac.strategies.layer_shapes import LayerShape
-from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.plan import Placement
-from dkfac.strategies.registry import KAISAOptions, strategy_names
+from dkfac.strategies.registry import (
+    PipelinedOptions,
+    option_keywords,
+    resolve_options,
+    strategy_names,
+)
 from dkfac.strategies.runner import PlacementRunner
-from dkfac.strategies.spd import SPDStrategy
 
 #: Strategies :func:`account_strategy` knows: every distributed one.
 ACCOUNTED_STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
@@ -137,56 +140,65 @@ def plan_strategy(
     *,
     grad_worker_fraction: float = 1.0,
 ) -> Placement:
-    """The placement ``strategy`` plans for ``layers`` (its own planner).
+    """The placement ``strategy`` plans for ``layers``: the strategy itself, built as for a run.
+
+    The strategy is made by :func:`~dkfac.strategies.distributed_strategy` (as
+    ``make_strategy`` makes it) on a recording communicator of the settings' world, and asked
+    for its placement.
 
     Raises:
         ValueError: an unknown strategy, a fraction the world size does not allow, or
             spd/pad without a cost model.
     """
-    dims = [layer.dims for layer in layers]
-    world = settings.world_size
-    if strategy in ("dkfac", "kaisa"):
-        fraction = 1.0 if strategy == "dkfac" else grad_worker_fraction
-        return kaisa_placement(dims, world, KAISAOptions(fraction).grad_workers(world))
-    if strategy == "dp":
-        return dp_placement(dims, world)
-    pipelined = {SPDStrategy.name: SPDStrategy, PADStrategy.name: PADStrategy}.get(strategy)
-    if pipelined is None:
+    if strategy not in ACCOUNTED_STRATEGIES:
         raise ValueError(
             f"strategy={strategy!r} is not allowed: expected one of "
             f"{', '.join(map(repr, ACCOUNTED_STRATEGIES))}"
         )
-    if settings.cost_model is None:
+    given = {"grad_worker_fraction": grad_worker_fraction, "cost_model": settings.cost_model}
+    options = resolve_options(strategy, **option_keywords(strategy, **given))
+    if isinstance(options, PipelinedOptions) and settings.cost_model is None:
         raise ValueError(f"strategy={strategy!r} needs DryRunSettings.cost_model")
-    return pipelined.place_factors(
-        dims,
-        world,
-        settings.cost_model,
+    recorder = StepRecorder(keep_steps=1)
+    comm = RecordingCommunicator(
+        recorder,
+        settings.world_size,
+        0,
+        bucket_cap_mb=settings.bucket_cap_mb,
+        comm_dtype=settings.comm_dtype,
+    )
+    built = distributed_strategy(
+        options,
+        comm,
+        recorder,
         inverse_method=settings.inverse_method,
         inv_dtype=settings.inv_dtype,
-        factor_dtype=settings.comm_dtype or settings.factor_dtype,
-        cap_bytes=settings.cap_bytes,
-    ).placement()
+        factor_dtype=settings.factor_dtype,
+    )
+    return built.place([layer.dims for layer in layers])
 
 
 def _record_update(
     runner: PlacementRunner, layers: Sequence[LayerShape], settings: DryRunSettings
 ) -> None:
-    """Issue one second-order update's collectives of ``runner``, with shape-only tensors."""
+    """Issue one second-order update's collectives of ``runner``, with shape-only tensors.
+
+    The runner's own methods and buffers; only the tensors' contents are missing (nothing is
+    computed, every decomposition is "received").
+    """
     placement = runner.placement
-    factor_dtype = settings.factor_dtype
+    cpu, meta = torch.device("cpu"), torch.device("meta")
 
     def factor_sum(dim: int) -> Tensor:
-        return _shape_only((dim, dim), factor_dtype)
+        return _shape_only((dim, dim), settings.factor_dtype)
 
     if placement.exchange == "step":
-        counts = torch.zeros(len(placement.factors), dtype=torch.float64)
-        runner.send_factor_sums([factor_sum(route.dim) for route in placement.factors], counts)
+        totals = [factor_sum(route.dim) for route in placement.factors]
+        runner.send_factor_sums(totals, runner.counts_buffer(cpu))
     elif runner.pipeline is not None:  # every factor sent at step(), none from hooks
         runner.pipeline.finish(lambda slot: factor_sum(slot.dim), profile=False)
     if runner.exchanges_traces(settings.inverse_method):
-        runner.share_traces(_shape_only((placement.layer_count, 2), settings.inv_dtype))
-    meta = torch.device("meta")
+        runner.share_traces(runner.trace_buffer(settings.inv_dtype, meta))
     runner.share_decompositions(
         runner.decomposition_payloads(settings.inverse_method, settings.inv_dtype, meta, {})
     )

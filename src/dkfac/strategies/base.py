@@ -50,7 +50,11 @@ class Strategy(ABC):
 
     @abstractmethod
     def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
-        """The plan for layers of factor dims ``(d_A, d_G)``, in registration order (pure)."""
+        """The plan for layers of factor dims ``(d_A, d_G)``, in registration order.
+
+        Pure given the strategy's construction (world size, options, cost model): the same
+        on every rank, and what the dry run counts.
+        """
 
     def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
         """Plan the placement once the preconditioned layers are known; make its groups.
@@ -60,8 +64,13 @@ class Strategy(ABC):
         """
         self.layers = list(layers)
         self._index = {id(layer): index for index, layer in enumerate(self.layers)}
-        self.placement = self.place([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
-        self.runner = PlacementRunner(self.placement, self.rank, self.recorder, self.comm)
+        placement = self.place([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
+        self.runner = PlacementRunner(placement, self.rank, self.recorder, self.comm)
+
+    @property
+    def placement(self) -> Placement:
+        """The plan the runner executes (set up by :meth:`setup`)."""
+        return self.runner.placement
 
     def index(self, layer: LayerCurvature) -> int:
         """``layer``'s index in the plan."""

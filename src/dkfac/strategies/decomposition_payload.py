@@ -22,9 +22,13 @@ from dkfac.curvature.inverse import (
     factor_decomposition,
     factor_tensor_shapes,
 )
+from dkfac.strategies.plan import DecompositionShare, FactorKey, Placement
 
 #: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
 FactorDims = Sequence[tuple[str, int]]
+
+#: Per factor, the decomposition a rank computed or received (``None``: none usable).
+DecompositionsByFactor = dict[FactorKey, FactorDecomposition | None]
 
 
 def payload_shapes(method: str, factors: FactorDims) -> list[tuple[tuple[int, ...], bool]]:
@@ -108,6 +112,37 @@ class DecompositionPayload:
     def flag(self) -> Tensor:
         """The one-value validity flag (1: valid)."""
         return self.tensors[-1]
+
+
+def build_payloads(
+    placement: Placement,
+    shares: Sequence[DecompositionShare],
+    rank: int,
+    method: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    decompositions: DecompositionsByFactor,
+) -> list[list[DecompositionPayload]]:
+    """Per share, per unit: what ``rank`` sends (its ``decompositions``), or receive buffers.
+
+    A source sends a unit only when every factor of it decomposed; otherwise the unit travels
+    marked invalid.
+    """
+    result = []
+    for share in shares:
+        unit_payloads = []
+        for unit in share.units:
+            routes = [placement.route(key) for key in unit]
+            stored: dict[str, Tensor] | None = None
+            if share.source == rank:
+                found = [decompositions.get(key) for key in unit]
+                parts = [part for part in found if part is not None]
+                if len(parts) == len(unit):
+                    stored = {name: t for part in parts for name, t in part.tensors.items()}
+            factors = [(route.side, route.dim) for route in routes]
+            unit_payloads.append(DecompositionPayload.build(method, factors, stored, dtype, device))
+        result.append(unit_payloads)
+    return result
 
 
 def valid_flags(payloads: Sequence[DecompositionPayload]) -> list[bool]:

@@ -6,6 +6,7 @@ The reference every distributed strategy must reproduce on the concatenated glob
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from dkfac.comm.recorder import StepRecorder
 from dkfac.strategies.base import Strategy
@@ -23,3 +24,7 @@ class LocalStrategy(Strategy):
     def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
         """This worker captures, keeps, decomposes and applies every factor."""
         return Placement(1, "none", layer_owner_routes(dims, [0] * len(dims)))
+
+    def plan(self) -> dict[str, Any]:
+        """Nothing is placed: one worker does everything (empty lists)."""
+        return {"strategy": self.name, "factors": [], "buckets": []}

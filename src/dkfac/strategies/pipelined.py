@@ -45,6 +45,7 @@ class PipelinedStrategy(Strategy):
         recorder: accounting.
         inverse_method: the preconditioner's method (the cost model times it).
         inv_dtype: dtype of the decompositions.
+        factor_dtype: dtype of the running factors (they travel in ``comm.comm_dtype`` if set).
         cost_model: the cluster's measured costs; a :class:`CostModelCache` to take them from
             (measured there on first use, then reused by later strategies); ``None`` measures
             them in :meth:`setup`.
@@ -59,6 +60,7 @@ class PipelinedStrategy(Strategy):
         *,
         inverse_method: str = "eigen",
         inv_dtype: torch.dtype = torch.float32,
+        factor_dtype: torch.dtype = torch.float32,
         cost_model: ClusterCostModel | CostModelCache | None = None,
         profile_steps: int = 5,
     ) -> None:
@@ -66,6 +68,7 @@ class PipelinedStrategy(Strategy):
         self.comm: Communicator = comm
         self.inverse_method = inverse_method
         self.inv_dtype = inv_dtype
+        self.wire_dtype = comm.comm_dtype or factor_dtype
         self.cost: ClusterCostModel | None = (
             cost_model if isinstance(cost_model, ClusterCostModel) else None
         )
@@ -99,24 +102,29 @@ class PipelinedStrategy(Strategy):
             )
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
-        self.factor_dtype = self.comm.comm_dtype or layers[0].factor_dtype
+        self.factor_placement = self._factor_placement(
+            [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
+        )
         super().setup(layers, accumulation_steps=accumulation_steps)
         self._slot_of = {route.key: i for i, route in enumerate(self.placement.factors)}
         self.expected_updates = [accumulation_steps] * len(self.placement.factors)
 
     def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
         """The cost-model placement with the size-first fusion plan (see :meth:`place_factors`)."""
-        assert self.cost is not None, "measured in setup()"
-        self.factor_placement = self.place_factors(
+        return self._factor_placement(dims).placement()
+
+    def _factor_placement(self, dims: Sequence[tuple[int, int]]) -> FactorPlacement:
+        if self.cost is None:
+            raise RuntimeError(f"strategy={self.name!r} places factors with a cost model: none yet")
+        return self.place_factors(
             dims,
             self.world_size,
             self.cost,
             inverse_method=self.inverse_method,
             inv_dtype=self.inv_dtype,
-            factor_dtype=self.factor_dtype,
+            factor_dtype=self.wire_dtype,
             cap_bytes=self.comm.bucket_cap_bytes,
         )
-        return self.factor_placement.placement()
 
     @classmethod
     def place_factors(
@@ -196,7 +204,7 @@ class PipelinedStrategy(Strategy):
             destination_boundaries(self.factor_placement.destination, order),
         )
         buckets = [[order[p] for p in bucket] for bucket in positions]
-        self.placement = self.runner.set_buckets(buckets)
+        self.runner.set_buckets(buckets)
         self.measured_ready = ready
         logger.info(
             "%s: fusion re-planned from %d profiled windows: %d buckets",
@@ -266,8 +274,10 @@ class PipelinedStrategy(Strategy):
             for i, row in enumerate(placement.describe([layer.name for layer in self.layers]))
         ]
         buckets = []
-        for bucket, timing in zip(placement.buckets, timeline, strict=True):
-            destination = placement.factors[bucket[0]].reduced_to
+        destinations = placement.bucket_destinations()
+        for bucket, destination, timing in zip(
+            placement.buckets, destinations, timeline, strict=True
+        ):
             buckets.append(
                 {
                     "factors": [names[i] for i in bucket],

@@ -90,7 +90,13 @@ class DecompositionShare:
 
 @dataclass(frozen=True)
 class GradientShare:
-    """One fused broadcast of preconditioned gradients from ``source`` inside ``group``."""
+    """One fused broadcast of preconditioned gradients from ``source`` inside ``group``.
+
+    Attributes:
+        source: the rank that preconditioned the layers (it holds their inverses).
+        layers: indices of the layers whose gradients it sends, ascending.
+        group: the ranks that take part (the source among them), ascending.
+    """
 
     source: int
     layers: tuple[int, ...]
@@ -125,14 +131,48 @@ class Placement:
             raise ValueError("a placement must route both factors of every layer exactly once")
         if self.exchange == "step" and any(route.reduced_to is not None for route in self.factors):
             raise ValueError("factors exchanged at step() are allreduced to every rank")
-        ranks = range(self.world_size)
         for route in self.factors:
-            if route.decomposed_by != EVERY_WORKER and route.decomposed_by not in ranks:
+            if route.decomposed_by != EVERY_WORKER and route.decomposed_by not in range(
+                self.world_size
+            ):
                 raise ValueError(f"factor {route.key} is decomposed by no rank of the world")
+            deciders = self._deciders(route)
+            if not all(self.holds_factor(route, rank) for rank in deciders):
+                raise ValueError(f"factor {route.key} is decomposed where it is not kept")
         for share in self.decompositions:
+            if not share.units or share.source not in share.group:
+                raise ValueError(
+                    f"a decomposition share of rank {share.source} is empty or outside its group"
+                )
             for key in share.factors:
-                if self.route(key).decomposed_by != share.source or share.source not in share.group:
+                if self.route(key).decomposed_by != share.source:
                     raise ValueError(f"factor {key} is shared by a rank that did not decompose it")
+        for gradients in self.gradients:
+            for layer in gradients.layers:
+                if not self.holds_inverse(layer, gradients.source):
+                    raise ValueError(
+                        f"layer {layer}'s gradient is shared by a rank without its inverse"
+                    )
+        self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        """Hooks: buckets cover every factor once, one destination each; otherwise none."""
+        if self.exchange != "hooks":
+            if self.buckets:
+                raise ValueError(f"exchange={self.exchange!r} has no fusion buckets")
+            return
+        covered = sorted(i for bucket in self.buckets for i in bucket)
+        if covered != list(range(len(self.factors))):
+            raise ValueError("the fusion buckets must cover every factor exactly once")
+        for bucket in self.buckets:
+            if len({self.factors[i].reduced_to for i in bucket}) > 1:
+                raise ValueError("a fusion bucket goes to one destination")
+
+    def _deciders(self, route: FactorRoute) -> range | tuple[int]:
+        """The ranks that decompose ``route``'s factor."""
+        if route.decomposed_by == EVERY_WORKER:
+            return range(self.world_size)
+        return (route.decomposed_by,)
 
     @cached_property
     def _routes(self) -> dict[FactorKey, FactorRoute]:
@@ -150,6 +190,10 @@ class Placement:
     def layer_count(self) -> int:
         """Number of layers planned."""
         return len(self.factors) // 2
+
+    def bucket_destinations(self) -> list[int | None]:
+        """Per fusion bucket, the rank its reduce goes to (``None``: an allreduce)."""
+        return [self.factors[bucket[0]].reduced_to for bucket in self.buckets]
 
     def route(self, key: FactorKey) -> FactorRoute:
         """The route of factor ``key``."""
@@ -192,9 +236,7 @@ class Placement:
         """
         for route in self.factors:
             other = self.route((route.layer, other_side(route.side)))
-            ranks = range(self.world_size)
-            deciders = ranks if route.decomposed_by == EVERY_WORKER else (route.decomposed_by,)
-            if any(not self.holds_factor(other, rank) for rank in deciders):
+            if any(not self.holds_factor(other, rank) for rank in self._deciders(route)):
                 return True
         return False
 

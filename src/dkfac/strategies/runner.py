@@ -30,23 +30,24 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import (
     FACTOR_SIDES,
-    FactorDecomposition,
     combine_factors,
     tikhonov_shift,
 )
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.strategies.decomposition_payload import DecompositionPayload, valid_flags
+from dkfac.strategies.decomposition_payload import (
+    DecompositionPayload,
+    DecompositionsByFactor,
+    build_payloads,
+    valid_flags,
+)
 from dkfac.strategies.pipeline import FactorPipeline, FactorSlot
 from dkfac.strategies.plan import (
     EVERY_WORKER,
     DecompositionShare,
-    FactorKey,
     FactorRoute,
     Placement,
+    other_side,
 )
-
-#: Per factor, the decomposition this rank computed or received (``None``: none usable).
-Parts = dict[FactorKey, FactorDecomposition | None]
 
 
 class PlacementRunner:
@@ -77,22 +78,15 @@ class PlacementRunner:
         self.pipeline: FactorPipeline | None = None
         if placement.exchange == "hooks":
             assert comm is not None
-            self.pipeline = FactorPipeline(
-                comm,
-                recorder,
-                [FactorSlot(r.layer, r.side, r.dim) for r in placement.factors],
-                placement.buckets,
-                [placement.factors[bucket[0]].reduced_to for bucket in placement.buckets],
-            )
+            slots = [FactorSlot(r.layer, r.side, r.dim) for r in placement.factors]
+            destinations = placement.bucket_destinations()
+            self.pipeline = FactorPipeline(comm, recorder, slots, placement.buckets, destinations)
 
-    def set_buckets(self, buckets: Sequence[Sequence[int]]) -> Placement:
+    def set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
         """Replace the fusion plan of a hook exchange (between steps, the same on every rank)."""
         assert self.pipeline is not None, "only placements with exchange='hooks' have buckets"
         self.placement = replace(self.placement, buckets=tuple(tuple(b) for b in buckets))
-        self.pipeline.set_plan(
-            buckets, [self.placement.factors[bucket[0]].reduced_to for bucket in buckets]
-        )
-        return self.placement
+        self.pipeline.set_plan(buckets, self.placement.bucket_destinations())
 
     def _comm(self) -> Communicator:
         assert self.comm is not None, "checked at construction"
@@ -118,10 +112,8 @@ class PlacementRunner:
         """
         if self.placement.exchange == "none":
             for route in self.placement.factors:
-                stats = layers[route.layer].statistics(route.side)
-                if fold and stats.has_statistics and self.placement.holds_factor(route, self.rank):
-                    batch = stats.batch_factor(loss_reduction)
-                    layers[route.layer].fold_factor(route.side, batch, decay)
+                if fold and self.placement.holds_factor(route, self.rank):
+                    layers[route.layer].factors[route.side].fold_window(loss_reduction, decay)
         elif self.placement.exchange == "step":
             self._exchange_at_step(layers, decay, loss_reduction, fold)
         else:
@@ -143,12 +135,17 @@ class PlacementRunner:
             counts.append(count)
         # Counts travel in float64 on their own (also under comm_dtype): exact integers even
         # summed over many workers, and they do not force the factor bucket into float64.
-        counts_tensor = torch.tensor(counts, dtype=torch.float64, device=totals[0].device)
+        counts_tensor = self.counts_buffer(totals[0].device)
+        counts_tensor.copy_(torch.tensor(counts, dtype=torch.float64))
         self.send_factor_sums(totals, counts_tensor)
         summed = counts_tensor.tolist()  # one host synchronisation per factor update
         for route, total, count in zip(self.placement.factors, totals, summed, strict=True):
             if fold and count > 0:
                 layers[route.layer].fold_factor(route.side, total / count, decay)
+
+    def counts_buffer(self, device: torch.device) -> Tensor:
+        """The float64 counts (rows or examples) of every factor, zero, in exchange order."""
+        return torch.zeros(len(self.placement.factors), dtype=torch.float64, device=device)
 
     def send_factor_sums(self, totals: Sequence[Tensor], counts: Tensor) -> None:
         """Allreduce the float64 counts and the packed factor sums (fused), and wait."""
@@ -206,29 +203,38 @@ class PlacementRunner:
         travels with the payload.
         """
         plan, rank = self.placement, self.rank
-        means = self._trace_means(layers, dtype) if method == "inverse" else None
-        requests: list[FactorRequest] = []
-        keys: list[FactorKey] = []
-        for route in plan.factors:
-            layer = layers[route.layer]
-            if not plan.decomposes(route, rank) or layer.factor(route.side) is None:
-                continue
-            requests.append(self._request(layer, route, means, damping))
-            keys.append(route.key)
+        mine = [route for route in plan.factors if self._decomposes_now(layers, route)]
+        means = self._trace_means(layers, dtype, mine) if method == "inverse" else None
+        requests = [self._request(layers[route.layer], route, means, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
-            parts: Parts = dict(zip(keys, decompose_factors(requests, method, dtype), strict=True))
+            results = decompose_factors(requests, method, dtype)
+        decompositions: DecompositionsByFactor = {
+            route.key: result for route, result in zip(mine, results, strict=True)
+        }
         device = layers[0].block.weight.device if layers else torch.device("cpu")
-        payloads = self.decomposition_payloads(method, dtype, device, parts)
+        payloads = self.decomposition_payloads(method, dtype, device, decompositions)
         self.share_decompositions(payloads)
         flat = [payload for unit_payloads in payloads for payload in unit_payloads]
         units = [unit for share in self._my_shares() for unit in share.units]
         for unit, payload, ok in zip(units, flat, valid_flags(flat), strict=True):
             for key in unit:
-                parts[key] = payload.decomposition(key[1]) if ok else None
+                decompositions[key] = payload.decomposition(key[1]) if ok else None
         for index, layer in enumerate(layers):
-            a, g = parts.get((index, "a")), parts.get((index, "g"))
+            a, g = (decompositions.get((index, side)) for side in FACTOR_SIDES)
             if plan.holds_inverse(index, rank) and a is not None and g is not None:
                 layer.inverse = combine_factors(method, a, g)
+
+    def _decomposes_now(self, layers: Sequence[LayerCurvature], route: FactorRoute) -> bool:
+        """Whether ``route``'s factor is this rank's to decompose and has a running average.
+
+        Not when this rank keeps the other factor of the layer and it has none yet (no inverse
+        could be built: the layer's forward or backward has not run).
+        """
+        plan, layer = self.placement, layers[route.layer]
+        if not plan.decomposes(route, self.rank) or layer.factor(route.side) is None:
+            return False
+        other = plan.route((route.layer, other_side(route.side)))
+        return not (plan.holds_factor(other, self.rank) and layer.factor(other.side) is None)
 
     def _request(
         self,
@@ -239,41 +245,53 @@ class PlacementRunner:
     ) -> FactorRequest:
         """One factor to decompose, with its Tikhonov shift when the method needs one.
 
-        The damping goes with it when both factors are held here, so a float64 retry
-        recomputes the shift from float64 traces.
+        The damping goes with it when the plan gives this rank both factors of the layer, so
+        a float64 retry recomputes the shift from float64 traces.
         """
         if means is None:
             return FactorRequest(layer, route.side)
         shift = tikhonov_shift(route.side, means[route.layer, 0], means[route.layer, 1], damping)
-        both_here = all(factor.running is not None for factor in layer.factors.values())
-        return FactorRequest(layer, route.side, shift, damping if both_here else None)
+        plan = self.placement
+        both_held = all(
+            plan.holds_factor(plan.route((route.layer, side)), self.rank) for side in FACTOR_SIDES
+        )
+        return FactorRequest(layer, route.side, shift, damping if both_held else None)
 
-    def _trace_means(self, layers: Sequence[LayerCurvature], dtype: torch.dtype) -> Tensor:
-        """``tr(F)/d`` of every factor, ``(L, 2)``, as a single worker computes it.
+    def _trace_means(
+        self, layers: Sequence[LayerCurvature], dtype: torch.dtype, mine: Sequence[FactorRoute]
+    ) -> Tensor:
+        """``tr(F)/d`` of the factors the Tikhonov shifts need, ``(L, 2)``, as one worker's.
 
         Where a decomposer lacks the other factor of its layer (:meth:`Placement.
         exchanges_traces`), each value comes from the factor's decomposer (rank 0 for a
         factor every worker decomposes) and the others add zeros, so every rank gets bitwise
-        the single-worker value; otherwise each rank reads the factors it holds.
+        the single-worker value; otherwise each rank reads both factors of the layers it
+        decomposes (``mine``), and the other rows stay zero (unused).
         """
         plan, rank = self.placement, self.rank
         device = layers[0].block.weight.device
-        means = torch.zeros(plan.layer_count, 2, dtype=dtype, device=device)
-        exchange = self.exchanges_traces("inverse")
-        for route in plan.factors:
-            factor = layers[route.layer].factor(route.side)
-            if exchange:
-                mine = route.decomposed_by == rank or (
-                    route.decomposed_by == EVERY_WORKER and rank == 0
-                )
-            else:
-                mine = plan.holds_factor(route, rank)
-            if factor is not None and mine:
-                side = layers[route.layer].factors[route.side]
-                means[route.layer, FACTOR_SIDES.index(route.side)] = side.trace_mean(dtype)
-        if exchange:
+        means = self.trace_buffer(dtype, device)
+        if self.exchanges_traces("inverse"):
+            wanted = [
+                route
+                for route in plan.factors
+                if route.decomposed_by == rank
+                or (route.decomposed_by == EVERY_WORKER and rank == 0)
+            ]
+        else:
+            needed = {route.layer for route in mine}
+            wanted = [route for route in plan.factors if route.layer in needed]
+        for route in wanted:
+            factor = layers[route.layer].factors[route.side]
+            if factor.running is not None:
+                means[route.layer, FACTOR_SIDES.index(route.side)] = factor.trace_mean(dtype)
+        if self.exchanges_traces("inverse"):
             self.share_traces(means)
         return means
+
+    def trace_buffer(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Zero ``(L, 2)`` trace means, one row per layer (``A``, ``G``)."""
+        return torch.zeros(self.placement.layer_count, 2, dtype=dtype, device=device)
 
     def exchanges_traces(self, method: str) -> bool:
         """Whether a decomposition step allreduces the trace means (:meth:`share_traces`)."""
@@ -288,29 +306,17 @@ class PlacementRunner:
         return [share for share in self.placement.decompositions if self.rank in share.group]
 
     def decomposition_payloads(
-        self, method: str, dtype: torch.dtype, device: torch.device, parts: Parts
+        self,
+        method: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        decompositions: DecompositionsByFactor,
     ) -> list[list[DecompositionPayload]]:
-        """Per share this rank takes part in, per unit: what it sends, or receive buffers.
-
-        A source sends a unit only when every factor of it decomposed (``parts``); otherwise
-        the unit travels marked invalid.
-        """
-        result = []
-        for share in self._my_shares():
-            unit_payloads = []
-            for unit in share.units:
-                routes = [self.placement.route(key) for key in unit]
-                found = [parts.get(key) for key in unit] if share.source == self.rank else []
-                stored = None
-                if found and all(part is not None for part in found):
-                    stored = {name: t for part in found for name, t in part.tensors.items()}  # type: ignore[union-attr]
-                unit_payloads.append(
-                    DecompositionPayload.build(
-                        method, [(r.side, r.dim) for r in routes], stored, dtype, device
-                    )
-                )
-            result.append(unit_payloads)
-        return result
+        """Per share of this rank, per unit: what it sends or receives (:func:`build_payloads`)."""
+        mine = self._my_shares()
+        return build_payloads(
+            self.placement, mine, self.rank, method, dtype, device, decompositions
+        )
 
     def share_decompositions(self, payloads: Sequence[Sequence[DecompositionPayload]]) -> None:
         """One fused broadcast per share this rank takes part in (plan order), then wait."""
