@@ -15,6 +15,7 @@ from dkfac.dear.averaging import DeAR
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import KFACPreconditioner
+from dkfac.strategies.plan_report import PlanReport
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "KFACConfig",
     "KFACPreconditioner",
     "LayerHealth",
+    "PlanReport",
     "SkippedModule",
     "__version__",
 ]

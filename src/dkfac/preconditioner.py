@@ -23,6 +23,7 @@ from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import StrategyOptions, make_strategy
+from dkfac.strategies.plan_report import PlanReport
 
 logger = logging.getLogger(__name__)
 
@@ -326,8 +327,8 @@ class KFACPreconditioner:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._recorder.export_trace(path, rank=rank)
 
-    def plan(self) -> dict[str, Any]:
-        """The strategy's placement as plain data.
+    def plan(self) -> PlanReport:
+        """The strategy's placement as plain data (a typed dict, :class:`PlanReport`).
 
         ``"factors"``: one entry per factor with its owner(s); ``"buckets"``: the fused
         collectives in launch order with predicted times (``"spd"``/``"pad"``), plus the cost

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.plan import Placement
+from dkfac.strategies.plan_report import PlanReport
 from dkfac.strategies.runner import PlacementRunner
 
 
@@ -100,7 +101,7 @@ class Strategy(ABC):
             if not self.placement.holds_inverse(index, self.rank):
                 layer.inverse = None
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> PlanReport:
         """The placement as plain data; see ``KFACPreconditioner.plan``."""
         names = [layer.name for layer in self.layers]
         return {"strategy": self.name, "factors": self.placement.describe(names), "buckets": []}

@@ -18,7 +18,6 @@ broadcasts the preconditioned gradient to all.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
@@ -30,6 +29,7 @@ from dkfac.strategies.plan import (
     gradient_shares,
     layer_owner_routes,
 )
+from dkfac.strategies.plan_report import PlanReport
 from dkfac.strategies.registry import KAISAOptions
 
 
@@ -98,6 +98,8 @@ class KAISAStrategy(Strategy):
         """Owners by LPT on ``d_A³ + d_G³``; decompositions along rows, gradients down columns."""
         return kaisa_placement(dims, self.world_size, self.grad_workers)
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> PlanReport:
         """Owner of each layer's factors; one fused allreduce of all factors at ``step()``."""
-        return {**super().plan(), "grad_workers": self.grad_workers}
+        report = super().plan()
+        report["grad_workers"] = self.grad_workers
+        return report

@@ -6,11 +6,11 @@ The reference every distributed strategy must reproduce on the concatenated glob
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from dkfac.comm.recorder import StepRecorder
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.plan import Placement, layer_owner_routes
+from dkfac.strategies.plan_report import PlanReport
 
 
 class LocalStrategy(Strategy):
@@ -25,6 +25,6 @@ class LocalStrategy(Strategy):
         """This worker captures, keeps, decomposes and applies every factor."""
         return Placement(1, "none", layer_owner_routes(dims, [0] * len(dims)))
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> PlanReport:
         """Nothing is placed: one worker does everything (empty lists)."""
         return {"strategy": self.name, "factors": [], "buckets": []}

@@ -12,7 +12,6 @@ import logging
 import warnings
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -33,6 +32,7 @@ from dkfac.strategies.factor_placement import (
 )
 from dkfac.strategies.pipeline import ready_order_of
 from dkfac.strategies.plan import EVERY_WORKER, Placement
+from dkfac.strategies.plan_report import BucketRow, PlanReport
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class PipelinedStrategy(Strategy):
                 self._replan()
 
     # -- inspection --------------------------------------------------------------------------
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> PlanReport:
         """Owner per factor, buckets in launch order, and the predicted times behind them."""
         assert self.cost is not None
         placement, costs = self.placement, self.factor_placement.costs
@@ -263,17 +263,13 @@ class PipelinedStrategy(Strategy):
         bucket_of = {i: k for k, bucket in enumerate(placement.buckets) for i in bucket}
         ready = self.measured_ready or [0.0] * len(placement.factors)
         timeline = predict_timeline(ready, costs.wire, placement.buckets, self.cost.collective)
-        factors = [
-            {
-                **row,
-                "wire_bytes": costs.wire[i],
-                "bucket": bucket_of[i],
-                "predicted_decomposition_s": costs.decomposition_s[i],
-                "measured_ready_s": None if self.measured_ready is None else ready[i],
-            }
-            for i, row in enumerate(placement.describe([layer.name for layer in self.layers]))
-        ]
-        buckets = []
+        factors = placement.describe([layer.name for layer in self.layers])
+        for i, row in enumerate(factors):
+            row["wire_bytes"] = costs.wire[i]
+            row["bucket"] = bucket_of[i]
+            row["predicted_decomposition_s"] = costs.decomposition_s[i]
+            row["measured_ready_s"] = None if self.measured_ready is None else ready[i]
+        buckets: list[BucketRow] = []
         destinations = placement.bucket_destinations()
         for bucket, destination, timing in zip(
             placement.buckets, destinations, timeline, strict=True

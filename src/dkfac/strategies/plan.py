@@ -26,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Literal
 
 from dkfac.comm.wire import group_by_source
 from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.strategies.plan_report import FactorRow
 
 #: ``decomposed_by`` of a factor that every worker decomposes itself (nothing broadcast).
 EVERY_WORKER = -1
@@ -254,7 +255,7 @@ class Placement:
         """``Σ d³`` over the factors ``rank`` decomposes."""
         return sum(route.dim**3 for route in self.factors if self.decomposes(route, rank))
 
-    def describe(self, names: Sequence[str]) -> list[dict[str, Any]]:
+    def describe(self, names: Sequence[str]) -> list[FactorRow]:
         """``plan()["factors"]``: per factor its layer name, dim, destination and decomposer."""
         return [
             {
