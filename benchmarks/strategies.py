@@ -6,24 +6,26 @@ measurement is described in :mod:`dkfac.bench.worker`). This script keeps its ow
 ResNet-20, ResNet-32 and MLP-6 (a 6-layer MLP with 1024-wide layers, the communication-bound
 case), P in 2 and 4, every strategy (``dkfac``; ``kaisa`` at f = 1/P, and 1/2 when P > 2
 is even; ``spd`` = SPD-KFAC; ``pad`` = PAD-KFAC; ``dp`` = DP-KFAC) at schedules (1,1) and
-(10,100). It prints the same table, the reference line and both targets (dkfac's ResNet-20
-P=2 overhead; spd and pad at least 10% faster than dkfac per factor-update iteration at P=4,
-with the phase breakdown of every comparison) and writes the combined report to ``--json``
-instead of a results folder with a chart.
+(10,100). It prints the same table and, read from ``benchmarks/targets.json`` unless
+``--targets`` names another file (``dkfac bench`` reads none unless given one), the reference
+line and both targets (dkfac's ResNet-20 P=2 overhead; spd and pad at least 10% faster than
+dkfac per factor-update iteration at P=4, with the phase breakdown of every comparison), and
+writes the combined report to ``--json`` instead of a results folder with a chart.
 
 ``--layers resnet50`` is a dry run instead (no training, no process group, seconds): from
 ImageNet ResNet-50's layer shapes it computes, with the strategies' own planners and packing
 rules, each strategy's bytes per worker, decomposition work and factor + decomposition memory
 of one second-order update at P = 64 (``--nprocs`` to change), prints the table and the
-dp vs dkfac ratios against the DP-KFAC paper's 2.79x / 1.14x, and writes
-``results/resnet50_dry_run.json`` (:mod:`dkfac.bench.dry_run`).
+dp vs dkfac ratios against the dry-run target of the targets file (the DP-KFAC paper's
+2.79x / 1.14x), and writes ``results/resnet50_dry_run.json`` (:mod:`dkfac.bench.dry_run`).
 
 Usage::
 
     .venv/bin/python benchmarks/strategies.py            # full run (long: every model, P, strategy)
     .venv/bin/python benchmarks/strategies.py --quick    # smoke test (ResNet-20, P=2)
     .venv/bin/python benchmarks/strategies.py --layers resnet50   # dry run, P=64
-    .venv/bin/dkfac bench --quick --out runs/bench       # the same, plus bench.png
+    .venv/bin/dkfac bench --quick --targets benchmarks/targets.json --out runs/bench
+                                                         # the same, plus bench.png
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ __all__ = ["PHASES", "main"]
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "strategies.json"
 #: Where a dry run (``--layers NAME``) writes by default: ``NAME_dry_run.json``.
 RESULTS = DEFAULT_JSON.parent
+#: The reference and the targets checked by default (``--targets`` to change).
+DEFAULT_TARGETS = Path(__file__).resolve().parent / "targets.json"
 MODELS = "resnet20,resnet32,mlp6"
 NPROCS = "2,4"
 
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "ResNets and a wide 6-layer MLP (gloo, CPU), or (--layers) compute their bytes, "
         "decomposition work and memory from a model's layer shapes."
     )
-    add_bench_options(parser, models=MODELS, nprocs=NPROCS)
+    add_bench_options(parser, models=MODELS, nprocs=NPROCS, targets=DEFAULT_TARGETS)
     parser.add_argument(
         "--json",
         type=Path,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dkfac.bench.dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_run
+from dkfac.bench.targets import NO_TARGETS_LINE, load_targets
 from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
 from dkfac.strategies import dp
@@ -36,6 +37,8 @@ from test_placement import resnet50_factor_dims
 
 TINY = [LayerShape("l0", 3, 2), LayerShape("l1", 5, 4)]
 ROOT = Path(__file__).resolve().parents[1]
+TARGETS_FILE = ROOT / "benchmarks" / "targets.json"
+DRY_RUN_TARGET = load_targets(TARGETS_FILE).dry_run_target
 
 
 def test_dkfac_and_dp_on_two_layers_at_p2_by_hand() -> None:
@@ -333,8 +336,15 @@ def _check_dry_run_output(printed: str, report: dict[str, Any], nprocs: int) -> 
         "target (DP-KFAC paper, 64 GPUs: >= 2.79x less communication and >= 1.14x less memory "
         f"per second-order update than D-KFAC) at P={nprocs}: communication MET ({c} vs 2.79x), "
         f"memory MET ({m} vs 1.14x)"
-        + ("" if nprocs == 64 else " [the paper's figures are for P=64]")
+        + ("" if nprocs == 64 else " [the target's figures are for P=64]")
     ) in printed
+    assert NO_TARGETS_LINE not in printed
+    assert report["dry_run_target"] == {
+        "source": "DP-KFAC paper, 64 GPUs",
+        "nprocs": 64,
+        "communication": 2.79,
+        "memory": 1.14,
+    }
 
 
 def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
@@ -350,7 +360,9 @@ def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
     assert sum(oracle.dp_layer_memory) == oracle.dkfac_memory
     assert max(oracle.dp_layer_memory) == 171_986_944  # a 3x3 512->512 convolution alone
 
-    report = dry_run_report("resnet50", [p], ["dkfac", "kaisa", "spd", "pad", "dp"])
+    report = dry_run_report(
+        "resnet50", [p], ["dkfac", "kaisa", "spd", "pad", "dp"], target=DRY_RUN_TARGET
+    )
     _check_dry_run_output(format_dry_run(report), report, p)
     rows = {row["key"]: row for row in report["summary"]}
 
@@ -442,13 +454,30 @@ def test_benchmark_script_dry_run(
     report = json.loads(out.read_text())
     _check_dry_run_output(capsys.readouterr().out, report, 64)
     assert report["settings"]["cost_model"]["measured"] is False
+    assert report["targets_file"] == str(TARGETS_FILE)  # the script's default
 
 
 def test_dkfac_bench_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
-    assert dkfac_main(["bench", "--layers", "resnet50", "--nprocs", "8", "--out", str(out)]) == 0
+    argv = ["bench", "--layers", "resnet50", "--nprocs", "8", "--targets", str(TARGETS_FILE)]
+    assert dkfac_main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     _check_dry_run_output(capsys.readouterr().out, report, 8)
+    assert report["targets_file"] == str(TARGETS_FILE)
+
+
+def test_dkfac_bench_dry_run_without_targets_evaluates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--layers", "resnet50", "--nprocs", "4", "--strategies", "dkfac,dp"]
+    assert dkfac_main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    assert (report["targets_file"], report["dry_run_target"], report["target"]) == (None,) * 3
+    assert "ratios dp vs dkfac at P=4 (dkfac / dp, max per worker)" in printed  # measured
+    assert "MET" not in printed and "target (" not in printed
+    assert printed.count(NO_TARGETS_LINE) == 1
 
 
 def test_dry_run_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:

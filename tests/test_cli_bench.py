@@ -29,12 +29,15 @@ from dkfac.bench.configs import (
     mlp6,
 )
 from dkfac.bench.options import BenchOptions, options_from_args
-from dkfac.bench.targets import evaluate_pipelined_target, format_pipelined_target
+from dkfac.bench.targets import load_targets
+from dkfac.bench.verdicts import evaluate_pipelined_target, format_pipelined_target
 from dkfac.bench.worker import make_batch
 from dkfac.cli.main import main
 from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS, build_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TARGETS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "targets.json"
+PIPELINED = load_targets(TARGETS_FILE).pipelined_target
 
 
 def _torchrun_available() -> bool:
@@ -54,6 +57,7 @@ def test_bench_quick_writes_json_chart_and_table(
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench"
     argv = ["bench", "--quick", "--rounds", "1", "--warmup", "1", "--iters", "1"]
+    argv += ["--targets", str(TARGETS_FILE)]
     assert main([*argv, "--iters-long", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "amort s/it" in printed and "kfac-pytorch 0.4.2 on this machine class" in printed
@@ -72,6 +76,7 @@ def test_bench_quick_writes_json_chart_and_table(
         "target",
         "pipelined_target",
     } <= report.keys()
+    assert report["targets_file"] == str(TARGETS_FILE)
     assert report["settings"]["models"] == ["resnet20"]
     assert report["settings"]["nprocs"] == [2]
     assert report["settings"]["strategies"] == ["dkfac", "kaisa", "spd", "pad", "dp"]
@@ -112,6 +117,7 @@ def test_bench_defaults() -> None:
     assert options.strategies == ("dkfac", "kaisa", "spd", "pad", "dp")
     assert options.schedules == ((1, 1), (10, 100))
     assert (options.rounds, options.iters, options.iters_long) == (2, 10, 100)
+    assert options.targets is None  # measurements only unless --targets names a file
 
 
 def test_bench_selects_strategies_and_schedules() -> None:
@@ -315,7 +321,7 @@ def _pipelined_rows() -> list[dict[str, Any]]:
 
 
 def test_pipelined_target_met_and_not_met() -> None:
-    verdict = evaluate_pipelined_target(_pipelined_rows())
+    verdict = evaluate_pipelined_target(_pipelined_rows(), PIPELINED)
     assert verdict["evaluated"] is True and verdict["reason"] is None
     assert verdict["met"] is False  # pad misses on both models
     compared = {(c["model"], c["strategy"]): c for c in verdict["comparisons"]}
@@ -380,7 +386,7 @@ def test_pipelined_target_met_and_not_met() -> None:
 
 def test_pipelined_target_all_met() -> None:
     rows = [r for r in _pipelined_rows() if r["key"] != "pad_1_1"]
-    verdict = evaluate_pipelined_target(rows)
+    verdict = evaluate_pipelined_target(rows, PIPELINED)
     assert verdict["met"] is True
     assert [(c["model"], c["strategy"]) for c in verdict["comparisons"]] == [
         ("mlp6", "spd"),
@@ -405,7 +411,7 @@ def test_pipelined_target_all_met() -> None:
     ],
 )
 def test_pipelined_target_not_evaluated(rows: list[dict[str, Any]], reason: str) -> None:
-    verdict = evaluate_pipelined_target(rows)
+    verdict = evaluate_pipelined_target(rows, PIPELINED)
     assert verdict["evaluated"] is False and verdict["met"] is None
     assert verdict["comparisons"] == []
     assert reason in verdict["reason"]

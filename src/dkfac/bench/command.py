@@ -9,8 +9,11 @@ For every world size ``P`` in ``--nprocs`` this process starts its own workers w
 (``OMP_NUM_THREADS=1``, a timeout per launch; :mod:`dkfac.bench.launch`), collects the JSON
 report that rank 0 writes and combines the launches into one report. The options and their
 validation are in :mod:`dkfac.bench.options`. What a worker measures is described in
-:mod:`dkfac.bench.worker`; the table, the reference line, the two targets (dkfac's
-overhead; spd and pad against dkfac) and the chart are in :mod:`dkfac.bench.report`.
+:mod:`dkfac.bench.worker`; the table and the chart are in :mod:`dkfac.bench.report`. Only
+with ``--targets FILE`` (:func:`dkfac.bench.targets.load_targets`; the repository's is
+``benchmarks/targets.json``) does the report hold the reference and the verdicts of the two
+targets (dkfac's overhead; spd and pad against dkfac, :mod:`dkfac.bench.verdicts`); without
+it, the measurements only.
 ``benchmarks/strategies.py`` is a thin front end of this module.
 
 ``--layers resnet50`` launches nothing: it is a dry run that computes each strategy's bytes
@@ -20,6 +23,7 @@ shapes (:mod:`dkfac.bench.dry_run`), at ``P = 64`` unless ``--nprocs`` says othe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -31,7 +35,7 @@ from dkfac.bench.dry_run import dry_run_report
 from dkfac.bench.launch import Launch, launch
 from dkfac.bench.options import BenchOptions
 from dkfac.bench.report import summary_rows
-from dkfac.bench.targets import REFERENCE, evaluate_pipelined_target, evaluate_target
+from dkfac.bench.verdicts import evaluate_pipelined_target, evaluate_target
 from dkfac.cli.config import ConfigError
 
 
@@ -39,11 +43,15 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Launch every world size in turn; the combined report (JSON-ready).
 
     With ``options.layers`` nothing is launched: the report is the dry run's
-    (:func:`dkfac.bench.dry_run.dry_run_report`, ``"benchmark": "dry_run"``).
+    (:func:`dkfac.bench.dry_run.dry_run_report`, ``"benchmark": "dry_run"``). Without
+    ``options.targets``, ``reference``, ``target`` and ``pipelined_target`` (a dry run's
+    ``target``) are ``None``; ``targets_file`` records the file they were read from.
 
     Raises:
         ConfigError: this process is itself a rank of a torch.distributed launch.
     """
+    targets = options.targets
+    targets_file = None if targets is None else targets.source_file
     if options.layers is not None:
         return dry_run_report(
             options.layers,
@@ -51,6 +59,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             options.strategies,
             cost_model=options.cost_model,
             bucket_cap_mb=options.bucket_cap_mb,
+            target=None if targets is None else targets.dry_run_target,
+            targets_file=targets_file,
         )
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         raise ConfigError(
@@ -68,9 +78,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "settings": options.settings(),
         "launches": [item.to_json() for item in launches],
         "summary": rows,
-        "reference": REFERENCE,
-        "target": evaluate_target(rows),
-        "pipelined_target": evaluate_pipelined_target(rows),
+        "targets_file": targets_file,
+        "reference": None if targets is None else dataclasses.asdict(targets.reference),
+        "target": None if targets is None else evaluate_target(rows, targets.overhead_target),
+        "pipelined_target": None
+        if targets is None
+        else evaluate_pipelined_target(rows, targets.pipelined_target),
     }
 
 

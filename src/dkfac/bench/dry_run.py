@@ -3,9 +3,10 @@
 A dry run: no training, no process group. From a model's layer shapes, every strategy's
 per-worker accounting of one second-order update (one factor update + one decomposition +
 one preconditioning) is computed by :mod:`dkfac.strategies.accounting`, which calls the
-strategies' own planners, grouping and packing rules. The report compares DP-KFAC with D-KFAC
-against the figures of the DP-KFAC paper (docs/strategies.md: at least 2.79x less communication
-and 1.14x less memory per second-order update, 64 GPUs).
+strategies' own planners, grouping and packing rules. The report gives DP-KFAC's ratios to
+D-KFAC (how many times less it sends and holds) and, when a targets file was given, whether
+they meet its :class:`~dkfac.bench.targets.DryRunTarget` (``benchmarks/targets.json``: the
+DP-KFAC paper's figures, docs/strategies.md).
 
 SPD-KFAC and PAD-KFAC place factors with a cost model, which a dry run cannot measure: it
 uses the NOMINAL constants of :data:`NOMINAL_COST_MODEL` (or the ones given on the command
@@ -15,15 +16,17 @@ of dkfac, kaisa or dp.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from dkfac.bench.configs import INVERSE_METHOD, environment
+from dkfac.bench.targets import NO_TARGETS_LINE, DryRunTarget
+from dkfac.bench.verdicts import evaluate_dry_run_target, format_dry_run_target, format_times
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 from dkfac.comm.wire import element_size, wire_bytes
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
@@ -44,9 +47,6 @@ NOMINAL_COST_MODEL = ClusterCostModel(AlphaBeta(5e-5, 1.6e-10), CubicCost(1e-3, 
 
 #: Default world size of a dry run (the paper's 64 GPUs).
 DRY_RUN_NPROCS = 64
-
-#: The DP-KFAC paper's figures per second-order update vs D-KFAC (docs/strategies.md, 64 GPUs).
-DRY_RUN_TARGET: Mapping[str, float] = MappingProxyType({"communication": 2.79, "memory": 1.14})
 
 COUNTED = (
     "counted per worker, one second-order update (one factor update + one decomposition + one "
@@ -92,43 +92,47 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def evaluate_dry_run_target(
+def dry_run_ratios(
     rows: Sequence[Mapping[str, Any]], ddp_sent: Mapping[int, int]
 ) -> list[dict[str, Any]]:
-    """DP-KFAC against D-KFAC per world size: how many times less it sends and holds (max)."""
-    verdicts = []
+    """DP-KFAC against D-KFAC per world size: how many times less it sends and holds (max).
+
+    Args:
+        rows: The dry run's summary rows.
+        ddp_sent: Per world size, the bytes a worker sends in DDP's gradient allreduce.
+
+    Returns:
+        Per world size, ``nprocs``, ``evaluated`` (whether both dkfac and dp were counted) and,
+        when they were, the ratios (``None`` where dp's side is zero).
+
+    """
+    ratios: list[dict[str, Any]] = []
     for nprocs in sorted({row["nprocs"] for row in rows}):
         found = {row["key"]: row for row in rows if row["nprocs"] == nprocs}
         base, dp = found.get("dkfac"), found.get("dp")
         if base is None or dp is None:
-            verdicts.append({"nprocs": nprocs, "evaluated": False, "met": None})
+            ratios.append({"nprocs": nprocs, "evaluated": False})
             continue
-        communication = _ratio(base["wire_bytes"]["max"], dp["wire_bytes"]["max"])
-        memory = _ratio(base["memory_bytes"]["max"], dp["memory_bytes"]["max"])
         ddp = ddp_sent[nprocs]
-        verdict: dict[str, Any] = {
-            "nprocs": nprocs,
-            "evaluated": True,
-            "communication": communication,
-            "communication_payload": _ratio(
-                base["payload_bytes"]["max"], dp["payload_bytes"]["max"]
-            ),
-            "communication_with_ddp_allreduce": _ratio(
-                base["wire_bytes"]["max"] + ddp, dp["wire_bytes"]["max"] + ddp
-            ),
-            "memory": memory,
-            "memory_mean": _ratio(base["memory_bytes"]["mean"], dp["memory_bytes"]["mean"]),
-            "decomposition_work": _ratio(
-                base["decomposition_work"]["max"], dp["decomposition_work"]["max"]
-            ),
-            "target": dict(DRY_RUN_TARGET),
-            "communication_met": communication is not None
-            and communication >= DRY_RUN_TARGET["communication"],
-            "memory_met": memory is not None and memory >= DRY_RUN_TARGET["memory"],
-        }
-        verdict["met"] = verdict["communication_met"] and verdict["memory_met"]
-        verdicts.append(verdict)
-    return verdicts
+        ratios.append(
+            {
+                "nprocs": nprocs,
+                "evaluated": True,
+                "communication": _ratio(base["wire_bytes"]["max"], dp["wire_bytes"]["max"]),
+                "communication_payload": _ratio(
+                    base["payload_bytes"]["max"], dp["payload_bytes"]["max"]
+                ),
+                "communication_with_ddp_allreduce": _ratio(
+                    base["wire_bytes"]["max"] + ddp, dp["wire_bytes"]["max"] + ddp
+                ),
+                "memory": _ratio(base["memory_bytes"]["max"], dp["memory_bytes"]["max"]),
+                "memory_mean": _ratio(base["memory_bytes"]["mean"], dp["memory_bytes"]["mean"]),
+                "decomposition_work": _ratio(
+                    base["decomposition_work"]["max"], dp["decomposition_work"]["max"]
+                ),
+            }
+        )
+    return ratios
 
 
 def dry_run_report(
@@ -138,8 +142,23 @@ def dry_run_report(
     *,
     cost_model: ClusterCostModel = NOMINAL_COST_MODEL,
     bucket_cap_mb: float = 25.0,
+    target: DryRunTarget | None = None,
+    targets_file: str | None = None,
 ) -> dict[str, Any]:
     """The dry-run report (JSON-ready): one summary row per world size and configuration.
+
+    Args:
+        layers: The layer list (:func:`dry_run_models`).
+        nprocs: The world sizes.
+        strategies: The strategies counted.
+        cost_model: The constants of spd/pad's placement.
+        bucket_cap_mb: The fusion bucket.
+        target: The ratios DP-KFAC must reach; ``None``: ``target`` and ``dry_run_target``
+            of the report are ``None`` (nothing is evaluated).
+        targets_file: The file ``target`` was read from (recorded as ``targets_file``).
+
+    Returns:
+        The report.
 
     Raises:
         ValueError: an unknown layer list, or a world size below 2.
@@ -210,7 +229,11 @@ def dry_run_report(
             str(p): {"payload_bytes": gradient_bytes, "wire_bytes": sent}
             for p, sent in ddp_sent.items()
         },
-        "target": evaluate_dry_run_target(rows, ddp_sent),
+        "targets_file": targets_file,
+        "dry_run_target": None if target is None else dataclasses.asdict(target),
+        "target": None
+        if target is None
+        else evaluate_dry_run_target(dry_run_ratios(rows, ddp_sent), target),
     }
 
 
@@ -231,10 +254,6 @@ def format_dry_run_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{row['memory_bytes']['max'] / MB:>10.2f} {row['memory_bytes']['mean'] / MB:>9.2f}"
         )
     return "\n".join(lines)
-
-
-def _times(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def format_dry_run(report: Mapping[str, Any]) -> str:
@@ -264,40 +283,35 @@ def format_dry_run(report: Mapping[str, Any]) -> str:
             "MB payload, preconditioned layers' parameters only)"
         )
     lines += [_wrap(line) for line in prose] + [""]
-    target = DRY_RUN_TARGET
-    for verdict in report["target"]:
-        p = verdict["nprocs"]
-        if not verdict["evaluated"]:
+    ddp_sent = {int(p): ddp["wire_bytes"] for p, ddp in report["ddp_gradient_allreduce"].items()}
+    verdicts = {v["nprocs"]: v for v in report.get("target") or []}
+    target = report.get("dry_run_target")
+    for ratios in dry_run_ratios(report["summary"], ddp_sent):
+        p = ratios["nprocs"]
+        if not ratios["evaluated"]:
             lines.append(f"ratios dp vs dkfac at P={p}: not evaluated (needs dkfac and dp)")
             continue
-        lines += [
-            _wrap(line)
-            for line in (
+        times = {k: format_times(v) for k, v in ratios.items() if k not in ("nprocs", "evaluated")}
+        lines.append(
+            _wrap(
                 f"ratios dp vs dkfac at P={p} (dkfac / dp, max per worker): communication "
-                f"{_times(verdict['communication'])} less sent (payload "
-                f"{_times(verdict['communication_payload'])}; with DDP's gradient allreduce "
-                f"counted for both {_times(verdict['communication_with_ddp_allreduce'])}), memory "
-                f"{_times(verdict['memory'])} less (mean {_times(verdict['memory_mean'])}), "
-                f"decomposition work {_times(verdict['decomposition_work'])} (not a target)",
-                f"target (DP-KFAC paper, 64 GPUs: >= {target['communication']}x less communication "
-                f"and >= {target['memory']}x less memory per second-order update than D-KFAC) at "
-                f"P={p}: communication {_status(verdict['communication_met'])} "
-                f"({_times(verdict['communication'])} vs {target['communication']}x), memory "
-                f"{_status(verdict['memory_met'])} ({_times(verdict['memory'])} vs "
-                f"{target['memory']}x)"
-                + ("" if p == 64 else " [the paper's figures are for P=64]"),
+                f"{times['communication']} less sent (payload "
+                f"{times['communication_payload']}; with DDP's gradient allreduce counted for "
+                f"both {times['communication_with_ddp_allreduce']}), memory {times['memory']} "
+                f"less (mean {times['memory_mean']}), decomposition work "
+                f"{times['decomposition_work']} (not a target)"
             )
-        ]
+        )
+        if target is not None and p in verdicts:
+            lines.append(_wrap(format_dry_run_target(verdicts[p], target)))
+    if target is None:
+        lines.append(NO_TARGETS_LINE)
     return "\n".join(lines)
 
 
 def _wrap(line: str) -> str:
     """A prose line wrapped to :data:`WIDTH`, continuation lines indented."""
     return textwrap.fill(line, WIDTH, subsequent_indent="  ")
-
-
-def _status(met: bool) -> str:
-    return "MET" if met else "NOT MET"
 
 
 def write_dry_run_chart(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:

@@ -27,6 +27,7 @@ from dkfac.bench.configs import (
 )
 from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL, dry_run_models
 from dkfac.bench.report import MB
+from dkfac.bench.targets import BenchTargets, load_targets
 from dkfac.cli.config import ConfigError
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 
@@ -72,6 +73,7 @@ class BenchOptions:
     quick: bool = False
     layers: str | None = None
     cost_model: ClusterCostModel = NOMINAL_COST_MODEL
+    targets: BenchTargets | None = None
 
     def worker_argv(self, out: Path) -> list[str]:
         """The options of :mod:`dkfac.bench.worker`, rank 0 writing to ``out``."""
@@ -128,8 +130,17 @@ class BenchOptions:
         }
 
 
-def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: str) -> None:
-    """The benchmark's options; ``models`` and ``nprocs`` are the defaults of a full run."""
+def add_bench_options(
+    parser: argparse.ArgumentParser, *, models: str, nprocs: str, targets: Path | None = None
+) -> None:
+    """The benchmark's options.
+
+    Args:
+        parser: The parser to add them to.
+        models: The models of a full run.
+        nprocs: The world sizes of a full run.
+        targets: The default of ``--targets`` (``None``: measurements only unless given).
+    """
     parser.add_argument(
         "--models",
         default=None,
@@ -190,6 +201,14 @@ def add_bench_options(parser: argparse.ArgumentParser, *, models: str, nprocs: s
         action="store_true",
         help="smoke test: resnet20, P=2, 1 round, 2 warm-up, iters 3, iters-long 10 (every "
         "strategy of --strategies)",
+    )
+    parser.add_argument(
+        "--targets",
+        metavar="FILE",
+        default=None if targets is None else str(targets),
+        help="JSON file of the reference and the targets to check the measurements against, "
+        "e.g. benchmarks/targets.json; without it only the measurements are reported "
+        f"(default {'none' if targets is None else targets})",
     )
     dry = parser.add_argument_group(
         "dry run",
@@ -291,6 +310,23 @@ def _cost_model_from_args(args: argparse.Namespace) -> ClusterCostModel:
     )
 
 
+def _targets_from_args(args: argparse.Namespace) -> BenchTargets | None:
+    """The targets file of ``--targets``, read and validated; ``None`` when not given.
+
+    Raises:
+        ConfigError: the file does not exist, or :func:`load_targets` refuses it.
+    """
+    path = getattr(args, "targets", None)
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"--targets: {path}: no such file")
+    try:
+        return load_targets(path)
+    except ValueError as error:
+        raise ConfigError(f"--targets: {error}") from None
+
+
 def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> BenchOptions:
     """Fill in the defaults (which depend on ``--quick`` and ``--layers``) and validate.
 
@@ -299,6 +335,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
     """
     layers = getattr(args, "layers", None)
     cost_model = _cost_model_from_args(args)
+    targets = _targets_from_args(args)
     if layers is not None:
         if args.quick:
             raise ConfigError("--quick times a small run; a dry run (--layers) times nothing")
@@ -356,4 +393,5 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         quick=args.quick,
         layers=layers,
         cost_model=cost_model,
+        targets=targets,
     )

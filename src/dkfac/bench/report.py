@@ -1,7 +1,8 @@
 """The results of ``dkfac bench``: summary rows, the table, the printed summary, the chart.
 
-The targets the summary reports are evaluated in :mod:`dkfac.bench.targets`. The chart
-stacks the phases of every configuration (:func:`write_chart`).
+The targets the summary reports (only when a targets file was given) are evaluated in
+:mod:`dkfac.bench.verdicts`. The chart stacks the phases of every configuration
+(:func:`write_chart`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 from dkfac.bench.configs import INVERSE_METHOD, LR, MODEL_LABELS, MOMENTUM, PHASES
 from dkfac.bench.dry_run import format_dry_run, write_dry_run_chart
-from dkfac.bench.targets import format_ms, format_pipelined_target, format_target
+from dkfac.bench.targets import NO_TARGETS_LINE
+from dkfac.bench.verdicts import format_ms, format_pipelined_target, format_target
 
 MB = 1e6
 
@@ -112,7 +114,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def format_summary(report: Mapping[str, Any]) -> str:
     """Everything printed after a run: setting, table, reference line, both targets, failures.
 
-    A dry run's report (``--layers``) is rendered by :func:`~.bench_dry_run.format_dry_run`.
+    A report without targets (no ``--targets``) gets the line :data:`NO_TARGETS_LINE`
+    instead of the reference line and the targets. A dry run's report (``--layers``) is
+    rendered by :func:`~.bench_dry_run.format_dry_run`.
     """
     if report.get("benchmark") == "dry_run":
         return format_dry_run(report)
@@ -132,15 +136,21 @@ def format_summary(report: Mapping[str, Any]) -> str:
         "",
         format_table(report["summary"]),
         "",
-        format_target(
-            report["target"],
-            like_for_like=settings["batch_size_per_worker"] == 32,
-            quick=settings["quick"],
-        ),
     ]
-    pipelined = report.get("pipelined_target")
-    if pipelined is not None:
-        lines.append(format_pipelined_target(pipelined, quick=settings["quick"]))
+    if report.get("target") is None:
+        lines.append(NO_TARGETS_LINE)
+    else:
+        lines.append(
+            format_target(
+                report["target"],
+                report["reference"]["line"],
+                like_for_like=settings["batch_size_per_worker"] == 32,
+                quick=settings["quick"],
+            )
+        )
+        pipelined = report.get("pipelined_target")
+        if pipelined is not None:
+            lines.append(format_pipelined_target(pipelined, quick=settings["quick"]))
     for item in report["launches"]:
         if item["ok"]:
             continue

@@ -1,258 +1,300 @@
-"""The targets ``dkfac bench`` checks its measurements against.
+"""The targets ``dkfac bench`` checks its measurements against, read from a file when asked.
 
-Two targets: dkfac's overhead over SGD on ResNet-20 at P=2 against the kfac-pytorch reference
-(:func:`evaluate_target`), and SPD-KFAC / PAD-KFAC against D-KFAC per factor-update iteration
-at P=4 (:func:`evaluate_pipelined_target`). Verdicts are plain data; ``format_*`` render them.
+The package holds no reference timing and no threshold: :func:`load_targets` reads them from a
+JSON file (the repository's is ``benchmarks/targets.json``) into a frozen, validated
+:class:`BenchTargets`. Three targets: one configuration's overhead over SGD against a limit
+derived from a reference measurement (:class:`OverheadTarget`, :func:`evaluate_target`),
+strategies faster than a baseline per factor-update iteration (:class:`PipelinedTarget`,
+:func:`evaluate_pipelined_target`) and the dry run's DP-KFAC vs D-KFAC ratios
+(:class:`DryRunTarget`, evaluated by :func:`dkfac.bench.dry_run.evaluate_dry_run_target`).
+The verdicts, plain data, and their rendering are in :mod:`dkfac.bench.verdicts`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from dkfac.bench.configs import MODEL_LABELS, SGD
+from dkfac.bench.configs import MODELS
+from dkfac.strategies.registry import strategy_names
 
-
-def format_ms(seconds: float) -> str:
-    """Seconds as milliseconds with one decimal (the tables' unit)."""
-    return f"{1e3 * seconds:.1f}"
-
-
-REFERENCE_LINE = (
-    "kfac-pytorch 0.4.2 on this machine class (ResNet-20, batch 32, P=2, gloo, 1 "
-    "thread/process): SGD 0.242 s/iter, K-FAC (1,1) 1.251 s/iter -> overhead 1.009 s; target: "
-    "dkfac overhead at (1,1), P=2 <= 0.505 s"
-)
-REFERENCE: dict[str, Any] = {
-    "library": "kfac-pytorch 0.4.2",
-    "setting": "ResNet-20, batch 32, P=2, gloo, 1 thread/process",
-    "sgd_s_per_iter": 0.242,
-    "kfac_1_1_s_per_iter": 1.251,
-    "overhead_s": 1.009,
-    "line": REFERENCE_LINE,
-}
-TARGET: dict[str, Any] = {
-    "model": "resnet20",
-    "nprocs": 2,
-    "config": "dkfac_1_1",
-    "max_overhead_s": 0.505,
-}
-#: The second target: the hook-launched strategies against D-KFAC. At schedule (1,1) every
-#: iteration updates the factors (and the decompositions), so the median iteration time is the
-#: time of a factor-update iteration.
-PIPELINED_TARGET: dict[str, Any] = {
-    "issue": "dkfac vs spd vs pad on ResNet-32 and a 6-layer MLP with wide layers, P = 2 and "
-    "4, (1, 1) and (10, 100); target: spd and pad at least 10% faster per factor-update "
-    "iteration than dkfac at P = 4",
-    "nprocs": 4,
-    "schedule": [1, 1],
-    "baseline": "dkfac",
-    "strategies": ["spd", "pad"],
-    "metric": "median_s",
-    "min_speedup": 0.10,
-}
-#: Phases compared by the pipelined target, plus ``other`` (the rest of the iteration).
-TARGET_PHASES: tuple[str, ...] = (
-    "factor_comm",
-    "factor_compute",
-    "inverse_compute",
-    "inverse_comm",
-    "precondition",
+#: The per-iteration times a pipelined target may compare (a column of the summary rows).
+PIPELINED_METRICS: tuple[str, ...] = ("median_s",)
+#: The line printed in place of the verdicts when no targets file was given.
+NO_TARGETS_LINE = (
+    "no targets given: measurements only (pass --targets FILE to check them, e.g. "
+    "benchmarks/targets.json)"
 )
 
 
-def evaluate_target(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Whether the dkfac ResNet-20 P=2 (1,1) overhead meets the target."""
-    verdict: dict[str, Any] = {**TARGET, "measured_overhead_s": None, "met": None}
-    found = {
-        row["key"]: row
-        for row in rows
-        if row["model"] == TARGET["model"] and row["nprocs"] == TARGET["nprocs"]
-    }
-    row = found.get(TARGET["config"])
-    if row is not None:
-        measured = row["overhead_s"]
-        verdict |= {
-            "measured_overhead_s": measured,
-            "measured_overhead_s_per_round": row["overhead_s_per_round"],
-            "measured_kfac_s_per_iter": row["amortized_s"],
-            "measured_sgd_s_per_iter": found[SGD.key]["amortized_s"],
-            "met": bool(measured <= TARGET["max_overhead_s"]),
+def _invalid(key: str, value: object, problem: str) -> ValueError:
+    return ValueError(f"{key} = {value!r}: {problem}")
+
+
+def _at_least(key: str, value: float, minimum: float) -> None:
+    if not value >= minimum:
+        raise _invalid(key, value, f"must be >= {minimum:g}")
+
+
+def _known_strategy(key: str, name: str) -> None:
+    names = strategy_names()
+    if name not in names:
+        raise _invalid(key, name, f"unknown strategy; choose from {', '.join(names)}")
+
+
+class _Section:
+    """The keys of one section of a targets file, each read with its JSON type.
+
+    Raises ``ValueError("key ...")`` for a missing key, a key the section does not have, or a
+    value of the wrong type.
+    """
+
+    def __init__(self, data: Mapping[str, Any], cls: type[Any]) -> None:
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = [key for key in data if key not in names]
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown key (known: {', '.join(names)})")
+        self._data = data
+
+    def _get(self, key: str) -> Any:
+        if key not in self._data:
+            raise ValueError(f"{key}: missing key")
+        return self._data[key]
+
+    def text(self, key: str) -> str:
+        value = self._get(key)
+        if not isinstance(value, str):
+            raise _invalid(key, value, "expected a string")
+        return value
+
+    def integer(self, key: str) -> int:
+        value = self._get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _invalid(key, value, "expected an integer")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _invalid(key, value, "expected a number")
+        if not math.isfinite(value):
+            raise _invalid(key, value, "expected a finite number")
+        return float(value)
+
+    def integers(self, key: str) -> tuple[int, ...]:
+        value = self._get(key)
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise _invalid(key, value, "expected a list of integers")
+        return tuple(value)
+
+    def texts(self, key: str) -> tuple[str, ...]:
+        value = self._get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _invalid(key, value, "expected a list of strings")
+        return tuple(value)
+
+    def fields_of(self, cls: type[Any]) -> dict[str, Any]:
+        """Every field of dataclass ``cls``, read with the reader its annotation names.
+
+        A field with a default may be missing (the default applies).
+        """
+        readers = {
+            "str": self.text,
+            "int": self.integer,
+            "float": self.number,
+            "tuple[int, ...]": self.integers,
+            "tuple[str, ...]": self.texts,
         }
-    return verdict
+        return {
+            field.name: readers[str(field.type)](field.name)
+            for field in dataclasses.fields(cls)
+            if field.name in self._data or field.default is dataclasses.MISSING
+        }
 
 
-def format_target(verdict: Mapping[str, Any], *, like_for_like: bool, quick: bool) -> str:
-    """Render the reference line and whether the target is met."""
-    lines = [REFERENCE_LINE]
-    measured = verdict["measured_overhead_s"]
-    if measured is None:
-        lines.append("measured: dkfac ResNet-20 P=2 (1,1) was not run -> target not evaluated")
-        return "\n".join(lines)
-    status = "MET" if verdict["met"] else "NOT MET"
-    per_round = ", ".join(f"{v:.3f}" for v in verdict["measured_overhead_s_per_round"])
-    lines.append(
-        f"measured: dkfac ResNet-20 P=2 (1,1) {verdict['measured_kfac_s_per_iter']:.3f} s/iter, "
-        f"SGD {verdict['measured_sgd_s_per_iter']:.3f} s/iter -> overhead {measured:.3f} s "
-        f"(rounds: {per_round}) <= {TARGET['max_overhead_s']} s: {status}"
-    )
-    if not like_for_like:
-        lines.append("note: batch size differs from the reference setting")
-    if quick:
-        lines.append("note: --quick run, too few iterations for a meaningful comparison")
-    return "\n".join(lines)
+@dataclass(frozen=True)
+class Reference:
+    """The reference measurement the overhead target was derived from.
 
-
-def _target_phases(row: Mapping[str, Any]) -> dict[str, float]:
-    """Seconds per iteration of :data:`TARGET_PHASES` and ``other`` for one K-FAC row.
-
-    ``other`` is the median iteration time less every recorded phase (forward, backward, DDP,
-    optimizer); the phases are window means and the iteration time a median, so it is an
-    estimate.
+    Attributes:
+        library: The library measured, with its version.
+        setting: Model, batch, world size, backend and threads of the measurement.
+        sgd_s_per_iter: Seconds per iteration of DDP + SGD.
+        kfac_1_1_s_per_iter: Seconds per iteration of K-FAC at schedule (1,1).
+        overhead_s: ``kfac_1_1_s_per_iter - sgd_s_per_iter``.
+        line: The line printed above the overhead verdict.
     """
-    recorded = {name: float(value) for name, value in row.get("phase_s", {}).items()}
-    phases = {name: recorded.get(name, 0.0) for name in TARGET_PHASES}
-    return phases | {"other": float(row["median_s"]) - sum(recorded.values())}
+
+    library: str
+    setting: str
+    sgd_s_per_iter: float
+    kfac_1_1_s_per_iter: float
+    overhead_s: float
+    line: str
+
+    def __post_init__(self) -> None:
+        for key in ("sgd_s_per_iter", "kfac_1_1_s_per_iter", "overhead_s"):
+            _at_least(key, getattr(self, key), 0.0)
 
 
-def evaluate_pipelined_target(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Whether spd and pad are at least 10% faster per factor-update iteration than dkfac.
+@dataclass(frozen=True)
+class OverheadTarget:
+    """One configuration's overhead over SGD (same model and P) must stay under a limit.
 
-    For every model measured at ``P = 4`` with schedule ``(1,1)``, the median iteration time
-    (``median_s``) of ``spd_1_1`` and of ``pad_1_1`` is compared with ``dkfac_1_1``:
-    ``speedup = dkfac / strategy - 1``, met when ``speedup >= 0.10``. Every comparison carries
-    the per-phase seconds of both rows so that a miss can be explained.
+    Attributes:
+        model: A model of :data:`dkfac.bench.configs.MODELS`.
+        nprocs: The world size.
+        config: The configuration key, e.g. ``dkfac_1_1`` (its strategy first).
+        max_overhead_s: The largest overhead in seconds per iteration that meets the target.
+    """
+
+    model: str
+    nprocs: int
+    config: str
+    max_overhead_s: float
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise _invalid("model", self.model, f"unknown model; choose from {', '.join(MODELS)}")
+        _at_least("nprocs", self.nprocs, 1)
+        _known_strategy("config", self.config.split("_")[0])
+        _at_least("max_overhead_s", self.max_overhead_s, 0.0)
+
+
+@dataclass(frozen=True)
+class PipelinedTarget:
+    """Strategies at least ``min_speedup`` faster than a baseline at one P and schedule.
+
+    Attributes:
+        nprocs: The world size compared.
+        schedule: ``(factor_update_steps, inv_update_steps)`` compared.
+        baseline: The strategy compared against.
+        strategies: The strategies that must be faster.
+        metric: The per-iteration time compared (one of :data:`PIPELINED_METRICS`).
+        min_speedup: The smallest ``baseline / strategy - 1`` that meets the target.
+        description: Free text: where the target comes from (never evaluated or reported).
+    """
+
+    nprocs: int
+    schedule: tuple[int, ...]
+    baseline: str
+    strategies: tuple[str, ...]
+    metric: str
+    min_speedup: float
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _at_least("nprocs", self.nprocs, 1)
+        if len(self.schedule) != 2 or min(self.schedule) < 1 or self.schedule[1] % self.schedule[0]:
+            raise _invalid(
+                "schedule",
+                list(self.schedule),
+                "needs two steps >= 1, the second a multiple of the first",
+            )
+        _known_strategy("baseline", self.baseline)
+        if not self.strategies:
+            raise _invalid("strategies", [], "needs at least one strategy")
+        for name in self.strategies:
+            _known_strategy("strategies", name)
+        if self.metric not in PIPELINED_METRICS:
+            raise _invalid("metric", self.metric, f"choose from {', '.join(PIPELINED_METRICS)}")
+        _at_least("min_speedup", self.min_speedup, 0.0)
+
+    def as_verdict(self) -> dict[str, Any]:
+        """The fields a verdict carries, JSON-ready (the description stays out)."""
+        fields = dataclasses.asdict(self)
+        del fields["description"]
+        return fields | {"schedule": list(self.schedule), "strategies": list(self.strategies)}
+
+
+@dataclass(frozen=True)
+class DryRunTarget:
+    """How many times less DP-KFAC must send and hold than D-KFAC (a dry run's target).
+
+    Attributes:
+        source: Where the figures come from, e.g. ``"DP-KFAC paper, 64 GPUs"``.
+        nprocs: The world size the figures are for.
+        communication: Least ratio of bytes sent per worker (dkfac / dp, max over workers).
+        memory: Least ratio of factor + decomposition memory per worker (max over workers).
+    """
+
+    source: str
+    nprocs: int
+    communication: float
+    memory: float
+
+    def __post_init__(self) -> None:
+        _at_least("nprocs", self.nprocs, 2)
+        _at_least("communication", self.communication, 0.0)
+        _at_least("memory", self.memory, 0.0)
+
+
+@dataclass(frozen=True)
+class BenchTargets:
+    """Everything a targets file holds, and the file it was read from.
+
+    Attributes:
+        reference: The reference measurement (printed with the overhead verdict).
+        overhead_target: One configuration's overhead over SGD.
+        pipelined_target: Strategies against a baseline per factor-update iteration.
+        dry_run_target: DP-KFAC against D-KFAC in a dry run.
+        source_file: The file read, as given (recorded in the reports).
+    """
+
+    reference: Reference
+    overhead_target: OverheadTarget
+    pipelined_target: PipelinedTarget
+    dry_run_target: DryRunTarget
+    source_file: str = ""
+
+
+def load_targets(path: str | Path) -> BenchTargets:
+    """Read and validate a targets file (JSON; the layout of ``benchmarks/targets.json``).
 
     Args:
-        rows: The summary rows of :func:`summary_rows`.
+        path: The file.
 
     Returns:
-        :data:`PIPELINED_TARGET` plus ``evaluated``, ``reason`` (why it was not evaluated, else
-        ``None``), ``comparisons`` (one dict per model and strategy) and ``met`` (every
-        comparison met; ``None`` when not evaluated).
+        The targets, with ``source_file`` the path as given.
 
+    Raises:
+        ValueError: The file cannot be read, is not JSON, lacks a section or a key, has a key
+            it should not, or a value of the wrong type or out of range (a negative threshold,
+            an unknown strategy or model). One message naming the file and the key.
     """
-    target = PIPELINED_TARGET
-    nprocs, (f, i) = target["nprocs"], target["schedule"]
-    verdict: dict[str, Any] = {
-        **target,
-        "schedule": [f, i],
-        "strategies": list(target["strategies"]),
-        "evaluated": False,
-        "reason": None,
-        "comparisons": [],
-        "met": None,
+    where = f"targets file {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"{where}: cannot be read ({error.strerror or error})") from None
+    except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{where}: not valid JSON ({error})") from None
+    sections: dict[str, type[Any]] = {
+        "reference": Reference,
+        "overhead_target": OverheadTarget,
+        "pipelined_target": PipelinedTarget,
+        "dry_run_target": DryRunTarget,
     }
-    at_nprocs = [row for row in rows if row["nprocs"] == nprocs]
-    if not at_nprocs:
-        verdict["reason"] = f"P={nprocs} was not run"
-        return verdict
-    comparisons: list[dict[str, Any]] = []
-    for model in dict.fromkeys(row["model"] for row in at_nprocs):
-        found = {row["key"]: row for row in at_nprocs if row["model"] == model}
-        baseline = found.get(f"{target['baseline']}_{f}_{i}")
-        if baseline is None:
-            continue
-        baseline_phases = _target_phases(baseline)
-        for strategy in target["strategies"]:
-            row = found.get(f"{strategy}_{f}_{i}")
-            if row is None:
-                continue
-            speedup = baseline["median_s"] / row["median_s"] - 1.0
-            phases = _target_phases(row)
-            comparisons.append(
-                {
-                    "model": model,
-                    "strategy": strategy,
-                    "key": row["key"],
-                    "baseline_key": baseline["key"],
-                    "strategy_s": row["median_s"],
-                    "baseline_s": baseline["median_s"],
-                    "speedup": speedup,
-                    "speedup_pct": 100.0 * speedup,
-                    "met": bool(speedup >= target["min_speedup"]),
-                    "phase_s": phases,
-                    "baseline_phase_s": baseline_phases,
-                    "phase_delta_s": {
-                        name: phases[name] - baseline_phases[name] for name in phases
-                    },
-                }
-            )
-    if not comparisons:
-        strategies = "/".join(target["strategies"])
-        verdict["reason"] = (
-            f"{target['baseline']} and {strategies} at ({f},{i}) were not both run at P={nprocs}"
-        )
-        return verdict
-    return verdict | {
-        "evaluated": True,
-        "comparisons": comparisons,
-        "met": all(c["met"] for c in comparisons),
-    }
-
-
-def _signed_ms(seconds: float) -> str:
-    return f"{1e3 * seconds:+.1f}"
-
-
-def format_pipelined_target(verdict: Mapping[str, Any], *, quick: bool = False) -> str:
-    """Render the spd/pad vs dkfac verdicts: a heading, then one line per model and strategy.
-
-    A line gives both median iteration times, the speedup and, per phase, the milliseconds of
-    dkfac then of the strategy (and the difference). A miss also says by how much it misses
-    and which phases got slower.
-
-    Args:
-        verdict: The result of :func:`evaluate_pipelined_target`.
-        quick: Whether this was a ``--quick`` run (adds a note).
-
-    Returns:
-        The lines, joined; a single line when the target was not evaluated.
-
-    """
-    f, i = verdict["schedule"]
-    minimum = 100.0 * verdict["min_speedup"]
-    where = f"P={verdict['nprocs']}, ({f},{i})"
-    heading = (
-        f"target {'/'.join(verdict['strategies'])} vs {verdict['baseline']} ({where}, >= "
-        f"{minimum:.0f}% faster per factor-update iteration)"
-    )
-    if not verdict["evaluated"]:
-        return f"{heading}: not evaluated ({verdict['reason']})"
-    comparisons = verdict["comparisons"]
-    met = sum(1 for c in comparisons if c["met"])
-    lines = [
-        f"{heading}: {'MET' if verdict['met'] else 'NOT MET'} ({met} of {len(comparisons)}); "
-        "median s/iter (median over rounds), phases dkfac -> strategy in mean ms per "
-        "iteration, other = the rest of the iteration (forward, backward, DDP, optimizer)"
-    ]
-    for c in verdict["comparisons"]:
-        speedup = c["speedup_pct"]
-        faster = f"{speedup:.1f}% faster" if speedup >= 0 else f"{-speedup:.1f}% slower"
-        phases = ", ".join(
-            f"{name} {format_ms(c['baseline_phase_s'][name])} -> "
-            f"{format_ms(c['phase_s'][name])} ms "
-            f"({_signed_ms(c['phase_delta_s'][name])})"
-            for name in c["phase_s"]
-        )
-        status = "MET"
-        if not c["met"]:
-            allowed_s = c["baseline_s"] / (1.0 + verdict["min_speedup"])
-            slower = sorted(
-                ((delta, name) for name, delta in c["phase_delta_s"].items() if delta > 0),
-                reverse=True,
-            )
-            why = (
-                "slower: " + ", ".join(f"{name} {_signed_ms(delta)} ms" for delta, name in slower)
-                if slower
-                else "no phase slower, the savings are too small"
-            )
-            status = f"NOT MET ({format_ms(c['strategy_s'] - allowed_s)} ms/iter short; {why})"
-        lines.append(
-            f"target {c['strategy']} vs {verdict['baseline']}, "
-            f"{MODEL_LABELS.get(c['model'], c['model'])}, {where}: {c['strategy_s']:.3f} vs "
-            f"{c['baseline_s']:.3f} s/iter -> {faster} (>= {minimum:.0f}%): {status}; {phases}"
-        )
-    if quick:
-        lines.append("note: --quick run, too few iterations for a meaningful comparison")
-    return "\n".join(lines)
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object with {', '.join(sections)}")
+    for key in data:
+        if key not in sections:
+            raise ValueError(f"{where}: {key}: unknown key (known: {', '.join(sections)})")
+    read: dict[str, Any] = {}
+    for key, section in sections.items():
+        if key not in data:
+            raise ValueError(f"{where}: {key}: missing key")
+        if not isinstance(data[key], dict):
+            raise ValueError(f"{where}: {key} = {data[key]!r}: expected a JSON object")
+        try:
+            read[key] = section(**_Section(data[key], section).fields_of(section))
+        except ValueError as error:
+            raise ValueError(f"{where}: {key}.{error}") from None
+    return BenchTargets(**read, source_file=str(path))
