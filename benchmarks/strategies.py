@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -45,8 +46,9 @@ __all__ = ["PHASES", "main"]
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "strategies.json"
 #: Where a dry run (``--layers NAME``) writes by default: ``NAME_dry_run.json``.
 RESULTS = DEFAULT_JSON.parent
-#: The reference and the targets checked by default (``--targets`` to change).
-DEFAULT_TARGETS = Path(__file__).resolve().parent / "targets.json"
+#: The reference and the targets checked by default (``--targets`` to change), as a path
+#: relative to where the script runs, so reports carry no machine-specific directory.
+DEFAULT_TARGETS = Path(os.path.relpath(Path(__file__).resolve().parent / "targets.json"))
 MODELS = "resnet20,resnet32,mlp6"
 NPROCS = "2,4"
 

@@ -454,7 +454,8 @@ def test_benchmark_script_dry_run(
     report = json.loads(out.read_text())
     _check_dry_run_output(capsys.readouterr().out, report, 64)
     assert report["settings"]["cost_model"]["measured"] is False
-    assert report["targets_file"] == str(TARGETS_FILE)  # the script's default
+    assert Path(report["targets_file"]).resolve() == TARGETS_FILE.resolve()  # the default
+    assert not Path(report["targets_file"]).is_absolute()
 
 
 def test_dkfac_bench_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -148,6 +148,11 @@ def _section_not_object(data: dict[str, Any]) -> None:
         (_set("pipelined_target", "baseline", "dkfacx"), "baseline = 'dkfacx': unknown strategy"),
         (_set("pipelined_target", "strategies", ["spd", "pd"]), "strategies = 'pd': unknown"),
         (_set("pipelined_target", "strategies", []), "strategies = []: needs at least one"),
+        (_set("pipelined_target", "strategies", ["spd", "dkfac"]), "not the baseline itself"),
+        (_set("pipelined_target", "strategies", ["spd", "spd"]), "each once"),
+        (_set("overhead_target", "config", "dkfac"), "config = 'dkfac': expected <strategy>_"),
+        (_set("overhead_target", "config", "dkfacx_1_1"), "config = 'dkfacx': unknown strategy"),
+        (_set("reference", "overhead_s", 0.5), "overhead_s = 0.5: expected kfac_1_1 - sgd"),
         (_set("overhead_target", "config", "sgdx_1_1"), "config = 'sgdx': unknown strategy"),
         (_set("overhead_target", "model", "resnet99"), "model = 'resnet99': unknown model"),
         (_set("pipelined_target", "schedule", [10, 15]), "schedule = [10, 15]: needs two"),
@@ -307,5 +312,7 @@ def test_the_benchmark_script_checks_the_repository_targets_by_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     bench = load_benchmark("strategies", monkeypatch)
-    assert bench.DEFAULT_TARGETS == TARGETS_FILE
-    assert load_targets(bench.DEFAULT_TARGETS).source_file == str(TARGETS_FILE)
+    # Relative to where the script runs: reports carry no machine-specific directory.
+    assert not bench.DEFAULT_TARGETS.is_absolute()
+    assert bench.DEFAULT_TARGETS.resolve() == TARGETS_FILE.resolve()
+    assert load_targets(bench.DEFAULT_TARGETS).source_file == str(bench.DEFAULT_TARGETS)

@@ -3,11 +3,10 @@
 The package holds no reference timing and no threshold: :func:`load_targets` reads them from a
 JSON file (the repository's is ``benchmarks/targets.json``) into a frozen, validated
 :class:`BenchTargets`. Three targets: one configuration's overhead over SGD against a limit
-derived from a reference measurement (:class:`OverheadTarget`, :func:`evaluate_target`),
-strategies faster than a baseline per factor-update iteration (:class:`PipelinedTarget`,
-:func:`evaluate_pipelined_target`) and the dry run's DP-KFAC vs D-KFAC ratios
-(:class:`DryRunTarget`, evaluated by :func:`dkfac.bench.dry_run.evaluate_dry_run_target`).
-The verdicts, plain data, and their rendering are in :mod:`dkfac.bench.verdicts`.
+derived from a reference measurement (:class:`OverheadTarget`), strategies faster than a
+baseline per factor-update iteration (:class:`PipelinedTarget`) and the dry run's DP-KFAC vs
+D-KFAC ratios (:class:`DryRunTarget`). They are evaluated, and the verdicts rendered, in
+:mod:`dkfac.bench.verdicts` and :mod:`dkfac.bench.dry_run`.
 """
 
 from __future__ import annotations
@@ -142,6 +141,11 @@ class Reference:
     def __post_init__(self) -> None:
         for key in ("sgd_s_per_iter", "kfac_1_1_s_per_iter", "overhead_s"):
             _at_least(key, getattr(self, key), 0.0)
+        difference = self.kfac_1_1_s_per_iter - self.sgd_s_per_iter
+        if not math.isclose(self.overhead_s, difference, abs_tol=5e-4):
+            raise _invalid(
+                "overhead_s", self.overhead_s, f"expected kfac_1_1 - sgd = {difference:.3f}"
+            )
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,10 @@ class OverheadTarget:
         if self.model not in MODELS:
             raise _invalid("model", self.model, f"unknown model; choose from {', '.join(MODELS)}")
         _at_least("nprocs", self.nprocs, 1)
-        _known_strategy("config", self.config.split("_")[0])
+        parts = self.config.split("_")
+        if len(parts) < 3 or not (parts[-2].isdigit() and parts[-1].isdigit()):
+            raise _invalid("config", self.config, "expected <strategy>_<f>_<i>, e.g. dkfac_1_1")
+        _known_strategy("config", "_".join(parts[:-2]))
         _at_least("max_overhead_s", self.max_overhead_s, 0.0)
 
 
@@ -203,6 +210,10 @@ class PipelinedTarget:
             raise _invalid("strategies", [], "needs at least one strategy")
         for name in self.strategies:
             _known_strategy("strategies", name)
+        if self.baseline in self.strategies or len(set(self.strategies)) < len(self.strategies):
+            raise _invalid(
+                "strategies", list(self.strategies), "each once, and not the baseline itself"
+            )
         if self.metric not in PIPELINED_METRICS:
             raise _invalid("metric", self.metric, f"choose from {', '.join(PIPELINED_METRICS)}")
         _at_least("min_speedup", self.min_speedup, 0.0)

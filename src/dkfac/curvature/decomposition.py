@@ -73,8 +73,6 @@ def decompose_factors(
     """
     if not requests:
         return []
-    factors = [request.layer.factor(request.side) for request in requests]
-    assert all(factor is not None for factor in factors), "decompose_factors: missing factor"
     dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
     results = [_try_decompose(request, method, dtype) for request in requests]
     attempted = {index: result for index, result in enumerate(results) if result is not None}

@@ -173,8 +173,7 @@ def tikhonov_shifts(mean_a: Tensor, mean_g: Tensor, damping: float) -> tuple[Ten
 
 def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
     """``tr(F) / d`` of a factor in ``dtype`` (the input of ``π``)."""
-    # The diagonal first: casting all d² values to float64 for d of them costs O(d²).
-    return torch.diagonal(matrix).to(dtype).sum() / matrix.shape[0]
+    return torch.diagonal(matrix.to(dtype)).sum() / matrix.shape[0]
 
 
 def combine_factors(

@@ -23,12 +23,12 @@ class KroneckerFactor:
     Args:
         side: ``"a"`` or ``"g"``.
         dim: the factor's side length ``d``.
-        dtype: dtype of the statistics and the running average.
+        dtype: the layer's factor dtype (of its zero factor; statistics are computed in it).
 
     Attributes:
         side: ``"a"`` or ``"g"``.
         dim: the factor's side length.
-        dtype: dtype of the statistics and the running average.
+        dtype: the layer's factor dtype.
         statistics: the current capture window's statistics.
         running: the running average (``None`` before the first update; NaN when no finite
             estimate exists yet).

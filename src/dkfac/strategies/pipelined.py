@@ -45,7 +45,8 @@ class PipelinedStrategy(Strategy):
         recorder: accounting.
         inverse_method: the preconditioner's method (the cost model times it).
         inv_dtype: dtype of the decompositions.
-        factor_dtype: dtype of the running factors (they travel in ``comm.comm_dtype`` if set).
+        factor_dtype: dtype of the running factors (they travel in ``comm.comm_dtype`` if set);
+            ``None``: the layers' own, read in :meth:`setup`.
         cost_model: the cluster's measured costs; a :class:`CostModelCache` to take them from
             (measured there on first use, then reused by later strategies); ``None`` measures
             them in :meth:`setup`.
@@ -60,7 +61,7 @@ class PipelinedStrategy(Strategy):
         *,
         inverse_method: str = "eigen",
         inv_dtype: torch.dtype = torch.float32,
-        factor_dtype: torch.dtype = torch.float32,
+        factor_dtype: torch.dtype | None = None,
         cost_model: ClusterCostModel | CostModelCache | None = None,
         profile_steps: int = 5,
     ) -> None:
@@ -68,7 +69,7 @@ class PipelinedStrategy(Strategy):
         self.comm: Communicator = comm
         self.inverse_method = inverse_method
         self.inv_dtype = inv_dtype
-        self.wire_dtype = comm.comm_dtype or factor_dtype
+        self.factor_dtype = factor_dtype
         self.cost: ClusterCostModel | None = (
             cost_model if isinstance(cost_model, ClusterCostModel) else None
         )
@@ -102,6 +103,8 @@ class PipelinedStrategy(Strategy):
             )
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+        if self.factor_dtype is None:
+            self.factor_dtype = layers[0].factor_dtype
         self.factor_placement = self._factor_placement(
             [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         )
@@ -114,15 +117,18 @@ class PipelinedStrategy(Strategy):
         return self._factor_placement(dims).placement()
 
     def _factor_placement(self, dims: Sequence[tuple[int, int]]) -> FactorPlacement:
-        if self.cost is None:
-            raise RuntimeError(f"strategy={self.name!r} places factors with a cost model: none yet")
+        if self.cost is None or self.factor_dtype is None:
+            raise RuntimeError(
+                f"strategy={self.name!r} places factors with a cost model and the factors' "
+                "dtype: set up the strategy (or give both) first"
+            )
         return self.place_factors(
             dims,
             self.world_size,
             self.cost,
             inverse_method=self.inverse_method,
             inv_dtype=self.inv_dtype,
-            factor_dtype=self.wire_dtype,
+            factor_dtype=self.comm.comm_dtype or self.factor_dtype,
             cap_bytes=self.comm.bucket_cap_bytes,
         )
 

@@ -141,7 +141,7 @@ class PlacementRunner:
         summed = counts_tensor.tolist()  # one host synchronisation per factor update
         for route, total, count in zip(self.placement.factors, totals, summed, strict=True):
             if fold and count > 0:
-                layers[route.layer].fold_factor(route.side, total / count, decay)
+                layers[route.layer].factors[route.side].fold(total / count, decay)
 
     def counts_buffer(self, device: torch.device) -> Tensor:
         """The float64 counts (rows or examples) of every factor, zero, in exchange order."""
@@ -186,7 +186,7 @@ class PlacementRunner:
         )
         for route, factor in zip(self.placement.factors, received, strict=True):
             if fold and factor.count > 0 and self.placement.holds_factor(route, self.rank):
-                layers[route.layer].fold_factor(route.side, factor.total / factor.count, decay)
+                layers[route.layer].factors[route.side].fold(factor.total / factor.count, decay)
 
     # -- decompositions ----------------------------------------------------------------------
     def decompose_and_share(
@@ -271,7 +271,8 @@ class PlacementRunner:
         plan, rank = self.placement, self.rank
         device = layers[0].block.weight.device
         means = self.trace_buffer(dtype, device)
-        if self.exchanges_traces("inverse"):
+        exchange = self.exchanges_traces("inverse")
+        if exchange:
             wanted = [
                 route
                 for route in plan.factors
@@ -285,7 +286,7 @@ class PlacementRunner:
             factor = layers[route.layer].factors[route.side]
             if factor.running is not None:
                 means[route.layer, FACTOR_SIDES.index(route.side)] = factor.trace_mean(dtype)
-        if self.exchanges_traces("inverse"):
+        if exchange:
             self.share_traces(means)
         return means
 
