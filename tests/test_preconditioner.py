@@ -540,6 +540,24 @@ def test_load_state_dict_rejects_a_different_model() -> None:
         pre.load_state_dict({"steps": 1})
 
 
+def test_load_state_dict_rejects_decompositions_of_another_method_or_shape() -> None:
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, inverse_method="inverse", **F64)
+    train_step(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), 0)
+    saved = pre.state_dict()
+    eigen = dkfac.KFACPreconditioner(small_model(), inverse_method="eigen", **F64)
+    with pytest.raises(ValueError, match="inverse_method='inverse', this preconditioner's is"):
+        eigen.load_state_dict(saved)
+    assert eigen.steps == 0 and all(layer.inverse is None for layer in eigen.layers)
+    first = pre.layers[0].name
+    tensors = saved["layers"][first]["inverse"]["tensors"]
+    tensors["a_inv"] = tensors["a_inv"][:-1, :-1]
+    with pytest.raises(ValueError, match=f"decomposition of layer '{first}' has tensors"):
+        dkfac.KFACPreconditioner(small_model(), inverse_method="inverse", **F64).load_state_dict(
+            saved
+        )
+
+
 # -- numerical trouble ---------------------------------------------------------------------------
 def test_nan_batch_is_dropped_counted_and_reported_while_it_persists() -> None:
     model = small_model()

@@ -372,7 +372,7 @@ class KFACPreconditioner:
         Raises:
             ValueError: the state does not match this preconditioner's layers.
         """
-        self._steps = restore_state(state, self._layers)
+        self._steps = restore_state(state, self._layers, self.config.inverse_method)
         self._usage.new_window()
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer

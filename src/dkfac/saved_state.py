@@ -26,13 +26,19 @@ def pack_state(steps: int, inverse_method: str, layers: Sequence[LayerCurvature]
     }
 
 
-def restore_state(state: Any, layers: Sequence[LayerCurvature]) -> int:
+def restore_state(state: Any, layers: Sequence[LayerCurvature], inverse_method: str) -> int:
     """Load ``state`` (from :func:`pack_state`) into ``layers``; returns the saved step count.
 
     Everything is validated before anything changes.
 
+    Args:
+        state: what :func:`pack_state` returned (possibly through ``torch.save``/``load``).
+        layers: the preconditioned layers.
+        inverse_method: the preconditioner's method; saved decompositions must be of it.
+
     Raises:
-        ValueError: the state is not a dkfac state or does not match the layers.
+        ValueError: the state is not a dkfac state, or does not match the layers or the
+            method.
     """
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise ValueError(
@@ -46,7 +52,7 @@ def restore_state(state: Any, layers: Sequence[LayerCurvature]) -> int:
             f"state_dict layers do not match the model: missing {missing}, unexpected {unexpected}"
         )
     for layer in layers:
-        layer.check_state(saved[layer.name])
+        layer.check_state(saved[layer.name], inverse_method)
     for layer in layers:
         layer.load_state(saved[layer.name])
     return int(state["steps"])

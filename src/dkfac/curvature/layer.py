@@ -17,7 +17,12 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.blocks import KroneckerBlock
-from dkfac.curvature.inverse import FACTOR_SIDES, KroneckerInverse, inverse_from_tensors
+from dkfac.curvature.inverse import (
+    FACTOR_SIDES,
+    KroneckerInverse,
+    factor_tensor_shapes,
+    inverse_from_tensors,
+)
 from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -200,8 +205,12 @@ class LayerCurvature:
             }
         return entry
 
-    def check_state(self, entry: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``entry`` (from :meth:`state`) does not fit this layer."""
+    def check_state(self, entry: dict[str, Any], inverse_method: str) -> None:
+        """Raise ``ValueError`` if ``entry`` (from :meth:`state`) does not fit this layer.
+
+        Its factors must have the layer's dims, and its decomposition (if any) must be one of
+        ``inverse_method`` with exactly that method's tensors and shapes.
+        """
         for side, factor in self.factors.items():
             key, dim = side.upper(), factor.dim
             tensor = entry[key]
@@ -210,6 +219,25 @@ class LayerCurvature:
                     f"state_dict factor {key} of layer {self.name!r} has shape "
                     f"{tuple(tensor.shape)}, expected {(dim, dim)}"
                 )
+        saved = entry.get("inverse")
+        if saved is None:
+            return
+        if saved.get("method") != inverse_method:
+            raise ValueError(
+                f"state_dict decomposition of layer {self.name!r} is of inverse_method="
+                f"{saved.get('method')!r}, this preconditioner's is {inverse_method!r}"
+            )
+        want = {
+            name: shape
+            for side, factor in self.factors.items()
+            for name, shape, _ in factor_tensor_shapes(inverse_method, side, factor.dim)
+        }
+        got = {name: tuple(tensor.shape) for name, tensor in saved["tensors"].items()}
+        if got != want:
+            raise ValueError(
+                f"state_dict decomposition of layer {self.name!r} has tensors {got}, "
+                f"expected {want}"
+            )
 
     def load_state(self, entry: dict[str, Any]) -> None:
         """Restore :meth:`state` output onto the layer's device; pending statistics are dropped."""
