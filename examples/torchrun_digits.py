@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
+from dkfac.comm import destroy_process_groups
 from dkfac.data.builtin import load_digits_tensors
 from dkfac.models import SmallCNN
 
@@ -38,6 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    train(args)
+    dist.barrier()  # nobody tears the groups down while a peer still talks to them
+    # Frees what still holds a group (DDP and the preconditioner sit in reference cycles)
+    # before destroying them: freed at interpreter exit instead, gloo can abort the process.
+    destroy_process_groups()
+    return 0
+
+
+def train(args: argparse.Namespace) -> None:
+    """One rank's training; everything that holds a process group is released on return."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", rank % torch.cuda.device_count())
@@ -78,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"comm {sum(v['bytes'] for v in pre.comm_stats().values()) / 1e6:.2f} MB/step, "
                 f"parameter checksum spread across ranks {spread:.2e}"
             )
-    dist.barrier()  # nobody tears the group down while a peer still talks to it
-    dist.destroy_process_group()
-    return 0
+    pre.remove()  # detaches the hooks and releases the strategy's process groups
 
 
 if __name__ == "__main__":
