@@ -63,9 +63,11 @@ def pipelined_run(
         ddp = nn.parallel.DistributedDataParallel(model)
         # profile_steps=2: the fusion plan changes in the middle of the run.
         pre = dkfac.KFACPreconditioner(ddp, lr=0.1, profile_steps=2, cost_model=COST, **options)
+        profiling_before = pre.profiling
         train(ddp, pre, world_size, rank)
         out.append(
             {
+                "profiling": (profiling_before, pre.profiling),
                 "params": [p.detach().clone() for p in model.parameters()],
                 "comm": pre.comm_stats(),
                 "memory": kfac_memory_bytes(pre),
@@ -115,6 +117,7 @@ def test_pipelined_strategies_equal_single_process_on_global_batch(world_size: i
             assert results[rank][index]["plan"] == results[0][index]["plan"], label
         plan = results[0][index]["plan"]
         assert plan["fusion"] == "alpha-beta (profiled)", label
+        assert results[0][index]["profiling"] == (True, False), label  # re-planned since
         collective = "allreduce" if config["strategy"] == "spd" else "reduce"
         assert f"{len(plan['buckets'])} fused {collective} bucket(s)" in results[0][index]["repr"]
         assert "decomposed by" in results[0][index]["repr"]

@@ -200,6 +200,11 @@ class KFACPreconditioner:
         """Number of completed ``step()`` calls."""
         return self._steps
 
+    @property
+    def profiling(self) -> bool:
+        """Whether spd/pad still profile this cluster to re-plan (benchmarks: time after)."""
+        return self._strategy.profiling
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
         """Replace the gradients of the preconditioned layers by the K-FAC direction.

@@ -32,6 +32,7 @@ from typing import Any
 
 from dkfac.bench.configs import environment
 from dkfac.bench.dry_run import dry_run_report
+from dkfac.bench.emulated_cluster import EmulatedCluster
 from dkfac.bench.launch import Launch, launch
 from dkfac.bench.options import BenchOptions
 from dkfac.bench.report import summary_rows
@@ -70,7 +71,11 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     launches: list[Launch] = []
     with tempfile.TemporaryDirectory(prefix="dkfac_bench_") as folder:
         for nprocs in options.nprocs:
-            launches.append(launch(nprocs, options, Path(folder)))
+            if options.network is None:
+                launches.append(launch(nprocs, options, Path(folder)))
+                continue
+            with EmulatedCluster(nprocs, options.network) as cluster:
+                launches.append(launch(nprocs, options, Path(folder), cluster))
     rows = summary_rows([(item.nprocs, item.report) for item in launches], options.models)
     return {
         "benchmark": "strategies",

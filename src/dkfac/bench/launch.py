@@ -1,9 +1,16 @@
-"""One torchrun launch of the ``dkfac bench`` workers for one world size.
+"""One launch of the ``dkfac bench`` workers for one world size.
 
-Starts ``python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker``
-in its own process group (``OMP_NUM_THREADS=1``, this copy of ``dkfac`` first on the path),
-streams the workers' output to stderr while keeping its tail, stops the whole group when the
-launch times out or is interrupted, and reads the JSON report that rank 0 wrote.
+On this machine's own network (loopback) the workers are started by torchrun::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker ...
+
+On an :class:`~dkfac.bench.emulated_cluster.EmulatedCluster` each worker is started alone in
+its own network namespace, pinned to its core, with the rendezvous in its environment
+(:meth:`EmulatedCluster.environment`). Either way every process gets ``OMP_NUM_THREADS=1``
+and this copy of ``dkfac`` first on the path, runs in its own process group, and has its
+output streamed to stderr while its tail is kept. The launch is stopped when it times out or
+is interrupted, and, on a cluster, when one worker fails (the others get
+:data:`FAILURE_GRACE_S` to fail or finish first). Rank 0 writes the JSON report it returns.
 """
 
 from __future__ import annotations
@@ -16,19 +23,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import dkfac
+from dkfac.bench.emulated_cluster import EmulatedCluster
 from dkfac.bench.options import BenchOptions
 
 WORKER_MODULE = "dkfac.bench.worker"
+#: Seconds the other workers of a cluster launch get after one failed, before they are stopped.
+FAILURE_GRACE_S = 30.0
+POLL_S = 0.2
 
 
 @dataclass
 class Launch:
-    """Outcome of one torchrun launch."""
+    """Outcome of one launch (torchrun, or one process per emulated node)."""
 
     nprocs: int
     command: list[str]
@@ -58,7 +70,7 @@ class Launch:
 
 
 def _stop(process: subprocess.Popen[str]) -> None:
-    """Terminate the launch's process group (torchrun and its workers), then kill it."""
+    """Terminate the process's group (torchrun and its workers, or one worker), then kill it."""
     for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
         try:
             os.killpg(process.pid, sig)
@@ -82,59 +94,118 @@ def _worker_env() -> dict[str, str]:
     )
 
 
-def launch(nprocs: int, options: BenchOptions, folder: Path) -> Launch:
-    """Run the workers for ``nprocs`` processes through torchrun; collect rank 0's report."""
-    out = folder / f"strategies_p{nprocs}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nprocs}",
-        "-m",
-        WORKER_MODULE,
-        *options.worker_argv(out),
-    ]
-    print(f"launching P={nprocs}: {' '.join(command)}", file=sys.stderr, flush=True)
+@dataclass
+class _Outcome:
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    tail: list[str]
+
+
+def run_processes(
+    commands: Sequence[tuple[Sequence[str], Mapping[str, str]]],
+    timeout: float,
+    *,
+    prefix_ranks: bool,
+) -> _Outcome:
+    """Start every ``(argv, env)``, stream their output, wait; stop all on failure or timeout.
+
+    The return code is the first non-zero one in rank order (0 when all succeeded).
+    """
     tail: collections.deque[str] = collections.deque(maxlen=200)
     start = time.perf_counter()
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=_worker_env(),
-        start_new_session=True,
-    )
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            tail.append(line.rstrip("\n"))
-            print(line, end="", file=sys.stderr, flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out = False
+    processes: list[subprocess.Popen[str]] = []
+    readers = []
     try:
-        returncode: int | None = process.wait(timeout=options.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        print(f"P={nprocs}: timed out after {options.timeout} s, stopping", file=sys.stderr)
-        _stop(process)
-        returncode = process.poll()
+        for rank, (argv, env) in enumerate(commands):
+            process = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                env=dict(env),
+                start_new_session=True,
+            )
+            processes.append(process)
+            label = f"[rank {rank}] " if prefix_ranks else ""
+
+            def pump(process: subprocess.Popen[str] = process, label: str = label) -> None:
+                assert process.stdout is not None
+                for line in process.stdout:
+                    tail.append(label + line.rstrip("\n"))
+                    print(label + line, end="", file=sys.stderr, flush=True)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            readers.append(reader)
+        timed_out = _wait_all(processes, timeout)
     except BaseException:
-        _stop(process)
+        for process in processes:
+            _stop(process)
         raise
-    reader.join(timeout=10.0)
-    wall_s = time.perf_counter() - start
+    for reader in readers:
+        reader.join(timeout=10.0)
+    codes = [process.returncode for process in processes]
+    failed = [code for code in codes if code != 0]
+    returncode = failed[0] if failed else 0
+    return _Outcome(returncode, timed_out, time.perf_counter() - start, list(tail))
+
+
+def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout: float) -> bool:
+    """Wait for every process; whether the launch timed out. Stops the rest after a failure."""
+    deadline = time.perf_counter() + timeout
+    failed_at: float | None = None
+    while any(process.poll() is None for process in processes):
+        now = time.perf_counter()
+        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + FAILURE_GRACE_S):
+            timed_out = now > deadline
+            if timed_out:
+                print(f"timed out after {timeout} s, stopping", file=sys.stderr)
+            for process in processes:
+                _stop(process)
+            return timed_out
+        time.sleep(POLL_S)
+    return False
+
+
+def launch(
+    nprocs: int, options: BenchOptions, folder: Path, cluster: EmulatedCluster | None = None
+) -> Launch:
+    """Run the workers for ``nprocs`` processes (on ``cluster`` when given); rank 0's report."""
+    out = folder / f"strategies_p{nprocs}.json"
+    worker = ["-m", WORKER_MODULE, *options.worker_argv(out)]
+    env = _worker_env()
+    if cluster is None:
+        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+        commands = [([sys.executable, *torchrun, *worker], env)]
+    else:
+        if cluster.workers != nprocs:
+            raise ValueError(f"the cluster has {cluster.workers} workers, not {nprocs}")
+        commands = [
+            (cluster.command(rank, [sys.executable, *worker]), cluster.environment(rank, env))
+            for rank in range(nprocs)
+        ]
+    where = "" if cluster is None else f" on {cluster.link.label()} links"
+    print(f"launching P={nprocs}{where}: {' '.join(commands[0][0])}", file=sys.stderr, flush=True)
+    outcome = run_processes(commands, options.timeout, prefix_ranks=cluster is not None)
+    tail = outcome.tail
     report = None
-    if out.exists() and not timed_out:
+    if out.exists() and not outcome.timed_out:
         try:
             report = json.loads(out.read_text())
         except json.JSONDecodeError as error:
             tail.append(f"could not read {out}: {error}")
-    if returncode != 0 or report is None:
-        print(f"P={nprocs}: launch failed (returncode {returncode})", file=sys.stderr)
-    return Launch(nprocs, command, returncode, timed_out, wall_s, list(tail), report)
+    if outcome.returncode != 0 or report is None:
+        print(f"P={nprocs}: launch failed (returncode {outcome.returncode})", file=sys.stderr)
+    return Launch(
+        nprocs,
+        list(commands[0][0]),
+        outcome.returncode,
+        outcome.timed_out,
+        outcome.wall_s,
+        tail,
+        report,
+    )

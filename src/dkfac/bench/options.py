@@ -25,11 +25,13 @@ from dkfac.bench.configs import (
     STRATEGIES,
     comma_separated,
 )
-from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL, dry_run_models
+from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL
+from dkfac.bench.dry_run_options import add_dry_run_options, cost_model_from_args
+from dkfac.bench.link_shape import LinkShape
 from dkfac.bench.report import MB
 from dkfac.bench.targets import BenchTargets, load_targets
 from dkfac.cli.config import ConfigError
-from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
+from dkfac.comm.cost_model import ClusterCostModel
 
 #: Defaults of a full run and of ``--quick`` (models and world sizes come from the front end).
 FULL_DEFAULTS: Mapping[str, Any] = MappingProxyType(
@@ -74,6 +76,7 @@ class BenchOptions:
     layers: str | None = None
     cost_model: ClusterCostModel = NOMINAL_COST_MODEL
     targets: BenchTargets | None = None
+    network: LinkShape | None = None
 
     def worker_argv(self, out: Path) -> list[str]:
         """The options of :mod:`dkfac.bench.worker`, rank 0 writing to ``out``."""
@@ -127,6 +130,7 @@ class BenchOptions:
             "schedules": [list(s) for s in self.schedules],
             "gc_disabled_in_window": True,
             "mb": MB,
+            "network": None if self.network is None else self.network.as_dict(),
         }
 
 
@@ -210,45 +214,14 @@ def add_bench_options(
         "e.g. benchmarks/targets.json; without it only the measurements are reported "
         f"(default {'none' if targets is None else targets})",
     )
-    dry = parser.add_argument_group(
-        "dry run",
-        "--layers computes, without training or a process group, each strategy's bytes per "
-        "worker, decomposition work and factor + decomposition memory of one second-order "
-        "update from the model's layer shapes, with the strategies' own planners (P from "
-        f"--nprocs, default {DRY_RUN_NPROCS}); the cost model below only places spd/pad's "
-        "factors and is nominal, not measured",
-    )
-    dry.add_argument(
-        "--layers",
-        choices=sorted(dry_run_models()),
+    add_dry_run_options(parser)
+    parser.add_argument(
+        "--network",
+        metavar="RATE[,DELAY]",
         default=None,
-        help="dry run on this model's layer shapes instead of timing (resnet50: ImageNet "
-        "ResNet-50, 53 Conv2d + the Linear classifier)",
-    )
-    nominal = NOMINAL_COST_MODEL
-    dry.add_argument(
-        "--alpha",
-        type=float,
-        default=None,
-        help=f"collective start-up in s (default {nominal.collective.alpha:g})",
-    )
-    dry.add_argument(
-        "--beta",
-        type=float,
-        default=None,
-        help=f"collective s per payload byte (default {nominal.collective.beta:g})",
-    )
-    dry.add_argument(
-        "--decomposition-c0",
-        type=float,
-        default=None,
-        help=f"fixed s per decomposition (default {nominal.decomposition.c0:g})",
-    )
-    dry.add_argument(
-        "--decomposition-c3",
-        type=float,
-        default=None,
-        help=f"s per d^3 of a decomposition (default {nominal.decomposition.c3:g})",
+        help="run each worker in its own network namespace on an emulated cluster whose "
+        "links carry RATE each way (tc units: 100mbit, 1gbit) and, where the kernel has netem, "
+        "add DELAY (e.g. 50us); needs root (CAP_NET_ADMIN). Default: this machine's loopback",
     )
 
 
@@ -279,35 +252,21 @@ def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
     return tuple(schedules)
 
 
-def _cost_model_from_args(args: argparse.Namespace) -> ClusterCostModel:
-    """The dry run's cost model: the nominal constants, with those given on the command line."""
-    given = {
-        name: getattr(args, name, None)
-        for name in ("alpha", "beta", "decomposition_c0", "decomposition_c3")
-    }
-    if getattr(args, "layers", None) is None:
-        flags = [
-            f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None
-        ]
-        if flags:
-            raise ConfigError(f"{', '.join(flags)}: options of a dry run, which needs --layers")
-        return NOMINAL_COST_MODEL
-    for name, value in given.items():
-        if value is not None and not value >= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value!r}")
-    nominal = NOMINAL_COST_MODEL
+def _network_from_args(args: argparse.Namespace) -> LinkShape | None:
+    """The emulated cluster's link of ``--network``; ``None`` for loopback.
 
-    def pick(name: str, default: float) -> float:
-        value = given[name]
-        return default if value is None else float(value)
-
-    return ClusterCostModel(
-        AlphaBeta(pick("alpha", nominal.collective.alpha), pick("beta", nominal.collective.beta)),
-        CubicCost(
-            pick("decomposition_c0", nominal.decomposition.c0),
-            pick("decomposition_c3", nominal.decomposition.c3),
-        ),
-    )
+    Raises:
+        ConfigError: a bad rate or delay, or ``--network`` with a dry run.
+    """
+    text = getattr(args, "network", None)
+    if text is None:
+        return None
+    if getattr(args, "layers", None) is not None:
+        raise ConfigError("--network times runs on an emulated cluster; a dry run times nothing")
+    try:
+        return LinkShape.parse(text)
+    except ValueError as error:
+        raise ConfigError(f"--network: {error}") from None
 
 
 def _targets_from_args(args: argparse.Namespace) -> BenchTargets | None:
@@ -334,7 +293,8 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         ConfigError: a bad option, with the one line the user sees.
     """
     layers = getattr(args, "layers", None)
-    cost_model = _cost_model_from_args(args)
+    cost_model = cost_model_from_args(args)
+    network = _network_from_args(args)
     targets = _targets_from_args(args)
     if layers is not None:
         if args.quick:
@@ -394,4 +354,5 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         layers=layers,
         cost_model=cost_model,
         targets=targets,
+        network=network,
     )

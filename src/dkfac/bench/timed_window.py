@@ -31,6 +31,10 @@ from dkfac.bench.configs import (
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.strategies import option_keywords
 
+#: Most extra warm-up steps a strategy may take to finish profiling (spd/pad: 5 factor
+#: updates at its defaults; with factor_update_steps=10, 50 steps).
+MAX_PROFILING_STEPS = 100
+
 
 def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
     """Bytes of the running factors and of the decompositions this rank holds.
@@ -106,6 +110,14 @@ def time_window(
         loss = torch.zeros(())
         for _ in range(warmup):
             loss = iteration()
+        # SPD/PAD re-plan their fusion after profiling a few factor updates: the window times
+        # the plan they keep, never the provisional one (at most MAX_PROFILING_STEPS more).
+        settled_warmup = warmup
+        while pre is not None and pre.profiling and settled_warmup < warmup + MAX_PROFILING_STEPS:
+            loss = iteration()
+            settled_warmup += 1
+        if pre is not None and pre.profiling:
+            raise RuntimeError(f"{config.key}: still profiling after {settled_warmup} steps")
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -128,12 +140,14 @@ def time_window(
                 gc.enable()
         final_loss = float(loss.detach())
         factor_bytes = inverse_bytes = 0
+        plan: dict[str, Any] = {}
         if pre is not None:
-            if pre.steps != warmup + iters:
+            if pre.steps != settled_warmup + iters:
                 raise RuntimeError(
-                    f"{config.key}: pre.steps={pre.steps}, expected {warmup + iters}"
+                    f"{config.key}: pre.steps={pre.steps}, expected {settled_warmup + iters}"
                 )
             factor_bytes, inverse_bytes = kfac_memory_bytes(pre)
+            plan = dict(pre.plan())
     finally:
         if pre is not None:
             pre.remove()
@@ -146,4 +160,7 @@ def time_window(
         "factor_bytes": factor_bytes,
         "inverse_bytes": inverse_bytes,
         "final_loss": final_loss,
+        "warmup_steps": settled_warmup if pre is not None else warmup,
+        "cost_model": plan.get("cost_model"),
+        "fusion_buckets": len(plan.get("buckets", [])),
     }

@@ -33,7 +33,12 @@ def split_bytes(bytes_per_step: dict[str, float]) -> dict[str, float]:
 def reduce_window(
     config: Configuration, ranks: Sequence[dict[str, Any]], *, warmup: int, iters: int
 ) -> dict[str, Any]:
-    """Combine the raw windows of all ranks into one JSON-ready window."""
+    """Combine the raw windows of all ranks into one JSON-ready window.
+
+    ``warmup`` is the requested warm-up; a strategy that profiled longer (spd/pad) reports
+    the steps it really took before the window (``warmup_steps``), the same on every rank.
+    """
+    warmup = ranks[0].get("warmup_steps", warmup)
     wall_s = max(r["wall_s"] for r in ranks)
     iter_s = [max(values) for values in zip(*(r["iter_s"] for r in ranks), strict=True)]
     window: dict[str, Any] = {
@@ -45,6 +50,8 @@ def reduce_window(
         "iter_s": iter_s,
         "iter_s_rank0": ranks[0]["iter_s"],
         "final_loss": ranks[0]["final_loss"],
+        "cost_model": ranks[0].get("cost_model"),
+        "fusion_buckets": ranks[0].get("fusion_buckets"),
         "factor_updates_in_window": None,
         "inverse_updates_in_window": None,
     }

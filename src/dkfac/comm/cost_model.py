@@ -10,7 +10,6 @@ the result to every later SPD/PAD preconditioner of the run.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dkfac.comm.communicator import Communicator, ProcessGroup
+from dkfac.comm.line_fit import fit_line_nonnegative_intercept
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import decompose_factor
 
@@ -92,51 +92,19 @@ def _line_problems(
     return problems
 
 
-@dataclass(frozen=True)
-class LineFit:
-    """Least-squares line ``y = intercept + slope · x`` and its coefficient of determination."""
-
-    intercept: float
-    slope: float
-    r_squared: float
-
-
-def least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
-    """The least-squares line through ``(x, y)`` points, unclamped.
-
-    ``r_squared`` is ``1 − SS_res/SS_tot`` (1 when every ``y`` is equal and fitted exactly).
-
-    Raises:
-        ValueError: fewer than two points, counts that differ, or all ``x`` equal.
-    """
-    if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError(
-            f"need at least two (x, y) points of equal count, got {len(xs)} and {len(ys)}"
-        )
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    if spread == 0:
-        raise ValueError("the x values must not all be equal")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-    intercept = mean_y - slope * mean_x
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
-    total = sum((y - mean_y) ** 2 for y in ys)
-    r_squared = 1.0 - residual / total if total > 0 else (1.0 if residual == 0 else 0.0)
-    return LineFit(intercept, slope, r_squared)
-
-
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-    """Least-squares ``alpha``, ``beta`` from measured (bytes, seconds) pairs.
+    """``alpha``, ``beta`` from measured (bytes, seconds) pairs, ``alpha >= 0``.
 
-    Unclamped: a fit that makes no sense says so in :meth:`AlphaBeta.problems`.
+    See :func:`~dkfac.comm.line_fit.fit_line_nonnegative_intercept`. A fit that still makes
+    no sense (time not growing with size, a poor fit) says so in :meth:`AlphaBeta.problems`.
     """
-    line = least_squares_line(sizes, seconds)
+    line = fit_line_nonnegative_intercept(sizes, seconds)
     return AlphaBeta(line.intercept, line.slope, line.r_squared)
 
 
 def fit_cubic(dims: Sequence[int], seconds: Sequence[float]) -> CubicCost:
-    """Least-squares ``c0``, ``c3`` from measured (d, seconds) pairs (unclamped)."""
-    line = least_squares_line([float(d) ** 3 for d in dims], seconds)
+    """``c0``, ``c3`` from measured (d, seconds) pairs, ``c0 >= 0`` (as :func:`fit_alpha_beta`)."""
+    line = fit_line_nonnegative_intercept([float(d) ** 3 for d in dims], seconds)
     return CubicCost(line.intercept, line.slope, line.r_squared)
 
 

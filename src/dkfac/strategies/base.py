@@ -77,6 +77,11 @@ class Strategy(ABC):
         """``layer``'s index in the plan."""
         return self._index[id(layer)]
 
+    @property
+    def profiling(self) -> bool:
+        """Whether a coming factor update may still change the plan from measurements."""
+        return False
+
     def statistic_added(  # noqa: B027
         self, layer: LayerCurvature, side: str, loss_reduction: str
     ) -> None:

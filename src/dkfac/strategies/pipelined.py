@@ -220,6 +220,11 @@ class PipelinedStrategy(Strategy):
         )
 
     # -- factors -----------------------------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        """Whether the first ``profile_steps`` factor updates (the size plan) are not over."""
+        return self.factor_steps < self.profile_steps
+
     def statistic_added(self, layer: LayerCurvature, side: str, loss_reduction: str) -> None:
         """Hand the factor to the pipeline once the window's expected statistics are in.
 
