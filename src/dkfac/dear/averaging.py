@@ -105,7 +105,7 @@ class DeAR:
             ``auto_range_mb`` that gives a distinct layout is timed for ``auto_trial_steps``
             iterations, then the fastest (median, agreed over ranks) is kept for the rest of
             the run.
-        auto_range_mb: ``(low, high)`` MiB searched by ``"auto"``.
+        auto_range_mb: ``(low, high)`` MiB searched by ``"auto"`` (default 64 KiB to 64 MiB).
         auto_trial_steps: timed iterations per candidate size.
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) each step.
         process_group: the ranks that share the model; default: a new group of all ranks, so
@@ -122,7 +122,7 @@ class DeAR:
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         *,
         bucket_cap_mb: float | str = 25.0,
-        auto_range_mb: tuple[float, float] = (1.0, 64.0),
+        auto_range_mb: tuple[float, float] = (1 / 16, 64.0),
         auto_trial_steps: int = 5,
         broadcast_buffers: bool = True,
         process_group: ProcessGroup | None = None,
