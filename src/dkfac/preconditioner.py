@@ -70,16 +70,13 @@ class KFACPreconditioner:
             enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``. A step whose
             gradients are not finite (the scaler skips it) changes no factor or decomposition.
         factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
-        inv_dtype: dtype of the decompositions (float32 or float64). A failed decomposition is
-            retried in float64.
+        inv_dtype: dtype of the decompositions (float32 or float64), retried in float64 on failure.
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
         bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
-        comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None`` sends
-            tensors in their own dtype.
-        profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured factor ready
-            times re-plan the fusion buckets (alpha-beta merge rule, default 5); 0 keeps the
-            size plan.
+        comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None``: their own.
+        profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured ready times
+            re-plan the fusion buckets (alpha-beta merge rule, default 5); 0 keeps the size plan.
         cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.comm.ClusterCostModel` to plan
             with, or a :class:`~dkfac.comm.CostModelCache` that measures on first use
             and then reuses (for several preconditioners in one job); ``None`` measures the
@@ -326,6 +323,10 @@ class KFACPreconditioner:
         precondition, grad_comm. On CUDA, times are host times of asynchronous launches.
         """
         return self._recorder.timings()
+
+    def comm_overlap(self) -> dict[str, dict[str, float]]:
+        """Per phase of the last step: ``in_flight_s`` = ``exposed_s`` (waited) + ``hidden_s``."""
+        return self._recorder.overlap()
 
     def export_trace(self, path: str | os.PathLike[str]) -> None:
         """Write a Chrome trace (JSON) of the recent steps, one lane per phase."""

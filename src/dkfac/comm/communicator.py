@@ -8,7 +8,9 @@ Strategies never call ``torch.distributed`` themselves: they hand lists of tenso
 * sends only the upper triangle of tensors marked symmetric (``d(d+1)/2`` values);
 * optionally transports in a lower precision (``comm_dtype``) and restores the working dtype
   (``exact=True`` keeps a collective in its own dtype: counts, agreed values);
-* records bytes and calls per (phase, collective) in the :class:`StepRecorder`;
+* records bytes and calls per (phase, collective) in the :class:`StepRecorder`, and, on
+  ``wait()``, when each collective was in flight (launch to completion,
+  :mod:`dkfac.comm.flight`);
 * returns a :class:`CollectiveHandle` at once; results land in the given tensors on ``wait()``.
 
 Every rank must issue the same collectives in the same order (the usual ``torch.distributed``
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dkfac.comm.flight import Flight, follow
 from dkfac.comm.groups import default_group_timeout
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import (
@@ -38,29 +41,33 @@ from dkfac.comm.wire import (
 )
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
+#: One launched collective: its work, what ``wait()`` does after it, its in-flight record.
+Pending = tuple[Any, Callable[[], None], Flight | None]
 
 
 class CollectiveHandle:
     """Pending collectives; :meth:`wait` blocks and writes the results into the tensors."""
 
-    def __init__(self, pending: list[tuple[Any, Callable[[], None]]]) -> None:
+    def __init__(self, pending: list[Pending]) -> None:
         self._pending = pending
 
     @classmethod
     def joined(cls, handles: Sequence[CollectiveHandle]) -> CollectiveHandle:
         """One handle that waits for all of ``handles``, in order."""
-        pending: list[tuple[Any, Callable[[], None]]] = []
+        pending: list[Pending] = []
         for handle in handles:
             pending += handle._pending
             handle._pending = []
         return cls(pending)
 
     def wait(self) -> None:
-        """Wait for every collective and unpack its results (idempotent)."""
+        """Wait for every collective, record its flight and unpack its results (idempotent)."""
         pending, self._pending = self._pending, []
-        for work, finish in pending:
+        for work, finish, flight in pending:
             if work is not None:
                 work.wait()
+            if flight is not None:
+                flight.land()
             finish()
 
 
@@ -298,8 +305,9 @@ class Communicator:
         if not self.sends:
             return CollectiveHandle([])
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        launched = self.recorder.now()
         work = gather(output, chunk, group=group or self.group, async_op=True)
-        return CollectiveHandle([(work, lambda: None)])
+        return CollectiveHandle([(work, lambda: None, self._follow(work, output, phase, launched))])
 
     def reduce_scatter(
         self, flat: Tensor, chunk: Tensor, *, phase: str, group: ProcessGroup | None = None
@@ -318,15 +326,17 @@ class Communicator:
         if dist.get_backend(target) == "gloo":
             ranks = dist.get_world_size(target)
             received = torch.empty_like(flat)
+            launched = self.recorder.now()
             work = dist.all_to_all_single(received, flat, group=target, async_op=True)
 
             def finish() -> None:
                 torch.sum(received.view(ranks, -1), dim=0, out=chunk.view(-1))
 
-            return CollectiveHandle([(work, finish)])
+            return CollectiveHandle([(work, finish, self._follow(work, flat, phase, launched))])
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        launched = self.recorder.now()
         work = scatter(chunk, flat, group=target, async_op=True)
-        return CollectiveHandle([(work, lambda: None)])
+        return CollectiveHandle([(work, lambda: None, self._follow(work, flat, phase, launched))])
 
     def group_size(self, group: ProcessGroup | None) -> int:
         """Number of ranks in ``group`` (``None``: the communicator's own group)."""
@@ -334,6 +344,9 @@ class Communicator:
 
     def _count(self, phase: str, op: str, nbytes: int, group: ProcessGroup | None) -> None:
         record_collective(self.recorder, phase, op, nbytes, self.group_size(group))
+
+    def _follow(self, work: Any, buffer: Tensor, phase: str, launched: float) -> Flight | None:
+        return follow(work, buffer, self.recorder, phase, launched)
 
     def _launch(
         self,
@@ -351,7 +364,7 @@ class Communicator:
 
         Every bucket is counted; it is packed and sent only when :attr:`sends` is true.
         """
-        pending: list[tuple[Any, Callable[[], None]]] = []
+        pending: list[Pending] = []
         flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
         for payload in self.fusion_plan(tensors, flags, exact=exact):
             self._count(phase, op, payload.nbytes, group)
@@ -359,11 +372,12 @@ class Communicator:
                 continue
             part = slice(payload.start, payload.end)
             bucket = FusionBucket(list(tensors[part]), flags[part], payload.dtype)
+            launched = self.recorder.now()  # after packing: the flight is the transfer only
             work = start(bucket)
 
             def finish(bucket: FusionBucket = bucket) -> None:
                 if unpack(bucket):
                     bucket.unpack(scale)
 
-            pending.append((work, finish))
+            pending.append((work, finish, self._follow(work, bucket.flat, phase, launched)))
         return CollectiveHandle(pending)

@@ -1,7 +1,9 @@
 """Per-step accounting of communication and phase times, and a Chrome trace of recent steps.
 
-The communicator records every collective here (strategies cannot bypass it); the
-preconditioner and strategies time their phases with :meth:`StepRecorder.phase`.
+The communicator records every collective here (strategies cannot bypass it), and when each
+was in flight (:meth:`StepRecorder.in_flight`); the preconditioner and strategies time their
+phases with :meth:`StepRecorder.phase`. :meth:`StepRecorder.overlap` compares the two: how
+much of a phase's communication the training thread waited for, and how much was hidden.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dkfac.comm.intervals import exposure
 
 #: Phases of a K-FAC step, in the order they happen.
 PHASES: tuple[str, ...] = (
@@ -44,12 +48,18 @@ class CommCount:
 
 @dataclass
 class StepRecord:
-    """What one step cost on this rank."""
+    """What one step cost on this rank.
+
+    ``events`` are the trace's spans (phases and other lanes); ``flights`` are, per phase,
+    the ``(launch, completion)`` of each of its collectives waited for in this step. Times are
+    seconds since the recorder started.
+    """
 
     step: int
     comm: dict[tuple[str, str], CommCount] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     events: list[tuple[str, float, float]] = field(default_factory=list)
+    flights: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 class StepRecorder:
@@ -97,6 +107,16 @@ class StepRecorder:
         """
         self._current.events.append((lane, start - self._origin, end - self._origin))
 
+    def in_flight(self, phase: str, launched: float, completed: float) -> None:
+        """Record one collective of ``phase`` in flight from ``launched`` to ``completed``.
+
+        Called by the training thread when it waits for the collective (clock: :meth:`now`);
+        the span goes to the trace on lane ``"<phase> in flight"`` and into :meth:`overlap`.
+        """
+        self.span(f"{phase} in flight", launched, completed)
+        spans = self._current.flights.setdefault(phase, [])
+        spans.append((launched - self._origin, completed - self._origin))
+
     def finish_step(self, step: int) -> None:
         """Close the record of ``step`` and open the next one."""
         self._current.step = step
@@ -123,6 +143,22 @@ class StepRecorder:
         seconds = {} if record is None else record.seconds
         return {name: seconds.get(name, 0.0) for name in self.phases} | {
             name: value for name, value in seconds.items() if name not in self.phases
+        }
+
+    def overlap(self) -> dict[str, dict[str, float]]:
+        """Per phase with collectives in flight in the last finished step, how long, and seen how.
+
+        ``"in_flight_s"``: time at least one of the phase's collectives was in flight (the
+        union of their spans); ``"exposed_s"``: the part of it the training thread spent in
+        that phase itself (inside :meth:`phase`: launching or waiting); ``"hidden_s"``: the
+        rest, when the thread did other work (forward, backward) while the bytes moved.
+        """
+        record = self.last()
+        if record is None:
+            return {}
+        return {
+            phase: exposure(flights, [(s, e) for name, s, e in record.events if name == phase])
+            for phase, flights in sorted(record.flights.items())
         }
 
     def export_trace(self, path: str | os.PathLike[str], rank: int = 0) -> None:
