@@ -34,13 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
-from dkfac.bench.configs import INPUT_SHAPES, LR, MODEL_LABELS, MODELS, MOMENTUM, environment
-from dkfac.bench.worker import make_batch
+from dkfac.bench.configs import LR, MODEL_LABELS, MODELS, MOMENTUM, environment
+from dkfac.bench.models import batch_loss, model_batch
 from dkfac.comm import destroy_process_groups
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,7 +66,7 @@ def time_window(
 ) -> dict[str, Any]:
     """Warm up and time ``iters`` iterations of ``config`` on this rank; all ranks' numbers."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = make_batch(batch, 1000 + rank, INPUT_SHAPES[model_name])
+    x, y = model_batch(model_name, batch, 1000 + rank)
     torch.manual_seed(0)
     net: nn.Module = MODELS[model_name]()
     net.train()
@@ -94,7 +93,7 @@ def time_window(
         t0 = time.perf_counter()
         if dear is None:
             optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        loss = batch_loss(model(x), y)
         t1 = time.perf_counter()
         torch.autograd.backward(loss)
         t2 = time.perf_counter()

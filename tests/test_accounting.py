@@ -19,6 +19,7 @@ from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
 from dkfac.strategies import dp
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
+from dkfac.strategies.factor_placement import choose_share
 from dkfac.strategies.layer_shapes import (
     LayerShape,
     conv2d_shape,
@@ -28,11 +29,10 @@ from dkfac.strategies.layer_shapes import (
 )
 from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.pipeline import ready_order_of
-from dkfac.strategies.plan import EVERY_WORKER
 from dkfac.strategies.spd import SPDStrategy
 from test_benchmarks_smoke import _load_strategies
 from test_distributed import configurations, entry, expected_bytes, tri, uneven_model
-from test_pipelined import COST, expected_broadcast
+from test_pipelined import COST, expected_broadcast, expected_gradients, fused
 from test_placement import resnet50_factor_dims
 
 TINY = [LayerShape("l0", 3, 2), LayerShape("l1", 5, 4)]
@@ -142,37 +142,51 @@ def test_dp_equals_the_byte_count_of_real_runs(world_size: int) -> None:
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_size: int) -> None:
-    # The checks test_pipelined makes on real runs with the same fixed cost model.
+    # The checks test_pipelined makes on real runs with the same fixed cost model, for SPD and
+    # for PAD sharing decompositions or preconditioned gradients.
     shapes = layer_shapes_of(uneven_model())
+    dims = [s.dims for s in shapes]
     settings = DryRunSettings(
         world_size,
         inverse_method=method,
         factor_dtype=torch.float64,
         inv_dtype=torch.float64,
+        grad_dtype=torch.float64,
         cost_model=COST,
     )
     factor_values = sum(tri(s.a_dim) + tri(s.g_dim) for s in shapes)
     dkfac_wire = entry("allreduce", [factor_values, 2 * len(shapes)], world_size)["wire_bytes"]
-    for strategy in (SPDStrategy, PADStrategy):
+    kinds = [(SPDStrategy, None), (PADStrategy, "decompositions"), (PADStrategy, "gradients")]
+    for strategy, share in kinds:
+        choice = None
+        if share is not None:
+            choice = choose_share(
+                share,
+                dims,
+                inverse_method=method,
+                inv_dtype=torch.float64,
+                grad_dtype=torch.float64,
+                inv_update_steps=1,
+            )
         placement = strategy.place_factors(
-            [s.dims for s in shapes],
+            dims,
             world_size,
             COST,
             inverse_method=method,
             inv_dtype=torch.float64,
             factor_dtype=torch.float64,
             cap_bytes=settings.cap_bytes,
+            share=choice,
+            grad_dtype=torch.float64,
         )
-        plan = {
-            "factors": [
-                {"dim": slot.dim, "decomposed_by": "all" if owner == EVERY_WORKER else owner}
-                for slot, owner in zip(placement.costs.slots, placement.decomposer, strict=True)
-            ]
+        plan: dict[str, Any] = {
+            "factors": placement.placement().describe([s.name for s in shapes]),
+            "share": {"mode": share},
         }
         if strategy is SPDStrategy:
             by_dim = {f["dim"]: f["decomposed_by"] for f in plan["factors"]}
             assert by_dim[64] != "all" and by_dim[5] == "all"  # as asserted on real runs
-        for account in account_strategy(strategy.name, shapes, settings):
+        for account in account_strategy(strategy.name, shapes, settings, share=share or "auto"):
             factor = {k: v for k, v in account.comm.items() if k.startswith("factor_comm")}
             # The counts: one per factor and the late-statistics marker (2L + 1 float64).
             counts = 8 * (2 * len(shapes) + 1)
@@ -189,7 +203,7 @@ def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_siz
                 # floors need the bucket boundaries, which the cost-model placement decides:
                 # they are read from the plan above, the bytes are computed here.
                 assert None not in placement.destination
-                dims = [slot.dim for slot in placement.costs.slots]
+                slot_dims = [slot.dim for slot in placement.costs.slots]
                 assert factor["factor_comm/reduce"]["bytes"] == 8 * factor_values
                 assert factor["factor_comm/allreduce"] == entry(
                     "allreduce", [2 * len(shapes) + 1], world_size
@@ -197,7 +211,7 @@ def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_siz
                 assert (
                     wire
                     == sum(
-                        8 * sum(tri(dims[i]) for i in bucket) * (world_size - 1) // world_size
+                        8 * sum(tri(slot_dims[i]) for i in bucket) * (world_size - 1) // world_size
                         for bucket in placement.buckets
                     )
                     + 2 * counts * (world_size - 1) // world_size
@@ -207,6 +221,45 @@ def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_siz
             assert account.comm.get("inverse_comm/broadcast") == expected_broadcast(
                 plan, method, world_size, settings.bucket_cap_mb
             )
+            assert account.comm.get("grad_comm/broadcast") == expected_gradients(
+                plan, world_size, settings.bucket_cap_mb
+            )
+            # Sharing gradients, each owner holds both factors of its layers: no traces move.
+            if share == "gradients":
+                assert "inverse_comm/allreduce" not in account.comm
+
+
+def test_pad_sharing_gradients_on_two_layers_at_p2_by_hand() -> None:
+    settings = DryRunSettings(2, cost_model=COST)  # float32, eigen
+    # Layers l0 (3, 2) and l1 (5, 4); each its own owner (their predicted costs, both
+    # decompositions + both reduces + the gradient broadcast, are far below one start-up, so
+    # two blocks beat one): l0 -> 0, l1 -> 1. Ready order A0 A1 G1 G0: reduces to 0 | 1 | 0.
+    accounts = account_strategy("pad", TINY, settings, share="gradients")
+    for account in accounts:
+        assert account.comm == {
+            # 2L + 1 = 5 float64 counts.
+            "factor_comm/allreduce": {"bytes": 40, "calls": 1, "wire_bytes": 40},
+            # Upper triangles 6 | 15 + 10 | 3 float32 values; a reduce sends half of each.
+            "factor_comm/reduce": {"bytes": 4 * 34, "calls": 3, "wire_bytes": 2 * 34},
+            # Owner 0 sends l0's 2x3 gradient (24 B), owner 1 l1's 4x5 (80 B); no
+            # decomposition is broadcast.
+            "grad_comm/broadcast": {"bytes": 24 + 80, "calls": 2, "wire_bytes": 12 + 40},
+        }
+    # Each owner holds its layer's factors (9+4 | 25+16 values) and decomposition (Q and λ of
+    # both: 9+3+4+2 | 25+5+16+4) only.
+    assert [(a.factor_bytes, a.inverse_bytes) for a in accounts] == [
+        (4 * 13, 4 * 18),
+        (4 * 41, 4 * 50),
+    ]
+    assert [a.decomposition_work for a in accounts] == [27 + 8, 125 + 64]
+    # share="auto" at inv_update_steps 1 decides the same (104 gradient bytes a step against
+    # 272 of decompositions); at 100 it shares decompositions, as share="decompositions" does.
+    assert account_strategy("pad", TINY, settings) == accounts
+    every_100 = dataclasses.replace(settings, inv_update_steps=100)
+    assert account_strategy("pad", TINY, every_100) == account_strategy(
+        "pad", TINY, settings, share="decompositions"
+    )
+    assert "grad_comm/broadcast" not in account_strategy("pad", TINY, every_100)[0].comm
 
 
 def test_resnet50_shapes() -> None:
@@ -402,26 +455,44 @@ def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
 
     # PAD: each factor's upper triangle reduced to its owner (bytes as dkfac's allreduce,
     # less the counts, which go in one float64 allreduce: one per factor and the
-    # late-statistics marker); every owner broadcasts Q and λ of its factors with one flag per
-    # factor (2L, not L as dkfac); every worker rebuilds every layer's decomposition. The
-    # reduce's floors per call need the planned buckets.
+    # late-statistics marker). At this (1,1) update share="auto" broadcasts preconditioned
+    # gradients (dp's 102 MB against 616 MB of decompositions a step): each layer's owner
+    # reduces both factors, decomposes them and sends the layer's gradient, so nothing else
+    # is broadcast and a worker holds only its layers' decompositions. The reduce's floors
+    # per call need the planned buckets, the broadcasts' the planned owners.
     counts = 8 * (2 * layers + 1)
     pad = rows["pad"]["comm_max_per_rank"]
+    assert set(pad) == {"factor_comm/allreduce", "factor_comm/reduce", "grad_comm/broadcast"}
     assert pad["factor_comm/allreduce"] == {
         "bytes": counts,
         "calls": 1,
         "wire_bytes": sent("allreduce", counts),
     }
     assert pad["factor_comm/reduce"]["bytes"] == oracle.dkfac_factor - (counts - 8) == 307_868_108
-    assert pad["inverse_comm/broadcast"]["bytes"] == oracle.dkfac_broadcast + 4 * layers
+    dims = _resnet50_dims()
+    choice = choose_share(
+        "auto",
+        dims,
+        inverse_method="eigen",
+        inv_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        inv_update_steps=1,
+    )
+    assert choice.mode == "gradients"
+    assert (choice.gradient_bytes_per_step, choice.decomposition_bytes_per_step) == (
+        oracle.dp_broadcast,
+        oracle.dkfac_broadcast - 4 * layers,  # without dkfac's validity flags
+    )
     placement = PADStrategy.place_factors(
-        _resnet50_dims(),
+        dims,
         p,
         NOMINAL_COST_MODEL,
         inverse_method="eigen",
         inv_dtype=torch.float32,
         factor_dtype=torch.float32,
         cap_bytes=25 * 2**20,
+        share=choice,
+        grad_dtype=torch.float32,
     )
     slots = placement.costs.slots
     assert None not in placement.destination
@@ -429,11 +500,27 @@ def test_resnet50_dry_run_at_p64_equals_closed_forms() -> None:
     assert pad["factor_comm/reduce"]["wire_bytes"] == sum(
         sent("reduce", 4 * sum(tri(slots[i].dim) for i in bucket)) for bucket in placement.buckets
     )
+    owner = {slot.layer: o for slot, o in zip(slots, placement.decomposer, strict=True)}
+    broadcasts = [
+        payload
+        for source in sorted(set(owner.values()))
+        for payload in fused([a * g for i, (a, g) in enumerate(dims) if owner[i] == source], 25, 4)
+    ]
+    assert pad["grad_comm/broadcast"] == {
+        "bytes": oracle.dp_broadcast,
+        "calls": len(broadcasts),
+        "wire_bytes": sum(sent("broadcast", 4 * values) for values in broadcasts),
+    }
     assert (
         rows["pad"]["payload_bytes"]["per_rank"]
-        == [oracle.dkfac_factor + 8 + oracle.dkfac_broadcast + 4 * layers] * p
+        == [oracle.dkfac_factor + 8 + oracle.dp_broadcast] * p
     )
-    assert rows["pad"]["inverse_bytes"]["per_rank"] == [oracle.dkfac_broadcast - 4 * layers] * p
+    held = [
+        sum(4 * (a * a + a + g * g + g) for i, (a, g) in enumerate(dims) if owner[i] == rank)
+        for rank in range(p)
+    ]
+    assert rows["pad"]["inverse_bytes"]["per_rank"] == held
+    assert sum(held) == oracle.dkfac_broadcast - 4 * layers
 
     # The ratios from the closed forms alone, as recorded in the results and the docs.
     communication = (2 * oracle.dkfac_factor + oracle.dkfac_broadcast) / oracle.dp_broadcast

@@ -236,31 +236,41 @@ def test_bench_refuses_a_missing_or_bad_targets_file(
 
 def _entry(key: str, seconds: float) -> dict[str, Any]:
     """A worker's summary entry, with what the table and the verdicts read."""
-    strategy = None if key == "sgd" else key.split("_")[0]
+    strategy = None if key in ("sgd", "dear") else key.split("_")[0]
     kfac = strategy is not None
+    compared = key != "sgd"
+    labels = {"sgd": "SGD (DDP)", "dear": "SGD (DeAR)"}
     return {
-        "label": strategy or "SGD (DDP)",
+        "label": strategy or labels[key],
         "strategy": strategy,
         "factor_update_steps": 1 if kfac else None,
         "inv_update_steps": 1 if kfac else None,
+        "gradient_sync": "dear" if key == "dear" else "ddp",
         "amortized_s": seconds,
         "median_s": seconds,
-        "overhead_s": seconds - 0.25 if kfac else None,
-        "overhead_s_per_round": [seconds - 0.25] if kfac else None,
-        "overhead_pct": 100 * (seconds - 0.25) / 0.25 if kfac else None,
-        "phase_s": {name: 0.01 for name in PHASES} if kfac else {},
-        "bytes_per_step": {"total": 1e6, "factor": 1e6, "inverse": 0, "grad": 0},
-        "kfac_memory_bytes": 2e6,
+        "overhead_s": seconds - 0.25 if compared else None,
+        "overhead_s_per_round": [seconds - 0.25] if compared else None,
+        "overhead_pct": 100 * (seconds - 0.25) / 0.25 if compared else None,
+        "phase_s": {name: 0.01 for name in PHASES} if kfac else {"grad_comm": 0.02},
+        "bytes_per_step": {"total": 1e6, "factor": 1e6 if kfac else 0, "inverse": 0, "grad": 0},
+        **({"kfac_memory_bytes": 2e6} if kfac else {}),
     }
 
 
 def _fake_run(
-    monkeypatch: pytest.MonkeyPatch, targets: BenchTargets | None
+    monkeypatch: pytest.MonkeyPatch, targets: BenchTargets | None, *, dear: bool = False
 ) -> tuple[dict[str, Any], str]:
-    """``run_bench`` of ResNet-20 at P=2 with a faked launch; the report and its summary."""
+    """``run_bench`` of ResNet-20 at P=2 with a faked launch; the report and its summary.
+
+    With ``dear``, DeAR + SGD is measured too (0.125 s/iter: faster than DDP + SGD).
+    """
 
     def fake_launch(nprocs: int, options: BenchOptions, folder: Path) -> Launch:
-        summary = {"resnet20": {"sgd": _entry("sgd", 0.25), "dkfac_1_1": _entry("dkfac", 0.5)}}
+        entries = {"sgd": _entry("sgd", 0.25)}
+        if dear:
+            entries["dear"] = _entry("dear", 0.125)
+        entries["dkfac_1_1"] = _entry("dkfac", 0.5)
+        summary = {"resnet20": entries}
         return Launch(nprocs, ["torchrun"], 0, False, 1.0, [], {"summary": summary})
 
     monkeypatch.setattr(bench_command, "launch", fake_launch)
@@ -272,7 +282,7 @@ def _fake_run(
         iters=1,
         iters_long=1,
         timeout=1.0,
-        strategies=("dkfac",),
+        strategies=("dear", "dkfac") if dear else ("dkfac",),
         schedules=((1, 1),),
         targets=targets,
     )
@@ -306,6 +316,21 @@ def test_a_run_with_targets_prints_the_target_lines(monkeypatch: pytest.MonkeyPa
         "(rounds: 0.250) <= 0.505 s: MET"
     ) in printed
     assert "target spd/pad vs dkfac (P=4, (1,1), >= 10% faster" in printed
+
+
+def test_dear_is_reported_against_sgd_and_leaves_the_targets_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    report, printed = _fake_run(monkeypatch, load_targets(TARGETS_FILE), dear=True)
+    assert [row["key"] for row in report["summary"]] == ["sgd", "dear", "dkfac_1_1"]
+    assert report["settings"]["strategies"] == ["dear", "dkfac"]
+    assert report["settings"]["dear"]["bucket_cap_mb"] == "auto"
+    (line,) = [line for line in printed.splitlines() if line.startswith("resnet20  2 SGD (DeAR)")]
+    assert "-0.1250" in line and "-50.0%" in line  # faster than DDP + SGD: negative
+    assert "+ DDP or DeAR;" in printed and "timed iterations 1 (SGD, DeAR, (1,1))" in printed
+    # The targets read the K-FAC rows and the DDP + SGD reference, never DeAR's.
+    assert report["target"]["measured_sgd_s_per_iter"] == 0.25
+    assert report["target"]["measured_overhead_s"] == 0.25 and report["target"]["met"] is True
 
 
 def test_the_benchmark_script_checks_the_repository_targets_by_default(

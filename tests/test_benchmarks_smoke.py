@@ -1,5 +1,6 @@
-"""Smoke tests of benchmarks/step_overhead.py and benchmarks/strategies.py: they run end to end
-and write a complete JSON."""
+"""Smoke tests of benchmarks/step_overhead.py, benchmarks/strategies.py and
+benchmarks/network.py: they run end to end and write a complete JSON (and network.py its table
+and chart)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import json
 import math
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
-from dkfac.bench.options import add_bench_options, options_from_args
+from dkfac.bench.emulated_cluster import unavailable_reason
+from dkfac.bench.options import BenchOptions, add_bench_options, options_from_args
 from script_loader import load_benchmark
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -180,10 +185,14 @@ def test_strategies_quick_run_writes_json(
         assert {"total", "factor", "inverse", "grad"} <= row["bytes_per_step"].keys()
         assert row["bytes_per_step"]["total"] > 0
         assert row["kfac_memory_bytes"] > 0
-    for key in ("dkfac_1_1", "dkfac_10_100", "spd_1_1", "spd_10_100", "pad_1_1", "pad_10_100"):
+    for key in ("dkfac_1_1", "dkfac_10_100", "spd_1_1", "spd_10_100", "pad_10_100"):
         sent = rows[("resnet20", 2, key)]["bytes_per_step"]
         assert sent["factor"] > 0
-        assert sent["grad"] == 0  # D-KFAC, SPD and PAD send decompositions, never gradients
+        assert sent["grad"] == 0  # D-KFAC, SPD and amortised PAD send decompositions
+    # PAD's share="auto": at (1,1) the preconditioned gradients are fewer bytes per step than
+    # the decompositions, so its owners send those instead.
+    sent = rows[("resnet20", 2, "pad_1_1")]["bytes_per_step"]
+    assert sent["factor"] > 0 and sent["grad"] > 0 and sent["inverse"] == 0
     assert rows[("resnet20", 2, "dkfac_1_1")]["bytes_per_step"]["inverse"] > 0
     for key in ("dp_1_1", "dp_10_100"):  # DP-KFAC: only preconditioned gradients travel
         sent = rows[("resnet20", 2, key)]["bytes_per_step"]
@@ -197,3 +206,213 @@ def test_strategies_quick_run_writes_json(
     pipelined = report["pipelined_target"]
     assert (pipelined["evaluated"], pipelined["met"]) == (False, None)
     assert pipelined["reason"] == "P=4 was not run"
+
+
+def _load_network(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return load_benchmark("network", monkeypatch)
+
+
+def test_network_defaults_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load_network(monkeypatch)
+    parser = bench.build_parser()
+    full = bench.bench_options(parser.parse_args([]))
+    assert full.models == ("resnet32", "transformer")
+    assert full.nprocs == (2,)
+    assert full.strategies == ("dear", "dkfac", "kaisa", "spd", "pad", "dp")
+    assert full.schedules == ((1, 1), (10, 100))
+    assert (full.rounds, full.warmup, full.iters, full.iters_long) == (2, 3, 10, 100)
+    assert full.timeout == 6 * 3600  # slow links: longer than dkfac bench's hour
+    assert full.network is None  # set per rate
+    argv = ["--quick", "--models", "transformer", "--strategies", "dkfac,dear", "--rounds", "3"]
+    argv += ["--warmup", "0", "--iters", "4", "--iters-long", "20", "--schedules", "1:1"]
+    quick = bench.bench_options(parser.parse_args(argv))
+    assert (quick.models, quick.nprocs, quick.strategies) == (
+        ("transformer",),
+        (2,),
+        ("dear", "dkfac"),
+    )
+    assert (quick.rounds, quick.warmup, quick.iters, quick.iters_long) == (3, 0, 4, 20)
+    assert quick.timeout == 300
+    assert quick.schedules == ((1, 1),)
+    rates = bench.parse_rates("300mbit, 30mbit,100mbit,30mbit")
+    assert [text for text, _ in rates] == ["30mbit", "100mbit", "300mbit"]  # slowest first
+    assert rates[0][1].rate_bit_s == 30e6
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rates", "100mbps"], "--rates: rate '100mbps'"),
+        (["--rates", ","], "--rates needs at least one rate"),
+        (["--strategies", "sgd"], "--strategies: unknown ['sgd']"),
+        (["--models", "resnet99"], "--models"),
+    ],
+)
+def test_network_refuses_bad_options(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = _load_network(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        bench.main([*argv, "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_network_says_why_without_namespaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = _load_network(monkeypatch)
+    monkeypatch.setattr(
+        bench, "unavailable_reason", lambda: "ip netns add: Operation not permitted"
+    )
+
+    def no_run(options: BenchOptions) -> dict[str, Any]:
+        raise AssertionError("nothing may be launched without an emulated cluster")
+
+    monkeypatch.setattr(bench, "run_bench", no_run)
+    assert bench.main(["--quick", "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "error: no emulated cluster on this machine: ip netns add: Operation not permitted"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def _summary_row(key: str, label: str, strategy: str | None, seconds: float) -> dict[str, Any]:
+    """A summary row as run_bench makes it, with what the tables and the chart read."""
+    row: dict[str, Any] = {
+        "model": "resnet32",
+        "nprocs": 2,
+        "key": key,
+        "label": label,
+        "strategy": strategy,
+        "factor_update_steps": None if strategy is None else int(key.split("_")[-2]),
+        "inv_update_steps": None if strategy is None else int(key.split("_")[-1]),
+        "amortized_s": seconds,
+        "median_s": seconds,
+        "overhead_pct": None if key == "sgd" else 0.0,
+    }
+    if key == "dear":
+        row |= {"phase_s": {"grad_comm": 0.125}, "bytes_per_step": {"total": 2e6}}
+    elif strategy is not None:
+        phases = {"factor_comm": 0.25, "inverse_comm": 0.125, "grad_comm": 0.0}
+        compute = {"factor_compute": 0.5, "inverse_compute": 0.25, "precondition": 0.125}
+        row |= {"phase_s": phases | compute, "bytes_per_step": {"total": 8e6}}
+        # in flight 1 s per step, 0.25 s of it waited for: 75% hidden
+        overlap = {"in_flight_s": 1.0, "exposed_s": 0.25, "hidden_s": 0.75}
+        row["overlap_s"] = {"factor_comm": overlap}
+    return row
+
+
+def test_network_tables_json_and_chart_from_faked_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    bench = _load_network(monkeypatch)
+    monkeypatch.setattr(bench, "unavailable_reason", lambda: None)
+    seen: list[float] = []
+
+    def fake_run_bench(options: BenchOptions) -> dict[str, Any]:
+        assert options.network is not None and options.nprocs == (2,)
+        seen.append(options.network.rate_bit_s)
+        slow = 1e8 / options.network.rate_bit_s  # 1 at 100 Mbit/s, 10 at 10 Mbit/s
+        rows = [
+            _summary_row("sgd", "SGD (DDP)", None, 1.0 * slow),
+            _summary_row("dear", "SGD (DeAR)", None, 0.5 * slow),
+            _summary_row("dkfac_1_1", "dkfac", "dkfac", 4.0 * slow),
+        ]
+        launch = {"nprocs": 2, "ok": True, "report": {"summary": {}}}
+        return {"benchmark": "strategies", "launches": [launch], "summary": rows}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    out = tmp_path / "out"
+    argv = ["--rates", "100mbit,10mbit", "--models", "resnet32", "--strategies", "dear,dkfac"]
+    assert bench.main([*argv, "--schedules", "1:1", "--out", str(out)]) == 0
+    assert seen == [1e7, 1e8]  # slowest first
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert "ResNet-32, P=2: median s/iter per link rate (vs SGD (DDP) at that rate)" in lines
+    header = lines[
+        lines.index("ResNet-32, P=2: median s/iter per link rate (vs SGD (DDP) at that rate)") + 1
+    ]
+    assert header.split() == ["config", "(f,i)", "10", "Mbit/s", "100", "Mbit/s"]
+    (dear,) = [line for line in lines if line.startswith("SGD (DeAR)") and "%" in line]
+    assert dear.split() == ["SGD", "(DeAR)", "-", "5.0000", "(-50%)", "0.5000", "(-50%)"]
+    assert "ResNet-32 at 10 Mbit/s: ms per iteration by phase" in lines
+    at_10 = lines[lines.index("ResNet-32 at 10 Mbit/s: ms per iteration by phase") :]
+    (kfac,) = [line for line in at_10[:6] if line.startswith("dkfac")]
+    # median, factor_comm, inverse_comm, grad_comm, compute (0.5 + 0.25 + 0.125), MB/step,
+    # factor collectives in flight (ms per step) and the share of it hidden
+    assert kfac.split()[2:] == [
+        "40000.0", "250.0", "125.0", "0.0", "875.0", "8.00", "1000.0", "75%"
+    ]  # fmt: skip
+    (sgd,) = [line for line in at_10[:6] if line.startswith("SGD (DDP)")]
+    assert sgd.split()[3:] == ["10000.0", "-", "-", "-", "-", "-", "-", "-"]
+    assert str(out / "network.json") in printed and str(out / "network.png") in printed
+
+    result = json.loads((out / "network.json").read_text())
+    assert result["benchmark"] == "network"
+    assert [run["rate"] for run in result["runs"]] == ["10mbit", "100mbit"]
+    assert [run["label"] for run in result["runs"]] == ["10 Mbit/s", "100 Mbit/s"]
+    assert result["runs"][0]["report"]["launches"][0]["ok"] is True
+    assert result["settings"]["rates"] == ["10mbit", "100mbit"]
+    assert result["settings"]["network"][1] == {"rate_bit_s": 1e8, "delay_s": 0.0}
+    assert [(row["rate"], row["key"]) for row in result["summary"]] == [
+        (rate, key) for rate in ("10mbit", "100mbit") for key in ("sgd", "dear", "dkfac_1_1")
+    ]
+    assert result["summary"][0]["rate_bit_s"] == 1e7
+    png = out / "network.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000
+
+
+def test_network_exits_1_when_a_launch_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = _load_network(monkeypatch)
+    monkeypatch.setattr(bench, "unavailable_reason", lambda: None)
+
+    def failed_run_bench(options: BenchOptions) -> dict[str, Any]:
+        return {"launches": [{"nprocs": 2, "ok": False}], "summary": []}
+
+    monkeypatch.setattr(bench, "run_bench", failed_run_bench)
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--rates", "30mbit", "--out", str(out)]) == 1
+    assert "launches failed at 30mbit" in capsys.readouterr().err
+    assert json.loads((out / "network.json").read_text())["runs"][0]["rate"] == "30mbit"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_network_quick_run_writes_json_table_and_chart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    pytest.importorskip("matplotlib")
+    bench = _load_network(monkeypatch)
+    out = tmp_path / "out"
+    # Two configurations (DDP + SGD, DeAR + SGD) on ResNet-20, one rate.
+    argv = ["--quick", "--rates", "1gbit", "--strategies", "dear", "--schedules", "1:1"]
+    assert bench.main([*argv, "--warmup", "1", "--iters", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ResNet-20, P=2: median s/iter per link rate" in printed
+    assert "ResNet-20 at 1 Gbit/s: ms per iteration by phase" in printed
+
+    result = json.loads((out / "network.json").read_text())
+    (run,) = result["runs"]
+    assert run["rate"] == "1gbit" and run["link"] == {"rate_bit_s": 1e9, "delay_s": 0.0}
+    (launch,) = run["report"]["launches"]
+    assert launch["ok"] is True and launch["command"][:3] == ["ip", "netns", "exec"]
+    assert run["report"]["settings"]["network"] == run["link"]
+    rows = {row["key"]: row for row in result["summary"]}
+    assert list(rows) == ["sgd", "dear"]
+    assert all(row["rate"] == "1gbit" and row["median_s"] > 0 for row in rows.values())
+    assert rows["dear"]["bytes_per_step"]["grad"] > 0
+    png = out / "network.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000

@@ -1,5 +1,6 @@
 """``dkfac bench``: a minimal end-to-end run (JSON, PNG, table), every bad input, the
-configurations and models, and the spd/pad vs dkfac target on hand-made rows."""
+configurations (DeAR + SGD among them) and models (the Transformer LM among them), and the
+spd/pad vs dkfac target on hand-made rows."""
 
 from __future__ import annotations
 
@@ -16,22 +17,31 @@ import torch
 from torch import nn
 
 import dkfac
+from dkfac.bench.command import run_bench
 from dkfac.bench.configs import (
+    DEAR_SGD,
     INPUT_SHAPES,
     MODEL_LABELS,
     MODELS,
     NUM_CLASSES,
     PHASES,
+    SGD,
     STRATEGIES,
+    STRATEGY_CHOICES,
+    TOKEN_VOCABULARIES,
     configurations,
     environment,
     git_commit,
     mlp6,
 )
+from dkfac.bench.models import LM_SEQ_LEN, LM_VOCAB, batch_loss, model_batch
 from dkfac.bench.options import BenchOptions, options_from_args
+from dkfac.bench.report import format_table, write_chart
 from dkfac.bench.targets import load_targets
 from dkfac.bench.verdicts import evaluate_pipelined_target, format_pipelined_target
+from dkfac.bench.window_reduction import reduce_window, summarize
 from dkfac.bench.worker import make_batch
+from dkfac.cli.config import ConfigError
 from dkfac.cli.main import main
 from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS, build_parser
 
@@ -108,6 +118,44 @@ def test_bench_quick_writes_json_chart_and_table(
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun and gloo")
+def test_bench_times_the_transformer_lm_and_dear(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--quick", "--models", "transformer", "--strategies", "dear,dkfac"]
+    argv += ["--schedules", "1:1", "--batch-size", "4", "--warmup", "1", "--iters", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Transformer LM (4x256); P in 2" in printed and "SGD (DeAR)" in printed
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["token_vocabularies"] == {"transformer": 256}
+    rows = {row["key"]: row for row in report["summary"]}
+    assert list(rows) == ["sgd", "dear", "dkfac_1_1"]
+    dear = rows["dear"]
+    assert dear["gradient_sync"] == "dear" and dear["strategy"] is None
+    assert math.isfinite(dear["overhead_s"]) and math.isfinite(dear["overhead_pct"])
+    assert dear["phase_s"]["grad_comm"] == pytest.approx(
+        dear["phase_s"]["grad_reduce_scatter"] + dear["phase_s"]["grad_all_gather"]
+    )
+    # Reduce-scatter and all-gather each move every gradient once (13.2 MB in float32).
+    gradient_bytes = 4 * sum(p.numel() for p in MODELS["transformer"]().parameters())
+    assert dear["bytes_per_step"]["grad"] == pytest.approx(2 * gradient_bytes, rel=0.01)
+    (window,) = [
+        r["windows"]["transformer"]["dear"] for r in report["launches"][0]["report"]["rounds"]
+    ]
+    assert window["warmup"] > 1  # the bucket size search ran inside the warm-up
+    assert dear["dear_bucket_cap_mb"][0] in (1.0, 2.0, 4.0, 8.0, 16.0)
+    assert rows["dkfac_1_1"]["bytes_per_step"]["factor"] > 0
+    for row in rows.values():
+        assert row["median_s"] > 0
+    windows = report["launches"][0]["report"]["rounds"][0]["windows"]["transformer"]
+    assert all(math.isfinite(w["final_loss"]) for w in windows.values())
+
+
 def test_bench_defaults() -> None:
     args = build_parser().parse_args(["bench"])
     assert args.out == str(Path("runs") / "bench")
@@ -143,6 +191,8 @@ def test_bench_selects_strategies_and_schedules() -> None:
         (["--nprocs", "two"], "--nprocs"),
         (["--strategies", "adam"], "--strategies"),
         (["--strategies", "dkfac,sgdx"], "--strategies"),
+        (["--strategies", "ddp"], "--strategies"),
+        (["--models", "transformer_lm"], "--models"),
         (["--schedules", "10:15"], "--schedules"),
         (["--schedules", "ten"], "--schedules"),
         (["--iters", "0"], "--iters"),
@@ -189,10 +239,196 @@ def test_configurations_include_spd_pad_and_dp() -> None:
     assert [c.key for c in only] == ["sgd", "dkfac_1_1", "pad_1_1"]
 
 
+def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
+    assert ("dear", *STRATEGIES) == STRATEGY_CHOICES
+    configs = configurations(2, strategies=("dkfac", "dear"), schedules=((1, 1), (10, 100)))
+    assert [c.key for c in configs] == ["sgd", "dear", "dkfac_1_1", "dkfac_10_100"]
+    dear = configs[1]
+    assert dear is DEAR_SGD and dear.label == "SGD (DeAR)"
+    assert dear.dear and not dear.kfac and not dear.reference and not dear.periodic
+    assert SGD.reference and not SGD.dear and not configs[2].reference
+    assert dear.schedule == "-"
+    assert dear.to_json() == {
+        "key": "dear",
+        "label": "SGD (DeAR)",
+        "strategy": None,
+        "grad_worker_fraction": None,
+        "grad_worker_fraction_label": None,
+        "factor_update_steps": None,
+        "inv_update_steps": None,
+        "inverse_method": None,
+        "gradient_sync": "dear",
+    }
+    assert configs[2].to_json()["gradient_sync"] == SGD.to_json()["gradient_sync"] == "ddp"
+    assert [c.key for c in configurations(4, strategies=("dear",))] == ["sgd", "dear"]
+
+
+def test_bench_takes_dear_among_the_strategies() -> None:
+    argv = ["bench", "--strategies", "kaisa,dear", "--models", "transformer,resnet32"]
+    options = options_from_args(
+        build_parser().parse_args(argv), models=BENCH_MODELS, nprocs=BENCH_NPROCS
+    )
+    assert options.strategies == ("dear", "kaisa")  # the order of STRATEGY_CHOICES
+    assert options.models == ("transformer", "resnet32")
+    worker_argv = options.worker_argv(Path("x.json"))
+    assert worker_argv[worker_argv.index("--strategies") + 1] == "dear,kaisa"
+    settings = json.loads(json.dumps(options.settings()))
+    assert settings["input_shapes"] == {"transformer": [64], "resnet32": [3, 32, 32]}
+    assert settings["token_vocabularies"] == {"transformer": 256}
+    assert settings["dear"] == {
+        "bucket_cap_mb": "auto",
+        "auto_range_mb": [1 / 16, 64.0],  # DeAR's default
+        "auto_trial_steps": 5,
+    }
+    default = options_from_args(
+        build_parser().parse_args(["bench"]), models=BENCH_MODELS, nprocs=BENCH_NPROCS
+    )
+    assert default.settings()["dear"] is None and "dear" not in default.strategies
+
+
+def test_a_dry_run_counts_the_kfac_strategies_only() -> None:
+    argv = ["bench", "--layers", "resnet50", "--strategies", "dear"]
+    with pytest.raises(ConfigError, match=r"a dry run \(--layers\) counts K-FAC strategies only"):
+        options_from_args(build_parser().parse_args(argv), models=BENCH_MODELS, nprocs="2")
+    argv = ["bench", "--layers", "resnet50", "--strategies", "dear,dp", "--nprocs", "4"]
+    options = options_from_args(build_parser().parse_args(argv), models=BENCH_MODELS, nprocs="2")
+    report = run_bench(options)
+    assert report["settings"]["strategies"] == ["dp"]
+
+
+def _raw_window(seconds: float, phases: dict[str, float], sent: dict[str, int]) -> dict[str, Any]:
+    """One rank's raw window as time_window returns it (two iterations)."""
+    return {
+        "wall_s": 2 * seconds,
+        "iter_s": [seconds, seconds],
+        "phase_s": phases,
+        "bytes_per_step": sent,
+        "calls_per_step": {key: 1.0 for key in sent},
+        "factor_bytes": 0,
+        "inverse_bytes": 0,
+        "final_loss": 2.0,
+        "warmup_steps": 7,
+        "cost_model": None,
+        "fusion_buckets": 0,
+        "dear_bucket_cap_mb": 2.0,
+        "dear_tuning": [[1.0, 0.5], [2.0, 0.25]],
+    }
+
+
+def test_dear_windows_report_its_waits_bytes_and_a_negative_overhead_when_faster() -> None:
+    # Exact binary fractions: every difference below is exact.
+    waits = {"grad_reduce_scatter": 0.125, "grad_all_gather": 0.0625, "update": 0.03125}
+    dear_phases = waits | {"buffer_broadcast": 0.0, "grad_comm": 0.1875}
+    sent = {"grad_reduce_scatter/reduce_scatter": 1000, "grad_all_gather/all_gather": 1000}
+    sent_with_buffers = sent | {"buffer_broadcast/broadcast": 24}
+    sgd = reduce_window(SGD, [_raw_window(1.0, {}, {})] * 2, warmup=3, iters=2)
+    dear = reduce_window(
+        DEAR_SGD,
+        [_raw_window(0.75, dear_phases, sent), _raw_window(0.5, dear_phases, sent_with_buffers)],
+        warmup=3,
+        iters=2,
+    )
+    assert "phase_s" not in sgd and "kfac_memory_bytes" not in dear
+    assert dear["warmup"] == 7 and dear["median_s"] == 0.75  # the slowest rank
+    assert dear["dear_bucket_cap_mb"] == 2.0
+    assert list(dear["phase_s"]) == [
+        "grad_comm",
+        "buffer_broadcast",
+        "grad_all_gather",
+        "grad_reduce_scatter",
+        "update",
+    ]
+    assert dear["phase_s"]["grad_comm"] == 0.1875
+    assert dear["bytes_per_step"] == {
+        "total": 2012.0,
+        "factor": 0.0,
+        "inverse": 0.0,
+        "grad": 2000.0,
+        "other": 12.0,
+    }
+    rounds = [{"windows": {"resnet20": {"sgd": sgd, "dear": dear}}}]
+    summary = summarize(["resnet20"], [SGD, DEAR_SGD], rounds)["resnet20"]
+    assert summary["sgd"]["overhead_s"] is None
+    entry = summary["dear"]
+    assert entry["overhead_s"] == -0.25 and entry["overhead_pct"] == -25.0  # faster
+    assert entry["phase_s"]["grad_comm"] == 0.1875
+    assert entry["bytes_per_step"]["grad"] == 2000.0
+    assert entry["dear_bucket_cap_mb"] == [2.0]
+    assert "kfac_memory_bytes" not in entry and "whole_inverse_periods" not in entry
+    json.dumps(summary)
+
+    rows = [{"model": "transformer", "nprocs": 2, "key": k, **v} for k, v in summary.items()]
+    table = format_table(rows)
+    (line,) = [line for line in table.splitlines() if line.startswith("transformer  2 SGD (DeAR)")]
+    cells = ["-", "0.7500", "0.7500", "-0.2500", "-25.0%", "-", "-", "187.5", "-", "-", "-"]
+    assert line.split()[4:] == [*cells, "0.00", "-"]  # no K-FAC phases, no K-FAC memory
+    assert "g_comm = its exposed reduce-scatter and all-gather waits" in table
+    assert "SGD (DeAR): " not in format_table(rows[:1])
+
+
+def test_the_chart_marks_only_ddp_sgd_as_the_reference(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    base = {"model": "resnet20", "nprocs": 2, "strategy": None, "phase_s": {}}
+    rows = [
+        base | {"key": "sgd", "label": "SGD (DDP)", "amortized_s": 1.0, "overhead_pct": None},
+        base
+        | {
+            "key": "dear",
+            "label": "SGD (DeAR)",
+            "amortized_s": 0.75,
+            "overhead_pct": -25.0,
+            "phase_s": {"grad_comm": 0.125},
+        },
+    ]
+    path = write_chart(rows, tmp_path / "bench.png")
+    assert path is not None and path.read_bytes()[:8] == PNG_MAGIC
+
+
 def test_every_model_has_an_input_shape_and_a_label() -> None:
     assert set(MODELS) == set(INPUT_SHAPES) == set(MODEL_LABELS)
+    assert list(MODELS) == ["resnet20", "resnet32", "mlp6", "transformer"]
     assert MODEL_LABELS["mlp6"] == "MLP-6 (1024 wide)"
     assert INPUT_SHAPES["resnet32"] == (3, 32, 32) and INPUT_SHAPES["mlp6"] == (1024,)
+    assert INPUT_SHAPES["transformer"] == (64,) and TOKEN_VOCABULARIES == {"transformer": 256}
+
+
+def test_the_transformer_lm_has_factors_of_the_asked_widths_and_takes_a_token_batch() -> None:
+    torch.manual_seed(0)
+    net = MODELS["transformer"](num_classes=NUM_CLASSES)  # built as every model; no classes
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    block = [(256, 256)] * 4 + [(256, 1024), (1024, 256)]
+    assert [(m.in_features, m.out_features) for m in linears] == block * 4 + [(256, LM_VOCAB)]
+
+    x, y = model_batch("transformer", 3, 1007)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, LM_SEQ_LEN)
+    assert int(x.min()) >= 0 and int(x.max()) < LM_VOCAB
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the targets are the next tokens
+    assert torch.equal(x, model_batch("transformer", 3, 1007)[0])  # drawn from the seed
+    with torch.no_grad():
+        logits = net(x)
+    assert logits.shape == (3, LM_SEQ_LEN, LM_VOCAB)
+    # Near-uniform predictions at initialisation: about log(vocabulary) per token.
+    assert abs(float(batch_loss(logits, y)) - math.log(LM_VOCAB)) < 0.5
+    pre = dkfac.KFACPreconditioner(net, strategy="local")
+    try:
+        assert len(pre.layers) == 4 * 6 + 1
+    finally:
+        pre.remove()
+
+
+def test_batch_loss_is_the_mean_cross_entropy_per_sample_or_per_token() -> None:
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    torch.testing.assert_close(
+        batch_loss(logits, labels), torch.nn.functional.cross_entropy(logits, labels)
+    )
+    tokens, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    per_token = [
+        torch.nn.functional.cross_entropy(tokens[n, t : t + 1], targets[n, t : t + 1])
+        for n in range(2)
+        for t in range(5)
+    ]
+    torch.testing.assert_close(batch_loss(tokens, targets), torch.stack(per_token).mean())
 
 
 def test_mlp6_builds_and_takes_a_batch_of_its_shape() -> None:

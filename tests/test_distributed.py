@@ -17,7 +17,7 @@ import dkfac
 from distributed_harness import WorkerFailedError, run_workers
 from dkfac.bench.timed_window import kfac_memory_bytes
 from dkfac.comm import ClusterCostModel
-from dkfac.strategies.accounting import DryRunSettings, account_strategy
+from dkfac.strategies.accounting import DryRunSettings, RankAccount, account_strategy
 from dkfac.strategies.layer_shapes import layer_shapes_of
 from dkfac.strategies.placement import longest_processing_time
 
@@ -95,7 +95,8 @@ def reference_run(
     config: dict[str, Any], world_size: int
 ) -> tuple[list[torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Parameters and factors of ``strategy="local"`` on the global batch, as ``config``."""
-    local = {k: v for k, v in config.items() if k in ("inverse_method", "float32", "damping")}
+    kept = ("inverse_method", "float32", "damping", "inv_update_steps")
+    local = {k: v for k, v in config.items() if k in kept}
     model, options = build(local)
     pre = dkfac.KFACPreconditioner(model, lr=0.1, **options)
     train(model, pre, world_size, None)
@@ -289,10 +290,10 @@ def test_strategies_equal_single_process_on_global_batch(world_size: int) -> Non
                 assert held == {name for name, owner in owners.items() if owner == rank}
 
 
-def planned_accounts(
+def dry_run_accounts(
     config: dict[str, Any], world_size: int, cost_model: ClusterCostModel | None = None
-) -> list[tuple[int, int]]:
-    """Per rank, the (factor, decomposition) bytes the dry-run accounting plans for ``config``."""
+) -> list[RankAccount]:
+    """Per rank, the dry-run accounting of ``config`` (one second-order update)."""
     dtype = torch.float32 if config.get("float32") else torch.float64
     settings = DryRunSettings(
         world_size,
@@ -303,13 +304,22 @@ def planned_accounts(
         bucket_cap_mb=config.get("bucket_cap_mb", 25.0),
         comm_dtype=config.get("comm_dtype"),
         cost_model=cost_model,
+        inv_update_steps=config.get("inv_update_steps", 1),
     )
-    accounts = account_strategy(
+    return account_strategy(
         config["strategy"],
         layer_shapes_of(uneven_model()),
         settings,
         grad_worker_fraction=config.get("grad_worker_fraction", 1.0),
+        share=config.get("share", "auto"),
     )
+
+
+def planned_accounts(
+    config: dict[str, Any], world_size: int, cost_model: ClusterCostModel | None = None
+) -> list[tuple[int, int]]:
+    """Per rank, the (factor, decomposition) bytes the dry-run accounting plans for ``config``."""
+    accounts = dry_run_accounts(config, world_size, cost_model)
     return [(account.factor_bytes, account.inverse_bytes) for account in accounts]
 
 

@@ -19,8 +19,11 @@ from distributed_harness import run_workers
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
 from dkfac.strategies.dp import dp_placement, plan_layer_owners
+from dkfac.strategies.factor_placement import choose_share
 from dkfac.strategies.kaisa import kaisa_placement
 from dkfac.strategies.kaisa import plan_layer_owners as kaisa_owners
+from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.placement import plan_contiguous_partition
 from dkfac.strategies.plan import (
     EVERY_WORKER,
     DecompositionShare,
@@ -30,7 +33,8 @@ from dkfac.strategies.plan import (
     gradient_shares,
     layer_owner_routes,
 )
-from test_distributed import build, reference_run, train
+from dkfac.strategies.spd import SPDStrategy
+from test_distributed import build, reference_run, train, tri
 from test_pipelined import COST
 
 DIMS = [(5, 8), (9, 64), (65, 3), (4, 4), (33, 17)]
@@ -116,6 +120,137 @@ def test_factors_reduced_to_owners_are_captured_everywhere_and_need_traces() -> 
     )
     assert not everywhere.exchanges_traces()
     assert everywhere.decomposition_work(1) == 5**3 + 8**3
+
+
+#: Two layers, (d_A, d_G) = (3, 2) and (5, 4), and what PAD's share="auto" weighs for them.
+TWO_LAYERS = [(3, 2), (5, 4)]
+
+
+@pytest.mark.parametrize(
+    ("method", "steps", "decomposition_bytes", "mode"),
+    [
+        # Eigen: Q and λ per factor, 9+3 + 4+2 + 25+5 + 16+4 = 68 float32 values = 272 bytes
+        # per decomposition step; the gradients 2·3 + 4·5 = 26 values = 104 bytes every step.
+        ("eigen", 1, 272.0, "gradients"),
+        ("eigen", 2, 136.0, "gradients"),
+        ("eigen", 100, 2.72, "decompositions"),
+        # Inverse: packed upper triangles, 6 + 3 + 15 + 10 = 34 values = 136 bytes.
+        ("inverse", 1, 136.0, "gradients"),
+        ("inverse", 2, 68.0, "decompositions"),
+        ("inverse", 100, 1.36, "decompositions"),
+    ],
+)
+def test_pad_auto_shares_what_moves_fewer_bytes_per_step(
+    method: str, steps: int, decomposition_bytes: float, mode: str
+) -> None:
+    choice = choose_share(
+        "auto",
+        TWO_LAYERS,
+        inverse_method=method,
+        inv_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        inv_update_steps=steps,
+    )
+    assert choice.report() == {
+        "requested": "auto",
+        "mode": mode,
+        "inv_update_steps": steps,
+        "decomposition_bytes_per_step": pytest.approx(decomposition_bytes),
+        "gradient_bytes_per_step": 104,
+    }
+    # The element sizes enter: float64 gradients (208 bytes) lose to eigen's 272 / 2.
+    wide = choose_share(
+        "auto",
+        TWO_LAYERS,
+        inverse_method="eigen",
+        inv_dtype=torch.float32,
+        grad_dtype=torch.float64,
+        inv_update_steps=2,
+    )
+    assert (wide.mode, wide.gradient_bytes_per_step) == ("decompositions", 208)
+    # A mode given is kept whatever the bytes say; a tie keeps the decompositions.
+    for given in ("decompositions", "gradients"):
+        kept = choose_share(
+            given,
+            TWO_LAYERS,
+            inverse_method=method,
+            inv_dtype=torch.float32,
+            grad_dtype=torch.float32,
+            inv_update_steps=steps,
+        )
+        assert (kept.requested, kept.mode) == (given, given)
+    tie = choose_share(
+        "auto",
+        [(2, 2)],  # eigen: 2·(4 + 2) = 12 values every 3 steps, 4 a step; the gradient 4
+        inverse_method="eigen",
+        inv_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        inv_update_steps=3,
+    )
+    assert (tie.mode, tie.decomposition_bytes_per_step, tie.gradient_bytes_per_step) == (
+        "decompositions",
+        16.0,
+        16,
+    )
+
+
+def test_pad_sharing_gradients_gives_each_layer_one_owner_and_broadcasts_gradients() -> None:
+    # DIMS' layers in forward order, both factors of each to its owner (contiguous blocks of
+    # layers): owners decompose, hold and precondition, and send their layers' gradients.
+    world = 3
+    share = choose_share(
+        "gradients",
+        DIMS,
+        inverse_method="eigen",
+        inv_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        inv_update_steps=1,
+    )
+    factor_placement = PADStrategy.place_factors(
+        DIMS,
+        world,
+        COST,
+        inverse_method="eigen",
+        inv_dtype=torch.float32,
+        factor_dtype=torch.float32,
+        cap_bytes=2**20,
+        share=share,
+    )
+    plan = factor_placement.placement()
+    owners = [plan.route((layer, "a")).reduced_to for layer in range(len(DIMS))]
+    assert owners == sorted(owners) and set(owners) == set(range(world))
+    assert plan.decompositions == () and not plan.exchanges_traces()
+    assert plan.gradients == gradient_shares(owners, (0, 1, 2))
+    for layer, owner in enumerate(owners):
+        for side in "ag":
+            assert plan.route((layer, side)).reduced_to == owner
+            assert plan.route((layer, side)).decomposed_by == owner
+        for rank in range(world):
+            assert plan.holds_inverse(layer, rank) == (rank == owner)
+    # Fusion buckets never mix destinations: by owner the ready order rises through the A
+    # factors (forward order) and falls back through the G factors.
+    assert [route.reduced_to for route in plan.factors] == owners + owners[::-1]
+    assert all(len({plan.factors[i].reduced_to for i in bucket}) == 1 for bucket in plan.buckets)
+    # The owners are the optimal contiguous partition of the layers' predicted costs.
+    beta = COST.collective.beta
+    costs = [
+        COST.decomposition.seconds(a)
+        + COST.decomposition.seconds(g)
+        + beta * 4 * (tri(a) + tri(g) + a * g)
+        for a, g in DIMS
+    ]
+    assert owners == plan_contiguous_partition(costs, world)
+    with pytest.raises(ValueError, match="strategy='spd' shares decompositions"):
+        SPDStrategy.place_factors(
+            DIMS,
+            world,
+            COST,
+            inverse_method="eigen",
+            inv_dtype=torch.float32,
+            factor_dtype=torch.float32,
+            cap_bytes=2**20,
+            share=share,
+        )
 
 
 @pytest.mark.parametrize(

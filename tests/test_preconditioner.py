@@ -123,11 +123,26 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
             {"strategy": "pad", "profile_steps": -1},
             r"profile_steps=-1 is not allowed: expected an integer >= 0",
         ),
+        (
+            {"strategy": "pad", "share": "both"},
+            r"share='both' is not allowed: expected one of 'decompositions', 'gradients', "
+            r"'auto'",
+        ),
+        (
+            {"strategy": dkfac.strategies.PADOptions(share="gradients"), "share": "auto"},
+            r"share='auto' is not allowed with strategy='pad': set it in the options object "
+            r"\(PADOptions\(share=...\)\)",
+        ),
         # An option the chosen strategy does not read is refused, not ignored.
         (
             {"cost_model": "fast"},
             r"cost_model='fast' is not allowed with strategy='local': it is an option of "
             r"strategy 'spd' or 'pad'",
+        ),
+        (
+            {"strategy": "spd", "share": "gradients"},
+            r"share='gradients' is not allowed with strategy='spd': it is an option of "
+            r"strategy 'pad'",
         ),
         (
             {"strategy": "spd", "grad_worker_fraction": 0.5},
@@ -887,6 +902,10 @@ def test_shorthands_become_the_strategys_options_and_unset_ones_keep_its_default
     assert KFACConfig(strategy="kaisa").options == KAISAOptions(grad_worker_fraction=1.0)
     assert KFACConfig(strategy="kaisa", grad_worker_fraction=0.5).options == KAISAOptions(0.5)
     assert KFACConfig(strategy="pad", profile_steps=0).options == PADOptions(profile_steps=0)
+    assert KFACConfig(strategy="pad").options == PADOptions(share="auto")
+    assert KFACConfig(strategy="pad", share="gradients").options == PADOptions(share="gradients")
+    # share="auto" is PAD's default: said next to another strategy, it says nothing.
+    assert KFACConfig(strategy="spd", share="auto").options == SPDOptions()
     assert KFACConfig(strategy="spd").options == SPDOptions(profile_steps=5, cost_model=None)
     # Equal to the default of an option the strategy does not have: says nothing, accepted.
     assert KFACConfig(strategy="local", grad_worker_fraction=1.0).options == LocalOptions()

@@ -1,4 +1,4 @@
-"""Tests of the Transformer classifier and the model registry."""
+"""Tests of the Transformer classifier, the causal Transformer LM and the model registry."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import dkfac
 from dkfac.data.registry import load_dataset
-from dkfac.models import MODEL_NAMES, TransformerClassifier, build_model
+from dkfac.models import MODEL_NAMES, TransformerClassifier, TransformerLM, build_model
 
 
 def test_transformer_output_shapes_and_short_sequences() -> None:
@@ -120,6 +120,63 @@ def test_kfac_trains_the_transformer_faster_than_the_same_sgd() -> None:
         assert all(torch.isfinite(p).all() for p in model.parameters())
     # Same data, seed, learning rate and steps: the K-FAC run ends well below plain SGD.
     assert losses[True] < 0.8 * losses[False], losses
+
+
+def test_transformer_lm_gives_logits_per_position_and_checks_its_sizes() -> None:
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=11, d_model=16, heads=4, layers=2, seq_len=8, mlp_ratio=2)
+    tokens = torch.randint(0, 11, (5, 8))
+    assert model(tokens).shape == (5, 8, 11)
+    assert model(tokens[:, :3]).shape == (5, 3, 11)
+    fc1 = model.blocks[0].fc1
+    assert (fc1.in_features, fc1.out_features) == (16, 32)
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"TransformerLM sizes must be positive.*mlp_ratio"):
+        TransformerLM(10, mlp_ratio=0)
+    with pytest.raises(ValueError, match="divide"):
+        TransformerLM(10, d_model=10, heads=4)
+    with pytest.raises(ValueError, match="dropout"):
+        TransformerLM(10, dropout=1.0)
+
+
+def test_transformer_lm_is_causal_and_the_classifier_is_not() -> None:
+    torch.manual_seed(0)
+    lm = TransformerLM(vocab_size=13, d_model=16, heads=2, layers=2, seq_len=10)
+    tokens = torch.randint(0, 13, (3, 10))
+    changed = tokens.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 13
+    with torch.no_grad():
+        before, after = lm(tokens), lm(changed)
+    # Positions before the changed token see nothing of it; from it on, they do.
+    torch.testing.assert_close(before[:, :6], after[:, :6])
+    assert not torch.allclose(before[:, 6:], after[:, 6:])
+    classifier = TransformerClassifier(13, 2, d_model=16, heads=2, seq_len=10)
+    block = classifier.blocks[0]
+    assert block.attention.causal is False
+    x = torch.randn(1, 10, 16)
+    y = x.clone()
+    y[:, 6] += torch.randn(16)  # not a constant: LayerNorm would remove it
+    with torch.no_grad():
+        assert not torch.allclose(block(x)[:, :6], block(y)[:, :6])  # bidirectional
+
+
+def test_kfac_preconditions_every_linear_of_the_lm() -> None:
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=9, d_model=8, heads=2, layers=2, seq_len=6)
+    pre = dkfac.KFACPreconditioner(model, lr=0.05, damping=0.01)
+    try:
+        linear_names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        assert len(linear_names) == 2 * 6 + 1
+        assert {layer.name for layer in pre.layers} == linear_names
+        tokens = torch.randint(0, 9, (4, 7))
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 9), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        pre.step()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    finally:
+        pre.remove()
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

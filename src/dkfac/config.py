@@ -188,6 +188,7 @@ class KFACConfig:
     comm_dtype: torch.dtype | None = None
     profile_steps: int | None = None
     cost_model: ClusterCostModel | CostModelCache | None = None
+    share: str | None = None
     check_replicas_every: int = 0
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`).
     options: StrategyOptions = field(init=False, repr=False)
@@ -229,6 +230,7 @@ class KFACConfig:
             grad_worker_fraction=self.grad_worker_fraction,
             profile_steps=self.profile_steps,
             cost_model=self.cost_model,
+            share=self.share,
         )
         object.__setattr__(self, "options", options)
         check_float(

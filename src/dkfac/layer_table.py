@@ -77,4 +77,14 @@ def format_layer_table(
             f"  factor communication: {len(plan['buckets'])} fused "
             f"{'/'.join(collectives)} bucket(s), planned by {plan['fusion']}"
         )
+    if "share" in plan:
+        share = plan["share"]
+        what = "preconditioned gradients" if share["mode"] == "gradients" else "decompositions"
+        decompositions = share["decomposition_bytes_per_step"] / 1e6
+        gradients = share["gradient_bytes_per_step"] / 1e6
+        lines.append(
+            f"  owners broadcast {what} (share={share['requested']!r}; per step: "
+            f"decompositions {decompositions:.3g} MB at inv_update_steps="
+            f"{share['inv_update_steps']}, gradients {gradients:.3g} MB)"
+        )
     return lines

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,6 @@ from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import StrategyOptions, make_strategy
 from dkfac.strategies.plan_report import PlanReport
 
-logger = logging.getLogger(__name__)
-
 
 class KFACPreconditioner:
     """K-FAC preconditioning as one call between ``loss.backward()`` and ``optimizer.step()``.
@@ -47,9 +44,9 @@ class KFACPreconditioner:
         strategy: how work is placed on workers: a name from
             :data:`dkfac.strategies.STRATEGIES` (``"local"`` runs everything here) or its
             options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``).
-            ``grad_worker_fraction``, ``profile_steps`` and ``cost_model`` below are shorthands
-            for those options (``None``: not given); one set for a strategy that does not
-            read it, or next to an options object, is an error.
+            ``grad_worker_fraction``, ``profile_steps``, ``cost_model`` and ``share`` below are
+            shorthands for those options (``None``: not given); one set for a strategy that
+            does not read it, or next to an options object, is an error.
         inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
             factored Tikhonov through Cholesky).
         damping: γ > 0 (finite).
@@ -70,32 +67,30 @@ class KFACPreconditioner:
             enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``. A step whose
             gradients are not finite (the scaler skips it) changes no factor or decomposition.
         factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
-        inv_dtype: dtype of the decompositions (float32 or float64), retried in float64 on failure.
+        inv_dtype: dtype of the decompositions, float32 or float64 (failures retried in float64).
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
         bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
-        comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``); ``None``: their own.
+        comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``; ``None``: their own).
         profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured ready times
-            re-plan the fusion buckets (alpha-beta merge rule, default 5); 0 keeps the size plan.
-        cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.comm.ClusterCostModel` to plan
-            with, or a :class:`~dkfac.comm.CostModelCache` that measures on first use
-            and then reuses (for several preconditioners in one job); ``None`` measures the
-            process group and the decompositions at construction (about a second, collective:
-            every rank builds its preconditioner together).
-        check_replicas_every: every this many decomposition steps, compare the exact bits of
-            every decomposition across the workers that hold it (one all-gather of two int64
-            per layer) and raise a ``RuntimeError`` naming the layer and ranks on divergence:
-            workers that decompose a factor independently (SPD-KFAC) must agree bitwise or the
-            model replicas drift apart. 0 (default) never checks.
+            re-plan the fusion buckets (alpha-beta merge rule; default 5, 0 keeps the size plan).
+        cost_model: ``"spd"``/``"pad"``: a :class:`~dkfac.comm.ClusterCostModel` to plan with,
+            or a :class:`~dkfac.comm.CostModelCache` (measures on first use, then reuses);
+            ``None`` measures the process group and the decompositions at construction (about
+            a second, collective: every rank builds its preconditioner together).
+        share: ``"pad"``: what the owners broadcast: ``"decompositions"``, ``"gradients"``
+            (preconditioned, every step) or ``"auto"`` (default: the fewer bytes per step at
+            the first ``inv_update_steps``).
+        check_replicas_every: every this many decomposition steps, compare the bits of each
+            replicated decomposition across workers (one all-gather of two int64 per layer);
+            a difference raises ``RuntimeError`` naming layers and ranks. 0 (default): never.
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
-    of the K-FAC step (the number of completed ``step()`` calls). A callable's value is checked
-    like a constant when :meth:`step` evaluates it (``inv_update_steps(k)`` must be a multiple of
-    ``factor_update_steps(k)``); a bad value raises ``ValueError`` before anything changes.
+    of the K-FAC step (completed ``step()`` calls), checked like a constant when :meth:`step`
+    evaluates it; a bad value raises ``ValueError`` before anything changes.
 
     Raises:
-        ValueError: an argument is not allowed (the message names it, its value and what is
-            allowed).
+        ValueError: an argument is not allowed (the message names it, its value, what is allowed).
     """
 
     def __init__(
@@ -121,6 +116,7 @@ class KFACPreconditioner:
         comm_dtype: torch.dtype | None = None,
         profile_steps: int | None = None,
         cost_model: ClusterCostModel | CostModelCache | None = None,
+        share: str | None = None,
         check_replicas_every: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -151,6 +147,7 @@ class KFACPreconditioner:
             comm_dtype=comm_dtype,
             profile_steps=profile_steps,
             cost_model=cost_model,
+            share=share,
             check_replicas_every=check_replicas_every,
         )
         self._recorder = StepRecorder()
@@ -162,6 +159,7 @@ class KFACPreconditioner:
             inverse_method=inverse_method,
             inv_dtype=inv_dtype,
             factor_dtype=self.config.factor_dtype,
+            inv_update_steps=self.config.inv_update_steps_at(0),
         )
         self._model = unwrap_model(model)
         discovered, self._skipped = discover_layers(

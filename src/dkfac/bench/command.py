@@ -1,8 +1,9 @@
 """``dkfac bench``: the cost of the K-FAC strategies against DDP + SGD.
 
-The strategies are ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC) and ``pad`` (PAD-KFAC); the models
-the CIFAR ResNets ``resnet20`` and ``resnet32`` and ``mlp6``, a 6-layer MLP with 1024-wide
-layers (the communication-bound case).
+The strategies are ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC), ``pad`` (PAD-KFAC) and ``dp``
+(DP-KFAC), and ``dear`` (SGD with DeAR's gradient averaging instead of DDP, no K-FAC); the
+models the CIFAR ResNets ``resnet20`` and ``resnet32``, ``mlp6``, a 6-layer MLP with
+1024-wide layers (the communication-bound case), and ``transformer``, a causal language model.
 
 For every world size ``P`` in ``--nprocs`` this process starts its own workers with
 ``python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker``
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dkfac.bench.configs import environment
+from dkfac.bench.configs import STRATEGIES, environment
 from dkfac.bench.dry_run import dry_run_report
 from dkfac.bench.emulated_cluster import EmulatedCluster
 from dkfac.bench.launch import Launch, launch
@@ -57,7 +58,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         return dry_run_report(
             options.layers,
             options.nprocs,
-            options.strategies,
+            [s for s in options.strategies if s in STRATEGIES],  # DeAR has no second order
             cost_model=options.cost_model,
             bucket_cap_mb=options.bucket_cap_mb,
             target=None if targets is None else targets.dry_run_target,

@@ -1,9 +1,10 @@
 """What ``dkfac bench`` measures: models, strategies, schedules and the configurations.
 
-Models: the CIFAR ResNets ``resnet20`` and ``resnet32`` (3x32x32 images) and ``mlp6``, a
-6-layer MLP with 1024-wide layers on 1024-feature vectors (large factors, small compute: the
-communication-bound case). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC), ``pad``
-(PAD-KFAC) and ``dp`` (DP-KFAC), always next to the DDP + SGD reference.
+Models (:mod:`dkfac.bench.models`): the CIFAR ResNets ``resnet20`` and ``resnet32``, ``mlp6``
+(a 6-layer MLP with 1024-wide layers, the communication-bound case) and ``transformer`` (a
+causal language model). Strategies: ``dkfac``, ``kaisa``, ``spd`` (SPD-KFAC), ``pad``
+(PAD-KFAC) and ``dp`` (DP-KFAC), always next to the DDP + SGD reference; and, when named,
+``dear``: SGD with DeAR's gradient averaging instead of DDP (:class:`dkfac.DeAR`, no K-FAC).
 
 Shared by the launcher (:mod:`dkfac.bench.command`), the workers (:mod:`dkfac.bench.worker`) and
 the table and chart (:mod:`dkfac.bench.report`).
@@ -15,59 +16,41 @@ import datetime as dt
 import os
 import platform
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import dkfac
-from dkfac.models import MLP, resnet20, resnet32
+from dkfac.bench.models import INPUT_SHAPES as INPUT_SHAPES
+from dkfac.bench.models import MLP6_HIDDEN_LAYERS as MLP6_HIDDEN_LAYERS
+from dkfac.bench.models import MLP6_WIDTH as MLP6_WIDTH
+from dkfac.bench.models import MODEL_LABELS as MODEL_LABELS
+from dkfac.bench.models import MODELS as MODELS
+from dkfac.bench.models import NUM_CLASSES as NUM_CLASSES
+from dkfac.bench.models import TOKEN_VOCABULARIES as TOKEN_VOCABULARIES
+from dkfac.bench.models import mlp6 as mlp6
 from dkfac.strategies.registry import strategy_names
 
-NUM_CLASSES = 10
 LR = 0.1
 MOMENTUM = 0.9
 INVERSE_METHOD = "eigen"
 
-#: Width of the input and of every hidden layer of ``mlp6``.
-MLP6_WIDTH = 1024
-#: Hidden layers of ``mlp6`` (six ``nn.Linear`` in all, counting the classifier).
-MLP6_HIDDEN_LAYERS = 5
-
-
-def mlp6(num_classes: int = NUM_CLASSES) -> nn.Module:
-    """A 6-layer MLP with wide layers: 1024 -> 1024 (x5) -> ``num_classes``, ReLU between.
-
-    Large K-FAC factors (1025x1025 and 1024x1024 per layer) for little forward and backward
-    compute: the communication-bound case of the benchmark.
-
-    Args:
-        num_classes: Number of output classes.
-
-    Returns:
-        The model, whose inputs are vectors of :data:`MLP6_WIDTH` features.
-
-    """
-    return MLP(MLP6_WIDTH, [MLP6_WIDTH] * MLP6_HIDDEN_LAYERS, num_classes=num_classes)
-
-
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "resnet20": resnet20,
-    "resnet32": resnet32,
-    "mlp6": mlp6,
-}
-MODEL_LABELS = {"resnet20": "ResNet-20", "resnet32": "ResNet-32", "mlp6": "MLP-6 (1024 wide)"}
-#: Shape of one synthetic input of each model, without the batch dimension.
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {
-    "resnet20": (3, 32, 32),
-    "resnet32": (3, 32, 32),
-    "mlp6": (MLP6_WIDTH,),
-}
 #: K-FAC strategies that can be measured (SGD is always measured as the reference).
 STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
+#: ``--strategies`` name of SGD with DeAR's gradient averaging instead of DDP (no K-FAC).
+DEAR = "dear"
+#: Everything ``--strategies`` accepts, in the order the configurations are measured.
+STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES)
+#: DeAR's bucket size: searched online (``"auto"``) over these MiB, this many timed steps per
+#: size, inside the warm-up; the window times the size it kept.
+DEAR_BUCKET_CAP_MB = "auto"
+DEAR_AUTO_RANGE_MB = (1 / 16, 64.0)  # DeAR's default
+DEAR_AUTO_TRIAL_STEPS = 5
+#: DeAR's exposed waits (``dear.timings()``); their sum is its ``grad_comm`` in the tables.
+DEAR_WAITS: tuple[str, ...] = ("grad_reduce_scatter", "grad_all_gather")
 #: Default ``(factor_update_steps, inv_update_steps)`` schedules.
 SCHEDULES: tuple[tuple[int, int], ...] = ((1, 1), (10, 100))
 
@@ -84,7 +67,19 @@ PHASES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Configuration:
-    """One measured setup: DDP + SGD alone, or with a K-FAC preconditioner."""
+    """One measured setup: DDP + SGD alone or with a K-FAC preconditioner, or DeAR + SGD.
+
+    Attributes:
+        key: Unique name in reports (``sgd``, ``dear``, ``dkfac_1_1``, ...).
+        label: Name in tables and charts.
+        strategy: The K-FAC strategy; ``None`` without K-FAC.
+        grad_worker_fraction: KAISA's fraction (K-FAC only).
+        fraction_label: The fraction as text, e.g. ``1/2``.
+        factor_update_steps: K-FAC's factor update period.
+        inv_update_steps: K-FAC's decomposition update period.
+        gradient_sync: ``"ddp"`` (DistributedDataParallel) or ``"dear"`` (:class:`dkfac.DeAR`,
+            which also takes the optimizer step).
+    """
 
     key: str
     label: str
@@ -93,11 +88,22 @@ class Configuration:
     fraction_label: str = "1"
     factor_update_steps: int = 1
     inv_update_steps: int = 1
+    gradient_sync: str = "ddp"
 
     @property
     def kfac(self) -> bool:
         """Whether this configuration builds a ``dkfac.KFACPreconditioner``."""
         return self.strategy is not None
+
+    @property
+    def dear(self) -> bool:
+        """Whether DeAR averages the gradients and steps the optimizer (instead of DDP)."""
+        return self.gradient_sync == DEAR
+
+    @property
+    def reference(self) -> bool:
+        """Whether this is DDP + SGD, which every other configuration is compared with."""
+        return not self.kfac and not self.dear
 
     @property
     def periodic(self) -> bool:
@@ -122,10 +128,12 @@ class Configuration:
             "factor_update_steps": self.factor_update_steps if self.kfac else None,
             "inv_update_steps": self.inv_update_steps if self.kfac else None,
             "inverse_method": INVERSE_METHOD if self.kfac else None,
+            "gradient_sync": self.gradient_sync,
         }
 
 
 SGD = Configuration("sgd", "SGD (DDP)")
+DEAR_SGD = Configuration(DEAR, "SGD (DeAR)", gradient_sync=DEAR)
 
 
 def kaisa_fractions(world_size: int) -> list[int]:
@@ -144,15 +152,17 @@ def configurations(
     strategies: Sequence[str] = STRATEGIES,
     schedules: Sequence[tuple[int, int]] = SCHEDULES,
 ) -> list[Configuration]:
-    """SGD, then the chosen strategies at every schedule.
+    """SGD, then DeAR + SGD if chosen, then the chosen K-FAC strategies at every schedule.
 
     Per schedule, in the order of :data:`STRATEGIES`: ``dkfac``, the KAISA fractions of
     :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``. ``dkfac``, ``spd``, ``pad`` and ``dp``
     get one configuration each (key ``"{strategy}_{f}_{i}"``, label the strategy's name).
+    ``dear`` has no schedule: one configuration, :data:`DEAR_SGD`.
 
     Args:
         world_size: Number of workers ``P`` (it picks the KAISA fractions).
-        strategies: Strategies to measure; others in :data:`STRATEGIES` are left out.
+        strategies: Strategies to measure, from :data:`STRATEGY_CHOICES`; the others are left
+            out.
         schedules: ``(factor_update_steps, inv_update_steps)`` pairs.
 
     Returns:
@@ -160,6 +170,8 @@ def configurations(
 
     """
     configs = [SGD]
+    if DEAR in strategies:
+        configs.append(DEAR_SGD)
     for f, i in schedules:
         for strategy in STRATEGIES:
             if strategy not in strategies:

@@ -53,8 +53,10 @@ COUNTED = (
     "preconditioning, a (1,1) step), K-FAC's own collectives only: factor_comm (dkfac, kaisa, "
     "spd: allreduce of the packed upper triangles of every factor + float64 counts; pad: "
     "reduce of each factor to its owner), inverse_comm (decomposition broadcasts from the "
-    "owners: Q and lambda + a validity flag per factor; pad with the inverse method also "
-    "exchanges traces), grad_comm (broadcasts of preconditioned gradients: kaisa f<1, dp). "
+    "owners: Q and lambda + a validity flag per factor; pad sharing decompositions with the "
+    "inverse method also exchanges traces), grad_comm (broadcasts of preconditioned gradients: "
+    "kaisa f<1, dp, and pad, whose share='auto' sends them instead of decompositions when they "
+    "are fewer bytes per step, as at a (1,1) step). "
     "EXCLUDED: DDP's gradient allreduce (the same for every strategy, shown on its own line) "
     "and one-off collectives (spd/pad's re-plan after profiling, cost-model calibration)."
 )

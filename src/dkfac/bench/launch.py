@@ -49,6 +49,7 @@ class Launch:
     wall_s: float
     output_tail: list[str]
     report: dict[str, Any] | None
+    cluster: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,6 +67,7 @@ class Launch:
             "ok": self.ok,
             "output_tail": None if self.ok else self.output_tail,
             "report": self.report,
+            "cluster": self.cluster,
         }
 
 
@@ -208,4 +210,5 @@ def launch(
         outcome.wall_s,
         tail,
         report,
+        None if cluster is None else cluster.describe(),
     )

@@ -15,6 +15,10 @@ from types import MappingProxyType
 from typing import Any
 
 from dkfac.bench.configs import (
+    DEAR,
+    DEAR_AUTO_RANGE_MB,
+    DEAR_AUTO_TRIAL_STEPS,
+    DEAR_BUCKET_CAP_MB,
     INPUT_SHAPES,
     INVERSE_METHOD,
     LR,
@@ -23,6 +27,8 @@ from dkfac.bench.configs import (
     NUM_CLASSES,
     SCHEDULES,
     STRATEGIES,
+    STRATEGY_CHOICES,
+    TOKEN_VOCABULARIES,
     comma_separated,
 )
 from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL
@@ -126,7 +132,19 @@ class BenchOptions:
             "lr": LR,
             "momentum": MOMENTUM,
             "input_shapes": {model: list(INPUT_SHAPES[model]) for model in self.models},
+            "token_vocabularies": {
+                model: TOKEN_VOCABULARIES[model]
+                for model in self.models
+                if model in TOKEN_VOCABULARIES
+            },
             "num_classes": NUM_CLASSES,
+            "dear": {
+                "bucket_cap_mb": DEAR_BUCKET_CAP_MB,
+                "auto_range_mb": list(DEAR_AUTO_RANGE_MB),
+                "auto_trial_steps": DEAR_AUTO_TRIAL_STEPS,
+            }
+            if DEAR in self.strategies
+            else None,
             "schedules": [list(s) for s in self.schedules],
             "gc_disabled_in_window": True,
             "mb": MB,
@@ -156,8 +174,10 @@ def add_bench_options(
     parser.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
-        help="K-FAC strategies besides the SGD reference, comma-separated, from "
-        f"{', '.join(STRATEGIES)} (spd = SPD-KFAC, pad = PAD-KFAC); kaisa runs with fraction "
+        help="what to time besides the DDP + SGD reference, comma-separated, from "
+        f"{', '.join(STRATEGY_CHOICES)}: dear = SGD with DeAR's gradient averaging instead of "
+        "DDP (no K-FAC, its bucket size searched in the warm-up); the others are K-FAC "
+        "strategies (spd = SPD-KFAC, pad = PAD-KFAC, dp = DP-KFAC); kaisa runs with fraction "
         f"1/P (and 1/2 when P > 2 is even) (default {','.join(STRATEGIES)})",
     )
     default_schedules = ",".join(f"{f}:{i}" for f, i in SCHEDULES)
@@ -322,12 +342,14 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
     if layers is not None and min(world_sizes) < 2:
         raise ConfigError("--nprocs: a dry run (--layers) needs world sizes of at least 2")
     strategies = comma_separated(args.strategies)
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in STRATEGY_CHOICES]
     if unknown or not strategies:
         raise ConfigError(
-            f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)} (SGD is "
-            "always measured as the reference)"
+            f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGY_CHOICES)} (SGD "
+            "is always measured as the reference)"
         )
+    if layers is not None and not set(strategies) & set(STRATEGIES):
+        raise ConfigError("--strategies: a dry run (--layers) counts K-FAC strategies only")
     for name, minimum in (("rounds", 1), ("warmup", 0), ("iters", 1), ("iters_long", 1)):
         if values[name] < minimum:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {minimum}")
@@ -345,7 +367,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         iters=values["iters"],
         iters_long=values["iters_long"],
         timeout=float(values["timeout"]),
-        strategies=tuple(s for s in STRATEGIES if s in strategies),
+        strategies=tuple(s for s in STRATEGY_CHOICES if s in strategies),
         schedules=parse_schedules(args.schedules),
         batch_size=args.batch_size,
         seed=args.seed,

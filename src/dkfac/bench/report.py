@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dkfac.bench.configs import INVERSE_METHOD, LR, MODEL_LABELS, MOMENTUM, PHASES
+from dkfac.bench.configs import (
+    DEAR_SGD,
+    INVERSE_METHOD,
+    LR,
+    MODEL_LABELS,
+    MOMENTUM,
+    PHASES,
+    SGD,
+)
 from dkfac.bench.dry_run import format_dry_run, write_dry_run_chart
 from dkfac.bench.targets import NO_TARGETS_LINE
 from dkfac.bench.verdicts import format_ms, format_pipelined_target, format_target
@@ -51,10 +59,18 @@ def schedule_of(row: Mapping[str, Any]) -> str:
     return f"({row['factor_update_steps']},{row['inv_update_steps']})"
 
 
+def phase_cell(row: Mapping[str, Any], name: str) -> str:
+    """A phase's ms per iteration, or ``-`` where the row does not record it (DeAR's K-FAC)."""
+    value = row.get("phase_s", {}).get(name)
+    return "-" if value is None else format_ms(value)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Render the summary rows as a fixed-width table."""
+    # As wide as the longest model name (``transformer``), at least as wide as ``resnet20``.
+    model_width = max([8, *(len(row["model"]) for row in rows)])
     columns: list[tuple[str, int]] = [
-        ("model", 8),
+        ("model", model_width),
         ("P", 2),
         ("config", 11),
         ("(f,i)", 8),
@@ -90,12 +106,13 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{row['amortized_s']:.4f}",
             f"{row['median_s']:.4f}",
         ]
-        if row["strategy"] is not None:
+        if row["overhead_s"] is not None:
             cells += [f"{row['overhead_s']:+.4f}", f"{row['overhead_pct']:+.1f}%"]
-            cells += [format_ms(row["phase_s"][name]) for name in PHASES]
+            cells += [phase_cell(row, name) for name in PHASES]
+            memory = row.get("kfac_memory_bytes")
             cells += [
                 f"{row['bytes_per_step']['total'] / MB:.2f}",
-                f"{row['kfac_memory_bytes'] / MB:.2f}",
+                "-" if memory is None else f"{memory / MB:.2f}",
             ]
         else:
             cells += ["-"] * (len(columns) - len(cells))
@@ -103,11 +120,16 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines += [
         "amort = window wall time (max over ranks) / iterations, median over rounds; median = "
         "median per-iteration time (max over ranks);",
-        "overhead = amort - amort SGD of the same round (median over rounds); f_comm .. precond "
-        "= mean ms per iteration of pre.timings() (mean over ranks);",
+        "overhead = amort - amort SGD of the same round (median over rounds; negative: faster); "
+        "f_comm .. precond = mean ms per iteration of pre.timings() (mean over ranks);",
         "MB/step = comm_stats() payload bytes per iteration / 1e6 (mean over ranks); mem MB = "
         "factors + decompositions held per worker / 1e6 (max over ranks).",
     ]
+    if any(row["key"] == DEAR_SGD.key for row in rows):
+        lines.append(
+            "SGD (DeAR): DeAR averages the gradients instead of DDP, no K-FAC; g_comm = its "
+            "exposed reduce-scatter and all-gather waits (dear.timings()), MB/step its gradients."
+        )
     return "\n".join(lines)
 
 
@@ -122,7 +144,9 @@ def format_summary(report: Mapping[str, Any]) -> str:
         return format_dry_run(report)
     env, settings = report["environment"], report["settings"]
     schedules = [tuple(s) for s in settings["schedules"]]
-    short = ", ".join(["SGD", *(f"({f},{i})" for f, i in schedules if f == i == 1)])
+    dear = DEAR_SGD.key in settings["strategies"]
+    baselines = ["SGD", "DeAR"] if dear else ["SGD"]
+    short = ", ".join([*baselines, *(f"({f},{i})" for f, i in schedules if f == i == 1)])
     long = ", ".join(f"({f},{i})" for f, i in schedules if f > 1 or i > 1) or "none"
     lines = [
         f"torch {env['torch_version']}, dkfac {env['dkfac_version']}, cpus {env['cpu_count']}, "
@@ -130,7 +154,8 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"{', '.join(MODEL_LABELS[m] for m in settings['models'])}; P in "
         f"{', '.join(map(str, settings['nprocs']))}; gloo, 1 thread/process; batch "
         f"{settings['batch_size_per_worker']} per worker; SGD(lr={LR}, momentum={MOMENTUM}) + "
-        f"DDP; K-FAC {INVERSE_METHOD}; rounds {settings['rounds']}, warm-up "
+        f"{'DDP or DeAR' if dear else 'DDP'}; K-FAC {INVERSE_METHOD}; rounds "
+        f"{settings['rounds']}, warm-up "
         f"{settings['warmup']}, timed iterations {settings['iters']} ({short}) / "
         f"{settings['iters_long']} ({long})",
         "",
@@ -211,15 +236,16 @@ def write_chart(
     labels = []
     sgd_totals: dict[tuple[str, int], float] = {}
     for row in rows:
-        if row["strategy"] is None:
+        if row["key"] == SGD.key:
             sgd_totals[(row["model"], row["nprocs"])] = 1e3 * row["amortized_s"]
     for position, row, end in zip(positions, rows, left, strict=True):
         group = f"{MODEL_LABELS.get(row['model'], row['model'])} P={row['nprocs']}"
-        if row["strategy"] is None:
-            labels.append(f"{group}  SGD (DDP) - reference")
+        if row["overhead_pct"] is None:
+            labels.append(f"{group}  {row['label']} - reference")
             note = f"{end:,.0f} ms"
         else:
-            labels.append(f"{group}  {row['label']} {schedule_of(row)}")
+            schedule = "" if row["strategy"] is None else f" {schedule_of(row)}"
+            labels.append(f"{group}  {row['label']}{schedule}")
             note = f"{end:,.0f} ms ({row['overhead_pct']:+.0f}% vs SGD)"
         axes.text(
             end,

@@ -1,9 +1,11 @@
 """One timed window of ``dkfac bench`` on this rank: one configuration, one model.
 
-A freshly built DDP model (the same seed for every configuration), SGD, and for a K-FAC
-configuration its preconditioner; the warm-up, then ``iters`` iterations timed after a
-``dist.barrier()`` with the garbage collector paused. The raw numbers of this rank are combined
-across ranks by :mod:`dkfac.bench.window_reduction`.
+A freshly built model (the same seed for every configuration) wrapped in DDP with SGD, and for
+a K-FAC configuration its preconditioner; or, for DeAR + SGD, the bare model hooked by
+:class:`dkfac.DeAR`, which averages the gradients and takes the SGD step. The warm-up (longer
+while SPD/PAD profile or DeAR searches its bucket size), then ``iters`` iterations timed after
+a ``dist.barrier()`` with the garbage collector paused. The raw numbers of this rank are
+combined across ranks by :mod:`dkfac.bench.window_reduction`.
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ from __future__ import annotations
 import collections
 import gc
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
 from dkfac.bench.configs import (
+    DEAR_AUTO_RANGE_MB,
+    DEAR_AUTO_TRIAL_STEPS,
+    DEAR_BUCKET_CAP_MB,
+    DEAR_WAITS,
     INVERSE_METHOD,
     LR,
     MODELS,
@@ -28,12 +34,31 @@ from dkfac.bench.configs import (
     NUM_CLASSES,
     Configuration,
 )
+from dkfac.bench.models import batch_loss
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.strategies import option_keywords
 
 #: Most extra warm-up steps a strategy may take to finish profiling (spd/pad: 5 factor
-#: updates at its defaults; with factor_update_steps=10, 50 steps).
+#: updates at its defaults; with factor_update_steps=10, 50 steps) or DeAR to finish its
+#: bucket size search (at most 7 sizes of 1-64 MiB, 5 steps each).
 MAX_PROFILING_STEPS = 100
+
+
+class Instrumented(Protocol):
+    """What the window reads after each iteration: a preconditioner's or DeAR's records."""
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase of the last step."""
+        ...
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls per ``"phase/collective"`` of the last step."""
+        ...
+
+
+def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The benchmark's optimizer (also DeAR's optimizer factory)."""
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
 def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
@@ -68,7 +93,7 @@ def time_window(
     seed: int,
     bucket_cap_mb: float,
 ) -> dict[str, Any]:
-    """Build a fresh DDP model for ``config``, warm it up, time ``iters`` iterations.
+    """Build a fresh model for ``config``, warm it up, time ``iters`` iterations.
 
     Returns this rank's raw numbers; :func:`~dkfac.bench.window_reduction.reduce_window`
     combines the ranks. The garbage collector is paused during the window (for every
@@ -77,8 +102,24 @@ def time_window(
     torch.manual_seed(seed)
     net = MODELS[model_name](num_classes=NUM_CLASSES)
     net.train()
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model: nn.Module = net
+    dear: dkfac.DeAR | None = None
+    zero_grad: Callable[[], None] | None = None
+    if config.dear:
+        # DeAR owns the gradients from dear.step() until the next forward applies the update:
+        # it resets them itself, and zero_grad() would only add work.
+        dear = dkfac.DeAR(
+            net,
+            sgd,
+            bucket_cap_mb=DEAR_BUCKET_CAP_MB,
+            auto_range_mb=DEAR_AUTO_RANGE_MB,
+            auto_trial_steps=DEAR_AUTO_TRIAL_STEPS,
+        )
+        step: Callable[[], Any] = dear.step
+    else:
+        model = DistributedDataParallel(net)
+        optimizer = sgd(model.parameters())
+        step, zero_grad = optimizer.step, optimizer.zero_grad
     pre: dkfac.KFACPreconditioner | None = None
     if config.strategy is not None:
         pre = dkfac.KFACPreconditioner(
@@ -92,31 +133,42 @@ def time_window(
             **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
         )
 
+    records: Instrumented | None = pre if pre is not None else dear
+
     def iteration() -> Tensor:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        if zero_grad is not None:
+            zero_grad()
+        loss = batch_loss(model(x), y)
         torch.autograd.backward(loss)  # loss.backward(), untyped in torch's stubs
         if pre is not None:
             pre.step()
-        optimizer.step()
+        step()
         return loss
+
+    def settling() -> bool:
+        return (pre is not None and pre.profiling) or (dear is not None and dear.searching)
 
     clock = time.perf_counter
     iter_s: list[float] = []
     phase_sums: dict[str, float] = collections.defaultdict(float)
     byte_sums: dict[str, int] = collections.defaultdict(int)
     call_sums: dict[str, int] = collections.defaultdict(int)
+    overlap_sums: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float)
+    )
     try:
         loss = torch.zeros(())
         for _ in range(warmup):
             loss = iteration()
-        # SPD/PAD re-plan their fusion after profiling a few factor updates: the window times
-        # the plan they keep, never the provisional one (at most MAX_PROFILING_STEPS more).
+        # SPD/PAD re-plan their fusion after profiling a few factor updates, DeAR keeps the
+        # fastest bucket size it tried: the window times the plan they keep, never a
+        # provisional one (at most MAX_PROFILING_STEPS more). Both decide together on every
+        # rank, so every rank leaves this loop after the same step.
         settled_warmup = warmup
-        while pre is not None and pre.profiling and settled_warmup < warmup + MAX_PROFILING_STEPS:
+        while settling() and settled_warmup < warmup + MAX_PROFILING_STEPS:
             loss = iteration()
             settled_warmup += 1
-        if pre is not None and pre.profiling:
+        if settling():
             raise RuntimeError(f"{config.key}: still profiling after {settled_warmup} steps")
         gc.collect()
         gc_was_enabled = gc.isenabled()
@@ -128,12 +180,16 @@ def time_window(
                 t0 = clock()
                 loss = iteration()
                 iter_s.append(clock() - t0)
-                if pre is not None:
-                    for phase, seconds in pre.timings().items():
+                if records is not None:
+                    for phase, seconds in records.timings().items():
                         phase_sums[phase] += seconds
-                    for key, count in pre.comm_stats().items():
+                    for key, count in records.comm_stats().items():
                         byte_sums[key] += count["bytes"]
                         call_sums[key] += count["calls"]
+                if pre is not None:
+                    for phase, split in pre.comm_overlap().items():
+                        for part, seconds in split.items():
+                            overlap_sums[phase][part] += seconds
             wall_s = clock() - window_start
         finally:
             if gc_was_enabled:
@@ -148,19 +204,35 @@ def time_window(
                 )
             factor_bytes, inverse_bytes = kfac_memory_bytes(pre)
             plan = dict(pre.plan())
+        if dear is not None:
+            plan = {"bucket_cap_mb": dear.bucket_cap_mb, "tuning": dear.tuning}
     finally:
         if pre is not None:
             pre.remove()
+        if dear is not None:
+            dear.remove()
+    phase_s = {name: value / iters for name, value in phase_sums.items()}
+    if dear is not None:
+        # DeAR's exposed gradient waits, under the name the K-FAC rows use for gradient traffic.
+        phase_s["grad_comm"] = sum(phase_s.get(name, 0.0) for name in DEAR_WAITS)
     return {
         "wall_s": wall_s,
         "iter_s": iter_s,
-        "phase_s": {name: value / iters for name, value in phase_sums.items()},
+        "phase_s": phase_s,
         "bytes_per_step": {key: value / iters for key, value in byte_sums.items()},
         "calls_per_step": {key: value / iters for key, value in call_sums.items()},
+        # Per phase, seconds per step its collectives were in flight, exposed (the training
+        # thread inside the phase) and hidden under other work (pre.comm_overlap()).
+        "overlap_s": {
+            phase: {part: value / iters for part, value in split.items()}
+            for phase, split in overlap_sums.items()
+        },
         "factor_bytes": factor_bytes,
         "inverse_bytes": inverse_bytes,
         "final_loss": final_loss,
-        "warmup_steps": settled_warmup if pre is not None else warmup,
+        "warmup_steps": settled_warmup,
         "cost_model": plan.get("cost_model"),
         "fusion_buckets": len(plan.get("buckets", [])),
+        "dear_bucket_cap_mb": plan.get("bucket_cap_mb"),
+        "dear_tuning": plan.get("tuning"),
     }

@@ -2,8 +2,9 @@
 
 :func:`reduce_window` turns every rank's raw window of one configuration into one JSON-ready
 window (the slowest rank's times, the mean phases and bytes, the largest K-FAC memory);
-:func:`summarize` reduces the rounds per model and configuration by their medians, with each
-K-FAC configuration's overhead taken against the SGD window of the same round.
+:func:`summarize` reduces the rounds per model and configuration by their medians, with the
+overhead of every configuration but DDP + SGD (K-FAC, DeAR + SGD) taken against the SGD window
+of the same round.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ from typing import Any
 
 from dkfac.bench.configs import PHASES, SGD, Configuration, count_schedule_hits
 
-#: ``comm_stats()`` phase prefix -> name of the byte split.
+#: ``comm_stats()`` phase prefix -> name of the byte split (DeAR's gradient halves are grad).
 BYTE_SPLIT: Mapping[str, str] = MappingProxyType(
-    {"factor_comm": "factor", "inverse_comm": "inverse", "grad_comm": "grad"}
+    {
+        "factor_comm": "factor",
+        "inverse_comm": "inverse",
+        "grad_comm": "grad",
+        "grad_reduce_scatter": "grad",
+        "grad_all_gather": "grad",
+    }
 )
 
 
@@ -30,13 +37,30 @@ def split_bytes(bytes_per_step: dict[str, float]) -> dict[str, float]:
     return parts
 
 
+def _mean_overlap(ranks: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per phase, in-flight/exposed/hidden seconds per step, averaged over the ranks."""
+    phases = sorted({phase for r in ranks for phase in r.get("overlap_s", {})})
+    return {
+        phase: {
+            part: statistics.fmean(
+                r.get("overlap_s", {}).get(phase, {}).get(part, 0.0) for r in ranks
+            )
+            for part in ("in_flight_s", "exposed_s", "hidden_s")
+        }
+        for phase in phases
+    }
+
+
 def reduce_window(
     config: Configuration, ranks: Sequence[dict[str, Any]], *, warmup: int, iters: int
 ) -> dict[str, Any]:
     """Combine the raw windows of all ranks into one JSON-ready window.
 
-    ``warmup`` is the requested warm-up; a strategy that profiled longer (spd/pad) reports
-    the steps it really took before the window (``warmup_steps``), the same on every rank.
+    ``warmup`` is the requested warm-up; a strategy that profiled longer (spd/pad) or DeAR
+    searching its bucket size reports the steps it really took before the window
+    (``warmup_steps``), the same on every rank. DDP + SGD records no phases or bytes; DeAR
+    its waits and bytes (``dear_bucket_cap_mb`` the bucket size it kept); K-FAC its phases,
+    bytes, memory and the updates in the window.
     """
     warmup = ranks[0].get("warmup_steps", warmup)
     wall_s = max(r["wall_s"] for r in ranks)
@@ -55,17 +79,15 @@ def reduce_window(
         "factor_updates_in_window": None,
         "inverse_updates_in_window": None,
     }
-    if not config.kfac:
+    if config.reference:
         return window
-    extra = sorted({name for r in ranks for name in r["phase_s"]} - set(PHASES))
-    phase_names = [*PHASES, *extra]
+    recorded = {name for r in ranks for name in r["phase_s"]}
+    # K-FAC rows list every phase of a K-FAC step; DeAR's only what it records.
+    first = list(PHASES) if config.kfac else [name for name in PHASES if name in recorded]
+    phase_names = [*first, *sorted(recorded - set(first))]
     phase_s_per_rank = [{name: r["phase_s"].get(name, 0.0) for name in phase_names} for r in ranks]
     bytes_split_per_rank = [split_bytes(r["bytes_per_step"]) for r in ranks]
-    memory_per_rank = [r["factor_bytes"] + r["inverse_bytes"] for r in ranks]
-    return window | {
-        "factor_updates_in_window": count_schedule_hits(config.factor_update_steps, warmup, iters),
-        "inverse_updates_in_window": count_schedule_hits(config.inv_update_steps, warmup, iters),
-        "whole_inverse_periods": iters % config.inv_update_steps == 0,
+    window |= {
         "phase_s": {
             name: statistics.fmean(p[name] for p in phase_s_per_rank) for name in phase_names
         },
@@ -75,6 +97,7 @@ def reduce_window(
             for part in bytes_split_per_rank[0]
         },
         "bytes_per_step_per_rank": bytes_split_per_rank,
+        "overlap_s": _mean_overlap(ranks),
         "comm_per_step_per_rank": [
             {
                 key: {"bytes": r["bytes_per_step"][key], "calls": r["calls_per_step"][key]}
@@ -82,6 +105,14 @@ def reduce_window(
             }
             for r in ranks
         ],
+    }
+    if config.dear:
+        return window | {"dear_bucket_cap_mb": ranks[0].get("dear_bucket_cap_mb")}
+    memory_per_rank = [r["factor_bytes"] + r["inverse_bytes"] for r in ranks]
+    return window | {
+        "factor_updates_in_window": count_schedule_hits(config.factor_update_steps, warmup, iters),
+        "inverse_updates_in_window": count_schedule_hits(config.inv_update_steps, warmup, iters),
+        "whole_inverse_periods": iters % config.inv_update_steps == 0,
         "kfac_memory_bytes": max(memory_per_rank),
         "kfac_memory_bytes_per_rank": memory_per_rank,
         "factor_bytes_per_rank": [r["factor_bytes"] for r in ranks],
@@ -94,8 +125,9 @@ def summarize(
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Reduce the rounds per model and configuration (medians over rounds).
 
-    The overhead of a K-FAC configuration is computed inside each round against that round's
-    SGD window (amortized times), then reduced by the median over rounds.
+    The overhead of every configuration but DDP + SGD is computed inside each round against
+    that round's SGD window (amortized times), then reduced by the median over rounds; it is
+    negative when the configuration is faster.
     """
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
@@ -114,26 +146,42 @@ def summarize(
                 "overhead_s_per_round": None,
                 "overhead_pct_per_round": None,
             }
-            if config.kfac:
-                pairs = list(zip(windows, sgd, strict=True))
-                over_s = [w["amortized_s"] - s["amortized_s"] for w, s in pairs]
-                over_pct = [100.0 * (w["amortized_s"] / s["amortized_s"] - 1.0) for w, s in pairs]
+            if config.reference:
+                entries[config.key] = entry
+                continue
+            pairs = list(zip(windows, sgd, strict=True))
+            over_s = [w["amortized_s"] - s["amortized_s"] for w, s in pairs]
+            over_pct = [100.0 * (w["amortized_s"] / s["amortized_s"] - 1.0) for w, s in pairs]
+            entry |= {
+                "overhead_s": statistics.median(over_s),
+                "overhead_pct": statistics.median(over_pct),
+                "overhead_s_per_round": over_s,
+                "overhead_pct_per_round": over_pct,
+                "phase_s": {
+                    name: statistics.median(w["phase_s"][name] for w in windows)
+                    for name in windows[0]["phase_s"]
+                },
+                "bytes_per_step": {
+                    part: statistics.median(w["bytes_per_step"][part] for w in windows)
+                    for part in windows[0]["bytes_per_step"]
+                },
+            }
+            if config.dear:
+                entry["dear_bucket_cap_mb"] = [w["dear_bucket_cap_mb"] for w in windows]
+            else:
                 entry |= {
-                    "overhead_s": statistics.median(over_s),
-                    "overhead_pct": statistics.median(over_pct),
-                    "overhead_s_per_round": over_s,
-                    "overhead_pct_per_round": over_pct,
+                    "overlap_s": {
+                        phase: {
+                            part: statistics.median(
+                                w["overlap_s"].get(phase, {}).get(part, 0.0) for w in windows
+                            )
+                            for part in parts
+                        }
+                        for phase, parts in windows[0].get("overlap_s", {}).items()
+                    },
                     "whole_inverse_periods": all(w["whole_inverse_periods"] for w in windows),
                     "factor_updates_in_window": windows[0]["factor_updates_in_window"],
                     "inverse_updates_in_window": windows[0]["inverse_updates_in_window"],
-                    "phase_s": {
-                        name: statistics.median(w["phase_s"][name] for w in windows)
-                        for name in windows[0]["phase_s"]
-                    },
-                    "bytes_per_step": {
-                        part: statistics.median(w["bytes_per_step"][part] for w in windows)
-                        for part in windows[0]["bytes_per_step"]
-                    },
                     "kfac_memory_bytes": max(w["kfac_memory_bytes"] for w in windows),
                 }
             entries[config.key] = entry

@@ -7,19 +7,23 @@ installed package::
 
 gloo process group, one intra-op thread, a fixed synthetic batch per rank and model
 (``--batch-size`` per worker, each model's input shape from
-:data:`~dkfac.bench.configs.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
-1024 features for ``mlp6``), SGD (momentum 0.9, lr 0.1) on a DDP-wrapped model.
-Configurations: SGD alone (DDP, no K-FAC), then per ``(f, i)`` schedule ``strategy="dkfac"``,
+:data:`~dkfac.bench.models.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
+1024 features for ``mlp6``, 64 token ids with their next tokens as targets for
+``transformer``), SGD (momentum 0.9, lr 0.1) on a DDP-wrapped model.
+Configurations: SGD alone (DDP, no K-FAC); SGD with :class:`dkfac.DeAR` averaging the
+gradients instead of DDP when ``dear`` is among ``--strategies`` (its bucket size search runs
+inside the warm-up); then per ``(f, i)`` schedule ``strategy="dkfac"``,
 ``strategy="kaisa"`` with ``grad_worker_fraction`` 1/P (and 1/2 when P > 2 is even),
-``strategy="spd"`` and ``strategy="pad"``, all with ``inverse_method="eigen"``. SPD-KFAC and
-PAD-KFAC calibrate their cost model when the preconditioner is built (all ranks together),
-before the warm-up.
+``strategy="spd"``, ``strategy="pad"`` and ``strategy="dp"``, all with
+``inverse_method="eigen"``. SPD-KFAC and PAD-KFAC calibrate their cost model when the
+preconditioner is built (all ranks together), before the warm-up.
 
 Every configuration gets a freshly built model (same seed), its own warm-up and a timed window
 that starts after a ``dist.barrier()``. Periodic configurations (``f > 1`` or ``i > 1``) time
 ``--iters-long`` iterations, the others ``--iters``. The configurations run interleaved in
-rounds (the order rotates from round to round); the overhead of a K-FAC configuration is taken
-inside a round against that round's SGD window, then reduced by the median over rounds. Rank 0
+rounds (the order rotates from round to round); the overhead of every configuration but SGD
+is taken inside a round against that round's SGD window, then reduced by the median over
+rounds (negative: faster than DDP + SGD). Rank 0
 writes the report (raw rounds and the per-model summary) to ``--out``.
 
 This module runs the rounds on this rank and writes the report; one window is timed by
@@ -39,46 +43,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from dkfac.bench.configs import (
-    INPUT_SHAPES,
-    NUM_CLASSES,
     SCHEDULES,
     STRATEGIES,
     comma_separated,
     configurations,
     environment,
 )
+from dkfac.bench.models import make_batch as make_batch
+from dkfac.bench.models import model_batch
 from dkfac.bench.options import parse_schedules
 from dkfac.bench.timed_window import time_window
 from dkfac.bench.window_reduction import reduce_window, summarize
 from dkfac.comm import destroy_process_groups
 
 
-def make_batch(batch_size: int, seed: int, shape: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """One random input batch and random labels, drawn from ``seed``.
-
-    Args:
-        batch_size: Number of samples.
-        seed: Seed of the generator the inputs and then the labels are drawn from.
-        shape: Shape of one input without the batch dimension (see ``INPUT_SHAPES``).
-
-    Returns:
-        Inputs of shape ``(batch_size, *shape)`` and labels in ``[0, NUM_CLASSES)``.
-
-    """
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch_size, *shape, generator=generator)
-    y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
-    return x, y
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run every round on this rank (process group up); the report on rank 0, else None."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     batches = {
-        model: make_batch(args.batch_size, args.seed + 1000 * (rank + 1), INPUT_SHAPES[model])
+        model: model_batch(model, args.batch_size, args.seed + 1000 * (rank + 1))
         for model in args.models
     }
     configs = configurations(world_size, args.strategies, args.schedules)

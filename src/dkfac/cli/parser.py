@@ -99,10 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="time DDP + SGD against the K-FAC strategies on CIFAR ResNets and a wide MLP "
-        "(torchrun, gloo)",
+        help="time DDP + SGD against DeAR + SGD and the K-FAC strategies on CIFAR ResNets, a "
+        "wide MLP and a Transformer LM (torchrun, gloo)",
         description="Launch torchrun workers per world size, time SGD and every K-FAC "
-        "configuration (model, P, strategy, schedule), print the table and write "
+        "configuration (model, P, strategy, schedule), and DeAR + SGD when --strategies "
+        "names dear, print the table and write "
         "OUT/bench.json and the stacked bar chart OUT/bench.png.",
     )
     add_bench_options(bench, models=BENCH_MODELS, nprocs=BENCH_NPROCS)

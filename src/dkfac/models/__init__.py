@@ -1,9 +1,9 @@
-"""Reference models: CIFAR ResNets, small networks and a Transformer for tests and demos."""
+"""Reference models: CIFAR ResNets, small networks and Transformers for tests and demos."""
 
 from dkfac.models.registry import MODEL_NAMES, build_model
 from dkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from dkfac.models.small import MLP, SmallCNN
-from dkfac.models.transformer import TransformerClassifier
+from dkfac.models.transformer import TransformerClassifier, TransformerLM
 
 __all__ = [
     "MLP",
@@ -12,6 +12,7 @@ __all__ = [
     "CifarResNet",
     "SmallCNN",
     "TransformerClassifier",
+    "TransformerLM",
     "build_model",
     "resnet20",
     "resnet32",

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,12 @@ def make_strategy(
     inverse_method: str = "eigen",
     inv_dtype: torch.dtype = torch.float32,
     factor_dtype: torch.dtype = torch.float32,
+    inv_update_steps: int = 1,
 ) -> Strategy:
     """The strategy ``options`` select, with its communicator when it needs one.
+
+    ``inv_update_steps`` is the steps between decompositions at the start of the run (PAD's
+    ``share="auto"`` decides for it).
 
     SPD and PAD launch collectives from autograd hooks, while DDP may be allreducing
     gradients on the default group: they get a process group of their own so the two
@@ -82,6 +87,7 @@ def make_strategy(
         inverse_method=inverse_method,
         inv_dtype=inv_dtype,
         factor_dtype=factor_dtype,
+        inv_update_steps=inv_update_steps,
     )
 
 
@@ -93,26 +99,33 @@ def distributed_strategy(
     inverse_method: str = "eigen",
     inv_dtype: torch.dtype = torch.float32,
     factor_dtype: torch.dtype = torch.float32,
+    grad_dtype: torch.dtype | None = None,
+    inv_update_steps: int = 1,
 ) -> Strategy:
     """The distributed strategy ``options`` select, on ``comm`` (real or recording).
 
     The one place that maps options to a strategy class: :func:`make_strategy` and the dry
-    run (:mod:`dkfac.strategies.accounting`) both build strategies here.
+    run (:mod:`dkfac.strategies.accounting`) both build strategies here. ``grad_dtype``
+    (``None``: the layers') and ``inv_update_steps`` are what PAD's ``share="auto"`` decides
+    with.
 
     Raises:
         ValueError: options of no distributed strategy, or the world size does not allow them.
     """
     if isinstance(options, PipelinedOptions):
-        pipelined = SPDStrategy if isinstance(options, SPDOptions) else PADStrategy
-        return pipelined(
-            comm,
-            recorder,
-            inverse_method=inverse_method,
-            inv_dtype=inv_dtype,
-            factor_dtype=factor_dtype,
-            cost_model=options.cost_model,
-            profile_steps=options.profile_steps,
-        )
+        common: dict[str, Any] = {
+            "inverse_method": inverse_method,
+            "inv_dtype": inv_dtype,
+            "factor_dtype": factor_dtype,
+            "grad_dtype": grad_dtype,
+            "cost_model": options.cost_model,
+            "profile_steps": options.profile_steps,
+        }
+        if isinstance(options, PADOptions):
+            return PADStrategy(
+                comm, recorder, share=options.share, inv_update_steps=inv_update_steps, **common
+            )
+        return SPDStrategy(comm, recorder, **common)
     if isinstance(options, KAISAOptions):
         return KAISAStrategy(comm, recorder, options)
     if isinstance(options, DPOptions):

@@ -71,6 +71,8 @@ class DryRunSettings:
         bucket_cap_mb: largest fused collective in MiB.
         comm_dtype: transport dtype, ``None`` keeps each tensor's.
         cost_model: the cost model SPD/PAD plan with (needed for them only).
+        inv_update_steps: the run's steps between decompositions. The accounts are of one
+            second-order update all the same; PAD's ``share="auto"`` decides with it.
     """
 
     world_size: int
@@ -81,6 +83,7 @@ class DryRunSettings:
     bucket_cap_mb: float = 25.0
     comm_dtype: torch.dtype | None = None
     cost_model: ClusterCostModel | None = None
+    inv_update_steps: int = 1
 
     @property
     def cap_bytes(self) -> int:
@@ -139,12 +142,14 @@ def plan_strategy(
     settings: DryRunSettings,
     *,
     grad_worker_fraction: float = 1.0,
+    share: str = "auto",
 ) -> Placement:
     """The placement ``strategy`` plans for ``layers``: the strategy itself, built as for a run.
 
     The strategy is made by :func:`~dkfac.strategies.distributed_strategy` (as
     ``make_strategy`` makes it) on a recording communicator of the settings' world, and asked
-    for its placement.
+    for its placement. ``grad_worker_fraction`` (kaisa) and ``share`` (pad) are options of the
+    strategies that have them.
 
     Raises:
         ValueError: an unknown strategy, a fraction the world size does not allow, or
@@ -155,7 +160,11 @@ def plan_strategy(
             f"strategy={strategy!r} is not allowed: expected one of "
             f"{', '.join(map(repr, ACCOUNTED_STRATEGIES))}"
         )
-    given = {"grad_worker_fraction": grad_worker_fraction, "cost_model": settings.cost_model}
+    given = {
+        "grad_worker_fraction": grad_worker_fraction,
+        "cost_model": settings.cost_model,
+        "share": share,
+    }
     options = resolve_options(strategy, **option_keywords(strategy, **given))
     if isinstance(options, PipelinedOptions) and settings.cost_model is None:
         raise ValueError(f"strategy={strategy!r} needs DryRunSettings.cost_model")
@@ -174,6 +183,8 @@ def plan_strategy(
         inverse_method=settings.inverse_method,
         inv_dtype=settings.inv_dtype,
         factor_dtype=settings.factor_dtype,
+        grad_dtype=settings.grad_dtype,
+        inv_update_steps=settings.inv_update_steps,
     )
     return built.place([layer.dims for layer in layers])
 
@@ -215,14 +226,19 @@ def account_strategy(
     settings: DryRunSettings,
     *,
     grad_worker_fraction: float = 1.0,
+    share: str = "auto",
 ) -> list[RankAccount]:
     """Per-rank accounts of one second-order update of ``strategy`` on ``layers``.
+
+    ``grad_worker_fraction`` and ``share`` as in :func:`plan_strategy`.
 
     Raises:
         ValueError: an unknown strategy, a fraction the world size does not allow, or
             spd/pad without a cost model.
     """
-    placement = plan_strategy(strategy, layers, settings, grad_worker_fraction=grad_worker_fraction)
+    placement = plan_strategy(
+        strategy, layers, settings, grad_worker_fraction=grad_worker_fraction, share=share
+    )
     accounts = []
     for rank in range(settings.world_size):
         recorder = StepRecorder(keep_steps=1)

@@ -3,7 +3,8 @@
 Hook-launched fused factor communication, per-factor decomposition placement from a
 calibrated cost model, and re-planning of the fusion after profiling. Both compute exactly
 what D-KFAC computes. A subclass only says where each factor's collective goes (allreduce to
-all, or reduce to an owner) and who decomposes each factor.
+all, or reduce to an owner) and who decomposes each factor; PAD also whether the decomposers
+broadcast decompositions or preconditioned gradients (:meth:`PipelinedStrategy.share_choice`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.factor_placement import (
     FactorPlacement,
+    ShareChoice,
     SlotCosts,
     destination_boundaries,
+    gradient_bytes,
 )
 from dkfac.strategies.pipeline import ready_order_of
 from dkfac.strategies.plan import EVERY_WORKER, Placement
@@ -47,6 +50,8 @@ class PipelinedStrategy(Strategy):
         inv_dtype: dtype of the decompositions.
         factor_dtype: dtype of the running factors (they travel in ``comm.comm_dtype`` if set);
             ``None``: the layers' own, read in :meth:`setup`.
+        grad_dtype: dtype of the preconditioned gradients (the same rule; before
+            :meth:`setup` float32), which PAD may broadcast.
         cost_model: the cluster's measured costs; a :class:`CostModelCache` to take them from
             (measured there on first use, then reused by later strategies); ``None`` measures
             them in :meth:`setup`.
@@ -62,6 +67,7 @@ class PipelinedStrategy(Strategy):
         inverse_method: str = "eigen",
         inv_dtype: torch.dtype = torch.float32,
         factor_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
         cost_model: ClusterCostModel | CostModelCache | None = None,
         profile_steps: int = 5,
     ) -> None:
@@ -70,6 +76,7 @@ class PipelinedStrategy(Strategy):
         self.inverse_method = inverse_method
         self.inv_dtype = inv_dtype
         self.factor_dtype = factor_dtype
+        self.grad_dtype = grad_dtype
         self.cost: ClusterCostModel | None = (
             cost_model if isinstance(cost_model, ClusterCostModel) else None
         )
@@ -105,6 +112,8 @@ class PipelinedStrategy(Strategy):
             warnings.warn(message, RuntimeWarning, stacklevel=4)
         if self.factor_dtype is None:
             self.factor_dtype = layers[0].factor_dtype
+        if self.grad_dtype is None:
+            self.grad_dtype = layers[0].block.weight.dtype
         self.factor_placement = self._factor_placement(
             [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         )
@@ -130,7 +139,18 @@ class PipelinedStrategy(Strategy):
             inv_dtype=self.inv_dtype,
             factor_dtype=self.comm.comm_dtype or self.factor_dtype,
             cap_bytes=self.comm.bucket_cap_bytes,
+            share=self.share_choice(dims),
+            grad_dtype=self.grad_wire_dtype,
         )
+
+    @property
+    def grad_wire_dtype(self) -> torch.dtype:
+        """The dtype preconditioned gradients travel in (float32 until :meth:`setup`)."""
+        return self.comm.comm_dtype or self.grad_dtype or torch.float32
+
+    def share_choice(self, dims: Sequence[tuple[int, int]]) -> ShareChoice | None:
+        """What the decomposers broadcast; ``None``: their decompositions (PAD may choose)."""
+        return None
 
     @classmethod
     def place_factors(
@@ -143,6 +163,8 @@ class PipelinedStrategy(Strategy):
         inv_dtype: torch.dtype,
         factor_dtype: torch.dtype,
         cap_bytes: int,
+        share: ShareChoice | None = None,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> FactorPlacement:
         """The placement and size-first fusion plan of layers ``dims`` (pure: no process group).
 
@@ -154,6 +176,10 @@ class PipelinedStrategy(Strategy):
             inv_dtype: dtype of the decompositions.
             factor_dtype: dtype the factors travel in.
             cap_bytes: largest fused collective.
+            share: what the decomposers broadcast (PAD's
+                :func:`~dkfac.strategies.factor_placement.choose_share`); ``None``:
+                their decompositions.
+            grad_dtype: dtype preconditioned gradients travel in.
         """
         slots = ready_order_of(dims)
         element = torch.empty((), dtype=factor_dtype).element_size()
@@ -171,12 +197,14 @@ class PipelinedStrategy(Strategy):
             inv_dtype=inv_dtype,
             world_size=world_size,
             size_based=size_based,
+            share="decompositions" if share is None else share.mode,
+            gradient_wire=tuple(gradient_bytes(a, g, grad_dtype) for a, g in dims),
         )
         destination = cls.plan_destinations(costs)
         decomposer = cls.plan_decomposers(costs, destination)
         boundaries = destination_boundaries(destination, range(len(slots)))
         buckets = plan_buckets_by_size(wire, cap_bytes, boundaries)
-        return FactorPlacement(costs, destination, decomposer, buckets)
+        return FactorPlacement(costs, destination, decomposer, buckets, share)
 
     @staticmethod
     @abstractmethod

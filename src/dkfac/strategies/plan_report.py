@@ -43,6 +43,21 @@ class BucketRow(TypedDict):
     predicted_start_s: float | None
 
 
+class ShareReport(TypedDict):
+    """What PAD-KFAC's owners broadcast, and the predicted bytes per step behind the choice.
+
+    ``requested`` is the ``share`` option (``"decompositions"``, ``"gradients"`` or
+    ``"auto"``), ``mode`` what is sent; decompositions count once per ``inv_update_steps``
+    (the schedule's value at construction), preconditioned gradients every step.
+    """
+
+    requested: str
+    mode: str
+    inv_update_steps: int
+    decomposition_bytes_per_step: float
+    gradient_bytes_per_step: int
+
+
 class _PlanReportKeys(TypedDict):
     strategy: str
     factors: list[FactorRow]
@@ -55,7 +70,7 @@ class PlanReport(_PlanReportKeys, total=False):
     ``"local"`` places nothing (empty lists). KAISA adds ``grad_workers``; SPD/PAD add the
     cost model behind their placement, its problems (when it could not be used), how the
     fusion was planned (``"size"`` or ``"alpha-beta (profiled)"``) and the predicted
-    decomposition seconds per rank.
+    decomposition seconds per rank; PAD adds what its owners share (:class:`ShareReport`).
     """
 
     grad_workers: int
@@ -63,3 +78,4 @@ class PlanReport(_PlanReportKeys, total=False):
     cost_model_problems: list[str]
     fusion: str
     predicted_decomposition_load_s: list[float]
+    share: ShareReport

@@ -12,9 +12,22 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+
+#: What PAD-KFAC's owners broadcast: their factors' decompositions, the layers' preconditioned
+#: gradients, or whichever moves fewer bytes per step at the run's schedule.
+PADShare = Literal["decompositions", "gradients", "auto"]
+PAD_SHARES: tuple[PADShare, ...] = ("decompositions", "gradients", "auto")
+
+
+def check_share(share: object) -> None:
+    """Raise ``ValueError`` unless ``share`` is one of :data:`PAD_SHARES`."""
+    if not isinstance(share, str) or share not in PAD_SHARES:
+        raise ValueError(
+            f"share={share!r} is not allowed: expected one of {', '.join(map(repr, PAD_SHARES))}"
+        )
 
 
 def _divisors(world_size: int) -> str:
@@ -131,9 +144,22 @@ class SPDOptions(PipelinedOptions):
 
 @dataclass(frozen=True)
 class PADOptions(PipelinedOptions):
-    """``strategy="pad"``: PAD-KFAC (reduce to owner, optimal contiguous partition)."""
+    """``strategy="pad"``: PAD-KFAC (reduce to owner, optimal contiguous partition).
+
+    Attributes:
+        share: what the owners broadcast: ``"decompositions"`` (each factor's owner sends its
+            decomposition to every worker, which preconditions every layer), ``"gradients"``
+            (each layer has one owner, which decomposes both factors, preconditions the layer
+            and sends its preconditioned gradient every step) or ``"auto"`` (whichever moves
+            fewer predicted bytes per step at the run's ``inv_update_steps``).
+    """
 
     name: ClassVar[str] = "pad"
+    share: PADShare = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_share(self.share)
 
 
 @dataclass(frozen=True)
@@ -188,7 +214,8 @@ STRATEGIES: Mapping[str, StrategySpec] = MappingProxyType(
             ),
             StrategySpec(
                 PADOptions,
-                "factors reduced to their owners from the hooks; owners broadcast",
+                "factors reduced to their owners from the hooks; owners broadcast "
+                "decompositions or preconditioned gradients, whichever is fewer bytes",
                 "Lin Zhang's thesis (PAD-KFAC)",
             ),
             StrategySpec(
@@ -214,10 +241,10 @@ def resolve_options(strategy: str | StrategyOptions, **shorthand: Any) -> Strate
     """The options object ``strategy`` means, with the flat keyword shorthands applied.
 
     ``shorthand`` holds the preconditioner's flat keywords (``grad_worker_fraction=``,
-    ``profile_steps=``, ``cost_model=``); ``None`` means not given. Each given one is applied
-    to the options that have it; one set to something other than its default for a strategy
-    that does not read it is an error, as is any given next to an options object (say it in
-    the object).
+    ``profile_steps=``, ``cost_model=``, ``share=``); ``None`` means not given. Each given one
+    is applied to the options that have it; one set to something other than its default for a
+    strategy that does not read it is an error, as is any given next to an options object (say
+    it in the object).
 
     Raises:
         ValueError: an unknown name, an option the strategy does not have, or a bad value.

@@ -32,6 +32,8 @@ class SPDStrategy(PipelinedStrategy):
     @staticmethod
     def plan_destinations(costs: SlotCosts) -> list[int | None]:
         """Allreduce every factor."""
+        if costs.share != "decompositions":  # redundant decomposers have no one gradient owner
+            raise ValueError(f"strategy='spd' shares decompositions, not {costs.share}")
         return [None] * len(costs.slots)
 
     @staticmethod
