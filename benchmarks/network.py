@@ -15,7 +15,7 @@ configuration, one panel per model) to ``--out``.
 
 Usage::
 
-    .venv/bin/python benchmarks/network.py                       # 30, 100, 300 Mbit/s
+    .venv/bin/python benchmarks/network.py                       # 20, 50, 400 Mbit/s
     .venv/bin/python benchmarks/network.py --rates 100mbit,1gbit --models transformer
     .venv/bin/python benchmarks/network.py --quick               # smoke test: 1 Gbit/s, ResNet-20
 
@@ -43,8 +43,9 @@ from dkfac.bench.network_report import (
 from dkfac.bench.options import BenchOptions, options_from_args
 from dkfac.cli.config import ConfigError
 
-#: Placeholder rates of a full run (the final ones are chosen later) and of ``--quick``.
-RATES = "30mbit,100mbit,300mbit"
+#: Rates of a full run, where D-KFAC's factor communication is about 40%, 35% and 15% of its
+#: ResNet-32 (1,1) iteration (docs/benchmarks.md), and of ``--quick``.
+RATES = "20mbit,50mbit,400mbit"
 QUICK_RATE = "1gbit"
 MODELS = "resnet32,transformer"
 STRATEGIES = ",".join(STRATEGY_CHOICES)

@@ -23,7 +23,7 @@ import dkfac
 import dkfac.cli.commands as commands_module
 import dkfac.cli.execution as execution_module
 import dkfac.cli.launch as launch_module
-from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, rng_state, save_atomic
 from dkfac.cli.commands import compare_strategies
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
 from dkfac.cli.config_resolution import resolve_config
@@ -239,6 +239,45 @@ def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> 
     assert pre.steps == 7
     restored_a, restored_g = pre.factors()["0"]
     assert torch.equal(restored_a, a) and torch.equal(restored_g, g)
+
+
+def test_resume_under_another_layout_on_the_same_world_size_gathers_the_factors() -> None:
+    # Saved by PAD with owners placed one way (rank 0 held A, rank 1 held G); resumed on as
+    # many ranks by a preconditioner whose plan differs (here: every rank holds both). Loading
+    # rank 0's own state would lose G; the layout saved with it says to gather instead.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    pre = dkfac.KFACPreconditioner(model)
+    a, g = torch.eye(4) * 2, torch.eye(2) * 3
+    old_layout = [{"layer": "0", "factor": "A", "owner": 0}]  # not this plan's
+    ranks = [
+        {"pre": {"version": 1, "steps": 7, "inverse_method": "eigen", "layers": layers}}
+        | {"rng": rng_state(), "totals": torch.zeros(3), "layout": old_layout}
+        for layers in ({"0": {"A": a, "G": None}}, {"0": {"A": None, "G": g}})
+    ]
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "ranks": ranks,
+        "epoch": 0,
+        "batch": 3,
+        "position": 192,
+        "budget": 384,
+        "step": 7,
+        "world_size": 2,
+    }
+    restore_checkpoint(saved, model, optimizer, scheduler, pre, rank=0, world=2)
+    restored_a, restored_g = pre.factors()["0"]
+    assert torch.equal(restored_a, a) and torch.equal(restored_g, g)
+    # The same checkpoint with this plan's layout is this rank's own state: no gathering.
+    for entry in ranks:
+        entry["layout"] = pre.plan()["factors"]
+    pre = dkfac.KFACPreconditioner(model)
+    restore_checkpoint(saved, model, optimizer, scheduler, pre, rank=0, world=2)
+    assert pre.layers[0].g is None and torch.equal(pre.layers[0].a, a)  # rank 0's own, as saved
 
 
 def test_compare_runs_every_listed_strategy_with_plots(tmp_path: Path, capsys) -> None:

@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 import dkfac
+from dkfac.bench import emulated_cluster
 from dkfac.bench.command import run_bench
 from dkfac.bench.configs import (
+    DEAR_AUTO_RANGE_MB,
     DEAR_SGD,
     INPUT_SHAPES,
     MODEL_LABELS,
@@ -44,6 +46,7 @@ from dkfac.bench.worker import make_batch
 from dkfac.cli.config import ConfigError
 from dkfac.cli.main import main
 from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS, build_parser
+from dkfac.dear.bucket_search import power_of_two_sizes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TARGETS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "targets.json"
@@ -148,12 +151,24 @@ def test_bench_times_the_transformer_lm_and_dear(
         r["windows"]["transformer"]["dear"] for r in report["launches"][0]["report"]["rounds"]
     ]
     assert window["warmup"] > 1  # the bucket size search ran inside the warm-up
-    assert dear["dear_bucket_cap_mb"][0] in (1.0, 2.0, 4.0, 8.0, 16.0)
+    low, high = DEAR_AUTO_RANGE_MB  # the size kept is a power-of-two size of the range
+    assert dear["dear_bucket_cap_mb"][0] in power_of_two_sizes(low, high)
     assert rows["dkfac_1_1"]["bytes_per_step"]["factor"] > 0
     for row in rows.values():
         assert row["median_s"] > 0
     windows = report["launches"][0]["report"]["rounds"][0]["windows"]["transformer"]
     assert all(math.isfinite(w["final_loss"]) for w in windows.values())
+
+
+def test_bench_on_a_machine_without_namespaces_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reason = "cannot create network namespaces (needs root or CAP_NET_ADMIN): denied"
+    monkeypatch.setattr(emulated_cluster, "unavailable_reason", lambda: reason)
+    code = main(["bench", "--quick", "--network", "100mbit", "--out", str(tmp_path / "b")])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"dkfac: error: --network: {reason}"]
 
 
 def test_bench_defaults() -> None:

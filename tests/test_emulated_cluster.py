@@ -155,15 +155,16 @@ def test_a_failed_worker_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> No
     start = time.perf_counter()
     outcome = run_processes(
         [
-            ([sys.executable, "-c", "import sys; print('bad input'); sys.exit(3)"], env),
             ([sys.executable, "-c", "import time; time.sleep(120)"], env),
+            ([sys.executable, "-c", "import sys; print('bad input'); sys.exit(3)"], env),
         ],
         timeout=300,
         prefix_ranks=True,
     )
+    # rank 1's code, the first to fail, not rank 0's (stopped because of it, so -SIGTERM)
     assert outcome.returncode == 3 and not outcome.timed_out
     assert time.perf_counter() - start < 60
-    assert "[rank 0] bad input" in outcome.tail
+    assert "[rank 1] bad input" in outcome.tail
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from typing import Any
 
 from dkfac.bench.configs import STRATEGIES, environment
 from dkfac.bench.dry_run import dry_run_report
-from dkfac.bench.emulated_cluster import EmulatedCluster
+from dkfac.bench.emulated_cluster import ClusterUnavailableError, EmulatedCluster
 from dkfac.bench.launch import Launch, launch
 from dkfac.bench.options import BenchOptions
 from dkfac.bench.report import summary_rows
@@ -75,8 +75,15 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             if options.network is None:
                 launches.append(launch(nprocs, options, Path(folder)))
                 continue
-            with EmulatedCluster(nprocs, options.network) as cluster:
+            cluster = EmulatedCluster(nprocs, options.network)
+            try:
+                cluster.create()
+            except ClusterUnavailableError as error:  # no root, no netem for a delay, ...
+                raise ConfigError(f"--network: {error}") from None
+            try:
                 launches.append(launch(nprocs, options, Path(folder), cluster))
+            finally:
+                cluster.destroy()
     rows = summary_rows([(item.nprocs, item.report) for item in launches], options.models)
     return {
         "benchmark": "strategies",

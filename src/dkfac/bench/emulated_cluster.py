@@ -8,8 +8,9 @@ Layout (nothing is created in the namespace this process runs in)::
 Both directions of every worker's link are shaped with a token bucket (``tbf``) to the link's
 rate: ``eth0``'s egress inside the worker's namespace and ``p<r>``'s egress inside the switch's
 (which is the worker's ingress), so each worker has a full-duplex link of that rate to a
-switch, as in a switched cluster. A delay, when asked for, is a ``netem`` child of each token
-bucket. gloo runs over real TCP between the namespaces (``GLOO_SOCKET_IFNAME=eth0``).
+switch, as in a switched cluster. A delay, when asked for, is a ``netem`` child of the
+worker's own token bucket: one worker's packets reach another DELAY later. gloo runs over
+real TCP between the namespaces (``GLOO_SOCKET_IFNAME=eth0``).
 
 Workers are started by :meth:`EmulatedCluster.command` (``ip netns exec`` then ``taskset``),
 each pinned to its own core; more workers than cores is allowed and reported as
@@ -279,11 +280,13 @@ class EmulatedCluster:
                 reason = netem_missing(namespace, WORKER_INTERFACE)
                 if reason is not None:
                     raise ClusterUnavailableError(reason)
-            self._shape(namespace, WORKER_INTERFACE)  # the worker's sending side
-            self._shape(self.switch, port)  # its receiving side
+            # Both directions at the rate; the delay once per path (on the sender's side), so
+            # a packet from one worker to another is delayed by DELAY, not twice.
+            self._shape(namespace, WORKER_INTERFACE, delay=True)  # the worker's sending side
+            self._shape(self.switch, port, delay=False)  # its receiving side
 
-    def _shape(self, namespace: str, interface: str) -> None:
-        """Token bucket at the link's rate on ``interface``'s egress, then the delay if any."""
+    def _shape(self, namespace: str, interface: str, *, delay: bool) -> None:
+        """Token bucket at the link's rate on ``interface``'s egress, then the delay if asked."""
         rate_bytes = self.link.bytes_per_second
         # The bucket must hold a whole segmentation-offload packet (64 KiB of payload plus
         # headers): tbf splits a larger packet into MTU-sized ones in software, which costs
@@ -298,7 +301,7 @@ class EmulatedCluster:
             [*tc, "root", "handle", "1:", "tbf", "rate", self.link.tc_rate(), "burst", str(burst),
              "limit", str(limit)]
         )  # fmt: skip
-        if self.link.delay_s:
+        if delay and self.link.delay_s:
             _checked(
                 [*tc, "parent", "1:1", "handle", "10:", "netem", "delay", self.link.tc_delay()]
             )

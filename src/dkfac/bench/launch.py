@@ -16,6 +16,7 @@ is interrupted, and, on a cluster, when one worker fails (the others get
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -69,20 +70,6 @@ class Launch:
             "report": self.report,
             "cluster": self.cluster,
         }
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    """Terminate the process's group (torchrun and its workers, or one worker), then kill it."""
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _worker_env() -> dict[str, str]:
@@ -141,36 +128,58 @@ def run_processes(
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
             readers.append(reader)
-        timed_out = _wait_all(processes, timeout)
+        timed_out, first_failed = _wait_all(processes, timeout)
     except BaseException:
-        for process in processes:
-            _stop(process)
+        _stop_all(processes)
         raise
     for reader in readers:
         reader.join(timeout=10.0)
     codes = [process.returncode for process in processes]
-    failed = [code for code in codes if code != 0]
-    returncode = failed[0] if failed else 0
+    # The code of the worker that failed first in time (the others may only have been stopped
+    # because of it).
+    returncode = 0 if first_failed is None else codes[first_failed]
     return _Outcome(returncode, timed_out, time.perf_counter() - start, list(tail))
 
 
-def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout: float) -> bool:
-    """Wait for every process; whether the launch timed out. Stops the rest after a failure."""
+def _stop_all(processes: Sequence[subprocess.Popen[str]]) -> None:
+    """SIGTERM every process group at once, wait, then SIGKILL what is left (15 s each)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.killpg(process.pid, sig)
+        deadline = time.perf_counter() + 15.0
+        while any(p.poll() is None for p in processes) and time.perf_counter() < deadline:
+            time.sleep(POLL_S)
+        if all(p.poll() is not None for p in processes):
+            return
+
+
+def _wait_all(
+    processes: Sequence[subprocess.Popen[str]], timeout: float
+) -> tuple[bool, int | None]:
+    """Wait for every process; whether it timed out, and which one failed first (if any).
+
+    After the first failure the others get :data:`FAILURE_GRACE_S`, then they are stopped.
+    """
     deadline = time.perf_counter() + timeout
     failed_at: float | None = None
-    while any(process.poll() is None for process in processes):
+    first_failed: int | None = None
+    while True:
         now = time.perf_counter()
-        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
-            failed_at = now
+        if first_failed is None:
+            failing = [i for i, p in enumerate(processes) if p.poll() not in (None, 0)]
+            if failing:
+                first_failed, failed_at = failing[0], now
+        if all(process.poll() is not None for process in processes):
+            return False, first_failed
         if now > deadline or (failed_at is not None and now > failed_at + FAILURE_GRACE_S):
             timed_out = now > deadline
             if timed_out:
                 print(f"timed out after {timeout} s, stopping", file=sys.stderr)
-            for process in processes:
-                _stop(process)
-            return timed_out
+            _stop_all(processes)
+            return timed_out, first_failed
         time.sleep(POLL_S)
-    return False
 
 
 def launch(

@@ -40,7 +40,7 @@ from dkfac.strategies import option_keywords
 
 #: Most extra warm-up steps a strategy may take to finish profiling (spd/pad: 5 factor
 #: updates at its defaults; with factor_update_steps=10, 50 steps) or DeAR to finish its
-#: bucket size search (at most 7 sizes of 1-64 MiB, 5 steps each).
+#: bucket size search (at most 11 sizes of 1/16-64 MiB, a warm-up and 5 timed steps each).
 MAX_PROFILING_STEPS = 100
 
 
@@ -233,6 +233,8 @@ def time_window(
         "warmup_steps": settled_warmup,
         "cost_model": plan.get("cost_model"),
         "fusion_buckets": len(plan.get("buckets", [])),
+        # PAD broadcasts decompositions or preconditioned gradients (its share option).
+        "pad_share": plan.get("share", {}).get("mode"),
         "dear_bucket_cap_mb": plan.get("bucket_cap_mb"),
         "dear_tuning": plan.get("tuning"),
     }

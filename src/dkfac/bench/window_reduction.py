@@ -76,6 +76,7 @@ def reduce_window(
         "final_loss": ranks[0]["final_loss"],
         "cost_model": ranks[0].get("cost_model"),
         "fusion_buckets": ranks[0].get("fusion_buckets"),
+        "pad_share": ranks[0].get("pad_share"),
         "factor_updates_in_window": None,
         "inverse_updates_in_window": None,
     }
@@ -183,6 +184,7 @@ def summarize(
                     "factor_updates_in_window": windows[0]["factor_updates_in_window"],
                     "inverse_updates_in_window": windows[0]["inverse_updates_in_window"],
                     "kfac_memory_bytes": max(w["kfac_memory_bytes"] for w in windows),
+                    "pad_share": windows[0].get("pad_share"),
                 }
             entries[config.key] = entry
         summary[model] = entries

@@ -56,6 +56,9 @@ def save_run_checkpoint(
     local = {
         "rng": rng_state(),
         "pre": pre.state_dict() if pre is not None else None,
+        # Who holds which factor and decomposition: a resume under another layout (PAD's
+        # owners follow its share mode and the measured cost model) must gather the factors.
+        "layout": pre.plan()["factors"] if pre is not None else None,
         "totals": totals.clone(),
         "phases": phases.record(),
     }
@@ -108,10 +111,11 @@ def restore_checkpoint(
     mine = ranks[rank] if same_world else ranks[0]
     if pre is not None and mine["pre"] is not None:
         state = mine["pre"]
-        if not same_world:
+        if not same_world or mine.get("layout") != pre.plan()["factors"]:
             # Factors may live on their owners only (pad) and decompositions on the owners of
-            # the old layout: gather every factor from whichever rank held it, recompute the
-            # decompositions, and let the new layout keep what it needs.
+            # the old layout (another world size, or owners placed differently this time):
+            # gather every factor from whichever rank held it, recompute the decompositions,
+            # and let the new layout keep what it needs.
             states = [r["pre"] for r in ranks]
             state = {
                 **state,
