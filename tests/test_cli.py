@@ -33,7 +33,7 @@ from dkfac.cli.main import main, missing_dependency_message
 from dkfac.cli.parser import build_parser
 from dkfac.cli.rank_logging import configure_logging
 from dkfac.cli.report import compare_table, write_plots
-from dkfac.cli.run_checkpoint import restore_checkpoint
+from dkfac.cli.run_checkpoint import placement_layout, restore_checkpoint
 from dkfac.cli.run_metrics import RunResult
 from dkfac.cli.sampling import EpochSampler
 from dkfac.cli.train import run_training
@@ -251,7 +251,7 @@ def test_resume_under_another_layout_on_the_same_world_size_gathers_the_factors(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     pre = dkfac.KFACPreconditioner(model)
     a, g = torch.eye(4) * 2, torch.eye(2) * 3
-    old_layout = [{"layer": "0", "factor": "A", "owner": 0}]  # not this plan's
+    old_layout = [("0", "A", 0, 0), ("0", "G", 1, 1), ("share", None)]  # not this plan's
     ranks = [
         {"pre": {"version": 1, "steps": 7, "inverse_method": "eigen", "layers": layers}}
         | {"rng": rng_state(), "totals": torch.zeros(3), "layout": old_layout}
@@ -274,7 +274,7 @@ def test_resume_under_another_layout_on_the_same_world_size_gathers_the_factors(
     assert torch.equal(restored_a, a) and torch.equal(restored_g, g)
     # The same checkpoint with this plan's layout is this rank's own state: no gathering.
     for entry in ranks:
-        entry["layout"] = pre.plan()["factors"]
+        entry["layout"] = placement_layout(pre)
     pre = dkfac.KFACPreconditioner(model)
     restore_checkpoint(saved, model, optimizer, scheduler, pre, rank=0, world=2)
     assert pre.layers[0].g is None and torch.equal(pre.layers[0].a, a)  # rank 0's own, as saved

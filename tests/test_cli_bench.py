@@ -31,6 +31,7 @@ from dkfac.bench.configs import (
     STRATEGIES,
     STRATEGY_CHOICES,
     TOKEN_VOCABULARIES,
+    Configuration,
     configurations,
     environment,
     git_commit,
@@ -379,6 +380,26 @@ def test_dear_windows_report_its_waits_bytes_and_a_negative_overhead_when_faster
     assert line.split()[4:] == [*cells, "0.00", "-"]  # no K-FAC phases, no K-FAC memory
     assert "g_comm = its exposed reduce-scatter and all-gather waits" in table
     assert "SGD (DeAR): " not in format_table(rows[:1])
+
+
+def test_the_summary_keeps_one_rounds_whole_overlap_split() -> None:
+    # Three rounds whose parts have different medians (in flight 1, 2, 4 s; exposed 0.5, 1.5,
+    # 0.25 s): the summary takes the median round's split whole, so hidden / in flight is
+    # that round's 25%, not a ratio of medians taken from different rounds.
+    dkfac = Configuration("dkfac_1_1", "dkfac", "dkfac")
+    sgd = reduce_window(SGD, [_raw_window(1.0, {}, {})] * 2, warmup=3, iters=2)
+    rounds = []
+    for flight, exposed in ((1.0, 0.5), (2.0, 1.5), (4.0, 0.25)):
+        raw = _raw_window(2.0, {"factor_comm": exposed}, {"factor_comm/allreduce": 8})
+        split = {"in_flight_s": flight, "exposed_s": exposed, "hidden_s": flight - exposed}
+        raw["overlap_s"] = {"factor_comm": split}
+        window = reduce_window(dkfac, [raw, raw], warmup=3, iters=2)
+        assert window["overlap_s"] == {"factor_comm": split}  # both ranks alike: their mean
+        rounds.append({"windows": {"resnet20": {"sgd": sgd, "dkfac_1_1": window}}})
+    entry = summarize(["resnet20"], [SGD, dkfac], rounds)["resnet20"]["dkfac_1_1"]
+    assert entry["overlap_s"] == {
+        "factor_comm": {"in_flight_s": 2.0, "exposed_s": 1.5, "hidden_s": 0.5}
+    }
 
 
 def test_the_chart_marks_only_ddp_sgd_as_the_reference(tmp_path: Path) -> None:

@@ -51,6 +51,19 @@ def _mean_overlap(ranks: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]
     }
 
 
+def _median_split(windows: Sequence[dict[str, Any]], phase: str) -> dict[str, float]:
+    """One round's whole in-flight/exposed/hidden split of ``phase``: the median in flight.
+
+    Whole, so that ``hidden / in_flight`` is one round's share (per-part medians over rounds
+    would mix rounds); the lower median when the rounds are even.
+    """
+    splits = sorted(
+        (w.get("overlap_s", {}).get(phase, {}) for w in windows),
+        key=lambda split: split.get("in_flight_s", 0.0),
+    )
+    return dict(splits[(len(splits) - 1) // 2])
+
+
 def reduce_window(
     config: Configuration, ranks: Sequence[dict[str, Any]], *, warmup: int, iters: int
 ) -> dict[str, Any]:
@@ -172,13 +185,8 @@ def summarize(
             else:
                 entry |= {
                     "overlap_s": {
-                        phase: {
-                            part: statistics.median(
-                                w["overlap_s"].get(phase, {}).get(part, 0.0) for w in windows
-                            )
-                            for part in parts
-                        }
-                        for phase, parts in windows[0].get("overlap_s", {}).items()
+                        phase: _median_split(windows, phase)
+                        for phase in windows[0].get("overlap_s", {})
                     },
                     "whole_inverse_periods": all(w["whole_inverse_periods"] for w in windows),
                     "factor_updates_in_window": windows[0]["factor_updates_in_window"],

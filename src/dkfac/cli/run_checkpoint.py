@@ -34,6 +34,21 @@ class EpochPosition(NamedTuple):
     batch: int
 
 
+def placement_layout(pre: dkfac.KFACPreconditioner) -> list[tuple[Any, ...]]:
+    """Who holds what under ``pre``'s plan (its placement, not its predicted times).
+
+    Per factor where it is reduced and who decomposes it, and PAD's share mode (which says
+    who receives decompositions); a plan's predicted and measured times differ between runs.
+    """
+    plan = pre.plan()
+    rows: list[tuple[Any, ...]] = [
+        (row["layer"], row["factor"], row["reduced_to"], row["decomposed_by"])
+        for row in plan["factors"]
+    ]
+    share = plan.get("share")
+    return [*rows, ("share", None if share is None else share["mode"])]
+
+
 def save_run_checkpoint(
     out: Path,
     model: nn.Module,
@@ -58,7 +73,7 @@ def save_run_checkpoint(
         "pre": pre.state_dict() if pre is not None else None,
         # Who holds which factor and decomposition: a resume under another layout (PAD's
         # owners follow its share mode and the measured cost model) must gather the factors.
-        "layout": pre.plan()["factors"] if pre is not None else None,
+        "layout": placement_layout(pre) if pre is not None else None,
         "totals": totals.clone(),
         "phases": phases.record(),
     }
@@ -111,7 +126,7 @@ def restore_checkpoint(
     mine = ranks[rank] if same_world else ranks[0]
     if pre is not None and mine["pre"] is not None:
         state = mine["pre"]
-        if not same_world or mine.get("layout") != pre.plan()["factors"]:
+        if not same_world or mine.get("layout") != placement_layout(pre):
             # Factors may live on their owners only (pad) and decompositions on the owners of
             # the old layout (another world size, or owners placed differently this time):
             # gather every factor from whichever rank held it, recompute the decompositions,

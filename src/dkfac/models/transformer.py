@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -154,7 +155,42 @@ def _embed(
     return embedded
 
 
-class TransformerClassifier(nn.Module):
+class _TokenTransformer(nn.Module):
+    """What both token models hold, under the same names, created in the same order.
+
+    Embeddings of the tokens and of their positions, dropout, ``layers`` blocks made by
+    ``block``, a final norm and a linear head of ``outputs`` features. One order for both
+    models: the same seed gives the same weights, and state dicts keep their key order.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        seq_len: int,
+        dropout: float,
+        outputs: int,
+        block: Callable[[], nn.Module],
+        layers: int,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(seq_len, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(block() for _ in range(layers)))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, outputs)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.position_embedding.weight, std=0.02)
+        logger.debug(
+            "Built %s with %d parameters",
+            type(self).__name__,
+            sum(p.numel() for p in self.parameters()),
+        )
+
+
+class TransformerClassifier(_TokenTransformer):
     """Token embeddings, pre-norm Transformer blocks, mean pooling and a linear head.
 
     Positions are encoded by a learned ``nn.Embedding`` over ``range(seq_len)``; inputs
@@ -185,7 +221,6 @@ class TransformerClassifier(nn.Module):
         seq_len: int = 32,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
         sizes = {
             "vocab_size": vocab_size,
             "num_classes": num_classes,
@@ -195,20 +230,14 @@ class TransformerClassifier(nn.Module):
             "seq_len": seq_len,
         }
         _check_sizes("TransformerClassifier", sizes, d_model, heads, dropout)
-        self.seq_len = seq_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(seq_len, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(
-            *(TransformerBlock(d_model, heads, dropout) for _ in range(layers))
-        )
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, num_classes)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        nn.init.normal_(self.position_embedding.weight, std=0.02)
-        logger.debug(
-            "Built TransformerClassifier with %d parameters",
-            sum(p.numel() for p in self.parameters()),
+        super().__init__(
+            vocab_size,
+            d_model,
+            seq_len,
+            dropout,
+            num_classes,
+            lambda: TransformerBlock(d_model, heads, dropout),
+            layers,
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -230,7 +259,7 @@ class TransformerClassifier(nn.Module):
         return logits
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(_TokenTransformer):
     """A causal language model: token embeddings, causal pre-norm blocks, a next-token head.
 
     The logits at position ``t`` depend on the tokens at positions ``0..t`` only, so
@@ -263,7 +292,6 @@ class TransformerLM(nn.Module):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
         sizes = {
             "vocab_size": vocab_size,
             "d_model": d_model,
@@ -273,22 +301,14 @@ class TransformerLM(nn.Module):
             "mlp_ratio": mlp_ratio,
         }
         _check_sizes("TransformerLM", sizes, d_model, heads, dropout)
-        self.seq_len = seq_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(seq_len, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(
-            *(
-                TransformerBlock(d_model, heads, dropout, mlp_ratio, causal=True)
-                for _ in range(layers)
-            )
-        )
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)
-        nn.init.normal_(self.position_embedding.weight, std=0.02)
-        logger.debug(
-            "Built TransformerLM with %d parameters", sum(p.numel() for p in self.parameters())
+        super().__init__(
+            vocab_size,
+            d_model,
+            seq_len,
+            dropout,
+            vocab_size,
+            lambda: TransformerBlock(d_model, heads, dropout, mlp_ratio, causal=True),
+            layers,
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
