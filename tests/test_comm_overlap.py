@@ -14,8 +14,8 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.comm.communicator import CollectiveHandle
 from dkfac.comm.flight import follow
+from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.intervals import covered, covered_by_both, exposure, merge
 from dkfac.comm.recorder import StepRecorder
 from test_distributed import F64, STEPS, train, uneven_model

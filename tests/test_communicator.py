@@ -252,3 +252,60 @@ def test_groups_dkfac_makes_have_the_default_groups_timeout() -> None:
     # fail dkfac's own groups (SPD/PAD, DeAR, KAISA's rows and columns) as soon as the world.
     results = run_workers(group_timeouts, 2, timeout=60)  # the harness's groups: 30 s
     assert results == [[30.0, 30.0, 30.0]] * 2
+
+
+def reduces_both_ways(rank: int, world_size: int) -> dict:
+    recorder = StepRecorder()
+    comm = Communicator.with_own_group(recorder, comm_dtype=None)
+    comm.open_reduce_lanes([1, 0, 1])
+    comm.open_reduce_lanes([0])  # lanes already open are kept
+    lanes = comm.subgroups
+    # Both reduces in flight before either is waited for, as PAD's two owners' buckets are.
+    to_zero = [symmetric(5, rank), torch.arange(3.0, dtype=torch.float64) * (rank + 1)]
+    to_one = [torch.linspace(-1, 1, 7, dtype=torch.float64) * (rank + 2)]
+    first = comm.reduce(to_zero, 0, phase="lanes", symmetric=[True, False], average=True)
+    second = comm.reduce(to_one, 1, phase="lanes")
+    first.wait()
+    second.wait()
+    # bf16 transport through the direct send: the owner's sum is rounded once, like gloo's.
+    low = Communicator(recorder, comm_dtype=torch.bfloat16)
+    x = torch.linspace(0, 1, 8) + rank
+    low.reduce([x], 1, phase="bf16").wait()
+    recorder.finish_step(0)
+    out = {
+        "lanes": lanes,
+        "to_zero": to_zero,
+        "to_one": to_one,
+        "bf16": x,
+        "stats": recorder.comm_stats(),
+        "flights": recorder.overlap().get("lanes", {}),
+    }
+    comm.close()
+    out["closed"] = comm.subgroups
+    return out
+
+
+def test_reduces_at_two_ranks_are_direct_sends_on_one_lane_per_destination() -> None:
+    results = run_workers(reduces_both_ways, 2, timeout=60)
+    a_mean = (symmetric(5, 0) + symmetric(5, 1)) / 2  # float64 oracle
+    v_mean = torch.arange(3.0, dtype=torch.float64) * 3 / 2
+    w_sum = torch.linspace(-1, 1, 7, dtype=torch.float64) * 5
+    for rank, out in enumerate(results):
+        assert out["lanes"] == 1  # a second group for destination 1; 0 uses the comm's own
+        assert out["closed"] == 0
+        if rank == 0:
+            torch.testing.assert_close(out["to_zero"][0], a_mean, rtol=0, atol=1e-15)
+            torch.testing.assert_close(out["to_zero"][1], v_mean, rtol=0, atol=0)
+            assert torch.equal(out["to_one"][0], torch.linspace(-1, 1, 7, dtype=torch.float64) * 2)
+            assert torch.equal(out["bf16"], torch.linspace(0, 1, 8))
+        else:  # the non-owner's tensors are left as they were
+            assert torch.equal(out["to_zero"][0], symmetric(5, 1))
+            torch.testing.assert_close(out["to_one"][0], w_sum, rtol=0, atol=1e-15)
+            exact = torch.linspace(0, 1, 8) * 2 + 1
+            torch.testing.assert_close(out["bf16"], exact, rtol=1e-2, atol=0)
+            assert out["bf16"].dtype == torch.float32
+        stats = out["stats"]
+        assert stats["lanes/reduce"]["calls"] == 2
+        assert stats["lanes/reduce"]["bytes"] == 8 * (15 + 3 + 7)
+        # Each direct send has a future: its flight is traced like gloo's collectives.
+        assert out["flights"].get("in_flight_s", 0.0) > 0.0

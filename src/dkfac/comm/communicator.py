@@ -23,15 +23,17 @@ DeAR that launch collectives from autograd hooks), released by :meth:`Communicat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dkfac.comm.direct_reduce import reduce_steps, reduces_by_sending
 from dkfac.comm.flight import Flight, follow
 from dkfac.comm.groups import default_group_timeout
+from dkfac.comm.handle import CollectiveHandle, Pending
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import (
     FusedPayload,
@@ -41,34 +43,6 @@ from dkfac.comm.wire import (
 )
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy independent of torch stubs
-#: One launched collective: its work, what ``wait()`` does after it, its in-flight record.
-Pending = tuple[Any, Callable[[], None], Flight | None]
-
-
-class CollectiveHandle:
-    """Pending collectives; :meth:`wait` blocks and writes the results into the tensors."""
-
-    def __init__(self, pending: list[Pending]) -> None:
-        self._pending = pending
-
-    @classmethod
-    def joined(cls, handles: Sequence[CollectiveHandle]) -> CollectiveHandle:
-        """One handle that waits for all of ``handles``, in order."""
-        pending: list[Pending] = []
-        for handle in handles:
-            pending += handle._pending
-            handle._pending = []
-        return cls(pending)
-
-    def wait(self) -> None:
-        """Wait for every collective, record its flight and unpack its results (idempotent)."""
-        pending, self._pending = self._pending, []
-        for work, finish, flight in pending:
-            if work is not None:
-                work.wait()
-            if flight is not None:
-                flight.land()
-            finish()
 
 
 class Communicator:
@@ -101,6 +75,7 @@ class Communicator:
         self.rank, self.world_size = self._membership(group)
         self._owns_group = False
         self._subgroups: list[ProcessGroup] = []  # made by new_groups, with this rank in them
+        self._lanes: dict[int, ProcessGroup | None] = {}  # reduce destination -> its group
 
     def _membership(self, group: ProcessGroup | None) -> tuple[int, int]:
         """This process's global rank and the size of ``group`` (``None``: the world)."""
@@ -164,6 +139,7 @@ class Communicator:
             RuntimeError: a barrier failed (a peer is gone); every group is released first.
         """
         groups, self._subgroups = self._subgroups, []
+        self._lanes = {}
         if self._owns_group and self.group is not None:
             groups.append(self.group)
             self.group = None
@@ -256,20 +232,46 @@ class Communicator:
         average: bool = False,
         group: ProcessGroup | None = None,
     ) -> CollectiveHandle:
-        """Sum (or average) ``tensors`` onto global rank ``dst`` only (others: unchanged)."""
+        """Sum (or average) ``tensors`` onto global rank ``dst`` only (others: unchanged).
+
+        Without ``group``, the reduce travels on ``dst``'s lane (:meth:`open_reduce_lanes`).
+        On gloo at two ranks it is one direct send of each bucket to ``dst``, which adds it
+        to its own (:meth:`_sends_directly`); elsewhere the backend's reduce.
+        """
         size = self.group_size(group)
         scale = 1.0 / size if average else None
-        handle = self._launch(
-            "reduce",
-            tensors,
-            symmetric,
-            phase,
-            lambda b: dist.reduce(b.flat, dst, group=group or self.group, async_op=True),
-            scale if self.rank == dst else None,
-            unpack=lambda b: self.rank == dst,
-            group=group,
+        target = group if group is not None else self._lanes.get(dst, self.group)
+        start, unpack = reduce_steps(self.rank, dst, target, self._sends_directly(target))
+        scale = scale if self.rank == dst else None
+        return self._launch(
+            "reduce", tensors, symmetric, phase, start, scale, unpack, group=group, root=dst
         )
-        return handle
+
+    def _sends_directly(self, group: ProcessGroup | None) -> bool:
+        """Whether a reduce on ``group`` is one send (:mod:`dkfac.comm.direct_reduce`)."""
+        backend = str(dist.get_backend(group)) if self.sends else self.backend
+        return self.sends and reduces_by_sending(backend, self.group_size(group))
+
+    def open_reduce_lanes(self, destinations: Iterable[int]) -> None:
+        """Let reduces to different ``destinations`` travel at the same time (gloo, two ranks).
+
+        gloo runs one group's work first in, first out, so reduces to one owner queued before
+        those to the other leave the other direction of every link idle. Each destination
+        gets a lane: the communicator's group for the first, a new group of the same ranks
+        for the others; only over the whole world at two ranks on gloo (elsewhere nothing).
+        Collective, like ``new_group``; :meth:`close` destroys the new groups.
+        """
+        if not self.sends or self.world_size != dist.get_world_size():
+            return
+        for dst in sorted(set(destinations) - set(self._lanes)):
+            if not self._sends_directly(self.group):
+                return
+            if not self._lanes:
+                self._lanes[dst] = self.group
+            else:
+                lane = dist.new_group(list(self.ranks), timeout=default_group_timeout())
+                self._lanes[dst] = lane
+                self._subgroups.append(lane)
 
     def broadcast(
         self,
@@ -294,6 +296,7 @@ class Communicator:
             None,
             unpack=lambda b: self.rank != src or b.rounds,
             group=group,
+            root=src,
         )
 
     def all_gather(
@@ -342,7 +345,15 @@ class Communicator:
         """Number of ranks in ``group`` (``None``: the communicator's own group)."""
         return dist.get_world_size(group) if group is not None else self.world_size
 
-    def _count(self, phase: str, op: str, nbytes: int, group: ProcessGroup | None) -> None:
+    def _count(
+        self,
+        phase: str,
+        op: str,
+        nbytes: int,
+        group: ProcessGroup | None,
+        root: int | None = None,
+    ) -> None:
+        """Count one collective (``root``: a reduce's destination, a broadcast's source)."""
         record_collective(self.recorder, phase, op, nbytes, self.group_size(group))
 
     def _follow(self, work: Any, buffer: Tensor, phase: str, launched: float) -> Flight | None:
@@ -359,15 +370,20 @@ class Communicator:
         unpack: Callable[[FusionBucket], bool] = lambda bucket: True,
         group: ProcessGroup | None = None,
         exact: bool = False,
+        root: int | None = None,
     ) -> CollectiveHandle:
         """Start ``op`` on each bucket; on ``wait()`` write back the buckets ``unpack`` says.
+
+        ``unpack`` runs on ``wait()`` after the bucket's collective: it may complete the
+        bucket's result first (a direct reduce adds what it received) and says whether the
+        bucket is written back into its tensors.
 
         Every bucket is counted; it is packed and sent only when :attr:`sends` is true.
         """
         pending: list[Pending] = []
         flags = list(symmetric) if symmetric is not None else [False] * len(tensors)
         for payload in self.fusion_plan(tensors, flags, exact=exact):
-            self._count(phase, op, payload.nbytes, group)
+            self._count(phase, op, payload.nbytes, group, root)
             if not self.sends:
                 continue
             part = slice(payload.start, payload.end)

@@ -11,12 +11,35 @@ tensors serve), so no data moves and results are whatever the tensors held.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dkfac.comm.communicator import Communicator, ProcessGroup
 from dkfac.comm.recorder import StepRecorder
+
+
+@dataclass(frozen=True)
+class IssuedCollective:
+    """One fused collective a :class:`RecordingCommunicator` was asked for, in issue order.
+
+    Attributes:
+        phase: the phase it is counted in.
+        op: ``"allreduce"``, ``"reduce"``, ``"broadcast"``, ``"reduce_scatter"`` or
+            ``"all_gather"``.
+        nbytes: payload of the bucket.
+        group: the ranks of its process group; ``None``: the communicator's world.
+        root: a reduce's destination or a broadcast's source (global rank), else ``None``.
+        issued_at: the communicator's :attr:`RecordingCommunicator.clock` when it was issued.
+    """
+
+    phase: str
+    op: str
+    nbytes: int
+    group: tuple[int, ...] | None
+    root: int | None
+    issued_at: float
 
 
 class RecordingCommunicator(Communicator):
@@ -30,6 +53,8 @@ class RecordingCommunicator(Communicator):
         rank: the rank this communicator speaks for.
         bucket_cap_mb: largest fused buffer in MiB, as :class:`Communicator`.
         comm_dtype: transport dtype, as :class:`Communicator`.
+        issued: where each fused collective is appended as an :class:`IssuedCollective`
+            (``None``: only counted), stamped with :attr:`clock`, which the caller sets.
     """
 
     sends = False
@@ -42,9 +67,26 @@ class RecordingCommunicator(Communicator):
         *,
         bucket_cap_mb: float = 25.0,
         comm_dtype: torch.dtype | None = None,
+        issued: list[IssuedCollective] | None = None,
     ) -> None:
         self._pretended = (rank, world_size)
+        self.issued = issued
+        self.clock = 0.0
         super().__init__(recorder, bucket_cap_mb=bucket_cap_mb, comm_dtype=comm_dtype)
+
+    def _count(
+        self,
+        phase: str,
+        op: str,
+        nbytes: int,
+        group: ProcessGroup | None,
+        root: int | None = None,
+    ) -> None:
+        """Count as the real communicator does; keep the collective when :attr:`issued` is set."""
+        super()._count(phase, op, nbytes, group, root)
+        if self.issued is not None:
+            ranks = group if isinstance(group, tuple) else None
+            self.issued.append(IssuedCollective(phase, op, nbytes, ranks, root, self.clock))
 
     def _membership(self, group: ProcessGroup | None) -> tuple[int, int]:
         """The pretended rank and world size."""

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.comm.communicator import CollectiveHandle, Communicator, ProcessGroup
+from dkfac.comm.communicator import Communicator, ProcessGroup
 from dkfac.comm.groups import require_distributed
+from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.dear.argument_checks import (
     OptimizerFactory,

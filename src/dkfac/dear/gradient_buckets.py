@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from dkfac.comm.communicator import CollectiveHandle
 from dkfac.comm.fusion import plan_buckets_by_size
+from dkfac.comm.handle import CollectiveHandle
 
 #: Cap of the first bucket: its reduce-scatter is the last of a backward pass and its
 #: all-gather the first thing the next forward waits for, so it is kept short (as DDP's).

@@ -31,7 +31,7 @@ any worker, e.g. every step for a model with ``nn.MultiheadAttention``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from dkfac.comm.wire import element_size
 from dkfac.strategies import distributed_strategy
 from dkfac.strategies.decomposition_payload import payload_shapes
 from dkfac.strategies.layer_shapes import LayerShape
+from dkfac.strategies.pipeline import FactorPipeline
 from dkfac.strategies.plan import Placement
 from dkfac.strategies.registry import (
     PipelinedOptions,
@@ -189,13 +190,35 @@ def plan_strategy(
     return built.place([layer.dims for layer in layers])
 
 
-def _record_update(
-    runner: PlacementRunner, layers: Sequence[LayerShape], settings: DryRunSettings
-) -> None:
-    """Issue one second-order update's collectives of ``runner``, with shape-only tensors.
+#: The stages of one step's K-FAC collectives, in the order the preconditioner issues them;
+#: the runner waits for each stage's collectives before the next begins.
+UPDATE_STAGES: tuple[str, ...] = (
+    "hooks",
+    "factor_exchange",
+    "traces",
+    "decompositions",
+    "gradients",
+)
+
+
+def issue_update(
+    runner: PlacementRunner,
+    layers: Sequence[LayerShape],
+    settings: DryRunSettings,
+    *,
+    factors: bool = True,
+    decompositions: bool = True,
+    hooks: Callable[[FactorPipeline], None] | None = None,
+) -> Iterator[str]:
+    """Issue one step's collectives of ``runner``, with shape-only tensors, stage by stage.
 
     The runner's own methods and buffers; only the tensors' contents are missing (nothing is
-    computed, every decomposition is "received").
+    computed, every decomposition is "received"). After each stage of :data:`UPDATE_STAGES`
+    has issued its collectives, its name is yielded, so a caller can tell them apart (the
+    simulator, :mod:`dkfac.sim`). ``factors``: the step updates the factors; ``decompositions``:
+    it also decomposes them (a step of schedule (1, 1) does both; others precondition only).
+    ``hooks`` hands factors to a hook-driven pipeline as the backward pass would (by default
+    nothing is handed over and every factor is sent at ``step()``).
     """
     placement = runner.placement
     cpu, meta = torch.device("cpu"), torch.device("meta")
@@ -203,21 +226,37 @@ def _record_update(
     def factor_sum(dim: int) -> Tensor:
         return _shape_only((dim, dim), settings.factor_dtype)
 
-    if placement.exchange == "step":
+    if factors and hooks is not None and runner.pipeline is not None:
+        hooks(runner.pipeline)
+    yield "hooks"
+    if factors and placement.exchange == "step":
         totals = [factor_sum(route.dim) for route in placement.factors]
         runner.send_factor_sums(totals, runner.counts_buffer(cpu))
-    elif runner.pipeline is not None:  # every factor sent at step(), none from hooks
+    elif factors and runner.pipeline is not None:  # what the hooks did not send
         runner.pipeline.finish(lambda slot: factor_sum(slot.dim), profile=False)
-    if runner.exchanges_traces(settings.inverse_method):
+    yield "factor_exchange"
+    if decompositions and runner.exchanges_traces(settings.inverse_method):
         runner.share_traces(runner.trace_buffer(settings.inv_dtype, meta))
-    runner.share_decompositions(
-        runner.decomposition_payloads(settings.inverse_method, settings.inv_dtype, meta, {})
-    )
+    yield "traces"
+    if decompositions:
+        runner.share_decompositions(
+            runner.decomposition_payloads(settings.inverse_method, settings.inv_dtype, meta, {})
+        )
+    yield "decompositions"
     grads = [
         torch.empty(layer.g_dim, layer.a_dim, dtype=settings.grad_dtype, device=meta)
         for layer in layers
     ]
     runner.share_gradients(range(len(layers)), grads)
+    yield "gradients"
+
+
+def _record_update(
+    runner: PlacementRunner, layers: Sequence[LayerShape], settings: DryRunSettings
+) -> None:
+    """Issue one second-order update's collectives of ``runner`` (:func:`issue_update`)."""
+    for _ in issue_update(runner, layers, settings):
+        pass
 
 
 def account_strategy(

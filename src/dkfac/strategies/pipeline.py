@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.comm.communicator import CollectiveHandle, Communicator
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import packed_values
 from dkfac.curvature.statistics import SummedFactor

@@ -25,7 +25,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from dkfac.comm.communicator import CollectiveHandle, Communicator
+from dkfac.comm.communicator import Communicator
+from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import (
@@ -80,6 +81,8 @@ class PlacementRunner:
             assert comm is not None
             slots = [FactorSlot(r.layer, r.side, r.dim) for r in placement.factors]
             destinations = placement.bucket_destinations()
+            # Owners are fixed for the run (re-planning only re-buckets), so are the lanes.
+            comm.open_reduce_lanes(d for d in destinations if d is not None)
             self.pipeline = FactorPipeline(comm, recorder, slots, placement.buckets, destinations)
 
     def set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
