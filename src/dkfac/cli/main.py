@@ -23,6 +23,7 @@ from dkfac.cli.launcher_signals import LauncherStopError, ignore_sigterm, sigter
 from dkfac.cli.local_workers import WorkerError
 from dkfac.cli.parser import build_parser
 from dkfac.cli.rank_logging import configure_logging
+from dkfac.cli.simulate import cmd_simulate
 
 
 def _one_line(error: BaseException) -> str:
@@ -74,7 +75,12 @@ def _run_reported(args: argparse.Namespace, outside: ExternalRank | None, prefix
         sys.stderr.write(f"{prefix} {message}\n")
         sys.stderr.flush()
 
-    commands = {"train": cmd_train, "compare": cmd_compare, "bench": cmd_bench}
+    commands = {
+        "train": cmd_train,
+        "compare": cmd_compare,
+        "bench": cmd_bench,
+        "simulate": cmd_simulate,
+    }
     try:
         return _run_command(commands[args.command], args, report, outside is not None)
     except LauncherStopError as stop:  # also when it interrupts the handling of another error

@@ -10,6 +10,7 @@ from typing import NoReturn
 from dkfac.bench.options import add_bench_options
 from dkfac.cli.config import TrainConfig
 from dkfac.cli.exit_codes import EXIT_USAGE
+from dkfac.cli.simulate import add_simulate_parser
 
 #: What ``dkfac --help`` says the command is.
 DESCRIPTION = "``dkfac``: train, compare and benchmark distributed K-FAC from the command line."
@@ -112,4 +113,5 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.path.join("runs", "bench"),
         help="folder of bench.json and bench.png (default: runs/bench)",
     )
+    add_simulate_parser(sub)
     return parser

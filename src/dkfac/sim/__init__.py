@@ -1,0 +1,1 @@
+"""Predicting a training step on clusters that are not here: compute profiles, links, timelines."""

@@ -1,0 +1,194 @@
+"""What one worker's compute costs: per layer and per step phase, the simulator's input.
+
+A :class:`ComputeProfile` is measured on a machine (:func:`dkfac.sim.profiling.measure_profile`,
+``dkfac simulate --profile-here``) or written by hand for one that is not here (a JSON file,
+e.g. derived from a GPU's published per-layer rates). Times are seconds per step of one worker
+at the profile's batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dkfac.comm.cost_model import CubicCost
+from dkfac.strategies.layer_shapes import LayerShape
+
+#: Decomposition methods a profile can time (the preconditioner's ``inverse_method``).
+METHODS: tuple[str, ...] = ("eigen", "inverse")
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One preconditioned layer's times.
+
+    Attributes:
+        name: the module's name in the model.
+        a_dim: rows of its ``A`` factor (inputs, plus one for a bias).
+        g_dim: rows of its ``G`` factor (outputs).
+        a_ready_s: from the start of a K-FAC step's forward pass until the layer's ``A``
+            statistic is complete (when a hook-driven strategy may send it).
+        g_ready_s: from the start of the backward pass until its ``G`` statistic is complete.
+        grad_ready_s: from the start of a plain (no K-FAC) backward pass until the layer's
+            weight gradient exists (when DDP may send it).
+        precondition_s: preconditioning its gradient with its decompositions.
+        grad_bytes: bytes of its parameters' gradients (weight and bias).
+    """
+
+    name: str
+    a_dim: int
+    g_dim: int
+    a_ready_s: float
+    g_ready_s: float
+    grad_ready_s: float
+    precondition_s: float
+    grad_bytes: int
+
+    @property
+    def shape(self) -> LayerShape:
+        """The layer's factor dimensions, as the planners take them."""
+        return LayerShape(self.name, self.a_dim, self.g_dim)
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """One worker's compute at ``batch_size``: the whole step and each layer.
+
+    Attributes:
+        device: where it was measured or what it describes (free text).
+        batch_size: samples per worker per step.
+        forward_s: a plain forward pass (and loss).
+        backward_s: a plain backward pass.
+        kfac_forward_s: a forward pass with K-FAC's statistics hooks (a factor-update step).
+        kfac_backward_s: a backward pass with them.
+        optimizer_s: the optimizer's step.
+        factor_update_s: folding every factor's statistics into its running average (all
+            layers; a worker that keeps some factors pays their share by ``d²``).
+        decomposition: per method (``"eigen"``, ``"inverse"``), the time of one ``d × d``
+            factor's decomposition, ``c0 + c3·d³``.
+        layers: the preconditioned layers, in the model's registration order.
+        other_grad_bytes: gradients of parameters outside those layers (normalisation and
+            the like): DDP sends them with the last layers' bucket.
+    """
+
+    device: str
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    kfac_forward_s: float
+    kfac_backward_s: float
+    optimizer_s: float
+    factor_update_s: float
+    decomposition: dict[str, CubicCost]
+    layers: tuple[LayerProfile, ...]
+    other_grad_bytes: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid compute profile: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What is wrong with this profile (empty when nothing is)."""
+        problems = []
+        if self.batch_size < 1:
+            problems.append(f"batch_size must be >= 1, got {self.batch_size}")
+        for name in (
+            "forward_s",
+            "backward_s",
+            "kfac_forward_s",
+            "kfac_backward_s",
+            "optimizer_s",
+            "factor_update_s",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                problems.append(f"{name} must be a finite time >= 0, got {value}")
+        if not self.layers:
+            problems.append("a profile needs at least one preconditioned layer")
+        for method, cost in self.decomposition.items():
+            if method not in METHODS:
+                problems.append(f"unknown decomposition method {method!r}")
+            problems += [f"{method} decomposition: {p}" for p in cost.problems()]
+        for layer in self.layers:
+            times = (layer.a_ready_s, layer.g_ready_s, layer.grad_ready_s, layer.precondition_s)
+            if not all(math.isfinite(t) and t >= 0 for t in times):
+                problems.append(f"layer {layer.name!r}: times must be finite and >= 0")
+            if layer.a_ready_s > self.kfac_forward_s or layer.g_ready_s > self.kfac_backward_s:
+                problems.append(f"layer {layer.name!r}: a factor is ready after its pass ends")
+            if layer.grad_ready_s > self.backward_s:
+                problems.append(f"layer {layer.name!r}: its gradient is ready after backward ends")
+            if min(layer.a_dim, layer.g_dim, layer.grad_bytes) < 1:
+                problems.append(f"layer {layer.name!r}: dimensions and bytes must be >= 1")
+        return problems
+
+    @property
+    def shapes(self) -> list[LayerShape]:
+        """Every layer's factor dimensions, in registration order."""
+        return [layer.shape for layer in self.layers]
+
+    def decomposition_cost(self, method: str) -> CubicCost:
+        """The decomposition time of ``method``.
+
+        Raises:
+            ValueError: the profile did not time ``method``.
+        """
+        if method not in self.decomposition:
+            raise ValueError(
+                f"the compute profile ({self.device}) has no {method!r} decomposition times: "
+                f"it has {', '.join(sorted(self.decomposition)) or 'none'}"
+            )
+        return self.decomposition[method]
+
+    # -- files ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values."""
+        data = asdict(self)
+        data["decomposition"] = {
+            method: {"c0_s": cost.c0, "c3_s": cost.c3, "r_squared": cost.r_squared}
+            for method, cost in self.decomposition.items()
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ComputeProfile:
+        """The profile ``to_dict`` wrote (or one written by hand in that format).
+
+        Raises:
+            ValueError: a missing or unknown key, or values that fail :meth:`problems`.
+        """
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"compute profile: unknown keys {', '.join(unknown)}")
+        try:
+            decomposition = {
+                method: CubicCost(
+                    float(cost["c0_s"]), float(cost["c3_s"]), float(cost.get("r_squared", 1.0))
+                )
+                for method, cost in data["decomposition"].items()
+            }
+            layers = tuple(LayerProfile(**layer) for layer in data["layers"])
+            values = {k: v for k, v in data.items() if k not in ("decomposition", "layers")}
+            return cls(decomposition=decomposition, layers=layers, **values)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"compute profile: missing or malformed entry ({error})") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile as JSON."""
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ComputeProfile:
+        """Read a profile written by :meth:`save` (see :meth:`from_dict`)."""
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a compute profile is a JSON object")
+        return cls.from_dict(data)

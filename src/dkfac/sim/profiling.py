@@ -1,0 +1,199 @@
+"""Measure a :class:`~dkfac.sim.profile.ComputeProfile` on this machine (``--profile-here``).
+
+The model runs as a training step would: first plain (forward, loss, backward, optimizer),
+then with a single-process K-FAC preconditioner (``strategy="local"``, schedule (1, 1)), whose
+hooks compute the factor statistics. Light hooks stamp when each preconditioned layer's
+output exists (its ``A`` statistic is complete: the stamp runs after K-FAC's own forward
+hook), when its output's gradient has arrived (its ``G`` statistic: after K-FAC's tensor
+hook) and when its weight's gradient has been accumulated (DDP may send it). Every time is the
+median over the measured steps. Decompositions are timed by
+:func:`~dkfac.comm.cost_model.calibrate_decomposition`. What one worker runs is measured: use
+one intra-op thread (``torch.set_num_threads(1)``) to profile a worker of the emulated cluster.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dkfac.comm.cost_model import calibrate_decomposition, decomposition_dims
+from dkfac.preconditioner import KFACPreconditioner
+from dkfac.sim.profile import ComputeProfile, LayerProfile
+
+Loss = Callable[[Tensor, Tensor], Tensor]
+
+
+class _Stamps:
+    """Per layer, when its output, its output's gradient and its weight's gradient appeared."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.origin = 0.0
+        self.forward: list[float] = [0.0] * len(modules)
+        self.output_grad: list[float] = [0.0] * len(modules)
+        self.weight_grad: list[float] = [0.0] * len(modules)
+        self._handles: list[Any] = []
+        for index, module in enumerate(modules):
+            self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter):
+                stamp = self._stamp(self.weight_grad, index)
+                handle = weight.register_post_accumulate_grad_hook(stamp)  # type: ignore[no-untyped-call]
+                self._handles.append(handle)
+
+    def _stamp(self, into: list[float], index: int) -> Callable[..., None]:
+        def stamp(*_: Any) -> None:
+            into[index] = time.perf_counter() - self.origin
+
+        return stamp
+
+    def _forward_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            self.forward[index] = time.perf_counter() - self.origin
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(self._stamp(self.output_grad, index))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _timed_steps(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    loss_fn: Loss,
+    optimizer: torch.optim.Optimizer,
+    stamps: _Stamps,
+    steps: int,
+    warmup: int,
+    pre: KFACPreconditioner | None = None,
+) -> dict[str, list[Any]]:
+    """Run ``warmup + steps`` training steps; per measured step, every time of interest."""
+    inputs, targets = batch
+    times: dict[str, list[Any]] = {
+        key: [] for key in ("forward", "backward", "optimizer", "a", "g", "grad", "step", "phases")
+    }
+    for step in range(warmup + steps):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        stamps.origin = start
+        loss = loss_fn(model(inputs), targets)
+        forward_end = time.perf_counter()
+        stamps.origin = forward_end
+        loss.backward()  # type: ignore[no-untyped-call]
+        backward_end = time.perf_counter()
+        step_end = backward_end
+        if pre is not None:
+            pre.step()
+            step_end = time.perf_counter()
+        optimizer.step()
+        end = time.perf_counter()
+        if step < warmup:
+            continue
+        times["forward"].append(forward_end - start)
+        times["backward"].append(backward_end - forward_end)
+        times["step"].append(step_end - backward_end)
+        times["optimizer"].append(end - step_end)
+        times["a"].append(list(stamps.forward))
+        times["g"].append(list(stamps.output_grad))
+        times["grad"].append(list(stamps.weight_grad))
+        times["phases"].append(pre.timings() if pre is not None else {})
+    return times
+
+
+def _median_columns(rows: list[list[float]]) -> list[float]:
+    return [statistics.median(column) for column in zip(*rows, strict=True)]
+
+
+def measure_profile(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    loss_fn: Loss,
+    *,
+    device: str = "cpu",
+    steps: int = 5,
+    warmup: int = 2,
+    methods: Sequence[str] = ("eigen",),
+    kfac_options: dict[str, Any] | None = None,
+) -> ComputeProfile:
+    """Time ``model`` training on ``batch`` plain and with K-FAC; the profile of one worker.
+
+    Args:
+        model: the model (trained a few steps in place: pass a copy to keep it).
+        batch: ``(inputs, targets)`` of one worker's batch.
+        loss_fn: ``loss_fn(output, targets)``.
+        device: what the profile describes (free text, e.g. ``"cpu, 1 thread"``).
+        steps: measured steps of each kind (the median is kept).
+        warmup: steps run first and not measured.
+        methods: decomposition methods to time.
+        kfac_options: other keyword arguments of :class:`~dkfac.KFACPreconditioner`.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    options: dict[str, Any] = {"strategy": "local", "factor_update_steps": 1, "inv_update_steps": 1}
+    options.update(kfac_options or {})
+    pre = KFACPreconditioner(model, **options)
+    names = [layer.name for layer in pre.layers]
+    dims = [(layer.block.a_dim, layer.block.g_dim) for layer in pre.layers]
+    modules = dict(model.named_modules())
+    layer_modules = [modules[name] for name in names]
+    pre.remove()  # the plain run first, without K-FAC's hooks
+    stamps = _Stamps(layer_modules)
+    plain = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup)
+    stamps.remove()
+    pre = KFACPreconditioner(model, **options)
+    stamps = _Stamps(layer_modules)  # after K-FAC's hooks, so each stamp follows their work
+    kfac = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, pre)
+    stamps.remove()
+    pre.remove()
+
+    precondition = statistics.median(p.get("precondition", 0.0) for p in kfac["phases"])
+    decomposing = statistics.median(p.get("inverse_compute", 0.0) for p in kfac["phases"])
+    rest = statistics.median(kfac["step"])
+    # Preconditioning a layer costs about d_G²·d_A + d_G·d_A² (two products with its bases).
+    weights = [g * g * a + g * a * a for a, g in dims]
+    grad_bytes = [
+        sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        for module in layer_modules
+    ]
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    a_ready, g_ready = _median_columns(kfac["a"]), _median_columns(kfac["g"])
+    backward = statistics.median(plain["backward"])
+    grad_ready = [min(t, backward) for t in _median_columns(plain["grad"])]
+    layers = tuple(
+        LayerProfile(
+            name=name,
+            a_dim=a,
+            g_dim=g,
+            a_ready_s=a_ready[i],
+            g_ready_s=g_ready[i],
+            grad_ready_s=grad_ready[i],
+            precondition_s=precondition * weights[i] / sum(weights),
+            grad_bytes=grad_bytes[i],
+        )
+        for i, (name, (a, g)) in enumerate(zip(names, dims, strict=True))
+    )
+    largest = max(max(pair) for pair in dims)
+    decomposition = {
+        method: calibrate_decomposition(decomposition_dims(largest), method=method)
+        for method in methods
+    }
+    return ComputeProfile(
+        device=device,
+        batch_size=int(batch[0].shape[0]),
+        forward_s=statistics.median(plain["forward"]),
+        backward_s=backward,
+        kfac_forward_s=max(statistics.median(kfac["forward"]), max(a_ready)),
+        kfac_backward_s=max(statistics.median(kfac["backward"]), max(g_ready)),
+        optimizer_s=statistics.median(plain["optimizer"]),
+        factor_update_s=max(0.0, rest - precondition - decomposing),
+        decomposition=decomposition,
+        layers=layers,
+        other_grad_bytes=all_bytes - sum(grad_bytes),
+        notes={"steps": steps, "warmup": warmup, "torch_threads": torch.get_num_threads()},
+    )

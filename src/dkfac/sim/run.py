@@ -1,0 +1,129 @@
+"""What the simulator is asked and what it answers: the cluster, the run, the predictions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dkfac.sim.network import LinkModel
+
+#: The first-order baseline: DDP's gradient allreduce and the optimizer, no K-FAC.
+SGD = "sgd"
+
+#: Stage spans a :class:`StepPrediction` reports, in order.
+STAGE_NAMES: tuple[str, ...] = (
+    "forward_backward",
+    "factor_exchange",
+    "traces",
+    "decompositions",
+    "gradients",
+    "optimizer",
+)
+
+
+@dataclass(frozen=True)
+class SimulatedCluster:
+    """The workers and their network.
+
+    Attributes:
+        world_size: number of workers ``P``.
+        link: each worker's link.
+        backend: ``"nccl"`` or ``"gloo"``; it decides how a reduce at two ranks travels
+            (:func:`~dkfac.comm.communicator.reduces_by_sending`).
+        bucket_cap_mb: the fused-collective cap (the communicator's, and DDP's buckets).
+    """
+
+    world_size: int
+    link: LinkModel
+    backend: str = "nccl"
+    bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"a simulated cluster needs at least 2 workers, got {self.world_size}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    """What is trained: the strategy and its options, and the K-FAC schedule.
+
+    Attributes:
+        strategy: :data:`SGD` or a distributed K-FAC strategy (``"dkfac"``, ``"kaisa"``...).
+        grad_worker_fraction: KAISA's fraction.
+        share: PAD's ``share``.
+        factor_update_steps: steps between factor updates.
+        inv_update_steps: steps between decompositions (a multiple of the former).
+        inverse_method: ``"eigen"`` or ``"inverse"``.
+    """
+
+    strategy: str
+    grad_worker_fraction: float = 1.0
+    share: str = "auto"
+    factor_update_steps: int = 1
+    inv_update_steps: int = 1
+    inverse_method: str = "eigen"
+
+    def __post_init__(self) -> None:
+        f, i = self.factor_update_steps, self.inv_update_steps
+        if f < 1 or i < f or i % f:
+            raise ValueError(
+                f"inv_update_steps ({i}) must be a positive multiple of factor_update_steps ({f})"
+            )
+
+    @property
+    def label(self) -> str:
+        """A short row name: the strategy, its option, its schedule."""
+        if self.strategy == SGD:
+            return SGD
+        option = ""
+        if self.strategy == "kaisa":
+            option = f" f={self.grad_worker_fraction:g}"
+        elif self.strategy == "pad":
+            option = f" {self.share}"
+        return f"{self.strategy}{option} ({self.factor_update_steps},{self.inv_update_steps})"
+
+    def step_kinds(self) -> list[tuple[str, float, bool, bool]]:
+        """``(kind, share of steps, updates factors, decomposes)`` of the schedule's steps."""
+        if self.strategy == SGD:
+            return [("sgd", 1.0, False, False)]
+        f, i = self.factor_update_steps, self.inv_update_steps
+        kinds = [("decomposition", 1.0 / i, True, True)]
+        if f < i:
+            kinds.append(("factor", 1.0 / f - 1.0 / i, True, False))
+        if f > 1:
+            kinds.append(("precondition", 1.0 - 1.0 / f, False, False))
+        return kinds
+
+
+@dataclass
+class StepPrediction:
+    """One kind of step: its time (slowest worker) and each stage's span.
+
+    Attributes:
+        kind: ``"decomposition"``, ``"factor"``, ``"precondition"`` or ``"sgd"``.
+        share: the share of the schedule's steps that are of this kind.
+        seconds: from the start of the forward pass to the end of the optimizer step,
+            on the slowest worker.
+        stages: per stage of :data:`STAGE_NAMES`, the longest span over workers.
+        wire_bytes: bytes the busiest worker sends (DDP's included).
+    """
+
+    kind: str
+    share: float
+    seconds: float
+    stages: dict[str, float] = field(default_factory=dict)
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """A run's predicted time per iteration, averaged over its schedule's kinds of step."""
+
+    run: SimulatedRun
+    steps: list[StepPrediction]
+
+    @property
+    def iteration_s(self) -> float:
+        """Mean time per iteration over the schedule."""
+        return sum(step.share * step.seconds for step in self.steps)

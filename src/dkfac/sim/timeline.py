@@ -1,0 +1,313 @@
+"""One training step on a simulated cluster: every worker's compute, collectives and waits.
+
+The collectives are not modelled: each worker's are issued by the strategies' own runner
+(:func:`dkfac.strategies.accounting.issue_update`, the dry run's code) against a recording
+communicator, which fuses and packs by the real communicator's rules; a hook-driven strategy's
+factors are handed to its real :class:`~dkfac.strategies.pipeline.FactorPipeline` at the times
+the :class:`~dkfac.sim.profile.ComputeProfile` says their statistics are complete, so its
+buckets launch when they would. What is modelled is time:
+
+* compute, per worker: the forward and backward pass, folding the factors it keeps, its
+  decompositions, preconditioning the layers whose decompositions it holds, the optimizer;
+* the network (:mod:`dkfac.sim.network`): a collective starts when every member has issued it,
+  a worker of its process group's backend is free (each group's collectives start in issue
+  order, on NCCL's one stream or gloo's two threads) and the uplinks it loads are free; it
+  then holds those uplinks for its duration;
+* waits, as the preconditioner has them: the backward pass returns once DDP's gradient
+  allreduce is done; each stage of :data:`~dkfac.strategies.accounting.UPDATE_STAGES` waits
+  for its collectives before the next begins.
+
+DDP's gradient buckets (``bucket_cap_mb`` of gradients in reverse layer order, each launched
+when its earliest layer's gradient exists) travel on a process group of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from dkfac.comm.cost_model import ClusterCostModel
+from dkfac.comm.direct_reduce import reduces_by_sending
+from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.recording import IssuedCollective, RecordingCommunicator
+from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective
+from dkfac.sim.profile import ComputeProfile
+from dkfac.sim.run import SGD, Prediction, SimulatedCluster, SimulatedRun, StepPrediction
+from dkfac.strategies.accounting import DryRunSettings, issue_update, plan_strategy
+from dkfac.strategies.pipeline import FactorPipeline
+from dkfac.strategies.plan import Placement
+from dkfac.strategies.runner import PlacementRunner
+
+
+def ddp_buckets(profile: ComputeProfile, cap_bytes: int) -> list[tuple[float, int]]:
+    """DDP's gradient buckets: ``(launch time from the backward's start, bytes)`` each.
+
+    Gradients in reverse layer order fill buckets of at most ``cap_bytes`` (a layer larger
+    than the cap alone); a bucket goes when its last gradient exists. Parameters outside the
+    preconditioned layers go with the last bucket (at the end of the backward pass).
+    """
+    buckets: list[tuple[float, int]] = []
+    ready, size = 0.0, 0
+    for layer in reversed(profile.layers):
+        if size and size + layer.grad_bytes > cap_bytes:
+            buckets.append((ready, size))
+            size = 0
+        size += layer.grad_bytes
+        ready = max(ready, layer.grad_ready_s)
+    buckets.append((profile.backward_s, size + profile.other_grad_bytes))
+    return buckets
+
+
+def cost_model_of(
+    profile: ComputeProfile, cluster: SimulatedCluster, method: str
+) -> ClusterCostModel:
+    """The cost model SPD/PAD would measure on this cluster with this compute."""
+    return ClusterCostModel(
+        cluster.link.allreduce_fit(cluster.world_size), profile.decomposition_cost(method)
+    )
+
+
+def settings_of(
+    profile: ComputeProfile, cluster: SimulatedCluster, run: SimulatedRun
+) -> DryRunSettings:
+    """The strategies' configuration for the simulated run (the preconditioner's defaults)."""
+    return DryRunSettings(
+        world_size=cluster.world_size,
+        inverse_method=run.inverse_method,
+        bucket_cap_mb=cluster.bucket_cap_mb,
+        cost_model=cost_model_of(profile, cluster, run.inverse_method),
+        inv_update_steps=run.inv_update_steps,
+    )
+
+
+def simulate(profile: ComputeProfile, cluster: SimulatedCluster, run: SimulatedRun) -> Prediction:
+    """Predict ``run``'s time per iteration on ``cluster`` with ``profile``'s compute.
+
+    Raises:
+        ValueError: an unknown strategy, or options it does not allow at this world size.
+    """
+    placement = None
+    if run.strategy != SGD:
+        placement = plan_strategy(
+            run.strategy,
+            profile.shapes,
+            settings_of(profile, cluster, run),
+            grad_worker_fraction=run.grad_worker_fraction,
+            share=run.share,
+        )
+    steps = [
+        _simulate_step(profile, cluster, run, placement, kind, share, factors, decompositions)
+        for kind, share, factors, decompositions in run.step_kinds()
+    ]
+    return Prediction(run, steps)
+
+
+def _ready_times(profile: ComputeProfile) -> dict[tuple[int, str], float]:
+    """When each factor's statistics are complete, from the forward pass's start."""
+    ready: dict[tuple[int, str], float] = {}
+    for index, layer in enumerate(profile.layers):
+        ready[(index, "a")] = layer.a_ready_s
+        ready[(index, "g")] = profile.kfac_forward_s + layer.g_ready_s
+    return ready
+
+
+def _hand_over(
+    comm: RecordingCommunicator, ready: dict[tuple[int, str], float], dtype: torch.dtype
+) -> Callable[[FactorPipeline], None]:
+    """Hand every factor to a pipeline in ready order, the clock at its ready time."""
+
+    def hooks(pipeline: FactorPipeline) -> None:
+        for slot in sorted(pipeline.slots, key=lambda s: ready[(s.layer, s.side)]):
+            comm.clock = ready[(slot.layer, slot.side)]
+            total = torch.zeros((), dtype=dtype).expand(slot.dim, slot.dim)
+            pipeline.ready(slot.layer, slot.side, total, 1)
+
+    return hooks
+
+
+def _simulate_step(
+    profile: ComputeProfile,
+    cluster: SimulatedCluster,
+    run: SimulatedRun,
+    placement: Placement | None,
+    kind: str,
+    share: float,
+    factors: bool,
+    decompositions: bool,
+) -> StepPrediction:
+    world = cluster.world_size
+    everyone = tuple(range(world))
+    network = LinkSchedule(cluster)
+    forward = profile.kfac_forward_s if factors else profile.forward_s
+    backward = profile.kfac_backward_s if factors else profile.backward_s
+    stages: dict[str, float] = {}
+
+    # Forward and backward: DDP's buckets (and a hook-driven strategy's factors) launch. The
+    # statistics hooks slow the backward pass; gradients appear later in proportion.
+    scale = backward / profile.backward_s if profile.backward_s > 0 else 1.0
+    ddp = [
+        ScheduledCollective(
+            "allreduce",
+            size,
+            everyone,
+            None,
+            ("ddp",),
+            dict.fromkeys(everyone, forward + t * scale),
+        )
+        for t, size in ddp_buckets(profile, int(cluster.bucket_cap_mb * 2**20))
+    ]
+    issued: list[list[IssuedCollective]] = [[] for _ in everyone]
+    stage_runs: list[tuple[RecordingCommunicator, Iterator[str]]] = []
+    if placement is not None:
+        settings = settings_of(profile, cluster, run)
+        ready = _ready_times(profile)
+        for rank in everyone:
+            comm = RecordingCommunicator(
+                StepRecorder(keep_steps=1),
+                world,
+                rank,
+                bucket_cap_mb=cluster.bucket_cap_mb,
+                issued=issued[rank],
+            )
+            runner = PlacementRunner(placement, rank, comm.recorder, comm)
+            hooks = _hand_over(comm, ready, settings.factor_dtype)
+            stage_runs.append(
+                (
+                    comm,
+                    issue_update(
+                        runner,
+                        profile.shapes,
+                        settings,
+                        factors=factors,
+                        decompositions=decompositions,
+                        hooks=hooks,
+                    ),
+                )
+            )
+    hooked = _next_stage(stage_runs, issued, cluster, lambda rank: 0.0)
+    done = network.run([*ddp, *hooked])
+    ddp_done = max(done[: len(ddp)], default=0.0)
+    clock = [max(forward + backward, ddp_done)] * world
+    stages["forward_backward"] = clock[0]
+    if placement is None:
+        stages["optimizer"] = profile.optimizer_s
+        return StepPrediction(
+            kind, share, clock[0] + profile.optimizer_s, stages, max(network.sent)
+        )
+
+    compute = _RankCompute(profile, placement, run.inverse_method)
+    # Factor exchange: what the hooks did not send, then every factor collective is waited for.
+    hooked_done = {rank: 0.0 for rank in everyone}
+    for collective, end in zip(hooked, done[len(ddp) :], strict=True):
+        for member in collective.members:
+            hooked_done[member] = max(hooked_done[member], end)
+    plan: list[tuple[str, Callable[[int], float], Callable[[int], float]]] = [
+        ("factor_exchange", lambda r: 0.0, lambda r: compute.fold(r) if factors else 0.0),
+        ("traces", lambda r: 0.0, lambda r: 0.0),
+        (
+            "decompositions",
+            lambda r: compute.decompose(r) if decompositions else 0.0,
+            lambda r: 0.0,
+        ),
+        ("gradients", compute.precondition, lambda r: 0.0),
+    ]
+    for name, before, after in plan:
+        starts = list(clock)
+        issue_at = [starts[r] + before(r) for r in everyone]
+        collectives = _next_stage(stage_runs, issued, cluster, issue_at.__getitem__)
+        ends = network.run(collectives)
+        finished = list(issue_at)
+        for collective, end in zip(collectives, ends, strict=True):
+            for member in collective.members:
+                finished[member] = max(finished[member], end)
+        if name == "factor_exchange":
+            finished = [max(finished[r], hooked_done[r]) for r in everyone]
+        clock = [finished[r] + after(r) for r in everyone]
+        stages[name] = max(clock[r] - starts[r] for r in everyone)
+    stages["optimizer"] = profile.optimizer_s
+    seconds = max(clock) + profile.optimizer_s
+    return StepPrediction(kind, share, seconds, stages, max(network.sent))
+
+
+def _next_stage(
+    stage_runs: Sequence[tuple[RecordingCommunicator, Iterator[str]]],
+    issued: list[list[IssuedCollective]],
+    cluster: SimulatedCluster,
+    issue_time: Callable[[int], float],
+) -> list[ScheduledCollective]:
+    """Advance every worker's runner by one stage; match the collectives it issued.
+
+    A collective issued from a hook keeps its own time (the clock at its hand-over); the
+    others are issued at ``issue_time(rank)``. The ``k``-th collective on a lane is the same
+    collective on every member (backends match them in issue order).
+    """
+    matched: dict[tuple[tuple[object, ...], int], ScheduledCollective] = {}
+    order: list[tuple[tuple[object, ...], int]] = []
+    for rank, (comm, stages) in enumerate(stage_runs):
+        before = len(issued[rank])
+        comm.clock = float("nan")  # set by the hooks only
+        next(stages)
+        counts: dict[tuple[object, ...], int] = {}
+        for entry in issued[rank][before:]:
+            members = entry.group or tuple(range(cluster.world_size))
+            lane: tuple[object, ...] = (members,)
+            if entry.op == "reduce" and reduces_by_sending(cluster.backend, len(members)):
+                lane = (members, entry.root)
+            k = counts.get(lane, 0)
+            counts[lane] = k + 1
+            key = (lane, k)
+            if key not in matched:
+                matched[key] = ScheduledCollective(
+                    entry.op, entry.nbytes, members, entry.root, lane
+                )
+                order.append(key)
+            collective = matched[key]
+            if (collective.op, collective.nbytes, collective.root) != (
+                entry.op,
+                entry.nbytes,
+                entry.root,
+            ):
+                raise RuntimeError(
+                    f"rank {rank} issued {entry.op} of {entry.nbytes} bytes where another "
+                    f"member issued {collective.op} of {collective.nbytes}: the ranks' "
+                    "collectives do not match"
+                )
+            hooked = entry.issued_at == entry.issued_at  # not NaN: a hook issued it
+            collective.issued[rank] = entry.issued_at if hooked else issue_time(rank)
+    return [matched[key] for key in order]
+
+
+class _RankCompute:
+    """Each worker's share of the step's K-FAC compute, as the placement assigns it."""
+
+    def __init__(self, profile: ComputeProfile, placement: Placement, method: str) -> None:
+        self.profile = profile
+        self.placement = placement
+        self.cost = profile.decomposition_cost(method)
+        self._all_d2 = sum(route.dim**2 for route in placement.factors)
+
+    def fold(self, rank: int) -> float:
+        """Folding the factors ``rank`` keeps into their running averages."""
+        kept = sum(
+            route.dim**2
+            for route in self.placement.factors
+            if self.placement.holds_factor(route, rank)
+        )
+        return self.profile.factor_update_s * kept / self._all_d2
+
+    def decompose(self, rank: int) -> float:
+        """Decomposing the factors ``rank`` decomposes."""
+        return sum(
+            self.cost.seconds(route.dim)
+            for route in self.placement.factors
+            if self.placement.decomposes(route, rank)
+        )
+
+    def precondition(self, rank: int) -> float:
+        """Preconditioning the layers whose decompositions ``rank`` holds."""
+        return sum(
+            layer.precondition_s
+            for index, layer in enumerate(self.profile.layers)
+            if self.placement.holds_inverse(index, rank)
+        )

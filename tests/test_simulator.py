@@ -1,0 +1,254 @@
+"""The simulator (dkfac.sim) against hand-computed times: links, profiles, steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dkfac.bench.link_shape import LinkShape
+from dkfac.cli.main import main
+from dkfac.comm.cost_model import AlphaBeta, CubicCost
+from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
+from dkfac.sim.profile import ComputeProfile, LayerProfile
+from dkfac.sim.profiling import measure_profile
+from dkfac.sim.run import SimulatedCluster, SimulatedRun
+from dkfac.sim.timeline import ddp_buckets, settings_of, simulate
+from dkfac.strategies.accounting import plan_strategy
+
+MB = 1e6
+
+
+def test_uplink_loads_and_steps_of_each_collective() -> None:
+    n = 1200.0
+    assert uplink_loads("allreduce", n, 4) == [1800.0] * 4  # 2(p-1)/p
+    assert steps("allreduce", 4) == 6
+    assert uplink_loads("reduce_scatter", n, 4) == [900.0] * 4
+    assert uplink_loads("all_gather", n, 3) == [800.0] * 3
+    assert steps("all_gather", 3) == 2
+    # A chain: every member but the last sends the whole payload.
+    assert uplink_loads("reduce", n, 3, root=1) == [n, 0.0, n]
+    assert uplink_loads("broadcast", n, 3, root=1) == [0.0, n, n]
+    assert uplink_loads("broadcast", n, 2, root=0) == [n, 0.0]
+    assert uplink_loads("allreduce", n, 1) == [0.0] and steps("allreduce", 1) == 0
+    with pytest.raises(ValueError, match="root"):
+        uplink_loads("reduce", n, 2)
+    with pytest.raises(ValueError, match="root"):
+        uplink_loads("allreduce", n, 2, root=0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        uplink_loads("gather", n, 2)
+
+
+def test_link_models_from_a_shaped_link_and_from_a_fitted_allreduce() -> None:
+    shaped = LinkModel.from_link_shape(LinkShape.parse("100mbit,2ms"), overhead_s=1e-4)
+    assert shaped.bytes_per_s == pytest.approx(100e6 / 8 * 1448 / 1514)
+    assert pytest.approx(95.64, abs=0.01) == ETHERNET_PAYLOAD_SHARE * 100  # measured: 95.6
+    assert shaped.step_latency_s == pytest.approx(2.1e-3)
+    # Allreduce of n over P = 4: 6 latencies + 1.5 n / B.
+    link = LinkModel(bytes_per_s=1e9, step_latency_s=1e-5)
+    assert link.seconds("allreduce", 1e6, 4) == pytest.approx(6e-5 + 1.5e-3)
+    fit = link.allreduce_fit(4)
+    assert fit.alpha == pytest.approx(6e-5) and fit.beta == pytest.approx(1.5e-9)
+    back = LinkModel.from_allreduce_fit(fit, 4)
+    assert back.bytes_per_s == pytest.approx(1e9) and back.step_latency_s == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match="negative"):
+        LinkModel.from_allreduce_fit(AlphaBeta(-1e-3, 1e-9), 2)
+    with pytest.raises(ValueError, match="positive"):
+        LinkModel(0.0)
+
+
+def profile(**changes: object) -> ComputeProfile:
+    """Two layers; A ready during forward, G and gradients during backward (last layer first)."""
+    layers = (
+        LayerProfile("first", 5, 4, 0.02, 0.18, 0.19, 0.001, 80),
+        LayerProfile("second", 9, 6, 0.08, 0.05, 0.06, 0.002, 216),
+    )
+    values: dict[str, object] = {
+        "device": "test",
+        "batch_size": 8,
+        "forward_s": 0.1,
+        "backward_s": 0.2,
+        "kfac_forward_s": 0.1,
+        "kfac_backward_s": 0.2,
+        "optimizer_s": 0.01,
+        "factor_update_s": 0.004,
+        "decomposition": {"eigen": CubicCost(1e-3, 1e-6)},
+        "layers": layers,
+        "other_grad_bytes": 40,
+    }
+    values.update(changes)
+    return ComputeProfile(**values)  # type: ignore[arg-type]
+
+
+def test_a_profile_round_trips_through_json_and_bad_ones_are_refused(tmp_path) -> None:
+    original = profile()
+    path = tmp_path / "profile.json"
+    original.save(path)
+    assert ComputeProfile.load(path) == original
+    data = json.loads(path.read_text())
+    data["surprise"] = 1
+    with pytest.raises(ValueError, match="unknown keys surprise"):
+        ComputeProfile.from_dict(data)
+    del data["surprise"], data["layers"][0]["g_dim"]
+    with pytest.raises(ValueError, match="missing or malformed"):
+        ComputeProfile.from_dict(data)
+    with pytest.raises(ValueError, match="forward_s must be a finite time"):
+        profile(forward_s=-1.0)
+    late = dataclasses.replace(original.layers[0], g_ready_s=0.5)
+    with pytest.raises(ValueError, match="ready after its pass ends"):
+        profile(layers=(late, original.layers[1]))
+    with pytest.raises(ValueError, match="no 'inverse' decomposition"):
+        original.decomposition_cost("inverse")
+
+
+def test_ddp_buckets_fill_in_reverse_layer_order() -> None:
+    assert ddp_buckets(profile(), cap_bytes=1000) == [(0.2, 216 + 80 + 40)]
+    # A cap below both layers: the second layer's bucket goes when its gradient exists.
+    assert ddp_buckets(profile(), cap_bytes=100) == [(0.06, 216), (0.2, 80 + 40)]
+
+
+def test_sgd_step_is_forward_backward_allreduce_optimizer() -> None:
+    link = LinkModel(bytes_per_s=1000.0, step_latency_s=0.001)
+    cluster = SimulatedCluster(2, link, backend="nccl")
+    predicted = simulate(profile(), cluster, SimulatedRun("sgd")).iteration_s
+    allreduce = (216 + 80 + 40) / 1000.0 + 2 * 0.001  # 2(P-1)/P = 1 at P = 2
+    assert predicted == pytest.approx(0.1 + 0.2 + allreduce + 0.01)
+    # A fast link: the step is compute only (the allreduce starts at the backward's end).
+    fast = SimulatedCluster(2, LinkModel(1e12), backend="nccl")
+    assert simulate(profile(), fast, SimulatedRun("sgd")).iteration_s == pytest.approx(0.31)
+
+
+def eigen_bytes(dim: int) -> int:
+    """Bytes of one factor's eigendecomposition (float32): Q and the eigenvalues."""
+    return 4 * (dim * dim + dim)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_dkfac_step_stage_by_stage(backend: str) -> None:
+    link = LinkModel(bytes_per_s=1e4, step_latency_s=0.001)
+    cluster = SimulatedCluster(2, link, backend=backend)
+    step = simulate(profile(), cluster, SimulatedRun("dkfac")).steps[0]
+    dims = [5, 4, 9, 6]
+    # Factors: one fused allreduce of the upper triangles, then the float64 counts.
+    factors = sum(d * (d + 1) // 2 for d in dims) * 4
+    counts = 8 * len(dims)
+    exchange = factors / 1e4 + counts / 1e4 + 4 * 0.001
+    assert step.stages["factor_exchange"] == pytest.approx(exchange + 0.004)  # + folding
+    # D-KFAC balances the decompositions over the two ranks; each broadcasts its own, once
+    # both ranks have decomposed theirs (both are members of every broadcast). gloo runs a
+    # group's collectives on two threads, so the two broadcasts (on different uplinks) travel
+    # at once; NCCL's one stream sends them one after the other.
+    prof = profile()
+    placement = plan_strategy(
+        "dkfac", prof.shapes, settings_of(prof, cluster, SimulatedRun("dkfac"))
+    )
+    loads, work = [0, 0], [0.0, 0.0]
+    for route in placement.factors:
+        loads[route.decomposed_by] += eigen_bytes(route.dim)
+        work[route.decomposed_by] += 1e-3 + 1e-6 * route.dim**3
+    for layer in range(2):  # a layer's payload carries one validity flag (float32)
+        loads[placement.route((layer, "a")).decomposed_by] += 4
+    assert loads[0] and loads[1]
+    if backend == "gloo":
+        broadcasts = max(loads) / 1e4 + 0.001
+    else:
+        broadcasts = sum(loads) / 1e4 + 2 * 0.001
+    assert step.stages["decompositions"] == pytest.approx(max(work) + broadcasts)
+
+
+def test_a_schedule_averages_its_kinds_of_step() -> None:
+    cluster = SimulatedCluster(2, LinkModel(1e5, 1e-4), backend="gloo")
+    prediction = simulate(profile(), cluster, SimulatedRun("kaisa", 0.5, "auto", 10, 100))
+    kinds = {step.kind: step for step in prediction.steps}
+    assert [(k, round(s.share, 6)) for k, s in kinds.items()] == [
+        ("decomposition", 0.01),
+        ("factor", 0.09),
+        ("precondition", 0.9),
+    ]
+    expected = sum(step.share * step.seconds for step in prediction.steps)
+    assert prediction.iteration_s == pytest.approx(expected)
+    assert kinds["precondition"].seconds < kinds["factor"].seconds < kinds["decomposition"].seconds
+
+
+def test_spd_hides_its_factors_under_backward_where_dkfac_waits_for_them() -> None:
+    # Factors ready early in a long backward: SPD's hook-launched buckets finish under it.
+    slow_backward = profile(backward_s=2.0, kfac_backward_s=2.0, factor_update_s=0.0)
+    cluster = SimulatedCluster(2, LinkModel(1e4, 1e-4), backend="gloo")
+    dkfac = simulate(slow_backward, cluster, SimulatedRun("dkfac")).steps[0]
+    spd = simulate(slow_backward, cluster, SimulatedRun("spd")).steps[0]
+    assert spd.stages["factor_exchange"] < 0.2 * dkfac.stages["factor_exchange"]
+    assert spd.seconds < dkfac.seconds
+
+
+def test_simulated_runs_refuse_bad_schedules_and_clusters() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        SimulatedRun("dkfac", factor_update_steps=10, inv_update_steps=15)
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        SimulatedCluster(1, LinkModel(1e9))
+    with pytest.raises(ValueError, match="backend"):
+        SimulatedCluster(2, LinkModel(1e9), backend="mpi")
+
+
+def test_dkfac_simulate_prints_the_table_and_writes_json_and_chart(tmp_path, capsys) -> None:
+    path = tmp_path / "profile.json"
+    profile().save(path)
+    out = tmp_path / "sim"
+    argv = ["simulate", "--profile", str(path), "--network", "100mbit,20us", "--world-sizes"]
+    argv += ["2,4", "--strategies", "sgd,dkfac,pad", "--schedules", "1:1", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "P=2" in printed and "P=4" in printed and "pad auto (1,1)" in printed
+    report = json.loads((out / "simulate.json").read_text())
+    assert [(r["world_size"], r["label"]) for r in report["rows"]] == [
+        (p, label) for p in (2, 4) for label in ("sgd", "dkfac (1,1)", "pad auto (1,1)")
+    ]
+    # The JSON's rows are what simulate() predicts for the same inputs.
+    link = LinkModel.from_link_shape(LinkShape.parse("100mbit,20us"))
+    expected = simulate(profile(), SimulatedCluster(4, link), SimulatedRun("dkfac"))
+    assert report["rows"][4]["iteration_s"] == pytest.approx(expected.iteration_s)
+    assert ComputeProfile.from_dict(report["profile"]) == profile()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--network", "fast"], "--network fast"),
+        (["--world-sizes", "1,2"], "world sizes must lie in [2, 1024]"),
+        (["--strategies", "sgd,adam"], "unknown strategies ['adam']"),
+        (["--schedules", "10:15"], "multiple"),
+    ],
+)
+def test_dkfac_simulate_refuses_bad_options_in_one_line(
+    tmp_path, capsys, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "profile.json"
+    profile().save(path)
+    assert main(["simulate", "--profile", str(path), "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_dkfac_simulate_refuses_a_missing_profile(tmp_path, capsys) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["simulate", "--profile", str(missing), "--out", str(tmp_path)]) == 2
+    assert f"--profile {missing}" in capsys.readouterr().err
+
+
+def test_a_profile_measured_here_has_every_layer_in_order() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.BatchNorm1d(5))
+    batch = (torch.randn(16, 6), torch.randint(0, 5, (16,)))
+    measured = measure_profile(model, batch, nn.functional.cross_entropy, steps=2, warmup=1)
+    dims = [(layer.name, layer.a_dim, layer.g_dim) for layer in measured.layers]
+    assert dims == [("0", 7, 8), ("2", 9, 5)]
+    assert [layer.grad_bytes for layer in measured.layers] == [4 * 7 * 8, 4 * 9 * 5]
+    assert measured.other_grad_bytes == 4 * 10  # the batch norm's weight and bias
+    first, second = measured.layers
+    assert first.a_ready_s < second.a_ready_s <= measured.kfac_forward_s  # forward order
+    assert second.g_ready_s < first.g_ready_s <= measured.kfac_backward_s  # backward order
+    assert second.grad_ready_s < first.grad_ready_s <= measured.backward_s
+    assert measured.batch_size == 16 and measured.problems() == []
+    assert measured.decomposition["eigen"].c3 > 0
