@@ -12,11 +12,13 @@ from torch import nn
 from dkfac.bench.link_shape import LinkShape
 from dkfac.cli.main import main
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
+from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective
 from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
+from dkfac.sim.passes import ddp_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.sim.profiling import measure_profile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
-from dkfac.sim.timeline import ddp_buckets, settings_of, simulate
+from dkfac.sim.timeline import settings_of, simulate
 from dkfac.strategies.accounting import plan_strategy
 
 MB = 1e6
@@ -61,18 +63,16 @@ def test_link_models_from_a_shaped_link_and_from_a_fitted_allreduce() -> None:
 
 
 def profile(**changes: object) -> ComputeProfile:
-    """Two layers; A ready during forward, G and gradients during backward (last layer first)."""
+    """Two layers; outputs during forward, gradients during backward (last layer first)."""
     layers = (
-        LayerProfile("first", 5, 4, 0.02, 0.18, 0.19, 0.001, 80),
-        LayerProfile("second", 9, 6, 0.08, 0.05, 0.06, 0.002, 216),
+        LayerProfile("first", 5, 4, 0.02, 0.18, 0.19, 0.0, 0.0, 0.001, 80),
+        LayerProfile("second", 9, 6, 0.08, 0.05, 0.06, 0.0, 0.0, 0.002, 216),
     )
     values: dict[str, object] = {
         "device": "test",
         "batch_size": 8,
         "forward_s": 0.1,
         "backward_s": 0.2,
-        "kfac_forward_s": 0.1,
-        "kfac_backward_s": 0.2,
         "optimizer_s": 0.01,
         "factor_update_s": 0.004,
         "decomposition": {"eigen": CubicCost(1e-3, 1e-6)},
@@ -97,17 +97,47 @@ def test_a_profile_round_trips_through_json_and_bad_ones_are_refused(tmp_path) -
         ComputeProfile.from_dict(data)
     with pytest.raises(ValueError, match="forward_s must be a finite time"):
         profile(forward_s=-1.0)
-    late = dataclasses.replace(original.layers[0], g_ready_s=0.5)
-    with pytest.raises(ValueError, match="ready after its pass ends"):
+    late = dataclasses.replace(original.layers[0], output_grad_s=0.5)
+    with pytest.raises(ValueError, match="a gradient is ready after backward ends"):
         profile(layers=(late, original.layers[1]))
     with pytest.raises(ValueError, match="no 'inverse' decomposition"):
         original.decomposition_cost("inverse")
 
 
-def test_ddp_buckets_fill_in_reverse_layer_order() -> None:
-    assert ddp_buckets(profile(), cap_bytes=1000) == [(0.2, 216 + 80 + 40)]
+def test_worker_passes_add_the_statistics_of_the_layers_a_worker_captures() -> None:
+    costly = profile(
+        layers=tuple(
+            dataclasses.replace(layer, a_statistic_s=0.01 * (i + 1), g_statistic_s=0.1 * (i + 1))
+            for i, layer in enumerate(profile().layers)
+        )
+    )
+    plain = worker_passes(costly, [False, False])
+    assert (plain.forward_s, plain.backward_s) == (0.1, 0.2)
+    assert plain.a_ready_s == (0.02, 0.08) and plain.grad_ready_s == (0.19, 0.06)
+    both = worker_passes(costly, [True, True])
+    assert both.forward_s == pytest.approx(0.13) and both.backward_s == pytest.approx(0.5)
+    assert both.a_ready_s == pytest.approx((0.03, 0.11))  # each after its own and earlier ones
+    # Backward runs the second layer first: its G statistic delays the first layer's.
+    assert both.g_ready_s == pytest.approx((0.18 + 0.3, 0.05 + 0.2))
+    assert both.grad_ready_s == pytest.approx((0.19 + 0.3, 0.06 + 0.2))
+    second_only = worker_passes(costly, [False, True])
+    assert second_only.forward_s == pytest.approx(0.12)
+    assert second_only.g_ready_s == pytest.approx((0.18 + 0.2, 0.05 + 0.2))
+
+
+def test_ddp_buckets_fill_in_reverse_layer_order_after_a_small_first_one() -> None:
+    passes = worker_passes(profile(), [False, False])
+    assert ddp_buckets(profile(), passes, cap_bytes=1000) == [(0.2, 216 + 80 + 40)]
     # A cap below both layers: the second layer's bucket goes when its gradient exists.
-    assert ddp_buckets(profile(), cap_bytes=100) == [(0.06, 216), (0.2, 80 + 40)]
+    assert ddp_buckets(profile(), passes, cap_bytes=100) == [(0.06, 216), (0.2, 80 + 40)]
+    big = profile(
+        layers=tuple(dataclasses.replace(layer, grad_bytes=2**19 + 8) for layer in profile().layers)
+    )
+    # DDP's first bucket holds 1 MiB: the second layer's 512 KiB go alone, at 0.06 s.
+    assert ddp_buckets(big, passes, cap_bytes=25 * 2**20) == [
+        (0.06, 2**19 + 8),
+        (0.2, 2**19 + 8 + 40),
+    ]
 
 
 def test_sgd_step_is_forward_backward_allreduce_optimizer() -> None:
@@ -132,10 +162,13 @@ def test_dkfac_step_stage_by_stage(backend: str) -> None:
     cluster = SimulatedCluster(2, link, backend=backend)
     step = simulate(profile(), cluster, SimulatedRun("dkfac")).steps[0]
     dims = [5, 4, 9, 6]
-    # Factors: one fused allreduce of the upper triangles, then the float64 counts.
+    # Factors: one fused allreduce of the upper triangles and one of the float64 counts. gloo
+    # runs both at once (two threads per group): their latencies overlap and they share the
+    # uplinks; NCCL's one stream runs them one after the other.
     factors = sum(d * (d + 1) // 2 for d in dims) * 4
     counts = 8 * len(dims)
-    exchange = factors / 1e4 + counts / 1e4 + 4 * 0.001
+    latencies = 2 if backend == "gloo" else 4
+    exchange = factors / 1e4 + counts / 1e4 + latencies * 0.001
     assert step.stages["factor_exchange"] == pytest.approx(exchange + 0.004)  # + folding
     # D-KFAC balances the decompositions over the two ranks; each broadcasts its own, once
     # both ranks have decomposed theirs (both are members of every broadcast). gloo runs a
@@ -175,7 +208,7 @@ def test_a_schedule_averages_its_kinds_of_step() -> None:
 
 def test_spd_hides_its_factors_under_backward_where_dkfac_waits_for_them() -> None:
     # Factors ready early in a long backward: SPD's hook-launched buckets finish under it.
-    slow_backward = profile(backward_s=2.0, kfac_backward_s=2.0, factor_update_s=0.0)
+    slow_backward = profile(backward_s=2.0, factor_update_s=0.0)
     cluster = SimulatedCluster(2, LinkModel(1e4, 1e-4), backend="gloo")
     dkfac = simulate(slow_backward, cluster, SimulatedRun("dkfac")).steps[0]
     spd = simulate(slow_backward, cluster, SimulatedRun("spd")).steps[0]
@@ -247,8 +280,32 @@ def test_a_profile_measured_here_has_every_layer_in_order() -> None:
     assert [layer.grad_bytes for layer in measured.layers] == [4 * 7 * 8, 4 * 9 * 5]
     assert measured.other_grad_bytes == 4 * 10  # the batch norm's weight and bias
     first, second = measured.layers
-    assert first.a_ready_s < second.a_ready_s <= measured.kfac_forward_s  # forward order
-    assert second.g_ready_s < first.g_ready_s <= measured.kfac_backward_s  # backward order
+    assert first.output_s < second.output_s <= measured.forward_s  # forward order
+    assert second.output_grad_s < first.output_grad_s <= measured.backward_s  # backward order
     assert second.grad_ready_s < first.grad_ready_s <= measured.backward_s
+    assert all(layer.a_statistic_s >= 0 and layer.g_statistic_s >= 0 for layer in measured.layers)
     assert measured.batch_size == 16 and measured.problems() == []
     assert measured.decomposition["eigen"].c3 > 0
+
+
+def test_collectives_in_flight_share_the_uplinks_they_load() -> None:
+    cluster = SimulatedCluster(2, LinkModel(bytes_per_s=100.0), backend="nccl")
+    both = (0, 1)
+
+    def collective(op: str, root: int | None, lane: str, at: float = 0.0) -> ScheduledCollective:
+        return ScheduledCollective(op, 100, both, root, (lane,), dict.fromkeys(both, at))
+
+    # Two allreduces of different groups load both uplinks: each gets half of them.
+    first, second = collective("allreduce", None, "ddp"), collective("allreduce", None, "kfac")
+    assert LinkSchedule(cluster).run([first, second]) == [2.0, 2.0]
+    # Broadcasts from either rank load different uplinks: no sharing.
+    out, back = collective("broadcast", 0, "a"), collective("broadcast", 1, "b")
+    assert LinkSchedule(cluster).run([out, back]) == [1.0, 1.0]
+    # One group's collectives run one at a time on NCCL's stream.
+    assert LinkSchedule(cluster).run([collective("broadcast", 0, "a"), back]) == [1.0, 1.0]
+    one_lane = [collective("allreduce", None, "a"), collective("allreduce", None, "a")]
+    assert LinkSchedule(cluster).run(one_lane) == [1.0, 2.0]
+    # A later arrival slows what is still in flight: the first has half left at t = 0.5.
+    schedule = LinkSchedule(cluster)
+    early, late = collective("allreduce", None, "x"), collective("allreduce", None, "y", 0.5)
+    assert schedule.run([early, late]) == [1.5, 2.0]

@@ -23,17 +23,20 @@ METHODS: tuple[str, ...] = ("eigen", "inverse")
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One preconditioned layer's times.
+    """One preconditioned layer's times, in a plain step and added by K-FAC.
 
     Attributes:
         name: the module's name in the model.
         a_dim: rows of its ``A`` factor (inputs, plus one for a bias).
         g_dim: rows of its ``G`` factor (outputs).
-        a_ready_s: from the start of a K-FAC step's forward pass until the layer's ``A``
-            statistic is complete (when a hook-driven strategy may send it).
-        g_ready_s: from the start of the backward pass until its ``G`` statistic is complete.
-        grad_ready_s: from the start of a plain (no K-FAC) backward pass until the layer's
-            weight gradient exists (when DDP may send it).
+        output_s: from the start of a plain forward pass until the layer's output exists.
+        output_grad_s: from the start of a plain backward pass until its output's gradient
+            has arrived.
+        grad_ready_s: from the start of a plain backward pass until its weight gradient
+            exists (when DDP may send it).
+        a_statistic_s: computing its ``A`` statistic (in the forward hook, on a factor
+            step, on the workers that capture the layer).
+        g_statistic_s: computing its ``G`` statistic (in the backward hook, likewise).
         precondition_s: preconditioning its gradient with its decompositions.
         grad_bytes: bytes of its parameters' gradients (weight and bias).
     """
@@ -41,9 +44,11 @@ class LayerProfile:
     name: str
     a_dim: int
     g_dim: int
-    a_ready_s: float
-    g_ready_s: float
+    output_s: float
+    output_grad_s: float
     grad_ready_s: float
+    a_statistic_s: float
+    g_statistic_s: float
     precondition_s: float
     grad_bytes: int
 
@@ -60,10 +65,9 @@ class ComputeProfile:
     Attributes:
         device: where it was measured or what it describes (free text).
         batch_size: samples per worker per step.
-        forward_s: a plain forward pass (and loss).
-        backward_s: a plain backward pass.
-        kfac_forward_s: a forward pass with K-FAC's statistics hooks (a factor-update step).
-        kfac_backward_s: a backward pass with them.
+        forward_s: a plain forward pass (and loss); a factor step adds the statistics of
+            the layers a worker captures (:attr:`LayerProfile.a_statistic_s`).
+        backward_s: a plain backward pass (likewise ``g_statistic_s``).
         optimizer_s: the optimizer's step.
         factor_update_s: folding every factor's statistics into its running average (all
             layers; a worker that keeps some factors pays their share by ``d²``).
@@ -78,8 +82,6 @@ class ComputeProfile:
     batch_size: int
     forward_s: float
     backward_s: float
-    kfac_forward_s: float
-    kfac_backward_s: float
     optimizer_s: float
     factor_update_s: float
     decomposition: dict[str, CubicCost]
@@ -97,14 +99,7 @@ class ComputeProfile:
         problems = []
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        for name in (
-            "forward_s",
-            "backward_s",
-            "kfac_forward_s",
-            "kfac_backward_s",
-            "optimizer_s",
-            "factor_update_s",
-        ):
+        for name in ("forward_s", "backward_s", "optimizer_s", "factor_update_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"{name} must be a finite time >= 0, got {value}")
@@ -115,13 +110,20 @@ class ComputeProfile:
                 problems.append(f"unknown decomposition method {method!r}")
             problems += [f"{method} decomposition: {p}" for p in cost.problems()]
         for layer in self.layers:
-            times = (layer.a_ready_s, layer.g_ready_s, layer.grad_ready_s, layer.precondition_s)
+            times = (
+                layer.output_s,
+                layer.output_grad_s,
+                layer.grad_ready_s,
+                layer.a_statistic_s,
+                layer.g_statistic_s,
+                layer.precondition_s,
+            )
             if not all(math.isfinite(t) and t >= 0 for t in times):
                 problems.append(f"layer {layer.name!r}: times must be finite and >= 0")
-            if layer.a_ready_s > self.kfac_forward_s or layer.g_ready_s > self.kfac_backward_s:
-                problems.append(f"layer {layer.name!r}: a factor is ready after its pass ends")
-            if layer.grad_ready_s > self.backward_s:
-                problems.append(f"layer {layer.name!r}: its gradient is ready after backward ends")
+            if layer.output_s > self.forward_s:
+                problems.append(f"layer {layer.name!r}: its output exists after forward ends")
+            if max(layer.output_grad_s, layer.grad_ready_s) > self.backward_s:
+                problems.append(f"layer {layer.name!r}: a gradient is ready after backward ends")
             if min(layer.a_dim, layer.g_dim, layer.grad_bytes) < 1:
                 problems.append(f"layer {layer.name!r}: dimensions and bytes must be >= 1")
         return problems

@@ -3,10 +3,10 @@
 The model runs as a training step would: first plain (forward, loss, backward, optimizer),
 then with a single-process K-FAC preconditioner (``strategy="local"``, schedule (1, 1)), whose
 hooks compute the factor statistics. Light hooks stamp when each preconditioned layer's
-output exists (its ``A`` statistic is complete: the stamp runs after K-FAC's own forward
-hook), when its output's gradient has arrived (its ``G`` statistic: after K-FAC's tensor
-hook) and when its weight's gradient has been accumulated (DDP may send it). Every time is the
-median over the measured steps. Decompositions are timed by
+output exists, when its output's gradient has arrived (with K-FAC, after K-FAC's own hooks:
+its statistic is complete) and when its weight's gradient has been accumulated (DDP may send
+it). A layer's statistic time is how much more K-FAC delays it than the layers before it
+(:func:`_increments`). Every time is the median over the measured steps. Decompositions are timed by
 :func:`~dkfac.comm.cost_model.calibrate_decomposition`. What one worker runs is measured: use
 one intra-op thread (``torch.set_num_threads(1)``) to profile a worker of the emulated cluster.
 """
@@ -111,6 +111,25 @@ def _median_columns(rows: list[list[float]]) -> list[float]:
     return [statistics.median(column) for column in zip(*rows, strict=True)]
 
 
+def _increments(plain: Sequence[float], kfac: Sequence[float], total: float) -> list[float]:
+    """Each layer's own statistic time from when its hook finished with and without K-FAC.
+
+    In the order the layers ran, the delay K-FAC adds by a layer (``kfac - plain``) grows by
+    that layer's statistic; the growths (negative ones, noise, as zero) are scaled to sum to
+    ``total``, the whole pass's added time (zero when K-FAC added none).
+    """
+    order = sorted(range(len(plain)), key=plain.__getitem__)
+    growth = [0.0] * len(plain)
+    before = 0.0
+    for index in order:
+        delay = kfac[index] - plain[index]
+        growth[index] = max(0.0, delay - before)
+        before = max(before, delay)
+    if total <= 0 or sum(growth) <= 0:
+        return [0.0] * len(plain)
+    return [g * total / sum(growth) for g in growth]
+
+
 def measure_profile(
     model: nn.Module,
     batch: tuple[Tensor, Tensor],
@@ -162,17 +181,26 @@ def measure_profile(
         for module in layer_modules
     ]
     all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    a_ready, g_ready = _median_columns(kfac["a"]), _median_columns(kfac["g"])
-    backward = statistics.median(plain["backward"])
+    forward, backward = statistics.median(plain["forward"]), statistics.median(plain["backward"])
+    output = [min(t, forward) for t in _median_columns(plain["a"])]
+    output_grad = [min(t, backward) for t in _median_columns(plain["g"])]
     grad_ready = [min(t, backward) for t in _median_columns(plain["grad"])]
+    a_statistic = _increments(
+        output, _median_columns(kfac["a"]), statistics.median(kfac["forward"]) - forward
+    )
+    g_statistic = _increments(
+        output_grad, _median_columns(kfac["g"]), statistics.median(kfac["backward"]) - backward
+    )
     layers = tuple(
         LayerProfile(
             name=name,
             a_dim=a,
             g_dim=g,
-            a_ready_s=a_ready[i],
-            g_ready_s=g_ready[i],
+            output_s=output[i],
+            output_grad_s=output_grad[i],
             grad_ready_s=grad_ready[i],
+            a_statistic_s=a_statistic[i],
+            g_statistic_s=g_statistic[i],
             precondition_s=precondition * weights[i] / sum(weights),
             grad_bytes=grad_bytes[i],
         )
@@ -186,10 +214,8 @@ def measure_profile(
     return ComputeProfile(
         device=device,
         batch_size=int(batch[0].shape[0]),
-        forward_s=statistics.median(plain["forward"]),
+        forward_s=forward,
         backward_s=backward,
-        kfac_forward_s=max(statistics.median(kfac["forward"]), max(a_ready)),
-        kfac_backward_s=max(statistics.median(kfac["backward"]), max(g_ready)),
         optimizer_s=statistics.median(plain["optimizer"]),
         factor_update_s=max(0.0, rest - precondition - decomposing),
         decomposition=decomposition,

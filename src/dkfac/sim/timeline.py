@@ -17,8 +17,9 @@ buckets launch when they would. What is modelled is time:
   allreduce is done; each stage of :data:`~dkfac.strategies.accounting.UPDATE_STAGES` waits
   for its collectives before the next begins.
 
-DDP's gradient buckets (``bucket_cap_mb`` of gradients in reverse layer order, each launched
-when its earliest layer's gradient exists) travel on a process group of their own.
+DDP's gradient buckets (:func:`~dkfac.sim.passes.ddp_buckets`) travel on a process group of
+their own. Each worker's passes (:func:`~dkfac.sim.passes.worker_passes`) include the
+statistics of the layers the placement has it capture.
 """
 
 from __future__ import annotations
@@ -32,31 +33,13 @@ from dkfac.comm.direct_reduce import reduces_by_sending
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import IssuedCollective, RecordingCommunicator
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective
+from dkfac.sim.passes import WorkerPasses, ddp_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile
 from dkfac.sim.run import SGD, Prediction, SimulatedCluster, SimulatedRun, StepPrediction
 from dkfac.strategies.accounting import DryRunSettings, issue_update, plan_strategy
 from dkfac.strategies.pipeline import FactorPipeline
 from dkfac.strategies.plan import Placement
 from dkfac.strategies.runner import PlacementRunner
-
-
-def ddp_buckets(profile: ComputeProfile, cap_bytes: int) -> list[tuple[float, int]]:
-    """DDP's gradient buckets: ``(launch time from the backward's start, bytes)`` each.
-
-    Gradients in reverse layer order fill buckets of at most ``cap_bytes`` (a layer larger
-    than the cap alone); a bucket goes when its last gradient exists. Parameters outside the
-    preconditioned layers go with the last bucket (at the end of the backward pass).
-    """
-    buckets: list[tuple[float, int]] = []
-    ready, size = 0.0, 0
-    for layer in reversed(profile.layers):
-        if size and size + layer.grad_bytes > cap_bytes:
-            buckets.append((ready, size))
-            size = 0
-        size += layer.grad_bytes
-        ready = max(ready, layer.grad_ready_s)
-    buckets.append((profile.backward_s, size + profile.other_grad_bytes))
-    return buckets
 
 
 def cost_model_of(
@@ -103,19 +86,13 @@ def simulate(profile: ComputeProfile, cluster: SimulatedCluster, run: SimulatedR
     return Prediction(run, steps)
 
 
-def _ready_times(profile: ComputeProfile) -> dict[tuple[int, str], float]:
-    """When each factor's statistics are complete, from the forward pass's start."""
-    ready: dict[tuple[int, str], float] = {}
-    for index, layer in enumerate(profile.layers):
-        ready[(index, "a")] = layer.a_ready_s
-        ready[(index, "g")] = profile.kfac_forward_s + layer.g_ready_s
-    return ready
-
-
 def _hand_over(
-    comm: RecordingCommunicator, ready: dict[tuple[int, str], float], dtype: torch.dtype
+    comm: RecordingCommunicator, passes: WorkerPasses, dtype: torch.dtype
 ) -> Callable[[FactorPipeline], None]:
     """Hand every factor to a pipeline in ready order, the clock at its ready time."""
+    ready: dict[tuple[int, str], float] = {}
+    for layer, (a, g) in enumerate(zip(passes.a_ready_s, passes.g_ready_s, strict=True)):
+        ready[(layer, "a")], ready[(layer, "g")] = a, passes.forward_s + g
 
     def hooks(pipeline: FactorPipeline) -> None:
         for slot in sorted(pipeline.slots, key=lambda s: ready[(s.layer, s.side)]):
@@ -139,13 +116,22 @@ def _simulate_step(
     world = cluster.world_size
     everyone = tuple(range(world))
     network = LinkSchedule(cluster)
-    forward = profile.kfac_forward_s if factors else profile.forward_s
-    backward = profile.kfac_backward_s if factors else profile.backward_s
     stages: dict[str, float] = {}
+    layer_count = len(profile.layers)
+    passes = [
+        worker_passes(
+            profile,
+            [
+                factors and placement is not None and placement.captures(layer, rank)
+                for layer in range(layer_count)
+            ],
+        )
+        for rank in everyone
+    ]
 
-    # Forward and backward: DDP's buckets (and a hook-driven strategy's factors) launch. The
-    # statistics hooks slow the backward pass; gradients appear later in proportion.
-    scale = backward / profile.backward_s if profile.backward_s > 0 else 1.0
+    # Forward and backward: DDP's buckets (and a hook-driven strategy's factors) launch.
+    cap = int(cluster.bucket_cap_mb * 2**20)
+    buckets = [ddp_buckets(profile, worker, cap) for worker in passes]
     ddp = [
         ScheduledCollective(
             "allreduce",
@@ -153,15 +139,14 @@ def _simulate_step(
             everyone,
             None,
             ("ddp",),
-            dict.fromkeys(everyone, forward + t * scale),
+            {rank: passes[rank].forward_s + buckets[rank][k][0] for rank in everyone},
         )
-        for t, size in ddp_buckets(profile, int(cluster.bucket_cap_mb * 2**20))
+        for k, (_, size) in enumerate(buckets[0])
     ]
     issued: list[list[IssuedCollective]] = [[] for _ in everyone]
     stage_runs: list[tuple[RecordingCommunicator, Iterator[str]]] = []
     if placement is not None:
         settings = settings_of(profile, cluster, run)
-        ready = _ready_times(profile)
         for rank in everyone:
             comm = RecordingCommunicator(
                 StepRecorder(keep_steps=1),
@@ -171,7 +156,7 @@ def _simulate_step(
                 issued=issued[rank],
             )
             runner = PlacementRunner(placement, rank, comm.recorder, comm)
-            hooks = _hand_over(comm, ready, settings.factor_dtype)
+            hooks = _hand_over(comm, passes[rank], settings.factor_dtype)
             stage_runs.append(
                 (
                     comm,
@@ -188,12 +173,12 @@ def _simulate_step(
     hooked = _next_stage(stage_runs, issued, cluster, lambda rank: 0.0)
     done = network.run([*ddp, *hooked])
     ddp_done = max(done[: len(ddp)], default=0.0)
-    clock = [max(forward + backward, ddp_done)] * world
-    stages["forward_backward"] = clock[0]
+    clock = [max(w.forward_s + w.backward_s, ddp_done) for w in passes]
+    stages["forward_backward"] = max(clock)
     if placement is None:
         stages["optimizer"] = profile.optimizer_s
         return StepPrediction(
-            kind, share, clock[0] + profile.optimizer_s, stages, max(network.sent)
+            kind, share, max(clock) + profile.optimizer_s, stages, max(network.sent)
         )
 
     compute = _RankCompute(profile, placement, run.inverse_method)

@@ -1,0 +1,83 @@
+"""One worker's forward and backward pass: when each layer's factors and gradients are ready.
+
+A plain pass takes the profile's times. On a factor step, a worker also computes the
+statistics of the layers it captures (every layer, or only its own under DP-KFAC and PAD),
+in its hooks on the training thread, so each one delays everything after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dkfac.sim.profile import ComputeProfile
+
+#: DDP's first bucket is small (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so the
+#: last layers' gradients leave early in the backward pass.
+DDP_FIRST_BUCKET_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class WorkerPasses:
+    """One worker's passes of one step.
+
+    Attributes:
+        forward_s: the forward pass (with the statistics it computes).
+        backward_s: the backward pass (likewise).
+        a_ready_s: per layer, from the forward's start until its ``A`` statistic is complete.
+        g_ready_s: per layer, from the backward's start until its ``G`` statistic is complete.
+        grad_ready_s: per layer, from the backward's start until its weight gradient exists.
+    """
+
+    forward_s: float
+    backward_s: float
+    a_ready_s: tuple[float, ...]
+    g_ready_s: tuple[float, ...]
+    grad_ready_s: tuple[float, ...]
+
+
+def worker_passes(profile: ComputeProfile, captured: Sequence[bool]) -> WorkerPasses:
+    """The passes of a worker that captures the layers ``captured`` says (none: plain)."""
+    layers = profile.layers
+    a_cost = [layer.a_statistic_s if c else 0.0 for layer, c in zip(layers, captured, strict=True)]
+    g_cost = [layer.g_statistic_s if c else 0.0 for layer, c in zip(layers, captured, strict=True)]
+
+    def delayed(times: Sequence[float], costs: Sequence[float], at: float) -> float:
+        """What the statistics of layers that ran by ``at`` added (their hooks ran before)."""
+        return sum(cost for time, cost in zip(times, costs, strict=True) if time <= at)
+
+    outputs = [layer.output_s for layer in layers]
+    output_grads = [layer.output_grad_s for layer in layers]
+    return WorkerPasses(
+        forward_s=profile.forward_s + sum(a_cost),
+        backward_s=profile.backward_s + sum(g_cost),
+        a_ready_s=tuple(t + delayed(outputs, a_cost, t) for t in outputs),
+        g_ready_s=tuple(t + delayed(output_grads, g_cost, t) for t in output_grads),
+        grad_ready_s=tuple(
+            layer.grad_ready_s + delayed(output_grads, g_cost, layer.grad_ready_s)
+            for layer in layers
+        ),
+    )
+
+
+def ddp_buckets(
+    profile: ComputeProfile, passes: WorkerPasses, cap_bytes: int
+) -> list[tuple[float, int]]:
+    """DDP's gradient buckets: ``(launch time from the backward's start, bytes)`` each.
+
+    Gradients in reverse layer order fill buckets of at most ``cap_bytes`` (the first of
+    :data:`DDP_FIRST_BUCKET_BYTES`; a layer larger than the cap alone); a bucket goes when its
+    last gradient exists. Parameters outside the preconditioned layers go with the last
+    bucket, at the end of the backward pass.
+    """
+    buckets: list[tuple[float, int]] = []
+    ready, size, cap = 0.0, 0, min(cap_bytes, DDP_FIRST_BUCKET_BYTES)
+    pairs = zip(profile.layers, passes.grad_ready_s, strict=True)
+    for layer, grad_ready in reversed(list(pairs)):
+        if size and size + layer.grad_bytes > cap:
+            buckets.append((ready, size))
+            size, cap = 0, cap_bytes
+        size += layer.grad_bytes
+        ready = max(ready, grad_ready)
+    buckets.append((passes.backward_s, size + profile.other_grad_bytes))
+    return buckets
