@@ -1,7 +1,8 @@
 """The simulator's predictions against the emulated cluster's measurements (issue 14).
 
-Profiles each measured model on this machine (one worker: one intra-op thread, as the
-benchmark's workers; or reads ``--profile MODEL=FILE``), then predicts every row of the given
+Profiles each measured model on this machine as the benchmark's workers ran (one intra-op
+thread each, ``--workers`` copies at once, one per core: they share memory bandwidth and
+caches; or reads ``--profile MODEL=FILE``), then predicts every row of the given
 emulated-cluster results (``benchmarks/network.py`` JSON: P, rate, strategy, schedule) with
 ``dkfac simulate``'s timeline and prints measured against predicted (:mod:`dkfac.sim.validation`).
 Writes ``validation.json`` (the rows and the profiles used) to ``--out``. Measure with the
@@ -19,9 +20,11 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +36,35 @@ from dkfac.sim.validation import compare_rows, format_comparison
 RESULTS = os.path.join("benchmarks", "results", "network_*.json")
 
 
+def _profile_worker(core: int, model: str, batch_size: int, steps: int) -> dict[str, Any]:
+    """One worker's profile, pinned to ``core`` with one thread, as a benchmark worker runs."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    profile = measure_profile(
+        MODELS[model](),
+        model_batch(model, batch_size, 0),
+        batch_loss,
+        device=f"{model}, this machine, core {core} of {os.cpu_count()} busy alike, 1 thread",
+        steps=steps,
+    )
+    return profile.to_dict()
+
+
+def profile_alongside(model: str, batch_size: int, steps: int, workers: int) -> ComputeProfile:
+    """The first core's profile of ``workers`` copies profiled at once, one per core.
+
+    The emulated cluster's P workers share the machine's memory and caches.
+    """
+    cores = sorted(os.sched_getaffinity(0))[:workers]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(len(cores)) as pool:
+        profiles = pool.starmap(
+            _profile_worker, [(core, model, batch_size, steps) for core in cores]
+        )
+    return ComputeProfile.from_dict(profiles[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", nargs="*", help=f"network.json files (default {RESULTS})")
@@ -41,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="copies profiled at once, one per core, as the measured workers ran (default 2)",
+    )
     parser.add_argument("--out", default=os.path.join("runs", "sim_validation"))
     args = parser.parse_args(argv)
     paths = args.results or sorted(glob.glob(RESULTS))
@@ -50,19 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     for entry in args.profile:
         model, _, file = entry.partition("=")
         profiles[model] = ComputeProfile.load(file)
-    torch.set_num_threads(1)
     for model in models:
         if model in profiles or model not in MODELS:
             continue
-        torch.manual_seed(0)
-        print(f"profiling {model} (batch {args.batch_size}, 1 thread)...", flush=True)
-        profiles[model] = measure_profile(
-            MODELS[model](),
-            model_batch(model, args.batch_size, 0),
-            batch_loss,
-            device=f"{model}, this machine, 1 thread",
-            steps=args.steps,
+        print(
+            f"profiling {model} (batch {args.batch_size}, 1 thread, {args.workers} at once)...",
+            flush=True,
         )
+        profiles[model] = profile_alongside(model, args.batch_size, args.steps, args.workers)
     compared = []
     for path, data in results.items():
         compared += compare_rows(data["summary"], profiles, source=os.path.basename(path))

@@ -309,3 +309,17 @@ def test_collectives_in_flight_share_the_uplinks_they_load() -> None:
     schedule = LinkSchedule(cluster)
     early, late = collective("allreduce", None, "x"), collective("allreduce", None, "y", 0.5)
     assert schedule.run([early, late]) == [1.5, 2.0]
+
+
+def test_packing_buckets_costs_each_member_its_payload_at_the_profiled_rate() -> None:
+    cluster = SimulatedCluster(2, LinkModel(1e4, 0.001), backend="nccl")
+    free = simulate(profile(), cluster, SimulatedRun("dkfac")).steps[0]
+    packed = simulate(profile(pack_bytes_per_s=1e3), cluster, SimulatedRun("dkfac")).steps[0]
+    factors = sum(d * (d + 1) // 2 for d in (5, 4, 9, 6)) * 4 + 8 * 4  # and the counts
+    assert packed.stages["factor_exchange"] == pytest.approx(
+        free.stages["factor_exchange"] + factors / 1e3
+    )
+    sgd = SimulatedRun("sgd")
+    assert simulate(profile(pack_bytes_per_s=1e3), cluster, sgd).iteration_s == pytest.approx(
+        simulate(profile(), cluster, sgd).iteration_s
+    )  # DDP's buckets are DDP's own

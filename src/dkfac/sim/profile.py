@@ -76,6 +76,8 @@ class ComputeProfile:
         layers: the preconditioned layers, in the model's registration order.
         other_grad_bytes: gradients of parameters outside those layers (normalisation and
             the like): DDP sends them with the last layers' bucket.
+        pack_bytes_per_s: how fast the communicator packs a bucket and unpacks its result
+            (payload bytes per second, on the training thread); ``0``: free.
     """
 
     device: str
@@ -87,6 +89,7 @@ class ComputeProfile:
     decomposition: dict[str, CubicCost]
     layers: tuple[LayerProfile, ...]
     other_grad_bytes: int = 0
+    pack_bytes_per_s: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,7 +102,13 @@ class ComputeProfile:
         problems = []
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        for name in ("forward_s", "backward_s", "optimizer_s", "factor_update_s"):
+        for name in (
+            "forward_s",
+            "backward_s",
+            "optimizer_s",
+            "factor_update_s",
+            "pack_bytes_per_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"{name} must be a finite time >= 0, got {value}")
@@ -132,6 +141,10 @@ class ComputeProfile:
     def shapes(self) -> list[LayerShape]:
         """Every layer's factor dimensions, in registration order."""
         return [layer.shape for layer in self.layers]
+
+    def pack_s(self, nbytes: float) -> float:
+        """Packing a bucket of ``nbytes`` payload and unpacking its result."""
+        return nbytes / self.pack_bytes_per_s if self.pack_bytes_per_s > 0 else 0.0
 
     def decomposition_cost(self, method: str) -> CubicCost:
         """The decomposition time of ``method``.

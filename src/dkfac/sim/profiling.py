@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.comm.cost_model import calibrate_decomposition, decomposition_dims
+from dkfac.comm.wire import FusionBucket
 from dkfac.preconditioner import KFACPreconditioner
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 
@@ -130,6 +131,23 @@ def _increments(plain: Sequence[float], kfac: Sequence[float], total: float) -> 
     return [g * total / sum(growth) for g in growth]
 
 
+def measure_packing(repeats: int = 5) -> float:
+    """Payload bytes per second of packing a fused bucket and unpacking it.
+
+    The communicator's :class:`~dkfac.comm.wire.FusionBucket` of four symmetric 512 x 512
+    float32 factors (their upper triangles travel).
+    """
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(512, 512, generator=generator) for _ in range(4)]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bucket = FusionBucket(tensors, [True] * len(tensors), torch.float32)
+        bucket.unpack(None)
+        times.append(time.perf_counter() - start)
+    return bucket.nbytes / statistics.median(times)
+
+
 def measure_profile(
     model: nn.Module,
     batch: tuple[Tensor, Tensor],
@@ -221,5 +239,6 @@ def measure_profile(
         decomposition=decomposition,
         layers=layers,
         other_grad_bytes=all_bytes - sum(grad_bytes),
+        pack_bytes_per_s=measure_packing(),
         notes={"steps": steps, "warmup": warmup, "torch_threads": torch.get_num_threads()},
     )

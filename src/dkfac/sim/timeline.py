@@ -173,7 +173,12 @@ def _simulate_step(
     hooked = _next_stage(stage_runs, issued, cluster, lambda rank: 0.0)
     done = network.run([*ddp, *hooked])
     ddp_done = max(done[: len(ddp)], default=0.0)
-    clock = [max(w.forward_s + w.backward_s, ddp_done) for w in passes]
+    # The hooks pack their buckets on the training thread, which delays the passes.
+    hooked_pack = _packing(profile, hooked, everyone)
+    clock = [
+        max(w.forward_s + w.backward_s + pack, ddp_done)
+        for w, pack in zip(passes, hooked_pack, strict=True)
+    ]
     stages["forward_backward"] = max(clock)
     if placement is None:
         stages["optimizer"] = profile.optimizer_s
@@ -208,11 +213,23 @@ def _simulate_step(
                 finished[member] = max(finished[member], end)
         if name == "factor_exchange":
             finished = [max(finished[r], hooked_done[r]) for r in everyone]
-        clock = [finished[r] + after(r) for r in everyone]
+        packing = _packing(profile, collectives, everyone)
+        clock = [finished[r] + after(r) + packing[r] for r in everyone]
         stages[name] = max(clock[r] - starts[r] for r in everyone)
     stages["optimizer"] = profile.optimizer_s
     seconds = max(clock) + profile.optimizer_s
     return StepPrediction(kind, share, seconds, stages, max(network.sent))
+
+
+def _packing(
+    profile: ComputeProfile, collectives: Sequence[ScheduledCollective], ranks: Sequence[int]
+) -> list[float]:
+    """Per rank, packing and unpacking the buckets of ``collectives`` it takes part in."""
+    spent = [0.0] * len(ranks)
+    for collective in collectives:
+        for member in collective.members:
+            spent[member] += profile.pack_s(collective.nbytes)
+    return spent
 
 
 def _next_stage(
