@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="append", default=[], metavar="MODEL=FILE", help="a saved profile"
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    parser.add_argument(
+        "--batch-size", type=int, help="per worker (default: the one the results ran)"
+    )
     parser.add_argument("--steps", type=int, default=5, help="profiled steps (default 5)")
     parser.add_argument(
         "--workers",
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.results or sorted(glob.glob(RESULTS))
     results = {path: json.loads(Path(path).read_text()) for path in paths}
     models = sorted({row["model"] for data in results.values() for row in data["summary"]})
+    batches = {data["settings"].get("batch_size_per_worker", 32) for data in results.values()}
+    if args.batch_size is None and len(batches) > 1:
+        parser.error(f"the results ran batch sizes {sorted(batches)}: validate them separately")
+    batch_size = args.batch_size or batches.pop()
     profiles = {}
     for entry in args.profile:
         model, _, file = entry.partition("=")
@@ -92,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         if model in profiles or model not in MODELS:
             continue
         print(
-            f"profiling {model} (batch {args.batch_size}, 1 thread, {args.workers} at once)...",
+            f"profiling {model} (batch {batch_size}, 1 thread, {args.workers} at once)...",
             flush=True,
         )
-        profiles[model] = profile_alongside(model, args.batch_size, args.steps, args.workers)
+        profiles[model] = profile_alongside(model, batch_size, args.steps, args.workers)
     compared = []
     for path, data in results.items():
-        compared += compare_rows(data["summary"], profiles, source=os.path.basename(path))
+        summary, settings = data["summary"], data["settings"]
+        try:
+            compared += compare_rows(summary, profiles, settings, source=os.path.basename(path))
+        except ValueError as error:
+            parser.error(str(error))
     print(format_comparison(compared))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

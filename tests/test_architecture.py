@@ -18,6 +18,9 @@ ALLOWED = {
     "curvature": {"curvature"},
     "comm": {"comm", "curvature"},
     "strategies": {"strategies", "comm", "curvature"},
+    # The simulator sits above the strategies: their own planners and runner; profiling runs
+    # the preconditioner, and takes the benchmark's models and link shapes.
+    "sim": {"sim", "strategies", "comm", "curvature", "preconditioner", "bench"},
 }
 MAX_LINES = 400
 

@@ -257,8 +257,8 @@ def test_groups_dkfac_makes_have_the_default_groups_timeout() -> None:
 def reduces_both_ways(rank: int, world_size: int) -> dict:
     recorder = StepRecorder()
     comm = Communicator.with_own_group(recorder, comm_dtype=None)
-    comm.open_reduce_lanes([1, 0, 1])
-    comm.open_reduce_lanes([0])  # lanes already open are kept
+    comm.open_lanes([1, 0, 1])  # destinations and sources alike
+    comm.open_lanes([0])  # lanes already open are kept
     lanes = comm.subgroups
     # Both reduces in flight before either is waited for, as PAD's two owners' buckets are.
     to_zero = [symmetric(5, rank), torch.arange(3.0, dtype=torch.float64) * (rank + 1)]
@@ -267,6 +267,13 @@ def reduces_both_ways(rank: int, world_size: int) -> dict:
     second = comm.reduce(to_one, 1, phase="lanes")
     first.wait()
     second.wait()
+    # Broadcasts from both ranks in flight at once, each on its source's lane.
+    mine = torch.full((3,), float(rank + 1))
+    theirs = torch.full((3,), float(rank + 10))
+    from_zero = comm.broadcast([mine if rank == 0 else theirs], 0, phase="lanes")
+    from_one = comm.broadcast([mine if rank == 1 else theirs], 1, phase="lanes")
+    from_zero.wait()
+    from_one.wait()
     # bf16 transport through the direct send: the owner's sum is rounded once, like gloo's.
     low = Communicator(recorder, comm_dtype=torch.bfloat16)
     x = torch.linspace(0, 1, 8) + rank
@@ -277,12 +284,63 @@ def reduces_both_ways(rank: int, world_size: int) -> dict:
         "to_zero": to_zero,
         "to_one": to_one,
         "bf16": x,
+        "broadcasts": (mine, theirs),
         "stats": recorder.comm_stats(),
         "flights": recorder.overlap().get("lanes", {}),
     }
     comm.close()
     out["closed"] = comm.subgroups
     return out
+
+
+def lanes_of_the_world(rank: int, world_size: int) -> dict:
+    """The group each collective reaches torch.distributed on, for a world communicator."""
+    comm = Communicator(StepRecorder(), comm_dtype=None)  # group None: the world's
+    comm.open_lanes([1, 0])
+    seen: list[tuple[str, object]] = []
+
+    def spy(name: str) -> None:
+        real = getattr(dist, name)
+
+        def call(*args: object, group: object = None, **kwargs: object) -> object:
+            seen.append((name, group))
+            return real(*args, group=group, **kwargs)
+
+        setattr(dist, name, call)
+
+    for name in ("broadcast", "reduce", "all_to_all_single", "all_reduce"):
+        spy(name)
+    world = dist.group.WORLD  # what the runner passes for a share over all ranks
+    from_zero = torch.full((4,), 1.0 + rank)
+    from_one = torch.full((4,), 1.0 + rank)
+    to_one = torch.full((4,), 1.0 + rank, dtype=torch.float64)
+    handles = [
+        comm.broadcast([from_zero], 0, phase="w", group=world),
+        comm.broadcast([from_one], 1, phase="w", group=world),
+        comm.reduce([to_one], 1, phase="w", group=world),
+    ]
+    for handle in handles:
+        handle.wait()
+    lanes = comm._lanes
+    routes = [lanes.route(0), lanes.route(1)]
+    calls = [(name, routes.index(g) if g in routes else "other") for name, g in seen]
+    comm.close()
+    return {"calls": calls, "values": (from_zero, from_one, to_one), "made": routes[1] is not None}
+
+
+def test_a_world_communicator_routes_the_runners_world_group_onto_its_lanes() -> None:
+    """The runner passes ``dist.group.WORLD`` for shares over all ranks (dkfac, kaisa, dp):
+    those collectives must travel on their root's lane, not all on the world group."""
+    for rank, out in enumerate(run_workers(lanes_of_the_world, 2, timeout=60)):
+        assert out["made"]
+        # Root 0 on the world group (lane 0), root 1 on its own group (lane 1); the reduce
+        # to rank 1 is a direct send on rank 1's lane, never gloo's reduce.
+        assert out["calls"] == [("broadcast", 0), ("broadcast", 1), ("all_to_all_single", 1)]
+        from_zero, from_one, to_one = out["values"]
+        assert torch.equal(from_zero, torch.full((4,), 1.0))
+        assert torch.equal(from_one, torch.full((4,), 2.0))
+        expected = torch.full((4,), 3.0 if rank == 1 else 1.0, dtype=torch.float64)
+        assert torch.equal(to_one, expected)
 
 
 def test_reduces_at_two_ranks_are_direct_sends_on_one_lane_per_destination() -> None:
@@ -304,6 +362,10 @@ def test_reduces_at_two_ranks_are_direct_sends_on_one_lane_per_destination() -> 
             exact = torch.linspace(0, 1, 8) * 2 + 1
             torch.testing.assert_close(out["bf16"], exact, rtol=1e-2, atol=0)
             assert out["bf16"].dtype == torch.float32
+        # Rank 0's own tensor went out; rank 1's came in (and the other way round on rank 1).
+        mine, theirs = out["broadcasts"]
+        assert torch.equal(mine, torch.full((3,), float(rank + 1)))
+        assert torch.equal(theirs, torch.full((3,), float(2 - rank)))
         stats = out["stats"]
         assert stats["lanes/reduce"]["calls"] == 2
         assert stats["lanes/reduce"]["bytes"] == 8 * (15 + 3 + 7)

@@ -12,13 +12,14 @@ from torch import nn
 from dkfac.bench.link_shape import LinkShape
 from dkfac.cli.main import main
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
-from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective
+from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
 from dkfac.sim.passes import ddp_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.sim.profiling import measure_profile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
 from dkfac.sim.timeline import settings_of, simulate
+from dkfac.sim.validation import compare_rows
 from dkfac.strategies.accounting import plan_strategy
 
 MB = 1e6
@@ -133,11 +134,13 @@ def test_ddp_buckets_fill_in_reverse_layer_order_after_a_small_first_one() -> No
     big = profile(
         layers=tuple(dataclasses.replace(layer, grad_bytes=2**19 + 8) for layer in profile().layers)
     )
-    # DDP's first bucket holds 1 MiB: the second layer's 512 KiB go alone, at 0.06 s.
+    # DDP closes a bucket once it holds at least its cap: the first (1 MiB) with both
+    # layers, when the first layer's gradient exists; the other parameters go last.
     assert ddp_buckets(big, passes, cap_bytes=25 * 2**20) == [
-        (0.06, 2**19 + 8),
-        (0.2, 2**19 + 8 + 40),
+        (passes.grad_ready_s[0], 2**20 + 16),
+        (0.2, 40),
     ]
+    assert passes.grad_ready_s[0] == pytest.approx(0.19)
 
 
 def test_sgd_step_is_forward_backward_allreduce_optimizer() -> None:
@@ -171,9 +174,9 @@ def test_dkfac_step_stage_by_stage(backend: str) -> None:
     exchange = factors / 1e4 + counts / 1e4 + latencies * 0.001
     assert step.stages["factor_exchange"] == pytest.approx(exchange + 0.004)  # + folding
     # D-KFAC balances the decompositions over the two ranks; each broadcasts its own, once
-    # both ranks have decomposed theirs (both are members of every broadcast). gloo runs a
-    # group's collectives on two threads, so the two broadcasts (on different uplinks) travel
-    # at once; NCCL's one stream sends them one after the other.
+    # both ranks have decomposed theirs (both are members of every broadcast). On gloo each
+    # source has its own lane (open_lanes), so the two broadcasts (on different uplinks)
+    # travel at once; NCCL's one stream sends them one after the other.
     prof = profile()
     placement = plan_strategy(
         "dkfac", prof.shapes, settings_of(prof, cluster, SimulatedRun("dkfac"))
@@ -252,6 +255,9 @@ def test_dkfac_simulate_prints_the_table_and_writes_json_and_chart(tmp_path, cap
         (["--world-sizes", "1,2"], "world sizes must lie in [2, 1024]"),
         (["--strategies", "sgd,adam"], "unknown strategies ['adam']"),
         (["--schedules", "10:15"], "multiple"),
+        (["--schedules", "10:ten"], "'10:ten': expected FACTOR:INVERSE"),
+        (["--world-sizes", "0-4"], "'0-4': a range LOW-HIGH needs 1 <= LOW <= HIGH"),
+        (["--world-sizes", "2,four"], "'2,four': expected P,P,... or LOW-HIGH"),
     ],
 )
 def test_dkfac_simulate_refuses_bad_options_in_one_line(
@@ -262,6 +268,27 @@ def test_dkfac_simulate_refuses_bad_options_in_one_line(
     assert main(["simulate", "--profile", str(path), "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"decomposition": None}, "'decomposition' must be an object"),
+        ({"decomposition": {"eigen": {"c0_s": "x", "c3_s": 1}}}, "malformed decomposition"),
+        ({"batch_size": "8"}, "batch_size must be int, got '8'"),
+        ({"forward_s": None}, "forward_s must be float, got None"),
+        ({"layers": [["first"]]}, "malformed entry"),
+        ({"layers": [dict(profile().to_dict()["layers"][0], a_dim=5.5)]}, "a_dim must be int"),
+    ],
+)
+def test_a_malformed_profile_file_is_refused_in_one_line(
+    tmp_path, capsys, change: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**profile().to_dict(), **change}))
+    assert main(["simulate", "--profile", str(path), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and f"--profile {path}" in err and "Traceback" not in err
 
 
 def test_dkfac_simulate_refuses_a_missing_profile(tmp_path, capsys) -> None:
@@ -301,14 +328,40 @@ def test_collectives_in_flight_share_the_uplinks_they_load() -> None:
     # Broadcasts from either rank load different uplinks: no sharing.
     out, back = collective("broadcast", 0, "a"), collective("broadcast", 1, "b")
     assert LinkSchedule(cluster).run([out, back]) == [1.0, 1.0]
-    # One group's collectives run one at a time on NCCL's stream.
-    assert LinkSchedule(cluster).run([collective("broadcast", 0, "a"), back]) == [1.0, 1.0]
+    # One group's collectives run one at a time on NCCL's stream (gloo: two at a time).
     one_lane = [collective("allreduce", None, "a"), collective("allreduce", None, "a")]
     assert LinkSchedule(cluster).run(one_lane) == [1.0, 2.0]
+    gloo = SimulatedCluster(2, LinkModel(bytes_per_s=100.0), backend="gloo")
+    one_lane = [collective("allreduce", None, "a"), collective("allreduce", None, "a")]
+    assert LinkSchedule(gloo).run(one_lane) == [2.0, 2.0]
     # A later arrival slows what is still in flight: the first has half left at t = 0.5.
     schedule = LinkSchedule(cluster)
     early, late = collective("allreduce", None, "x"), collective("allreduce", None, "y", 0.5)
     assert schedule.run([early, late]) == [1.5, 2.0]
+    # A second call starts from where the first left off, on the same lanes.
+    again = collective("allreduce", None, "x", 1.0)
+    assert schedule.run([again]) == [3.0]
+
+
+def test_each_worker_moves_to_its_next_stage_when_its_own_collectives_are_done() -> None:
+    """Four workers in two groups: the fast group's next stage does not wait for the slow one."""
+    cluster = SimulatedCluster(4, LinkModel(bytes_per_s=100.0), backend="nccl")
+
+    def pair(members: tuple[int, int], nbytes: int) -> ScheduledCollective:
+        return ScheduledCollective("allreduce", nbytes, members, None, (members,), {})
+
+    fast, slow = pair((0, 1), 100), pair((2, 3), 300)  # 1 s and 3 s on their uplinks
+    fast_next = pair((0, 1), 100)
+    compute = [0.5, 0.5, 0.0, 0.0]
+    stages = [
+        Stage("exchange", [fast, slow], [fast, slow], [0.0] * 4, compute),
+        Stage("next", [fast_next], [fast_next], [0.25] * 4, [0.0] * 4),
+    ]
+    ends = LinkSchedule(cluster).run_stages(stages, [0.0, 0.0, 1.0, 1.0])
+    assert ends[0] == [1.5, 1.5, 4.0, 4.0]  # done, then 0.5 s of compute on 0 and 1
+    # Workers 0 and 1 issue again at 1.75 and are done at 2.75; 2 and 3 have nothing to do.
+    assert ends[1] == [2.75, 2.75, 4.25, 4.25]
+    assert fast_next.issued == {0: 1.75, 1: 1.75} and fast_next.done_at == 2.75
 
 
 def test_packing_buckets_costs_each_member_its_payload_at_the_profiled_rate() -> None:
@@ -323,3 +376,35 @@ def test_packing_buckets_costs_each_member_its_payload_at_the_profiled_rate() ->
     assert simulate(profile(pack_bytes_per_s=1e3), cluster, sgd).iteration_s == pytest.approx(
         simulate(profile(), cluster, sgd).iteration_s
     )  # DDP's buckets are DDP's own
+
+
+def test_validation_predicts_each_row_as_the_benchmark_ran_it() -> None:
+    """Rate, delay, bucket cap and PAD's share come from the benchmark's JSON."""
+    row = {
+        "model": "m",
+        "rate": "1mbit",
+        "rate_bit_s": 1e6,
+        "nprocs": 2,
+        "strategy": "pad",
+        "grad_worker_fraction": 1.0,
+        "factor_update_steps": 1,
+        "inv_update_steps": 1,
+        "inverse_method": "eigen",
+        "gradient_sync": "ddp",
+        "median_s": 2.0,
+        "amortized_s": 2.0,
+        "pad_share": "decompositions",
+    }
+    link = {"rate_bit_s": 1e6, "delay_s": 0.002}
+    settings = {"batch_size_per_worker": 8, "bucket_cap_mb": 1e-4, "network": [link]}
+    [compared] = compare_rows([row], {"m": profile()}, settings)
+    cluster = SimulatedCluster(
+        2, LinkModel.from_link_shape(LinkShape(1e6, 0.002)), backend="gloo", bucket_cap_mb=1e-4
+    )
+    expected = simulate(profile(), cluster, SimulatedRun("pad", share="decompositions"))
+    assert compared["predicted_s"] == pytest.approx(expected.iteration_s)
+    assert compared["error"] == pytest.approx(expected.iteration_s / 2.0 - 1.0)
+    plain = simulate(profile(), SimulatedCluster(2, LinkModel(1e6 / 8)), SimulatedRun("pad"))
+    assert abs(plain.iteration_s - expected.iteration_s) > 0.01  # the settings mattered
+    with pytest.raises(ValueError, match=r"profile is of batch size 8; .* ran 32"):
+        compare_rows([row], {"m": profile()}, {**settings, "batch_size_per_worker": 32})

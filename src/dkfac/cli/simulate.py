@@ -76,7 +76,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Any]) -> None:
         " reports) and world_size",
     )
     parser.add_argument(
-        "--world-sizes", default="2-64", help="comma list or LOW-HIGH powers of two (default 2-64)"
+        "--world-sizes",
+        default="2-64",
+        help="comma list, or LOW-HIGH: LOW and its doublings up to HIGH (default 2-64)",
     )
     parser.add_argument(
         "--strategies",

@@ -16,9 +16,8 @@ Strategies never call ``torch.distributed`` themselves: they hand lists of tenso
 Every rank must issue the same collectives in the same order (the usual ``torch.distributed``
 contract); the strategies guarantee it by iterating over layers and owners in a fixed order.
 
-Process groups are made here too: :meth:`Communicator.new_groups` for sub-groups and
-:meth:`Communicator.with_own_group` for a communicator on a group of its own (strategies and
-DeAR that launch collectives from autograd hooks), released by :meth:`Communicator.close`.
+Process groups are made here too (:meth:`Communicator.new_groups`, ``with_own_group``,
+``open_lanes``), released by :meth:`Communicator.close`.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from dkfac.comm.direct_reduce import reduce_steps, reduces_by_sending
 from dkfac.comm.flight import Flight, follow
 from dkfac.comm.groups import default_group_timeout
 from dkfac.comm.handle import CollectiveHandle, Pending
+from dkfac.comm.lanes import Lanes
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.wire import (
     FusedPayload,
@@ -75,7 +75,7 @@ class Communicator:
         self.rank, self.world_size = self._membership(group)
         self._owns_group = False
         self._subgroups: list[ProcessGroup] = []  # made by new_groups, with this rank in them
-        self._lanes: dict[int, ProcessGroup | None] = {}  # reduce destination -> its group
+        self._lanes: Lanes[ProcessGroup | None] = Lanes(group)  # root -> its group
 
     def _membership(self, group: ProcessGroup | None) -> tuple[int, int]:
         """This process's global rank and the size of ``group`` (``None``: the world)."""
@@ -139,10 +139,10 @@ class Communicator:
             RuntimeError: a barrier failed (a peer is gone); every group is released first.
         """
         groups, self._subgroups = self._subgroups, []
-        self._lanes = {}
         if self._owns_group and self.group is not None:
             groups.append(self.group)
             self.group = None
+        self._lanes = Lanes(self.group)
         self._owns_group = False
         failure: BaseException | None = None
         for group in groups:
@@ -234,13 +234,12 @@ class Communicator:
     ) -> CollectiveHandle:
         """Sum (or average) ``tensors`` onto global rank ``dst`` only (others: unchanged).
 
-        Without ``group``, the reduce travels on ``dst``'s lane (:meth:`open_reduce_lanes`).
-        On gloo at two ranks it is one direct send of each bucket to ``dst``, which adds it
-        to its own (:meth:`_sends_directly`); elsewhere the backend's reduce.
+        On the own group it travels on ``dst``'s lane (:meth:`open_lanes`); at two ranks on
+        gloo it is one send per bucket, added at ``dst``; elsewhere the backend's reduce.
         """
         size = self.group_size(group)
         scale = 1.0 / size if average else None
-        target = group if group is not None else self._lanes.get(dst, self.group)
+        target = self._lane(dst, group)
         start, unpack = reduce_steps(self.rank, dst, target, self._sends_directly(target))
         scale = scale if self.rank == dst else None
         return self._launch(
@@ -252,26 +251,24 @@ class Communicator:
         backend = str(dist.get_backend(group)) if self.sends else self.backend
         return self.sends and reduces_by_sending(backend, self.group_size(group))
 
-    def open_reduce_lanes(self, destinations: Iterable[int]) -> None:
-        """Let reduces to different ``destinations`` travel at the same time (gloo, two ranks).
+    def _lane(self, root: int, group: ProcessGroup | None) -> ProcessGroup | None:
+        """The group a collective rooted at ``root`` travels on: its lane on the own group."""
+        world = self.group is None and group is dist.group.WORLD
+        own = group is None or group is self.group or world
+        return self._lanes.route(root) if own else group
 
-        gloo runs one group's work first in, first out, so reduces to one owner queued before
-        those to the other leave the other direction of every link idle. Each destination
-        gets a lane: the communicator's group for the first, a new group of the same ranks
-        for the others; only over the whole world at two ranks on gloo (elsewhere nothing).
-        Collective, like ``new_group``; :meth:`close` destroys the new groups.
+    def open_lanes(self, roots: Iterable[int]) -> None:
+        """Let reduces to, and broadcasts from, different ``roots`` travel at the same time.
+
+        Each root gets a process group of the own ranks (:class:`~dkfac.comm.lanes.Lanes`),
+        only over the whole world at two ranks on gloo. Collective, like ``new_group``;
+        :meth:`close` destroys them.
         """
-        if not self.sends or self.world_size != dist.get_world_size():
-            return
-        for dst in sorted(set(destinations) - set(self._lanes)):
-            if not self._sends_directly(self.group):
-                return
-            if not self._lanes:
-                self._lanes[dst] = self.group
-            else:
-                lane = dist.new_group(list(self.ranks), timeout=default_group_timeout())
-                self._lanes[dst] = lane
-                self._subgroups.append(lane)
+        if self._sends_directly(self.group) and self.world_size == dist.get_world_size():
+            ranks = list(self.ranks)
+            timeout = default_group_timeout()
+            made = self._lanes.open(roots, lambda: dist.new_group(ranks, timeout=timeout))
+            self._subgroups.extend(made)
 
     def broadcast(
         self,
@@ -285,14 +282,16 @@ class Communicator:
         """Copy ``tensors`` of global rank ``src`` into the same tensors on every rank.
 
         When the transport dtype rounds them (``comm_dtype``), ``src`` keeps the rounded
-        values too, so every rank ends with bitwise the same tensors.
+        values too, so every rank ends with bitwise the same tensors. It travels on ``src``'s
+        lane (:meth:`open_lanes`) on the own group.
         """
+        target = self._lane(src, group)
         return self._launch(
             "broadcast",
             tensors,
             symmetric,
             phase,
-            lambda b: dist.broadcast(b.flat, src, group=group or self.group, async_op=True),
+            lambda b: dist.broadcast(b.flat, src, group=target, async_op=True),
             None,
             unpack=lambda b: self.rank != src or b.rounds,
             group=group,

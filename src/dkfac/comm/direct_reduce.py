@@ -22,7 +22,7 @@ from dkfac.comm.wire import FusionBucket
 def reduces_by_sending(backend: str, size: int) -> bool:
     """Whether a reduce over ``size`` ranks on ``backend`` is one direct send, on its own lane.
 
-    See :meth:`Communicator.reduce` and :meth:`Communicator.open_reduce_lanes`; the simulator
+    See :meth:`Communicator.reduce` and :meth:`Communicator.open_lanes`; the simulator
     (:mod:`dkfac.sim`) asks the same question of the clusters it predicts.
     """
     return backend == "gloo" and size == 2

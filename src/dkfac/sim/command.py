@@ -64,7 +64,8 @@ class SimulateOptions:
     def runs(self, world_size: int) -> list[SimulatedRun]:
         """Every row at ``world_size``: SGD once, each K-FAC strategy at each schedule."""
         fraction = self.kaisa_fraction or 1.0 / world_size
-        # A fraction the world cannot split into whole groups is rounded up to one that can.
+        # A fraction the world cannot split into whole groups is rounded down to one that can;
+        # the rows are labelled with the fraction used.
         groups = max(1, math.floor(world_size * fraction + 1e-9))
         while world_size % groups:
             groups -= 1
@@ -190,24 +191,39 @@ def write_chart(report: Mapping[str, Any], path: Path) -> Path | None:
     return path
 
 
+def _integers(parts: Sequence[str], text: str, expected: str) -> list[int]:
+    """``parts`` as integers; a ValueError naming ``text`` and the ``expected`` form if not."""
+    try:
+        return [int(part) for part in parts]
+    except ValueError:
+        raise ValueError(f"{text!r}: expected {expected}") from None
+
+
 def parse_world_sizes(text: str) -> tuple[int, ...]:
-    """``"2,4,8"`` or a range ``"2-64"`` (powers of two between)."""
-    if "-" in text:
-        low, high = (int(part) for part in text.split("-", 1))
-        sizes, p = [], low
-        while p <= high:
-            sizes.append(p)
-            p *= 2
-        return tuple(sizes)
-    return tuple(int(part) for part in text.split(",") if part)
+    """``"2,4,8"``, or a range ``"2-64"``: the low end and its doublings up to the high end.
+
+    Raises:
+        ValueError: not integers, or a range whose ends are not ``1 <= LOW <= HIGH``.
+    """
+    if "-" not in text:
+        return tuple(_integers([p for p in text.split(",") if p], text, "P,P,... or LOW-HIGH"))
+    low, high = _integers(text.split("-", 1), text, "LOW-HIGH")
+    if not 1 <= low <= high:
+        raise ValueError(f"{text!r}: a range LOW-HIGH needs 1 <= LOW <= HIGH")
+    sizes, p = [], low
+    while p <= high:
+        sizes.append(p)
+        p *= 2
+    return tuple(sizes)
 
 
 def parse_schedules(text: str) -> tuple[tuple[int, int], ...]:
-    """``"1:1,10:100"`` as ``((1, 1), (10, 100))``."""
+    """``"1:1,10:100"`` as ``((1, 1), (10, 100))`` (``"5"``: ``(5, 5)``)."""
     pairs = []
     for part in text.split(","):
         f, _, i = part.partition(":")
-        pairs.append((int(f), int(i or f)))
+        factor, inverse = _integers([f, i or f], part, "FACTOR:INVERSE steps, e.g. 10:100")
+        pairs.append((factor, inverse))
     return tuple(pairs)
 
 

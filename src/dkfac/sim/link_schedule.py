@@ -7,8 +7,12 @@ and moves its bytes (:func:`~dkfac.sim.network.uplink_loads`). Collectives in fl
 same time share each uplink they load fairly, as TCP flows (or NCCL channels) of different
 process groups do: each of ``n`` transfers on an uplink gets ``1/n`` of its bandwidth, and a
 transfer advances at the pace of its most crowded uplink. The schedule is simulated event by
-event (a start, the end of a latency, a completion), and it keeps its state between calls, so
-transfers still in flight when a later stage issues its collectives slow them down.
+event (a start, the end of a latency, a completion).
+
+A step is run as one schedule (:meth:`LinkSchedule.run_stages`): each worker goes through the
+same stages, issuing a stage's collectives after its compute before them and moving on once
+the collectives it waits for are complete, so a worker whose groups finish early issues its
+next collectives early, and transfers still in flight slow down those issued after them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,33 @@ class ScheduledCollective:
     root: int | None
     lane: tuple[object, ...]
     issued: dict[int, float] = field(default_factory=dict)  # member -> when it issued it
+    done_at: float | None = None  # when it completed on the simulated links
+
+    def issued_by_all(self) -> float:
+        """When the last member issued it (infinity while one has not yet)."""
+        times = [self.issued.get(member, float("nan")) for member in self.members]
+        return float("inf") if any(t != t for t in times) else max(times)
+
+
+@dataclass
+class Stage:
+    """One stage of every worker's step.
+
+    Attributes:
+        name: what the stage does (its time is reported under it).
+        collectives: what it issues, in issue order; a member's issue time that is NaN is
+            set to the moment that member has done ``before`` (others keep their own, e.g.
+            a hook's).
+        waits: what a worker waits for (those it is a member of) before ``after``.
+        before: per worker, compute before issuing.
+        after: per worker, compute once its waits are complete.
+    """
+
+    name: str
+    collectives: Sequence[ScheduledCollective]
+    waits: Sequence[ScheduledCollective]
+    before: Sequence[float]
+    after: Sequence[float]
 
 
 @dataclass
@@ -54,20 +85,69 @@ class LinkSchedule:
         self._queues: dict[tuple[object, ...], deque[ScheduledCollective]] = {}
         self._running: dict[tuple[object, ...], int] = {}
         self._flights: list[_Flight] = []
-        self._done: dict[int, float] = {}
 
     def run(self, collectives: Sequence[ScheduledCollective]) -> list[float]:
         """Add ``collectives`` (each lane's in the given order); return each one's completion.
 
-        Simulates until all of them are complete; collectives added before and still in
-        flight share the uplinks with them, and whatever is still in flight afterwards
-        carries over to the next call.
+        Simulates until all of them are complete (all members' issue times must be set);
+        collectives added before and still in flight share the uplinks with them.
         """
+        self._enqueue(collectives)
+        while any(c.done_at is None for c in collectives):
+            self._step()
+        return [c.done_at for c in collectives if c.done_at is not None]
+
+    def run_stages(self, stages: Sequence[Stage], start: Sequence[float]) -> list[list[float]]:
+        """Run every worker through ``stages`` from its ``start``; each one's clock after each.
+
+        Returns ``ends[s][worker]``: when the worker finished stage ``s`` (its waits complete
+        and ``after`` done). All stages' collectives are queued up front, in stage order, so
+        each lane keeps its issue order; a worker issues its share when it reaches the stage.
+        """
+        for stage in stages:
+            self._enqueue(stage.collectives)
+        workers = range(self.cluster.world_size)
+        ends = [[0.0] * len(workers) for _ in stages]
+        reached = [0] * len(workers)  # per worker, the stage it is in
+        issue_at = [0.0] * len(workers)
+        clock = list(start)
+
+        def begin(worker: int) -> None:
+            stage = stages[reached[worker]]
+            issue_at[worker] = clock[worker] + stage.before[worker]
+            for collective in stage.collectives:
+                known = collective.issued.get(worker, float("nan"))
+                if worker in collective.members and known != known:
+                    collective.issued[worker] = issue_at[worker]
+
+        def advance() -> bool:
+            """Move every worker whose waits are complete on; whether one is still inside."""
+            inside = False
+            for worker in workers:
+                while reached[worker] < len(stages):
+                    stage = stages[reached[worker]]
+                    mine = [c.done_at for c in stage.waits if worker in c.members]
+                    if any(done is None for done in mine):
+                        inside = True
+                        break
+                    finished = max([issue_at[worker], *(d for d in mine if d is not None)])
+                    clock[worker] = finished + stage.after[worker]
+                    ends[reached[worker]][worker] = clock[worker]
+                    reached[worker] += 1
+                    if reached[worker] < len(stages):
+                        begin(worker)
+            return inside
+
+        if stages:
+            for worker in workers:
+                begin(worker)
+        while advance():
+            self._step()
+        return ends
+
+    def _enqueue(self, collectives: Sequence[ScheduledCollective]) -> None:
         for collective in collectives:
             self._queues.setdefault(collective.lane, deque()).append(collective)
-        while any(id(c) not in self._done for c in collectives):
-            self._step()
-        return [self._done[id(c)] for c in collectives]
 
     def _loads(self, collective: ScheduledCollective) -> list[float]:
         root = None if collective.root is None else collective.members.index(collective.root)
@@ -79,7 +159,7 @@ class LinkSchedule:
         for lane, queue in self._queues.items():
             while queue and self._running.get(lane, 0) < self.lane_workers:
                 head = queue[0]
-                issued = max(head.issued.values())
+                issued = head.issued_by_all()
                 if issued > self.now:
                     upcoming = min(upcoming, issued)
                     break
@@ -143,7 +223,7 @@ class LinkSchedule:
             else:
                 flight.left -= rate * elapsed
             if flight.latency_left <= 0 and flight.left <= 0:
-                self._done[id(flight.collective)] = self.now
+                flight.collective.done_at = self.now
                 self._running[flight.collective.lane] -= 1
             else:
                 still.append(flight)

@@ -1,7 +1,7 @@
 """One worker's forward and backward pass: when each layer's factors and gradients are ready.
 
 A plain pass takes the profile's times. On a factor step, a worker also computes the
-statistics of the layers it captures (every layer, or only its own under DP-KFAC and PAD),
+statistics of the layers it captures (every layer, or only its own under DP-KFAC),
 in its hooks on the training thread, so each one delays everything after it.
 """
 
@@ -65,19 +65,21 @@ def ddp_buckets(
 ) -> list[tuple[float, int]]:
     """DDP's gradient buckets: ``(launch time from the backward's start, bytes)`` each.
 
-    Gradients in reverse layer order fill buckets of at most ``cap_bytes`` (the first of
-    :data:`DDP_FIRST_BUCKET_BYTES`; a layer larger than the cap alone); a bucket goes when its
-    last gradient exists. Parameters outside the preconditioned layers go with the last
-    bucket, at the end of the backward pass.
+    Gradients in reverse layer order fill a bucket until it holds at least its cap (the first
+    :data:`DDP_FIRST_BUCKET_BYTES`, the others ``cap_bytes``), as DDP closes its buckets; a
+    bucket goes when its last gradient exists. Parameters outside the preconditioned layers
+    go with the last bucket, at the end of the backward pass. A layer's weight and bias are
+    one tensor here (DDP adds them one by one, so its buckets can close between the two).
     """
     buckets: list[tuple[float, int]] = []
     ready, size, cap = 0.0, 0, min(cap_bytes, DDP_FIRST_BUCKET_BYTES)
     pairs = zip(profile.layers, passes.grad_ready_s, strict=True)
     for layer, grad_ready in reversed(list(pairs)):
-        if size and size + layer.grad_bytes > cap:
-            buckets.append((ready, size))
-            size, cap = 0, cap_bytes
         size += layer.grad_bytes
         ready = max(ready, grad_ready)
-    buckets.append((passes.backward_s, size + profile.other_grad_bytes))
+        if size >= cap:
+            buckets.append((ready, size))
+            ready, size, cap = 0.0, 0, cap_bytes
+    if size or profile.other_grad_bytes or not buckets:
+        buckets.append((passes.backward_s, size + profile.other_grad_bytes))
     return buckets

@@ -21,6 +21,22 @@ from dkfac.strategies.layer_shapes import LayerShape
 METHODS: tuple[str, ...] = ("eigen", "inverse")
 
 
+def _mistyped(record: object) -> list[str]:
+    """The fields of dataclass ``record`` whose values are not of their annotated scalar type.
+
+    A profile read from JSON could hold ``"5"`` or ``5.5`` where a dimension belongs; the
+    arithmetic would fail much later, far from the file. Integers serve where floats do.
+    """
+    kinds: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+    wrong = []
+    for name, spec in type(record).__dataclass_fields__.items():  # type: ignore[attr-defined]
+        value = getattr(record, name)
+        expected = kinds.get(str(spec.type))
+        if expected and (isinstance(value, bool) or not isinstance(value, expected)):
+            wrong.append(f"{name} must be {spec.type}, got {value!r}")
+    return wrong
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One preconditioned layer's times, in a plain step and added by K-FAC.
@@ -99,7 +115,13 @@ class ComputeProfile:
 
     def problems(self) -> list[str]:
         """What is wrong with this profile (empty when nothing is)."""
-        problems = []
+        problems = _mistyped(self) + [
+            f"layer {getattr(layer, 'name', layer)!r}: {p}"
+            for layer in self.layers
+            for p in (_mistyped(layer) if isinstance(layer, LayerProfile) else ["not a layer"])
+        ]
+        if problems:
+            return problems  # the checks below compare values of these types
         if self.batch_size < 1:
             problems.append(f"batch_size must be >= 1, got {self.batch_size}")
         for name in (
@@ -180,6 +202,10 @@ class ComputeProfile:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"compute profile: unknown keys {', '.join(unknown)}")
+        if not isinstance(data.get("decomposition"), dict) or not isinstance(
+            data.get("layers"), list | tuple
+        ):
+            raise ValueError("compute profile: 'decomposition' must be an object, 'layers' a list")
         try:
             decomposition = {
                 method: CubicCost(
@@ -187,6 +213,9 @@ class ComputeProfile:
                 )
                 for method, cost in data["decomposition"].items()
             }
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"compute profile: malformed decomposition ({error})") from None
+        try:
             layers = tuple(LayerProfile(**layer) for layer in data["layers"])
             values = {k: v for k, v in data.items() if k not in ("decomposition", "layers")}
             return cls(decomposition=decomposition, layers=layers, **values)

@@ -28,7 +28,7 @@ class SimulatedCluster:
         world_size: number of workers ``P``.
         link: each worker's link.
         backend: ``"nccl"`` or ``"gloo"``; it decides how a reduce at two ranks travels
-            (:func:`~dkfac.comm.communicator.reduces_by_sending`).
+            (:func:`~dkfac.comm.direct_reduce.reduces_by_sending`).
         bucket_cap_mb: the fused-collective cap (the communicator's, and DDP's buckets).
     """
 

@@ -24,20 +24,28 @@ statistics of the layers the placement has it capture.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from dkfac.comm.cost_model import ClusterCostModel
 from dkfac.comm.direct_reduce import reduces_by_sending
+from dkfac.comm.lanes import Lanes
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import IssuedCollective, RecordingCommunicator
-from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective
+from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.passes import WorkerPasses, ddp_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile
 from dkfac.sim.run import SGD, Prediction, SimulatedCluster, SimulatedRun, StepPrediction
-from dkfac.strategies.accounting import DryRunSettings, issue_update, plan_strategy
+from dkfac.strategies.accounting import (
+    UPDATE_STAGES,
+    DryRunSettings,
+    build_strategy,
+    issue_update,
+)
 from dkfac.strategies.pipeline import FactorPipeline
+from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.plan import Placement
 from dkfac.strategies.runner import PlacementRunner
 
@@ -72,18 +80,45 @@ def simulate(profile: ComputeProfile, cluster: SimulatedCluster, run: SimulatedR
     """
     placement = None
     if run.strategy != SGD:
-        placement = plan_strategy(
+        built = build_strategy(
             run.strategy,
-            profile.shapes,
             settings_of(profile, cluster, run),
             grad_worker_fraction=run.grad_worker_fraction,
             share=run.share,
         )
+        placement = built.place([layer.dims for layer in profile.shapes])
+        if isinstance(built, PipelinedStrategy) and placement.exchange == "hooks":
+            placement = _fused_by_ready(profile, built, placement)
     steps = [
         _simulate_step(profile, cluster, run, placement, kind, share, factors, decompositions)
         for kind, share, factors, decompositions in run.step_kinds()
     ]
     return Prediction(run, steps)
+
+
+def _fused_by_ready(
+    profile: ComputeProfile, strategy: PipelinedStrategy, placement: Placement
+) -> Placement:
+    """SPD/PAD's fusion plan after profiling: alpha-beta merged at the predicted ready times.
+
+    Each slot's ready time is the latest over the workers of when its statistics are
+    complete in a factor step (the strategy agrees the measured medians by their maximum).
+    """
+    ranks = range(strategy.world_size)
+    layers = range(len(profile.layers))
+    passes = [worker_passes(profile, [placement.captures(i, r) for i in layers]) for r in ranks]
+    ready = [
+        max(
+            w.a_ready_s[route.layer]
+            if route.side == "a"
+            else w.forward_s + w.g_ready_s[route.layer]
+            for w in passes
+        )
+        for route in placement.factors
+    ]
+    dims = [layer.dims for layer in profile.shapes]
+    buckets = strategy.fusion_for_ready(strategy.plan_factors(dims), ready)
+    return dataclasses.replace(placement, buckets=tuple(tuple(b) for b in buckets))
 
 
 def _hand_over(
@@ -170,55 +205,60 @@ def _simulate_step(
                     ),
                 )
             )
-    hooked = _next_stage(stage_runs, issued, cluster, lambda rank: 0.0)
-    done = network.run([*ddp, *hooked])
-    ddp_done = max(done[: len(ddp)], default=0.0)
-    # The hooks pack their buckets on the training thread, which delays the passes.
+    lanes = _lanes(placement, cluster)
+    lanes = _lanes(placement, cluster)
+    nothing = [0.0] * world
+    hooked = _next_stage(stage_runs, issued, lanes, "hooks") if placement is not None else []
+    # The hooks pack their buckets on the training thread, which delays the passes; the
+    # backward pass returns once DDP's allreduce is done.
     hooked_pack = _packing(profile, hooked, everyone)
-    clock = [
-        max(w.forward_s + w.backward_s + pack, ddp_done)
-        for w, pack in zip(passes, hooked_pack, strict=True)
-    ]
-    stages["forward_backward"] = max(clock)
-    if placement is None:
-        stages["optimizer"] = profile.optimizer_s
-        return StepPrediction(
-            kind, share, max(clock) + profile.optimizer_s, stages, max(network.sent)
+    program = [
+        Stage(
+            "forward_backward",
+            [*ddp, *hooked],
+            ddp,
+            [
+                w.forward_s + w.backward_s + pack
+                for w, pack in zip(passes, hooked_pack, strict=True)
+            ],
+            nothing,
         )
-
-    compute = _RankCompute(profile, placement, run.inverse_method)
-    # Factor exchange: what the hooks did not send, then every factor collective is waited for.
-    hooked_done = {rank: 0.0 for rank in everyone}
-    for collective, end in zip(hooked, done[len(ddp) :], strict=True):
-        for member in collective.members:
-            hooked_done[member] = max(hooked_done[member], end)
-    plan: list[tuple[str, Callable[[int], float], Callable[[int], float]]] = [
-        ("factor_exchange", lambda r: 0.0, lambda r: compute.fold(r) if factors else 0.0),
-        ("traces", lambda r: 0.0, lambda r: 0.0),
-        (
-            "decompositions",
-            lambda r: compute.decompose(r) if decompositions else 0.0,
-            lambda r: 0.0,
-        ),
-        ("gradients", compute.precondition, lambda r: 0.0),
     ]
-    for name, before, after in plan:
-        starts = list(clock)
-        issue_at = [starts[r] + before(r) for r in everyone]
-        collectives = _next_stage(stage_runs, issued, cluster, issue_at.__getitem__)
-        ends = network.run(collectives)
-        finished = list(issue_at)
-        for collective, end in zip(collectives, ends, strict=True):
-            for member in collective.members:
-                finished[member] = max(finished[member], end)
-        if name == "factor_exchange":
-            finished = [max(finished[r], hooked_done[r]) for r in everyone]
-        packing = _packing(profile, collectives, everyone)
-        clock = [finished[r] + after(r) + packing[r] for r in everyone]
-        stages[name] = max(clock[r] - starts[r] for r in everyone)
+    if placement is not None:
+        compute = _RankCompute(profile, placement, run.inverse_method)
+        before: dict[str, Callable[[int], float]] = {
+            "decompositions": compute.decompose if decompositions else _nothing,
+            "gradients": compute.precondition,
+        }
+        after: dict[str, Callable[[int], float]] = {
+            "factor_exchange": compute.fold if factors else _nothing,
+        }
+        for name in UPDATE_STAGES[1:]:
+            collectives = _next_stage(stage_runs, issued, lanes, name)
+            packing = _packing(profile, collectives, everyone)
+            waits = [*collectives, *hooked] if name == "factor_exchange" else collectives
+            program.append(
+                Stage(
+                    name,
+                    collectives,
+                    waits,
+                    [before.get(name, _nothing)(r) for r in everyone],
+                    [after.get(name, _nothing)(r) + packing[r] for r in everyone],
+                )
+            )
+    ends = network.run_stages(program, nothing)
+    starts = nothing
+    for stage, stage_ends in zip(program, ends, strict=True):
+        stages[stage.name] = max(end - begun for end, begun in zip(stage_ends, starts, strict=True))
+        starts = stage_ends
     stages["optimizer"] = profile.optimizer_s
-    seconds = max(clock) + profile.optimizer_s
+    seconds = max(ends[-1]) + profile.optimizer_s
     return StepPrediction(kind, share, seconds, stages, max(network.sent))
+
+
+def _nothing(rank: int) -> float:
+    """No compute."""
+    return 0.0
 
 
 def _packing(
@@ -232,30 +272,48 @@ def _packing(
     return spent
 
 
+def _lanes(placement: Placement | None, cluster: SimulatedCluster) -> Lanes[tuple[object, ...]]:
+    """The lanes the runner's communicator opens on this cluster (:meth:`~Communicator.open_lanes`).
+
+    A lane is named by its group's members, plus its root for a group of its own.
+    """
+    world = tuple(range(cluster.world_size))
+    lanes: Lanes[tuple[object, ...]] = Lanes((world,))
+    if placement is not None and reduces_by_sending(cluster.backend, cluster.world_size):
+        lanes.open(placement.roots(world), lambda: (world, len(lanes)))
+    return lanes
+
+
 def _next_stage(
     stage_runs: Sequence[tuple[RecordingCommunicator, Iterator[str]]],
     issued: list[list[IssuedCollective]],
-    cluster: SimulatedCluster,
-    issue_time: Callable[[int], float],
+    lanes: Lanes[tuple[object, ...]],
+    name: str,
 ) -> list[ScheduledCollective]:
-    """Advance every worker's runner by one stage; match the collectives it issued.
+    """Advance every worker's runner to the end of stage ``name``; match what they issued.
 
     A collective issued from a hook keeps its own time (the clock at its hand-over); the
-    others are issued at ``issue_time(rank)``. The ``k``-th collective on a lane is the same
-    collective on every member (backends match them in issue order).
+    others' times are left NaN, set when the worker reaches the stage (:class:`Stage`). The
+    ``k``-th collective on a lane is the same
+    collective on every member (backends match them in issue order). Reduces and broadcasts
+    over the whole world travel on their root's lane.
     """
+    world = tuple(range(len(stage_runs)))
     matched: dict[tuple[tuple[object, ...], int], ScheduledCollective] = {}
     order: list[tuple[tuple[object, ...], int]] = []
     for rank, (comm, stages) in enumerate(stage_runs):
         before = len(issued[rank])
         comm.clock = float("nan")  # set by the hooks only
-        next(stages)
+        reached = next(stages, None)
+        if reached != name:
+            raise RuntimeError(f"rank {rank}'s runner reached stage {reached!r}, not {name!r}")
         counts: dict[tuple[object, ...], int] = {}
         for entry in issued[rank][before:]:
-            members = entry.group or tuple(range(cluster.world_size))
+            members = entry.group or world
             lane: tuple[object, ...] = (members,)
-            if entry.op == "reduce" and reduces_by_sending(cluster.backend, len(members)):
-                lane = (members, entry.root)
+            if entry.op in ("reduce", "broadcast") and members == world:
+                assert entry.root is not None
+                lane = lanes.route(entry.root)
             k = counts.get(lane, 0)
             counts[lane] = k + 1
             key = (lane, k)
@@ -275,8 +333,7 @@ def _next_stage(
                     f"member issued {collective.op} of {collective.nbytes}: the ranks' "
                     "collectives do not match"
                 )
-            hooked = entry.issued_at == entry.issued_at  # not NaN: a hook issued it
-            collective.issued[rank] = entry.issued_at if hooked else issue_time(rank)
+            collective.issued[rank] = entry.issued_at  # NaN unless a hook issued it
     return [matched[key] for key in order]
 
 

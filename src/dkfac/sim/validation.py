@@ -2,10 +2,11 @@
 
 ``benchmarks/network.py`` writes, per link rate, the measured time per iteration of DDP + SGD
 and every K-FAC strategy on the emulated cluster (:mod:`dkfac.bench.emulated_cluster`). For
-each such row :func:`compare_rows` simulates the same run (strategy, KAISA fraction,
-schedule, P, gloo, the rate's shaped link) with a compute profile of one worker and reports
-the relative error. Measured: the median iteration at (1, 1), the amortised one for
-periodic schedules (whose median is a step without K-FAC work).
+each such row :func:`compare_rows` simulates the same run (strategy, KAISA fraction, PAD's
+share, schedule, P, gloo, the rate's shaped link and delay, the benchmark's bucket cap) with
+a compute profile of one worker at the benchmark's batch size and reports the relative
+error. Measured: the median iteration at (1, 1), the amortised one for periodic schedules
+(whose median is a step without K-FAC work).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def run_of(row: Mapping[str, Any]) -> SimulatedRun | None:
         factor_update_steps=int(row["factor_update_steps"]),
         inv_update_steps=int(row["inv_update_steps"]),
         inverse_method=row.get("inverse_method") or "eigen",
+        share=row.get("pad_share") or "auto",  # what PAD decided when it ran
     )
 
 
@@ -48,18 +50,42 @@ def measured_seconds(row: Mapping[str, Any]) -> float:
 def compare_rows(
     rows: Iterable[Mapping[str, Any]],
     profiles: Mapping[str, ComputeProfile],
+    settings: Mapping[str, Any],
     *,
     source: str = "",
 ) -> list[dict[str, Any]]:
-    """Per measured row with a profile of its model: measured, predicted, relative error."""
+    """Per measured row with a profile of its model: measured, predicted, relative error.
+
+    ``settings`` are the benchmark's (its JSON's ``"settings"``): batch size per worker,
+    bucket cap and each rate's delay.
+
+    Raises:
+        ValueError: a profile measured at another batch size than the benchmark ran.
+    """
+    batch = settings.get("batch_size_per_worker")
+    delays = {
+        float(link["rate_bit_s"]): float(link.get("delay_s", 0.0))
+        for link in settings.get("network", [])
+    }
     compared = []
     for row in rows:
         profile = profiles.get(row["model"])
         run = run_of(row)
         if profile is None or run is None:
             continue
-        link = LinkModel.from_link_shape(LinkShape(float(row["rate_bit_s"])))
-        cluster = SimulatedCluster(int(row["nprocs"]), link, backend="gloo")
+        if batch is not None and profile.batch_size != batch:
+            raise ValueError(
+                f"the {row['model']} profile is of batch size {profile.batch_size}; "
+                f"{source or 'the benchmark'} ran {batch} per worker"
+            )
+        rate = float(row["rate_bit_s"])
+        link = LinkModel.from_link_shape(LinkShape(rate, delays.get(rate, 0.0)))
+        cluster = SimulatedCluster(
+            int(row["nprocs"]),
+            link,
+            backend=str(settings.get("backend", "gloo")),
+            bucket_cap_mb=float(settings.get("bucket_cap_mb", 25.0)),
+        )
         prediction = simulate(profile, cluster, run)
         measured = measured_seconds(row)
         compared.append(
@@ -86,14 +112,14 @@ def tolerance(nprocs: int) -> float:
 def format_comparison(compared: Sequence[Mapping[str, Any]]) -> str:
     """A table: one row per measured configuration, the error and whether it is within bounds."""
     header = (
-        f"{'source':34s} {'rate':>8s} {'P':>2s} {'configuration':22s} "
+        f"{'source':34s} {'rate':>8s} {'P':>2s} {'configuration':30s} "
         f"{'measured':>9s} {'predicted':>9s} {'error':>7s}  within"
     )
     lines = [header, "-" * len(header)]
     for row in compared:
         ok = abs(row["error"]) <= tolerance(int(row["nprocs"]))
         lines.append(
-            f"{row['source'][:34]:34s} {row['rate']:>8s} {row['nprocs']:>2d} {row['label']:22s} "
+            f"{row['source'][:34]:34s} {row['rate']:>8s} {row['nprocs']:>2d} {row['label']:30s} "
             f"{row['measured_s']:>8.3f}s {row['predicted_s']:>8.3f}s {row['error']:>+7.1%}  "
             f"{'yes' if ok else 'NO'}"
         )

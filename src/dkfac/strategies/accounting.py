@@ -43,6 +43,7 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
 from dkfac.comm.wire import element_size
 from dkfac.strategies import distributed_strategy
+from dkfac.strategies.base import Strategy
 from dkfac.strategies.decomposition_payload import payload_shapes
 from dkfac.strategies.layer_shapes import LayerShape
 from dkfac.strategies.pipeline import FactorPipeline
@@ -137,20 +138,18 @@ def _shape_only(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.zeros((), dtype=dtype).expand(shape)
 
 
-def plan_strategy(
+def build_strategy(
     strategy: str,
-    layers: Sequence[LayerShape],
     settings: DryRunSettings,
     *,
     grad_worker_fraction: float = 1.0,
     share: str = "auto",
-) -> Placement:
-    """The placement ``strategy`` plans for ``layers``: the strategy itself, built as for a run.
+) -> Strategy:
+    """``strategy`` built as for a run, on a recording communicator of the settings' world.
 
     The strategy is made by :func:`~dkfac.strategies.distributed_strategy` (as
-    ``make_strategy`` makes it) on a recording communicator of the settings' world, and asked
-    for its placement. ``grad_worker_fraction`` (kaisa) and ``share`` (pad) are options of the
-    strategies that have them.
+    ``make_strategy`` makes it). ``grad_worker_fraction`` (kaisa) and ``share`` (pad) are
+    options of the strategies that have them.
 
     Raises:
         ValueError: an unknown strategy, a fraction the world size does not allow, or
@@ -177,7 +176,7 @@ def plan_strategy(
         bucket_cap_mb=settings.bucket_cap_mb,
         comm_dtype=settings.comm_dtype,
     )
-    built = distributed_strategy(
+    return distributed_strategy(
         options,
         comm,
         recorder,
@@ -186,6 +185,24 @@ def plan_strategy(
         factor_dtype=settings.factor_dtype,
         grad_dtype=settings.grad_dtype,
         inv_update_steps=settings.inv_update_steps,
+    )
+
+
+def plan_strategy(
+    strategy: str,
+    layers: Sequence[LayerShape],
+    settings: DryRunSettings,
+    *,
+    grad_worker_fraction: float = 1.0,
+    share: str = "auto",
+) -> Placement:
+    """The placement ``strategy`` plans for ``layers`` (:func:`build_strategy`, then ``place``).
+
+    Raises:
+        ValueError: as :func:`build_strategy`.
+    """
+    built = build_strategy(
+        strategy, settings, grad_worker_fraction=grad_worker_fraction, share=share
     )
     return built.place([layer.dims for layer in layers])
 

@@ -114,7 +114,7 @@ class PipelinedStrategy(Strategy):
             self.factor_dtype = layers[0].factor_dtype
         if self.grad_dtype is None:
             self.grad_dtype = layers[0].block.weight.dtype
-        self.factor_placement = self._factor_placement(
+        self.factor_placement = self.plan_factors(
             [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         )
         super().setup(layers, accumulation_steps=accumulation_steps)
@@ -123,9 +123,10 @@ class PipelinedStrategy(Strategy):
 
     def place(self, dims: Sequence[tuple[int, int]]) -> Placement:
         """The cost-model placement with the size-first fusion plan (see :meth:`place_factors`)."""
-        return self._factor_placement(dims).placement()
+        return self.plan_factors(dims).placement()
 
-    def _factor_placement(self, dims: Sequence[tuple[int, int]]) -> FactorPlacement:
+    def plan_factors(self, dims: Sequence[tuple[int, int]]) -> FactorPlacement:
+        """Destinations, decomposers and the size-first fusion for layers of ``dims``."""
         if self.cost is None or self.factor_dtype is None:
             raise RuntimeError(
                 f"strategy={self.name!r} places factors with a cost model and the factors' "
@@ -218,7 +219,24 @@ class PipelinedStrategy(Strategy):
 
     def replan_order(self, ready: Sequence[float]) -> list[int]:
         """Slot indices in the order the plan walks them after profiling."""
-        return list(range(len(self.placement.factors)))
+        return list(range(len(ready)))
+
+    def fusion_for_ready(self, factors: FactorPlacement, ready: Sequence[float]) -> list[list[int]]:
+        """The alpha-beta merge plan for slots whose factors are ready at ``ready`` (seconds).
+
+        Used after profiling with the median ready times agreed over ranks, and by the
+        simulator with the ready times it predicts.
+        """
+        assert self.cost is not None, "planned with a cost model"
+        order = self.replan_order(ready)
+        positions = plan_buckets_alpha_beta(
+            [ready[i] for i in order],
+            [factors.costs.wire[i] for i in order],
+            self.cost.collective,
+            self.comm.bucket_cap_bytes,
+            destination_boundaries(factors.destination, order),
+        )
+        return [[order[p] for p in bucket] for bucket in positions]
 
     def _replan(self) -> None:
         """Alpha-beta merge plan from the median ready times, agreed (max) over ranks."""
@@ -228,16 +246,7 @@ class PipelinedStrategy(Strategy):
         agreed = torch.tensor(medians, dtype=torch.float64, device=device)
         self.comm.allreduce([agreed], phase="factor_comm", maximum=True, exact=True).wait()
         ready = agreed.tolist()
-        order = self.replan_order(ready)
-        wire = self.factor_placement.costs.wire
-        positions = plan_buckets_alpha_beta(
-            [ready[i] for i in order],
-            [wire[i] for i in order],
-            self.cost.collective,
-            self.comm.bucket_cap_bytes,
-            destination_boundaries(self.factor_placement.destination, order),
-        )
-        buckets = [[order[p] for p in bucket] for bucket in positions]
+        buckets = self.fusion_for_ready(self.factor_placement, ready)
         self.runner.set_buckets(buckets)
         self.measured_ready = ready
         logger.info(

@@ -192,6 +192,12 @@ class Placement:
         """Number of layers planned."""
         return len(self.factors) // 2
 
+    def roots(self, ranks: tuple[int, ...]) -> list[int]:
+        """Ranks reduced to, or broadcasting to all of ``ranks`` (the roots of their lanes)."""
+        reduced = [route.reduced_to for route in self.factors if route.reduced_to is not None]
+        sources = [share.source for share in self.decompositions if share.group == ranks]
+        return reduced + sources + [s.source for s in self.gradients if s.group == ranks]
+
     def bucket_destinations(self) -> list[int | None]:
         """Per fusion bucket, the rank its reduce goes to (``None``: an allreduce)."""
         return [self.factors[bucket[0]].reduced_to for bucket in self.buckets]

@@ -77,12 +77,12 @@ class PlacementRunner:
             raise ValueError("a placement that sends data needs a communicator")
         self.groups = comm.new_groups(layouts) if comm is not None else {}
         self.pipeline: FactorPipeline | None = None
+        if comm is not None:  # roots are fixed for the run (re-planning only re-buckets)
+            comm.open_lanes(placement.roots(comm.ranks))
         if placement.exchange == "hooks":
             assert comm is not None
             slots = [FactorSlot(r.layer, r.side, r.dim) for r in placement.factors]
             destinations = placement.bucket_destinations()
-            # Owners are fixed for the run (re-planning only re-buckets), so are the lanes.
-            comm.open_reduce_lanes(d for d in destinations if d is not None)
             self.pipeline = FactorPipeline(comm, recorder, slots, placement.buckets, destinations)
 
     def set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:

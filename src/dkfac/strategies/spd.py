@@ -61,6 +61,6 @@ class SPDStrategy(PipelinedStrategy):
             decomposer[i] = owner
         return decomposer
 
-    def replan_order(self, ready: list[float]) -> list[int]:  # type: ignore[override]
+    def replan_order(self, ready: Sequence[float]) -> list[int]:
         """Slots sorted by their agreed measured ready time (registration order breaks ties)."""
-        return sorted(range(len(self.placement.factors)), key=lambda i: (ready[i], i))
+        return sorted(range(len(ready)), key=lambda i: (ready[i], i))
