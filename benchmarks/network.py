@@ -1,9 +1,10 @@
 """DDP + SGD, DeAR + SGD and the K-FAC strategies on an emulated cluster, at several link rates.
 
 A thin front end of ``dkfac bench --network RATE`` (:func:`dkfac.bench.command.run_bench`, one
-run per rate; the measurement is described in :mod:`dkfac.bench.worker`): P = 2 workers, each
-in its own network namespace with a full-duplex link shaped to the rate
-(:mod:`dkfac.bench.emulated_cluster`; needs root or CAP_NET_ADMIN), on ResNet-32 and the
+run per rate; the measurement is described in :mod:`dkfac.bench.worker`): P = 2 workers
+(``--nprocs``: 4 share this machine's two cores, two per core), each in its own network
+namespace with a full-duplex link shaped to the rate (:mod:`dkfac.bench.emulated_cluster`;
+needs root or CAP_NET_ADMIN), on ResNet-32 and the
 Transformer language model, timing DDP + SGD, DeAR + SGD (``dear``) and every K-FAC strategy
 (``dkfac``; ``kaisa`` at f = 1/P; ``spd``; ``pad``; ``dp``) at schedules (1,1) and (10,100).
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dkfac.bench.command import run_bench, write_json
-from dkfac.bench.configs import STRATEGY_CHOICES, comma_separated
+from dkfac.bench.configs import AUTO, STRATEGY_CHOICES, comma_separated
 from dkfac.bench.emulated_cluster import ClusterUnavailableError, unavailable_reason
 from dkfac.bench.link_shape import LinkShape
 from dkfac.bench.network_report import (
@@ -48,7 +49,7 @@ from dkfac.cli.config import ConfigError
 RATES = "20mbit,50mbit,400mbit"
 QUICK_RATE = "1gbit"
 MODELS = "resnet32,transformer"
-STRATEGIES = ",".join(STRATEGY_CHOICES)
+STRATEGIES = ",".join(s for s in STRATEGY_CHOICES if s != AUTO)  # auto: on request
 SCHEDULES = "1:1,10:100"
 #: World size: two workers, two cores, one worker per core.
 NPROCS = "2"
@@ -78,7 +79,7 @@ def parse_rates(value: str) -> list[tuple[str, LinkShape]]:
 def build_parser() -> argparse.ArgumentParser:
     """The script's options; those of ``dkfac bench`` keep its names and meaning."""
     parser = argparse.ArgumentParser(
-        description="Time DDP + SGD, DeAR + SGD and the K-FAC strategies with P = 2 workers on "
+        description="Time DDP + SGD, DeAR + SGD and the K-FAC strategies with P workers on "
         "an emulated cluster whose links are shaped to each rate (needs CAP_NET_ADMIN)."
     )
     parser.add_argument(
@@ -91,10 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--strategies",
         default=STRATEGIES,
-        help=f"dear and K-FAC strategies besides DDP + SGD, from {STRATEGIES} (default all)",
+        help="dear, K-FAC strategies and auto besides DDP + SGD, from "
+        f"{','.join(STRATEGY_CHOICES)} (default {STRATEGIES})",
     )
     parser.add_argument(
         "--schedules", default=SCHEDULES, help=f"K-FAC f:i pairs (default {SCHEDULES})"
+    )
+    parser.add_argument(
+        "--nprocs",
+        default=NPROCS,
+        help=f"workers, one world size (default {NPROCS}; more than the cores share them)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 2, quick 1)")
     parser.add_argument(
@@ -130,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"folder of network.json and network.png (default {DEFAULT_OUT})",
     )
     # What dkfac bench's options need and this script keeps fixed.
-    parser.set_defaults(nprocs=None, seed=0, bucket_cap_mb=25.0)
+    parser.set_defaults(seed=0, bucket_cap_mb=25.0)
     return parser
 
 
@@ -142,7 +149,7 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     """
     if args.timeout is None and not args.quick:
         args.timeout = TIMEOUT_S
-    return options_from_args(args, models=MODELS, nprocs=NPROCS)
+    return options_from_args(args, models=MODELS, nprocs=args.nprocs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,11 +52,13 @@ def _profile_worker(core: int, model: str, batch_size: int, steps: int) -> dict[
 
 
 def profile_alongside(model: str, batch_size: int, steps: int, workers: int) -> ComputeProfile:
-    """The first core's profile of ``workers`` copies profiled at once, one per core.
+    """The first copy's profile of ``workers`` copies profiled at once, pinned as the workers.
 
-    The emulated cluster's P workers share the machine's memory and caches.
+    The emulated cluster pins rank ``r`` to core ``r mod cores``: its P workers share the
+    machine's memory and caches, and beyond one per core, the cores themselves.
     """
-    cores = sorted(os.sched_getaffinity(0))[:workers]
+    available = sorted(os.sched_getaffinity(0))
+    cores = [available[rank % len(available)] for rank in range(workers)]
     context = multiprocessing.get_context("spawn")
     with context.Pool(len(cores)) as pool:
         profiles = pool.starmap(
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=int,
         default=2,
-        help="copies profiled at once, one per core, as the measured workers ran (default 2)",
+        help="copies profiled at once, pinned as the measured workers ran (default 2)",
     )
     parser.add_argument("--out", default=os.path.join("runs", "sim_validation"))
     args = parser.parse_args(argv)

@@ -256,7 +256,7 @@ def test_configurations_include_spd_pad_and_dp() -> None:
 
 
 def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
-    assert ("dear", *STRATEGIES) == STRATEGY_CHOICES
+    assert ("dear", *STRATEGIES, "auto") == STRATEGY_CHOICES
     configs = configurations(2, strategies=("dkfac", "dear"), schedules=((1, 1), (10, 100)))
     assert [c.key for c in configs] == ["sgd", "dear", "dkfac_1_1", "dkfac_10_100"]
     dear = configs[1]

@@ -39,5 +39,5 @@ def test_the_strategy_table_lists_every_registered_strategy_with_its_reference()
     for row, spec in zip(rows, STRATEGIES.values(), strict=True):
         assert row.rstrip().endswith(f"| {spec.reference} |"), row
     distributed = [name for name, spec in STRATEGIES.items() if spec.distributed]
-    assert list(COMMAND_LINE) == ["none", *STRATEGIES]
+    assert list(COMMAND_LINE) == ["none", *STRATEGIES, "auto"]  # auto: dkfac.AutoOptions
     assert list(BENCHED) == list(ACCOUNTED_STRATEGIES) == distributed

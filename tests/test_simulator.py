@@ -12,6 +12,8 @@ from torch import nn
 from dkfac.bench.link_shape import LinkShape
 from dkfac.cli.main import main
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
+from dkfac.sim.choice import candidates, kaisa_fractions, rank_candidates
+from dkfac.sim.flops import DeviceRates, LayerWork, flop_profile, resnet50_work
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
 from dkfac.sim.passes import ddp_buckets, worker_passes
@@ -21,6 +23,7 @@ from dkfac.sim.run import SimulatedCluster, SimulatedRun
 from dkfac.sim.timeline import settings_of, simulate
 from dkfac.sim.validation import compare_rows
 from dkfac.strategies.accounting import plan_strategy
+from dkfac.strategies.layer_shapes import LayerShape
 
 MB = 1e6
 
@@ -408,3 +411,99 @@ def test_validation_predicts_each_row_as_the_benchmark_ran_it() -> None:
     assert abs(plain.iteration_s - expected.iteration_s) > 0.01  # the settings mattered
     with pytest.raises(ValueError, match=r"profile is of batch size 8; .* ran 32"):
         compare_rows([row], {"m": profile()}, {**settings, "batch_size_per_worker": 32})
+
+
+def test_a_flop_profile_shares_the_passes_by_multiply_adds() -> None:
+    rates = DeviceRates("toy", 100.0, 1e9, 1e8, CubicCost(1e-3, 1e-9), CubicCost(1e-4, 1e-10))
+    work = [LayerWork(LayerShape("conv", 9, 4), 10), LayerWork(LayerShape("fc", 5, 2), 1)]
+    derived = flop_profile(work, rates, batch_size=2, other_grad_bytes=8, inverse_method="inverse")
+    # 2 samples at 100/s: 0.02 s, a third forward; multiply-adds 2·2·10·9·4 and 2·2·1·5·2.
+    forward, backward, conv, fc = 0.02 / 3, 0.04 / 3, 1440 / 1480, 40 / 1480
+    assert derived.forward_s == pytest.approx(forward)
+    assert derived.backward_s == pytest.approx(backward)
+    first, second = derived.layers
+    assert [first.output_s, second.output_s] == pytest.approx([conv * forward, forward])
+    # The last layer's gradient arrives first.
+    assert second.output_grad_s == 0.0 and second.grad_ready_s == pytest.approx(fc * backward)
+    assert first.output_grad_s == pytest.approx(fc * backward)
+    assert first.grad_ready_s == pytest.approx(backward)
+    # A statistic: 20 rows x 9 read and written at 1e8 B/s, then 2·20·81 FLOPs at 1e9.
+    assert first.a_statistic_s == pytest.approx(2 * 4 * 20 * 9 / 1e8 + 2 * 20 * 81 / 1e9)
+    assert second.g_statistic_s == pytest.approx(2 * 4 * 2 * 2 / 1e8 + 2 * 2 * 4 / 1e9)
+    assert second.precondition_s == pytest.approx(2 * (4 * 5 + 2 * 25) / 1e9)
+    eigen = flop_profile(work, rates, batch_size=2, other_grad_bytes=8)  # four products
+    assert eigen.layers[1].precondition_s == pytest.approx(4 * (4 * 5 + 2 * 25) / 1e9)
+    assert [first.grad_bytes, second.grad_bytes] == [144, 40]
+    assert derived.optimizer_s == pytest.approx(5 * (144 + 40 + 8) / 1e8)
+    assert derived.factor_update_s == pytest.approx(3 * 4 * (81 + 16 + 25 + 4) / 1e8)
+    assert derived.pack_bytes_per_s == 5e7
+    assert derived.decomposition_cost("eigen") == CubicCost(1e-3, 1e-9)
+    with pytest.raises(ValueError, match="positive"):
+        DeviceRates("none", 0.0, 1e9, 1e8, CubicCost(0, 1e-9), CubicCost(0, 1e-9))
+
+
+def test_resnet50_work_has_imagenet_multiply_adds_and_resolutions() -> None:
+    work = {item.shape.name: item for item in resnet50_work()}
+    assert len(work) == 54
+    # 4.09 G multiply-adds per 224x224 image (the published ResNet-50 figure).
+    assert sum(item.forward_flops(1) for item in work.values()) / 2 == pytest.approx(
+        4.09e9, rel=1e-2
+    )
+    assert work["conv1"].positions == 112 * 112
+    assert work["layer2.0.conv1"].positions == 56 * 56  # before the stride
+    assert work["layer2.0.conv2"].positions == 28 * 28
+    assert work["layer4.2.conv3"].positions == 7 * 7 and work["fc"].positions == 1
+
+
+def test_a_profile_refuses_a_layer_that_does_not_run() -> None:
+    class Spare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.spare = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    with pytest.raises(ValueError, match=r"layers \['spare'\] did not run"):
+        measure_profile(Spare(), batch, nn.functional.cross_entropy, steps=1, warmup=0)
+
+
+def test_auto_candidates_cover_the_strategies_fractions_and_caps() -> None:
+    assert kaisa_fractions(8) == [0.125, 0.25, 0.5, 1.0]
+    template = SimulatedRun("dkfac", factor_update_steps=10, inv_update_steps=100)
+    found = candidates(template, 8, bucket_caps_mb=(25.0,))
+    assert [(c.run.strategy, c.run.grad_worker_fraction) for c in found] == [
+        ("dkfac", 1.0),
+        ("kaisa", 0.125),
+        ("kaisa", 0.25),
+        ("kaisa", 0.5),
+        ("spd", 1.0),
+        ("pad", 1.0),
+        ("dp", 1.0),
+    ]
+    assert all(c.run.inv_update_steps == 100 for c in found)  # the run's schedule kept
+    # At P = 64 KAISA is tried at four fractions: both ends and two between.
+    wide = candidates(template, 64, strategies=("kaisa",), bucket_caps_mb=(25.0, 4.0))
+    fractions = sorted({c.run.grad_worker_fraction for c in wide})
+    assert fractions == [1 / 64, 1 / 16, 1 / 8, 1 / 2] and len(wide) == 8
+    with pytest.raises(ValueError, match="auto chooses among"):
+        candidates(template, 8, strategies=("sgd",))
+
+
+def test_ranking_is_every_candidates_simulated_time_fastest_first() -> None:
+    cluster = SimulatedCluster(2, LinkModel(1e4, 0.001), backend="gloo")
+    options = candidates(SimulatedRun("dkfac"), 2, bucket_caps_mb=(25.0, 1e-4))
+    ranked = rank_candidates(profile(), cluster, options)
+    expected = sorted(
+        simulate(
+            profile(), dataclasses.replace(cluster, bucket_cap_mb=c.bucket_cap_mb), c.run
+        ).iteration_s
+        for c in options
+    )
+    assert [r.iteration_s for r in ranked] == pytest.approx(expected)
+    assert {r.candidate for r in ranked} == set(options)
+    # Equal candidates keep their order: every rank ranking the same inputs agrees.
+    twins = [options[0], dataclasses.replace(options[0])]
+    assert [r.candidate for r in rank_candidates(profile(), cluster, twins)] == twins
+    assert ranked[0].as_dict()["iteration_s"] == ranked[0].iteration_s

@@ -9,6 +9,7 @@
 aggregation (reduce-scatter under backward, all-gather under the next forward).
 """
 
+from dkfac.auto import AutoOptions
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerHealth
 from dkfac.dear.averaging import DeAR
@@ -20,6 +21,7 @@ from dkfac.strategies.plan_report import PlanReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoOptions",
     "DeAR",
     "Health",
     "KFACConfig",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 
 #: A number, or a function of the K-FAC step (0-based count of completed ``step()`` calls).
@@ -170,7 +171,7 @@ class KFACConfig:
     See the preconditioner's docstring for the meaning of each field.
     """
 
-    strategy: str | StrategyOptions = "local"
+    strategy: str | StrategyOptions | StrategyChooser = "local"
     inverse_method: str = "eigen"
     damping: Hyperparameter = 0.003
     factor_decay: Hyperparameter = 0.95
@@ -190,8 +191,9 @@ class KFACConfig:
     cost_model: ClusterCostModel | CostModelCache | None = None
     share: str | None = None
     check_replicas_every: int = 0
-    #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`).
-    options: StrategyOptions = field(init=False, repr=False)
+    #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
+    #: chooser that picks it at construction.
+    options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
     factor_decay_at: FloatSchedule = field(init=False, repr=False)
@@ -199,6 +201,26 @@ class KFACConfig:
     kl_clip_at: FloatSchedule | None = field(init=False, repr=False)
     factor_update_steps_at: IntSchedule = field(init=False, repr=False)
     inv_update_steps_at: IntSchedule = field(init=False, repr=False)
+
+    def _resolve_strategy(self) -> StrategyOptions | StrategyChooser:
+        """The options ``strategy`` means; a chooser takes none of the shorthand keywords."""
+        shorthand = {
+            "grad_worker_fraction": self.grad_worker_fraction,
+            "profile_steps": self.profile_steps,
+            "cost_model": self.cost_model,
+            "share": self.share,
+        }
+        if not isinstance(self.strategy, StrategyChooser):
+            return resolve_options(self.strategy, **shorthand)
+        given = sorted(key for key, value in shorthand.items() if value is not None)
+        if self.bucket_cap_mb != 25.0:
+            given.append("bucket_cap_mb")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} is not allowed with strategy={self.strategy.name!r}: "
+                "the strategy and its options are chosen (set them in the chooser)"
+            )
+        return self.strategy
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -225,14 +247,7 @@ class KFACConfig:
             )
         check_int("accumulation_steps", self.accumulation_steps)
         check_int("check_replicas_every", self.check_replicas_every, low=0)
-        options = resolve_options(
-            self.strategy,
-            grad_worker_fraction=self.grad_worker_fraction,
-            profile_steps=self.profile_steps,
-            cost_model=self.cost_model,
-            share=self.share,
-        )
-        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "options", self._resolve_strategy())
         check_float(
             "bucket_cap_mb",
             self.bucket_cap_mb,

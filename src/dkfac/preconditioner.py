@@ -21,8 +21,10 @@ from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.saved_state import needs_decomposition, pack_state, restore_state
-from dkfac.strategies import StrategyOptions, make_strategy
+from dkfac.strategies import StrategyOptions
+from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.plan_report import PlanReport
+from dkfac.strategy_start import start_strategy
 
 
 class KFACPreconditioner:
@@ -43,7 +45,8 @@ class KFACPreconditioner:
             as skipped in ``repr(pre)``.
         strategy: how work is placed on workers: a name from
             :data:`dkfac.strategies.STRATEGIES` (``"local"`` runs everything here) or its
-            options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``).
+            options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``), or
+            ``dkfac.AutoOptions(...)``: the strategy the simulator predicts fastest here.
             ``grad_worker_fraction``, ``profile_steps``, ``cost_model`` and ``share`` below are
             shorthands for those options (``None``: not given); one set for a strategy that
             does not read it, or next to an options object, is an error.
@@ -97,7 +100,7 @@ class KFACPreconditioner:
         self,
         model: nn.Module,
         *,
-        strategy: str | StrategyOptions = "local",
+        strategy: str | StrategyOptions | StrategyChooser = "local",
         inverse_method: str = "eigen",
         damping: Hyperparameter = 0.003,
         factor_decay: Hyperparameter = 0.95,
@@ -151,17 +154,8 @@ class KFACPreconditioner:
             check_replicas_every=check_replicas_every,
         )
         self._recorder = StepRecorder()
-        self._strategy = make_strategy(
-            self.config.options,
-            self._recorder,
-            bucket_cap_mb=bucket_cap_mb,
-            comm_dtype=comm_dtype,
-            inverse_method=inverse_method,
-            inv_dtype=inv_dtype,
-            factor_dtype=self.config.factor_dtype,
-            inv_update_steps=self.config.inv_update_steps_at(0),
-        )
         self._model = unwrap_model(model)
+        self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
         discovered, self._skipped = discover_layers(
             self._model, self.config.skip_patterns, self.config.factor_dtype
         )
@@ -336,9 +330,13 @@ class KFACPreconditioner:
 
         ``"factors"``: one entry per factor with its owner(s); ``"buckets"``: the fused
         collectives in launch order with predicted times (``"spd"``/``"pad"``), plus the cost
-        model behind them. ``"local"`` has no placement (empty lists).
+        model behind them. ``"local"`` has no placement (empty lists). A chosen strategy
+        (``strategy=dkfac.AutoOptions(...)``) adds ``"chosen"``: the ranking and why.
         """
-        return self._strategy.plan()
+        plan = self._strategy.plan()
+        if self._choice is not None:
+            plan["chosen"] = self._choice.report
+        return plan
 
     @property
     def layers(self) -> list[LayerCurvature]:
@@ -352,7 +350,7 @@ class KFACPreconditioner:
 
     def __repr__(self) -> str:
         header = (
-            f"KFACPreconditioner(strategy={self.config.options.name!r}, "
+            f"KFACPreconditioner(strategy={self._strategy.name!r}, "
             f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
             f"layers={len(self._layers)}, skipped={len(self._skipped)})"
         )

@@ -42,8 +42,11 @@ INVERSE_METHOD = "eigen"
 STRATEGIES: tuple[str, ...] = strategy_names(distributed=True)
 #: ``--strategies`` name of SGD with DeAR's gradient averaging instead of DDP (no K-FAC).
 DEAR = "dear"
+#: ``--strategies`` name of ``strategy=dkfac.AutoOptions(...)``: the one the simulator ranks
+#: fastest at construction (profiled on the benchmark's batch; the choice is reported).
+AUTO = "auto"
 #: Everything ``--strategies`` accepts, in the order the configurations are measured.
-STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES)
+STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES, AUTO)
 #: DeAR's bucket size: searched online (``"auto"``) over these MiB, this many timed steps per
 #: size, inside the warm-up; the window times the size it kept.
 DEAR_BUCKET_CAP_MB = "auto"
@@ -155,8 +158,9 @@ def configurations(
     """SGD, then DeAR + SGD if chosen, then the chosen K-FAC strategies at every schedule.
 
     Per schedule, in the order of :data:`STRATEGIES`: ``dkfac``, the KAISA fractions of
-    :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``. ``dkfac``, ``spd``, ``pad`` and ``dp``
-    get one configuration each (key ``"{strategy}_{f}_{i}"``, label the strategy's name).
+    :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``, then ``auto`` (:data:`AUTO`).
+    ``dkfac``, ``spd``, ``pad``, ``dp`` and ``auto`` get one configuration each (key
+    ``"{strategy}_{f}_{i}"``, label the strategy's name).
     ``dear`` has no schedule: one configuration, :data:`DEAR_SGD`.
 
     Args:
@@ -193,6 +197,8 @@ def configurations(
                 configs.append(
                     Configuration(f"{strategy}_{f}_{i}", strategy, strategy, 1.0, "1", f, i)
                 )
+        if AUTO in strategies:
+            configs.append(Configuration(f"{AUTO}_{f}_{i}", AUTO, AUTO, 1.0, "1", f, i))
     return configs
 
 

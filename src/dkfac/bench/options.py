@@ -177,7 +177,8 @@ def add_bench_options(
         help="what to time besides the DDP + SGD reference, comma-separated, from "
         f"{', '.join(STRATEGY_CHOICES)}: dear = SGD with DeAR's gradient averaging instead of "
         "DDP (no K-FAC, its bucket size searched in the warm-up); the others are K-FAC "
-        "strategies (spd = SPD-KFAC, pad = PAD-KFAC, dp = DP-KFAC); kaisa runs with fraction "
+        "strategies (spd = SPD-KFAC, pad = PAD-KFAC, dp = DP-KFAC, auto = the one "
+        "dkfac.AutoOptions chooses); kaisa runs with fraction "
         f"1/P (and 1/2 when P > 2 is even) (default {','.join(STRATEGIES)})",
     )
     default_schedules = ",".join(f"{f}:{i}" for f, i in SCHEDULES)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dkfac
 from dkfac.bench.configs import (
+    AUTO,
     DEAR_AUTO_RANGE_MB,
     DEAR_AUTO_TRIAL_STEPS,
     DEAR_BUCKET_CAP_MB,
@@ -121,7 +122,16 @@ def time_window(
         optimizer = sgd(model.parameters())
         step, zero_grad = optimizer.step, optimizer.zero_grad
     pre: dkfac.KFACPreconditioner | None = None
-    if config.strategy is not None:
+    if config.strategy == AUTO:  # chooses at construction, profiled on this batch
+        pre = dkfac.KFACPreconditioner(
+            model,
+            strategy=dkfac.AutoOptions(example=(x, y), loss_fn=batch_loss),
+            inverse_method=INVERSE_METHOD,
+            lr=LR,
+            factor_update_steps=config.factor_update_steps,
+            inv_update_steps=config.inv_update_steps,
+        )
+    elif config.strategy is not None:
         pre = dkfac.KFACPreconditioner(
             model,
             strategy=config.strategy,
@@ -235,6 +245,7 @@ def time_window(
         "fusion_buckets": len(plan.get("buckets", [])),
         # PAD broadcasts decompositions or preconditioned gradients (its share option).
         "pad_share": plan.get("share", {}).get("mode"),
+        "chosen": plan.get("chosen", {}).get("label"),  # strategy=auto's choice
         "dear_bucket_cap_mb": plan.get("bucket_cap_mb"),
         "dear_tuning": plan.get("tuning"),
     }

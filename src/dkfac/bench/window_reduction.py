@@ -90,6 +90,7 @@ def reduce_window(
         "cost_model": ranks[0].get("cost_model"),
         "fusion_buckets": ranks[0].get("fusion_buckets"),
         "pad_share": ranks[0].get("pad_share"),
+        "chosen": ranks[0].get("chosen"),
         "factor_updates_in_window": None,
         "inverse_updates_in_window": None,
     }
@@ -193,6 +194,7 @@ def summarize(
                     "inverse_updates_in_window": windows[0]["inverse_updates_in_window"],
                     "kfac_memory_bytes": max(w["kfac_memory_bytes"] for w in windows),
                     "pad_share": windows[0].get("pad_share"),
+                    "chosen": windows[0].get("chosen"),
                 }
             entries[config.key] = entry
         summary[model] = entries

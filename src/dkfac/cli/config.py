@@ -18,8 +18,9 @@ from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
-#: ``--strategy``: "none" (the plain optimizer) or a strategy of the library's registry.
-STRATEGIES: tuple[str, ...] = ("none", *strategy_names())
+#: ``--strategy``: "none" (the plain optimizer), a strategy of the library's registry, or
+#: "auto" (``dkfac.AutoOptions``: the fastest the simulator predicts for this model here).
+STRATEGIES: tuple[str, ...] = ("none", *strategy_names(), "auto")
 GRAD_SYNCS: tuple[str, ...] = ("ddp", "dear")
 
 

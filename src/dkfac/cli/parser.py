@@ -36,7 +36,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer",
         "dataset": "digits (bundled), synthetic, cifar10, npz, tokens",
         "data_root": "folder of cifar10 python batches, or the .npz file",
-        "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp",
+        "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp, auto (the "
+        "one dkfac simulate predicts fastest for this model and cluster, chosen at the start)",
         "grad_sync": "ddp (DistributedDataParallel), dear (dkfac.DeAR: reduce-scatter under "
         "backward, all-gather under the next forward)",
         "bucket_mb": "MiB per gradient bucket of DDP/DeAR, or auto (DeAR's online search)",

@@ -146,6 +146,13 @@ class _RankRun:
         # epoch; part of checkpoints.
         self.totals = torch.zeros(3, dtype=torch.float64)
         self.phases = PhaseTotals()
+        chosen = setup.pre.plan().get("chosen") if setup.pre is not None else None
+        if chosen is not None and setup.rank == 0:  # --strategy auto: say what and why
+            logger.info("%s", chosen["reason"])
+            if self.out is not None:
+                self.out.mkdir(parents=True, exist_ok=True)
+                record = {k: chosen[k] for k in ("strategy", "label", "reason")}
+                append_metrics(self.out / METRICS_NAME, {"event": "strategy", "step": 0, **record})
 
     def resume(self) -> tuple[int, int, int]:
         """Continue from the checkpoint in ``out`` when there is one.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -159,7 +160,17 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
     optimizer = _build_optimizer(config, model)
     sync = GradientSync(model, optimizer, config, world)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
-    pre = _build_preconditioner(config, sync.model, scheduler) if config.uses_kfac else None
+    pre = None
+    if config.uses_kfac:
+        strategy: str | dkfac.AutoOptions = config.strategy
+        if config.strategy == "auto":  # profiled on the first batch of the training split
+            first = DataLoader(
+                spec.train, batch_size=config.batch_size, generator=torch.Generator()
+            )
+            x, y = next(iter(first))  # its own generator: the global RNG is not drawn from
+            example = (x.to(device), y.to(device))
+            strategy = dkfac.AutoOptions(example=example, loss_fn=F.cross_entropy)
+        pre = _build_preconditioner(config, strategy, sync.model, scheduler)
     return TrainingSetup(
         config=config,
         rank=rank,
@@ -190,18 +201,22 @@ def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optim
 
 
 def _build_preconditioner(
-    config: TrainConfig, wrapped: nn.Module, scheduler: torch.optim.lr_scheduler.LambdaLR
+    config: TrainConfig,
+    strategy: str | dkfac.AutoOptions,
+    wrapped: nn.Module,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
 ) -> dkfac.KFACPreconditioner:
-    """The K-FAC preconditioner of ``config.strategy`` over the model that trains.
+    """The K-FAC preconditioner of ``strategy`` over the model that trains.
 
     Args:
         config: the run's configuration (a K-FAC strategy).
+        strategy: ``config.strategy``, or the chooser ``--strategy auto`` means.
         wrapped: the model the steps run (DDP-wrapped on several ranks).
         scheduler: the learning rate schedule; the preconditioner follows its current rate.
     """
     return dkfac.KFACPreconditioner(
         wrapped,
-        strategy=config.strategy,
+        strategy=strategy,
         inverse_method=config.inverse_method,
         damping=config.damping,
         factor_decay=config.factor_decay,

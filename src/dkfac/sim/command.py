@@ -35,7 +35,7 @@ class SimulateOptions:
             memory-optimal end, as the emulated-cluster benchmark runs it), at least ``1/P``.
         pad_share: PAD's ``share`` option.
         inverse_method: ``"eigen"`` or ``"inverse"``.
-        bucket_cap_mb: the communicator's and DDP's bucket cap.
+        bucket_cap_mb: the communicator's and DDP's bucket cap (``bucket_cap_mb`` of both).
     """
 
     world_sizes: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -100,7 +100,8 @@ def run_simulation(
     """Predict every row of ``options`` at every world size; the JSON-ready report."""
     rows = []
     for world_size in options.world_sizes:
-        cluster = SimulatedCluster(world_size, link, options.backend, options.bucket_cap_mb)
+        cap = options.bucket_cap_mb
+        cluster = SimulatedCluster(world_size, link, options.backend, cap, cap)
         for run in options.runs(world_size):
             prediction = simulate(profile, cluster, run)
             rows.append(

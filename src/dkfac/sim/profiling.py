@@ -13,6 +13,7 @@ one intra-op thread (``torch.set_num_threads(1)``) to profile a worker of the em
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,11 +33,13 @@ Loss = Callable[[Tensor, Tensor], Tensor]
 class _Stamps:
     """Per layer, when its output, its output's gradient and its weight's gradient appeared."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str]) -> None:
+        self.names = list(names)
         self.origin = 0.0
-        self.forward: list[float] = [0.0] * len(modules)
-        self.output_grad: list[float] = [0.0] * len(modules)
-        self.weight_grad: list[float] = [0.0] * len(modules)
+        self.forward: list[float] = []
+        self.output_grad: list[float] = []
+        self.weight_grad: list[float] = []
+        self.begin(0.0)
         self._handles: list[Any] = []
         for index, module in enumerate(modules):
             self._handles.append(module.register_forward_hook(self._forward_hook(index)))
@@ -59,6 +62,26 @@ class _Stamps:
                 output.register_hook(self._stamp(self.output_grad, index))  # type: ignore[no-untyped-call]
 
         return hook
+
+    def begin(self, origin: float) -> None:
+        """A new step from ``origin``: every stamp unset (NaN) until its hook fires."""
+        self.origin = origin
+        for stamps in (self.forward, self.output_grad, self.weight_grad):
+            stamps[:] = [math.nan] * len(self.names)  # in place: the hooks hold these lists
+
+    def check_complete(self) -> None:
+        """Raise ValueError naming the layers a hook did not stamp in this step."""
+        stamped = zip(self.forward, self.output_grad, self.weight_grad, strict=True)
+        missing = [
+            name
+            for name, times in zip(self.names, stamped, strict=True)
+            if any(math.isnan(t) for t in times)
+        ]
+        if missing:
+            raise ValueError(
+                f"layers {missing} did not run forward and backward in the profiled step: "
+                "a profile needs every preconditioned layer used in each step"
+            )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -83,7 +106,7 @@ def _timed_steps(
     for step in range(warmup + steps):
         optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        stamps.origin = start
+        stamps.begin(start)
         loss = loss_fn(model(inputs), targets)
         forward_end = time.perf_counter()
         stamps.origin = forward_end
@@ -97,6 +120,7 @@ def _timed_steps(
         end = time.perf_counter()
         if step < warmup:
             continue
+        stamps.check_complete()
         times["forward"].append(forward_end - start)
         times["backward"].append(backward_end - forward_end)
         times["step"].append(step_end - backward_end)
@@ -180,11 +204,11 @@ def measure_profile(
     modules = dict(model.named_modules())
     layer_modules = [modules[name] for name in names]
     pre.remove()  # the plain run first, without K-FAC's hooks
-    stamps = _Stamps(layer_modules)
+    stamps = _Stamps(layer_modules, names)
     plain = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup)
     stamps.remove()
     pre = KFACPreconditioner(model, **options)
-    stamps = _Stamps(layer_modules)  # after K-FAC's hooks, so each stamp follows their work
+    stamps = _Stamps(layer_modules, names)  # after K-FAC's hooks, so each stamp follows their work
     kfac = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, pre)
     stamps.remove()
     pre.remove()

@@ -29,13 +29,15 @@ class SimulatedCluster:
         link: each worker's link.
         backend: ``"nccl"`` or ``"gloo"``; it decides how a reduce at two ranks travels
             (:func:`~dkfac.comm.direct_reduce.reduces_by_sending`).
-        bucket_cap_mb: the fused-collective cap (the communicator's, and DDP's buckets).
+        bucket_cap_mb: K-FAC's fused-collective cap (the communicator's).
+        ddp_bucket_cap_mb: DDP's ``bucket_cap_mb`` (its gradient buckets after the first).
     """
 
     world_size: int
     link: LinkModel
     backend: str = "nccl"
     bucket_cap_mb: float = 25.0
+    ddp_bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -55,6 +57,8 @@ class SimulatedRun:
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions (a multiple of the former).
         inverse_method: ``"eigen"`` or ``"inverse"``.
+        comm_dtype: the preconditioner's ``comm_dtype`` (``"float16"``, ``"bfloat16"``): what
+            K-FAC's collectives carry; ``None``: each tensor's own dtype.
     """
 
     strategy: str
@@ -63,8 +67,13 @@ class SimulatedRun:
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     inverse_method: str = "eigen"
+    comm_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.comm_dtype not in (None, "float16", "bfloat16", "float32"):
+            raise ValueError(
+                f"comm_dtype={self.comm_dtype!r}: expected float16, bfloat16 or float32"
+            )
         f, i = self.factor_update_steps, self.inv_update_steps
         if f < 1 or i < f or i % f:
             raise ValueError(
@@ -81,6 +90,8 @@ class SimulatedRun:
             option = f" f={self.grad_worker_fraction:g}"
         elif self.strategy == "pad":
             option = f" {self.share}"
+        if self.comm_dtype is not None:
+            option += f" {self.comm_dtype}"
         return f"{self.strategy}{option} ({self.factor_update_steps},{self.inv_update_steps})"
 
     def step_kinds(self) -> list[tuple[str, float, bool, bool]]:

@@ -69,6 +69,7 @@ def settings_of(
         bucket_cap_mb=cluster.bucket_cap_mb,
         cost_model=cost_model_of(profile, cluster, run.inverse_method),
         inv_update_steps=run.inv_update_steps,
+        comm_dtype=None if run.comm_dtype is None else getattr(torch, run.comm_dtype),
     )
 
 
@@ -165,7 +166,7 @@ def _simulate_step(
     ]
 
     # Forward and backward: DDP's buckets (and a hook-driven strategy's factors) launch.
-    cap = int(cluster.bucket_cap_mb * 2**20)
+    cap = int(cluster.ddp_bucket_cap_mb * 2**20)
     buckets = [ddp_buckets(profile, worker, cap) for worker in passes]
     ddp = [
         ScheduledCollective(
@@ -188,6 +189,7 @@ def _simulate_step(
                 world,
                 rank,
                 bucket_cap_mb=cluster.bucket_cap_mb,
+                comm_dtype=settings.comm_dtype,
                 issued=issued[rank],
             )
             runner = PlacementRunner(placement, rank, comm.recorder, comm)

@@ -27,8 +27,8 @@ TOLERANCE_P4 = 0.25
 
 def run_of(row: Mapping[str, Any]) -> SimulatedRun | None:
     """The simulated run of a benchmark summary row (``None``: one the simulator lacks, DeAR)."""
-    if row.get("gradient_sync") == "dear":
-        return None
+    if row.get("gradient_sync") == "dear" or row.get("strategy") == "auto":
+        return None  # DeAR is not simulated; auto is its choice (validated as that strategy)
     if row["strategy"] is None:
         return SimulatedRun(SGD)
     return SimulatedRun(

@@ -71,6 +71,7 @@ class PlanReport(_PlanReportKeys, total=False):
     cost model behind their placement, its problems (when it could not be used), how the
     fusion was planned (``"size"`` or ``"alpha-beta (profiled)"``) and the predicted
     decomposition seconds per rank; PAD adds what its owners share (:class:`ShareReport`).
+    A strategy chosen at construction adds ``chosen`` (the ranking and why).
     """
 
     grad_workers: int
@@ -79,3 +80,4 @@ class PlanReport(_PlanReportKeys, total=False):
     fusion: str
     predicted_decomposition_load_s: list[float]
     share: ShareReport
+    chosen: dict[str, Any]
