@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -335,7 +336,7 @@ class KFACPreconditioner:
         """
         plan = self._strategy.plan()
         if self._choice is not None:
-            plan["chosen"] = self._choice.report
+            plan["chosen"] = copy.deepcopy(self._choice.report)  # the caller may edit it
         return plan
 
     @property
