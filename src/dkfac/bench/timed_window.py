@@ -122,25 +122,22 @@ def time_window(
         optimizer = sgd(model.parameters())
         step, zero_grad = optimizer.step, optimizer.zero_grad
     pre: dkfac.KFACPreconditioner | None = None
-    if config.strategy == AUTO:  # chooses at construction, profiled on this batch
-        pre = dkfac.KFACPreconditioner(
-            model,
-            strategy=dkfac.AutoOptions(example=(x, y), loss_fn=batch_loss),
-            inverse_method=INVERSE_METHOD,
-            lr=LR,
-            factor_update_steps=config.factor_update_steps,
-            inv_update_steps=config.inv_update_steps,
-        )
-    elif config.strategy is not None:
-        pre = dkfac.KFACPreconditioner(
-            model,
-            strategy=config.strategy,
-            inverse_method=INVERSE_METHOD,
-            lr=LR,
-            factor_update_steps=config.factor_update_steps,
-            inv_update_steps=config.inv_update_steps,
-            bucket_cap_mb=bucket_cap_mb,
+    if config.strategy is not None:
+        auto = config.strategy == AUTO  # chooses its options and bucket cap: none passed
+        fixed = {
+            "bucket_cap_mb": bucket_cap_mb,
             **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
+        }
+        pre = dkfac.KFACPreconditioner(
+            model,
+            strategy=(
+                dkfac.AutoOptions(example=(x, y), loss_fn=batch_loss) if auto else config.strategy
+            ),
+            inverse_method=INVERSE_METHOD,
+            lr=LR,
+            factor_update_steps=config.factor_update_steps,
+            inv_update_steps=config.inv_update_steps,
+            **({} if auto else fixed),
         )
 
     records: Instrumented | None = pre if pre is not None else dear
