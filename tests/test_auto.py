@@ -11,7 +11,10 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
+from dkfac.auto import agree_on_profile
 from dkfac.cli.main import main
+from dkfac.comm import StepRecorder
+from dkfac.comm.communicator import Communicator
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 from dkfac.sim.choice import candidates, rank_candidates
 from dkfac.sim.network import LinkModel
@@ -124,7 +127,7 @@ def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone() -> N
         ({"example": (torch.zeros(1), torch.zeros(1))}, "needs what to profile"),
         ({"profile": profile(), "strategies": ("sgd",)}, "auto chooses among"),
         ({"profile": profile(), "bucket_caps_mb": ()}, "caps > 0"),
-        ({"profile": profile(), "profile_steps": 0}, "profile_steps=0"),
+        ({"profile": profile(), "measure_steps": 0}, "measure_steps=0"),
     ],
 )
 def test_auto_options_refuse_what_cannot_be_chosen_with(kwargs: dict, message: str) -> None:
@@ -134,7 +137,8 @@ def test_auto_options_refuse_what_cannot_be_chosen_with(kwargs: dict, message: s
 
 def test_auto_refuses_the_options_it_chooses_and_needs_a_process_group() -> None:
     auto = dkfac.AutoOptions(profile=profile())
-    for extra in ({"grad_worker_fraction": 0.5}, {"bucket_cap_mb": 4.0}):
+    # An explicit 25 MiB too: the default value given is still a cap the chooser would ignore.
+    for extra in ({"grad_worker_fraction": 0.5}, {"bucket_cap_mb": 4.0}, {"bucket_cap_mb": 25.0}):
         with pytest.raises(ValueError, match="not allowed with strategy='auto'"):
             dkfac.KFACPreconditioner(model(), strategy=auto, **extra)
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed"):
@@ -151,3 +155,111 @@ def test_dkfac_train_strategy_auto_says_what_it_chose(tmp_path) -> None:
     assert len(chosen) == 1 and chosen[0]["strategy"] in ("dkfac", "kaisa", "spd", "pad", "dp")
     assert chosen[0]["reason"].startswith(f"strategy=auto chose {chosen[0]['label']}")
     assert [r["event"] for r in records if "event" in r][-1] == "epoch"  # it trained
+
+
+def slower(given: ComputeProfile, factor: float) -> ComputeProfile:
+    """``given`` with every time multiplied by ``factor`` and packing ``factor`` times slower."""
+    layer_times = ("output_s", "output_grad_s", "grad_ready_s", "a_statistic_s", "g_statistic_s")
+    layers = tuple(
+        LayerProfile(
+            **{
+                **layer.__dict__,
+                **{k: getattr(layer, k) * factor for k in (*layer_times, "precondition_s")},
+            }
+        )
+        for layer in given.layers
+    )
+    steps = ("forward_s", "backward_s", "optimizer_s", "factor_update_s")
+    return ComputeProfile(
+        **{
+            **given.__dict__,
+            **{k: getattr(given, k) * factor for k in steps},
+            "layers": layers,
+            "pack_bytes_per_s": given.pack_bytes_per_s / factor,
+        }
+    )
+
+
+def agreed_profiles(rank: int, world_size: int) -> ComputeProfile:
+    mine = profile()
+    if rank == 1:  # rank 1 is three times slower everywhere but one step time
+        mine = slower(mine, 3.0)
+        mine = ComputeProfile(**{**mine.__dict__, "optimizer_s": 0.0})
+    return agree_on_profile(mine, Communicator(StepRecorder()), torch.device("cpu"))
+
+
+def test_ranks_agree_on_the_slowest_profile_field_by_field() -> None:
+    fast, slow = profile(), slower(profile(), 3.0)
+    for agreed in run_workers(agreed_profiles, 2, timeout=60):
+        assert agreed.forward_s == pytest.approx(3 * fast.forward_s)
+        assert agreed.backward_s == pytest.approx(3 * fast.backward_s)
+        assert agreed.optimizer_s == fast.optimizer_s  # rank 0's: the larger
+        assert agreed.pack_bytes_per_s == pytest.approx(fast.pack_bytes_per_s / 3)
+        for got, want in zip(agreed.layers, slow.layers, strict=True):
+            assert got.name == want.name and got.a_dim == want.a_dim
+            assert got.g_statistic_s == pytest.approx(want.g_statistic_s)
+            assert got.precondition_s == pytest.approx(want.precondition_s)
+
+
+def profiles_that_disagree(rank: int, world_size: int, case: str) -> str:
+    mine: ComputeProfile | None = profile()
+    failure = None
+    if case == "failed" and rank == 1:
+        mine, failure = None, ValueError("out of memory, say")
+    if case == "layers" and rank == 0:
+        assert mine is not None
+        mine = ComputeProfile(**{**mine.__dict__, "layers": mine.layers[:1]})
+    try:
+        agree_on_profile(mine, Communicator(StepRecorder()), torch.device("cpu"), failure)
+    except (RuntimeError, ValueError) as error:
+        cause = error.__cause__
+        return f"{type(error).__name__}: {error} | cause: {cause}"
+    return "agreed"
+
+
+@pytest.mark.parametrize("case", ["failed", "layers"])
+def test_a_rank_without_a_profile_or_with_other_layers_fails_every_rank(case: str) -> None:
+    # Before the agreement on a header, the healthy rank waited in the profile's allreduce.
+    first, second = run_workers(profiles_that_disagree, 2, args=(case,), timeout=60)
+    if case == "failed":
+        assert first.startswith("RuntimeError") and "another rank" in first
+        assert "cause: None" in first
+        assert second.startswith("RuntimeError") and "on this rank" in second
+        assert "cause: out of memory, say" in second
+    else:
+        for message in (first, second):
+            assert message.startswith("ValueError") and "1 to 2 layers" in message
+
+
+#: An allreduce line that explains little of what was measured: no link can be derived.
+NOISY = ClusterCostModel(AlphaBeta(2e-3, 1e-5, r_squared=0.2), CubicCost(1e-4, 1e-9))
+
+
+def chosen_on_a_noisy_network(rank: int, world_size: int) -> dict:
+    net = model()
+    auto = dkfac.AutoOptions(profile=profile(), cost_model=NOISY, fallback="kaisa")
+    pre = dkfac.KFACPreconditioner(net, strategy=auto)
+    out = {"plan": pre.plan(), "cap": pre._strategy.comm.bucket_cap_bytes}
+    pre.remove()
+    return out
+
+
+def test_auto_falls_back_and_says_why_when_the_network_cannot_be_predicted() -> None:
+    assert NOISY.problems()  # the premise: the planners would refuse this line too
+    for out in run_workers(chosen_on_a_noisy_network, 2, timeout=60):
+        chosen = out["plan"]["chosen"]
+        assert out["plan"]["strategy"] == "kaisa" == chosen["strategy"]
+        assert chosen["ranking"] == []
+        assert "without a prediction" in chosen["reason"] and "R²=0.20" in chosen["reason"]
+        assert out["cap"] == 25 * 2**20
+
+
+def test_auto_options_refuse_a_fallback_it_may_not_choose() -> None:
+    with pytest.raises(ValueError, match="fallback='dp'"):
+        dkfac.AutoOptions(profile=profile(), strategies=("dkfac", "kaisa"), fallback="dp")
+
+
+def test_the_command_line_refuses_auto_with_dear_gradient_averaging(capsys) -> None:
+    argv = ["train", "--model", "mlp", "--dataset", "digits", "--strategy", "auto"]
+    assert main([*argv, "--grad-sync", "dear", "--nproc", "2"]) != 0
+    assert "--strategy auto is not allowed with --grad-sync dear" in capsys.readouterr().err

@@ -179,7 +179,7 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
         ),
         (
             {"bucket_cap_mb": math.inf},
-            r"bucket_cap_mb=inf is not allowed: expected a finite number of MiB >= 0",
+            r"bucket_cap_mb=inf is not allowed: expected None or a finite number of MiB >= 0",
         ),
     ],
 )

@@ -18,7 +18,7 @@ from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
 from dkfac.sim.passes import ddp_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile, LayerProfile
-from dkfac.sim.profiling import measure_profile
+from dkfac.sim.profiling import device_clock, measure_profile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
 from dkfac.sim.timeline import settings_of, simulate
 from dkfac.sim.validation import compare_rows
@@ -316,6 +316,18 @@ def test_a_profile_measured_here_has_every_layer_in_order() -> None:
     assert all(layer.a_statistic_s >= 0 and layer.g_statistic_s >= 0 for layer in measured.layers)
     assert measured.batch_size == 16 and measured.problems() == []
     assert measured.decomposition["eigen"].c3 > 0
+
+
+def test_on_a_gpu_every_profile_clock_reading_waits_for_the_device(monkeypatch) -> None:
+    # Without the wait, a stamp is when the work was queued: launch times, not compute times.
+    waited: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    gpu = torch.device("cuda", 1)
+    first = device_clock(gpu)()
+    second = device_clock(gpu)()
+    assert waited == [gpu, gpu] and second >= first
+    device_clock(torch.device("cpu"))()
+    assert waited == [gpu, gpu]  # nothing to wait for on the CPU
 
 
 def test_collectives_in_flight_share_the_uplinks_they_load() -> None:

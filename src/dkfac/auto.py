@@ -14,8 +14,12 @@ At construction, on every rank together, the preconditioner asks :meth:`AutoOpti
    so every rank builds the same strategy. SPD and PAD get the cost model just measured.
 
 ``pre.plan()["chosen"]`` has the ranking, the profile's totals and the link; the choice is
-logged. Measuring costs a few training steps of the copy and the calibration (about a second
-here), once per preconditioner (reuse a ``CostModelCache`` across preconditioners).
+logged. Where the calibration cannot describe the cluster (:meth:`ClusterCostModel.problems`:
+too noisy a network, decompositions whose time does not grow with size), nothing is
+predicted: ``fallback`` runs, and the report says why. If profiling fails on any rank, every
+rank raises (none waits for the others). Measuring costs a few training steps of the copy and
+the calibration (about a second here), once per preconditioner (reuse a ``CostModelCache``
+across preconditioners).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ class AutoOptions(StrategyChooser):
         strategies: the strategies to choose among.
         bucket_caps_mb: the bucket caps to choose among (MiB, each > 0).
         cost_model: the cluster's cost model, or a cache to take it from (``None``: measured).
-        profile_steps: steps of the copy timed per kind when measuring (after one warm-up).
+        measure_steps: steps of the copy timed per kind when measuring (after one warm-up).
+        ddp_bucket_cap_mb: the ``bucket_cap_mb`` of the ``DistributedDataParallel`` that
+            averages the gradients (its buckets share the links with K-FAC's traffic).
+        fallback: the strategy run when the calibration cannot predict (see the module;
+            ``None``: the first of ``strategies``).
     """
 
     name: ClassVar[str] = "auto"
@@ -79,7 +87,9 @@ class AutoOptions(StrategyChooser):
     strategies: tuple[str, ...] = AUTO_STRATEGIES
     bucket_caps_mb: tuple[float, ...] = AUTO_BUCKET_CAPS_MB
     cost_model: ClusterCostModel | CostModelCache | None = None
-    profile_steps: int = 3
+    measure_steps: int = 3
+    ddp_bucket_cap_mb: float = 25.0
+    fallback: str | None = None
 
     def __post_init__(self) -> None:
         measured = self.example is not None and self.loss_fn is not None
@@ -93,10 +103,17 @@ class AutoOptions(StrategyChooser):
         candidates(SimulatedRun("dkfac"), 2, strategies=self.strategies)  # validates the names
         if not self.bucket_caps_mb or min(self.bucket_caps_mb) <= 0:
             raise ValueError(f"bucket_caps_mb={self.bucket_caps_mb!r}: expected caps > 0 MiB")
-        if isinstance(self.profile_steps, bool) or not (
-            isinstance(self.profile_steps, int) and self.profile_steps >= 1
+        if not self.ddp_bucket_cap_mb > 0:
+            raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r}: expected > 0 MiB")
+        if self.fallback is not None and self.fallback not in self.strategies:
+            raise ValueError(
+                f"fallback={self.fallback!r}: expected one of the strategies "
+                f"{', '.join(self.strategies)}"
+            )
+        if isinstance(self.measure_steps, bool) or not (
+            isinstance(self.measure_steps, int) and self.measure_steps >= 1
         ):
-            raise ValueError(f"profile_steps={self.profile_steps!r}: expected an integer >= 1")
+            raise ValueError(f"measure_steps={self.measure_steps!r}: expected an integer >= 1")
 
     def choose(self, model: nn.Module, config: Any) -> StrategyChoice:
         """The fastest predicted strategy for ``model`` on this cluster (collective)."""
@@ -111,20 +128,34 @@ class AutoOptions(StrategyChooser):
             raise ValueError("strategy=AutoOptions(...): the model has no parameters")
         device = parameters[0].device
         comm = Communicator(StepRecorder(keep_steps=1))
-        profile = self.profile or self._measure(model, config, device)
+        mine: ComputeProfile | None = self.profile
+        failure: Exception | None = None
+        if mine is None:
+            try:
+                mine = self._measure(model, config, device)
+            except Exception as error:  # every rank must hear of it before raising
+                failure = error
+        profile = agree_on_profile(mine, comm, device, failure)
         if not profile.layers:
             raise ValueError(
                 "strategy=AutoOptions(...): the model has no layer K-FAC preconditions"
             )
-        profile = agree_on_profile(profile, comm, device)
         largest = max(max(layer.a_dim, layer.g_dim) for layer in profile.layers)
         cost = self._cost_model(config, device, largest)
+        problems = cost.problems()
+        if problems:
+            return self._fallback(cost, problems)
         method = config.inverse_method
         profile = replace(
             profile, decomposition={**profile.decomposition, method: cost.decomposition}
         )
         link = LinkModel.from_allreduce_fit(cost.collective, world_size)
-        cluster = SimulatedCluster(world_size, link, backend=str(dist.get_backend()))
+        cluster = SimulatedCluster(
+            world_size,
+            link,
+            backend=str(dist.get_backend()),
+            ddp_bucket_cap_mb=self.ddp_bucket_cap_mb,
+        )
         comm_dtype = None if config.comm_dtype is None else str(config.comm_dtype).split(".")[-1]
         template = SimulatedRun(
             "dkfac",
@@ -148,6 +179,18 @@ class AutoOptions(StrategyChooser):
         chosen = resolve_options(run.strategy, **option_keywords(run.strategy, **given))
         return StrategyChoice(chosen, best.bucket_cap_mb, report)
 
+    def _fallback(self, cost: ClusterCostModel, problems: Sequence[str]) -> StrategyChoice:
+        """``fallback`` with the first bucket cap, and why nothing was predicted."""
+        strategy = self.fallback or self.strategies[0]
+        reason = (
+            f"strategy=auto chose {strategy} (its fallback) without a prediction: the "
+            f"calibration cannot describe this cluster ({'; '.join(problems)})"
+        )
+        logger.warning("%s", reason)
+        report = {"strategy": strategy, "label": strategy, "reason": reason}
+        chosen = resolve_options(strategy, **option_keywords(strategy, cost_model=cost))
+        return StrategyChoice(chosen, self.bucket_caps_mb[0], {**report, "ranking": []})
+
     def _measure(
         self, model: nn.Module, config: KFACConfig, device: torch.device
     ) -> ComputeProfile:
@@ -162,7 +205,7 @@ class AutoOptions(StrategyChooser):
                 self.example,
                 self.loss_fn,
                 device=f"{device.type}, measured by AutoOptions",
-                steps=self.profile_steps,
+                steps=self.measure_steps,
                 warmup=1,
                 methods=(),
                 kfac_options={
@@ -182,12 +225,36 @@ class AutoOptions(StrategyChooser):
 
 
 def agree_on_profile(
-    profile: ComputeProfile, comm: Communicator, device: torch.device
+    profile: ComputeProfile | None,
+    comm: Communicator,
+    device: torch.device,
+    failure: Exception | None = None,
 ) -> ComputeProfile:
     """The slowest rank's profile: every time the maximum over ranks, packing the slowest.
 
-    Every rank must hold a profile of the same layers (the same model).
+    Collective. Every rank first says whether it has a profile (``profile`` is ``None`` where
+    measuring raised ``failure``) and of how many layers, so a failure on one rank raises on
+    every rank instead of leaving the others waiting.
+
+    Raises:
+        RuntimeError: a rank has no profile (this rank's ``failure`` is the cause).
+        ValueError: the ranks' profiles have different numbers of layers.
     """
+    count = -1 if profile is None else len(profile.layers)
+    header = torch.tensor([float(profile is None), count, -count], device=device)
+    comm.allreduce([header], phase="auto", maximum=True, exact=True).wait()
+    failed, most, fewest = int(header[0]), int(header[1]), -int(header[2])
+    if failed:
+        where = "this rank" if profile is None else "another rank (see its error)"
+        raise RuntimeError(
+            f"strategy=AutoOptions(...): profiling the model failed on {where}"
+        ) from failure
+    assert profile is not None
+    if most != fewest:
+        raise ValueError(
+            f"strategy=AutoOptions(...): the ranks' profiles have {fewest} to {most} layers: "
+            "every rank must profile the same model"
+        )
     step_fields = ("forward_s", "backward_s", "optimizer_s", "factor_update_s")
     layer_fields = (
         "output_s",

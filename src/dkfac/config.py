@@ -25,6 +25,8 @@ IntHyperparameter = int | Callable[[int], int]
 
 INVERSE_METHODS: tuple[str, ...] = ("eigen", "inverse")
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+#: The communicator's bucket cap (MiB) when none is given and no chooser picks one.
+DEFAULT_BUCKET_CAP_MB = 25.0
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
@@ -185,7 +187,7 @@ class KFACConfig:
     factor_dtype: torch.dtype = torch.float32
     inv_dtype: torch.dtype = torch.float32
     grad_worker_fraction: float | None = None
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
     comm_dtype: torch.dtype | None = None
     profile_steps: int | None = None
     cost_model: ClusterCostModel | CostModelCache | None = None
@@ -213,7 +215,7 @@ class KFACConfig:
         if not isinstance(self.strategy, StrategyChooser):
             return resolve_options(self.strategy, **shorthand)
         given = sorted(key for key, value in shorthand.items() if value is not None)
-        if self.bucket_cap_mb != 25.0:
+        if self.bucket_cap_mb is not None:
             given.append("bucket_cap_mb")
         if given:
             raise ValueError(
@@ -248,12 +250,14 @@ class KFACConfig:
         check_int("accumulation_steps", self.accumulation_steps)
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         object.__setattr__(self, "options", self._resolve_strategy())
-        check_float(
-            "bucket_cap_mb",
-            self.bucket_cap_mb,
-            low=0.0,
-            allowed="a finite number of MiB >= 0 (0: every tensor in its own collective)",
-        )
+        if self.bucket_cap_mb is not None:
+            check_float(
+                "bucket_cap_mb",
+                self.bucket_cap_mb,
+                low=0.0,
+                allowed="None or a finite number of MiB >= 0 (0: every tensor in its own "
+                "collective)",
+            )
         if self.comm_dtype is not None and self.comm_dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"comm_dtype={self.comm_dtype!r} is not allowed: expected None or "

@@ -74,7 +74,8 @@ class KFACPreconditioner:
         inv_dtype: dtype of the decompositions, float32 or float64 (failures retried in float64).
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
-        bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor).
+        bucket_cap_mb: largest fused collective in MiB (0: one collective per tensor;
+            ``None``: 25, or what ``strategy=AutoOptions(...)`` chooses).
         comm_dtype: transport dtype of collectives (e.g. ``torch.bfloat16``; ``None``: their own).
         profile_steps: ``"spd"``/``"pad"``: factor-update windows whose measured ready times
             re-plan the fusion buckets (alpha-beta merge rule; default 5, 0 keeps the size plan).
@@ -116,7 +117,7 @@ class KFACPreconditioner:
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
         grad_worker_fraction: float | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         comm_dtype: torch.dtype | None = None,
         profile_steps: int | None = None,
         cost_model: ClusterCostModel | CostModelCache | None = None,

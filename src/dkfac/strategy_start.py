@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from dkfac.comm import StepRecorder
-from dkfac.config import KFACConfig
+from dkfac.config import DEFAULT_BUCKET_CAP_MB, KFACConfig
 from dkfac.strategies import make_strategy
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.chooser import StrategyChoice, StrategyChooser
@@ -21,6 +21,8 @@ def start_strategy(
     same order.
     """
     options, cap, choice = config.options, config.bucket_cap_mb, None
+    if cap is None:
+        cap = DEFAULT_BUCKET_CAP_MB
     if isinstance(options, StrategyChooser):
         choice = options.choose(model, config)
         options, cap = choice.options, choice.bucket_cap_mb

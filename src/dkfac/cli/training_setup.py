@@ -169,7 +169,11 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
             )
             x, y = next(iter(first))  # its own generator: the global RNG is not drawn from
             example = (x.to(device), y.to(device))
-            strategy = dkfac.AutoOptions(example=example, loss_fn=F.cross_entropy)
+            cap = config.bucket_cap_mb
+            assert isinstance(cap, float)  # "auto" is DeAR's, refused with --strategy auto
+            strategy = dkfac.AutoOptions(
+                example=example, loss_fn=F.cross_entropy, ddp_bucket_cap_mb=cap
+            )
         pre = _build_preconditioner(config, strategy, sync.model, scheduler)
     return TrainingSetup(
         config=config,

@@ -9,6 +9,11 @@ it). A layer's statistic time is how much more K-FAC delays it than the layers b
 (:func:`_increments`). Every time is the median over the measured steps. Decompositions are timed by
 :func:`~dkfac.comm.cost_model.calibrate_decomposition`. What one worker runs is measured: use
 one intra-op thread (``torch.set_num_threads(1)``) to profile a worker of the emulated cluster.
+
+On a GPU the host runs ahead of the device, so every clock reading first waits for the
+device (``torch.cuda.synchronize``): each stamp is when the work before it finished, not when
+it was queued. The waits cost the profiled steps some overlap of launches with work, which
+the times then include, as a worker without spare host time would see them.
 """
 
 from __future__ import annotations
@@ -28,13 +33,29 @@ from dkfac.preconditioner import KFACPreconditioner
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 
 Loss = Callable[[Tensor, Tensor], Tensor]
+Clock = Callable[[], float]
+
+
+def device_clock(device: torch.device) -> Clock:
+    """``time.perf_counter`` read after ``device``'s queued work has finished (see the module)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 class _Stamps:
     """Per layer, when its output, its output's gradient and its weight's gradient appeared."""
 
-    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str]) -> None:
+    def __init__(
+        self, modules: Sequence[nn.Module], names: Sequence[str], clock: Clock = time.perf_counter
+    ) -> None:
         self.names = list(names)
+        self.clock = clock
         self.origin = 0.0
         self.forward: list[float] = []
         self.output_grad: list[float] = []
@@ -51,13 +72,13 @@ class _Stamps:
 
     def _stamp(self, into: list[float], index: int) -> Callable[..., None]:
         def stamp(*_: Any) -> None:
-            into[index] = time.perf_counter() - self.origin
+            into[index] = self.clock() - self.origin
 
         return stamp
 
     def _forward_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            self.forward[index] = time.perf_counter() - self.origin
+            self.forward[index] = self.clock() - self.origin
             if isinstance(output, Tensor) and output.requires_grad:
                 output.register_hook(self._stamp(self.output_grad, index))  # type: ignore[no-untyped-call]
 
@@ -100,24 +121,25 @@ def _timed_steps(
 ) -> dict[str, list[Any]]:
     """Run ``warmup + steps`` training steps; per measured step, every time of interest."""
     inputs, targets = batch
+    clock = stamps.clock
     times: dict[str, list[Any]] = {
         key: [] for key in ("forward", "backward", "optimizer", "a", "g", "grad", "step", "phases")
     }
     for step in range(warmup + steps):
         optimizer.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = clock()
         stamps.begin(start)
         loss = loss_fn(model(inputs), targets)
-        forward_end = time.perf_counter()
+        forward_end = clock()
         stamps.origin = forward_end
         loss.backward()  # type: ignore[no-untyped-call]
-        backward_end = time.perf_counter()
+        backward_end = clock()
         step_end = backward_end
         if pre is not None:
             pre.step()
-            step_end = time.perf_counter()
+            step_end = clock()
         optimizer.step()
-        end = time.perf_counter()
+        end = clock()
         if step < warmup:
             continue
         stamps.check_complete()
@@ -155,20 +177,22 @@ def _increments(plain: Sequence[float], kfac: Sequence[float], total: float) -> 
     return [g * total / sum(growth) for g in growth]
 
 
-def measure_packing(repeats: int = 5) -> float:
-    """Payload bytes per second of packing a fused bucket and unpacking it.
+def measure_packing(repeats: int = 5, device: torch.device | None = None) -> float:
+    """Payload bytes per second of packing a fused bucket and unpacking it on ``device``.
 
     The communicator's :class:`~dkfac.comm.wire.FusionBucket` of four symmetric 512 x 512
-    float32 factors (their upper triangles travel).
+    float32 factors (their upper triangles travel); ``device`` defaults to the CPU.
     """
+    device = device or torch.device("cpu")
+    clock = device_clock(device)
     generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(512, 512, generator=generator) for _ in range(4)]
+    tensors = [torch.randn(512, 512, generator=generator).to(device) for _ in range(4)]
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         bucket = FusionBucket(tensors, [True] * len(tensors), torch.float32)
         bucket.unpack(None)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return bucket.nbytes / statistics.median(times)
 
 
@@ -204,11 +228,14 @@ def measure_profile(
     modules = dict(model.named_modules())
     layer_modules = [modules[name] for name in names]
     pre.remove()  # the plain run first, without K-FAC's hooks
-    stamps = _Stamps(layer_modules, names)
+    on = next(model.parameters()).device
+    clock = device_clock(on)
+    stamps = _Stamps(layer_modules, names, clock)
     plain = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup)
     stamps.remove()
     pre = KFACPreconditioner(model, **options)
-    stamps = _Stamps(layer_modules, names)  # after K-FAC's hooks, so each stamp follows their work
+    # After K-FAC's hooks, so each stamp follows their work.
+    stamps = _Stamps(layer_modules, names, clock)
     kfac = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, pre)
     stamps.remove()
     pre.remove()
@@ -250,7 +277,7 @@ def measure_profile(
     )
     largest = max(max(pair) for pair in dims)
     decomposition = {
-        method: calibrate_decomposition(decomposition_dims(largest), method=method)
+        method: calibrate_decomposition(decomposition_dims(largest), method=method, device=on)
         for method in methods
     }
     return ComputeProfile(
@@ -263,6 +290,6 @@ def measure_profile(
         decomposition=decomposition,
         layers=layers,
         other_grad_bytes=all_bytes - sum(grad_bytes),
-        pack_bytes_per_s=measure_packing(),
+        pack_bytes_per_s=measure_packing(device=on),
         notes={"steps": steps, "warmup": warmup, "torch_threads": torch.get_num_threads()},
     )
