@@ -46,7 +46,7 @@ def _fake_cifar(root: Path) -> Path:
 
 
 def test_dataset_names() -> None:
-    assert set(DATASET_NAMES) == {"digits", "synthetic", "cifar10", "npz", "tokens"}
+    assert set(DATASET_NAMES) == {"digits", "synthetic", "cifar10", "npz", "tokens", "pysource"}
 
 
 def test_unknown_dataset_and_option() -> None:

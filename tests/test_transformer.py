@@ -186,6 +186,11 @@ def test_build_model_for_every_name(name: str) -> None:
         spec = load_dataset("tokens", vocab_size=10, seq_len=6, num_classes=3, train_size=4)
     elif name == "mlp":
         spec = load_dataset("synthetic", shape=(5,), num_classes=3, train_size=4, test_size=2)
+    elif name == "lm":  # a logit per character at every position
+        spec = load_dataset("pysource", seq_len=6, max_chars=4 * 6 + 1)
+        model = build_model(name, spec, d_model=8, heads=2, layers=1)
+        assert model(spec.train.tensors[0]).shape == (4, 6, 128)  # type: ignore[attr-defined]
+        return
     else:
         spec = load_dataset("synthetic", shape=(3, 8, 8), num_classes=3, train_size=4)
     model = build_model(name, spec)

@@ -18,6 +18,7 @@ from typing import Any
 from dkfac.bench.configs import MODEL_LABELS, SGD, environment
 from dkfac.bench.link_shape import LinkShape
 from dkfac.bench.report import MB, schedule_of
+from dkfac.bench.text_table import fixed_width_table
 from dkfac.bench.verdicts import format_ms
 
 #: Phases of the per-rate tables: K-FAC's communication, DeAR's or K-FAC's gradient waits,
@@ -124,19 +125,6 @@ def _phase_cells(row: Mapping[str, Any] | None) -> list[str]:
     return cells
 
 
-def _table(header: Sequence[str], widths: Sequence[int], body: Sequence[Sequence[str]]) -> str:
-    """Fixed-width columns: the first two left-aligned (configuration, schedule)."""
-
-    def line(cells: Sequence[str]) -> str:
-        return " ".join(
-            f"{cell:<{width}}" if index < 2 else f"{cell:>{width}}"
-            for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    top = line(header)
-    return "\n".join([top, "-" * len(top), *(line(cells) for cells in body)])
-
-
 def format_rate_tables(result: Mapping[str, Any]) -> str:
     """Per model: median s/iter per rate (vs DDP + SGD), then per rate phases and bytes."""
     rates = _rates(result)
@@ -164,7 +152,7 @@ def format_rate_tables(result: Mapping[str, Any]) -> str:
             body.append(cells)
         blocks += [
             f"{name}, P={nprocs}: median s/iter per link rate (vs SGD (DDP) at that rate)",
-            _table(header, widths, body),
+            fixed_width_table(header, widths, body),
             "",
         ]
         for rate, label in rates:
@@ -180,7 +168,7 @@ def format_rate_tables(result: Mapping[str, Any]) -> str:
             ]
             blocks += [
                 f"{name} at {label}: ms per iteration by phase",
-                _table(header, widths, body),
+                fixed_width_table(header, widths, body),
             ]
             blocks.append("")
     blocks += [

@@ -33,8 +33,10 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     The flags' defaults are None (not given): the configuration's defaults apply.
     """
     helps = {
-        "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer",
-        "dataset": "digits (bundled), synthetic, cifar10, npz, tokens",
+        "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer, lm (a causal language "
+        "model, for text data such as pysource)",
+        "dataset": "digits (bundled), synthetic, cifar10, npz, tokens, pysource (characters of "
+        "the Python standard library's sources; train it with --model lm)",
         "data_root": "folder of cifar10 python batches, or the .npz file",
         "strategy": "none (plain optimizer), local, dkfac, kaisa, spd, pad, dp, auto (the "
         "one dkfac simulate predicts fastest for this model and cluster, chosen at the start)",
@@ -72,7 +74,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="an option of --dataset, repeatable; synthetic: shape=3,32,32 num_classes=10 "
         "train_size=1024 test_size=256; tokens: vocab_size, seq_len, num_classes, "
-        "train_size, test_size, key_position; digits and npz: test_fraction; npz: num_classes",
+        "train_size, test_size, key_position; digits and npz: test_fraction; npz: num_classes; "
+        "pysource: seq_len=64 valid_fraction=0.1 max_chars",
     )
     parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
 

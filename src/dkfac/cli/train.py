@@ -16,13 +16,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.config import TrainConfig
+from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.run_checkpoint import EpochPosition, restore_checkpoint, save_run_checkpoint
 from dkfac.cli.run_metrics import (
     METRICS_NAME,
@@ -75,7 +75,7 @@ def _evaluate(
         for x, y in loader:
             logits = model(x.to(device))
             y = y.to(device)
-            totals[0] += float(F.cross_entropy(logits, y, reduction="sum"))
+            totals[0] += float(label_cross_entropy(logits, y, reduction="sum"))
             totals[1] += float((logits.argmax(-1) == y).sum())
             totals[2] += y.numel()
     model.train(was_training)
@@ -235,7 +235,7 @@ class _RankRun:
         tick = time.perf_counter()
         setup.optimizer.zero_grad(set_to_none=True)
         logits = setup.wrapped(x.to(setup.device))
-        loss = F.cross_entropy(logits, y.to(setup.device))
+        loss = label_cross_entropy(logits, y.to(setup.device))
         torch.autograd.backward(loss)
         if pre is not None:
             setup.sync.before_preconditioning()

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 import dkfac
 from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.gradient_sync import GradientSync
+from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.sampling import EpochSampler
 from dkfac.data.registry import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
@@ -172,7 +172,7 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
             cap = config.bucket_cap_mb
             assert isinstance(cap, float)  # "auto" is DeAR's, refused with --strategy auto
             strategy = dkfac.AutoOptions(
-                example=example, loss_fn=F.cross_entropy, ddp_bucket_cap_mb=cap
+                example=example, loss_fn=label_cross_entropy, ddp_bucket_cap_mb=cap
             )
         pre = _build_preconditioner(config, strategy, sync.model, scheduler)
     return TrainingSetup(

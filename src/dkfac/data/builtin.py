@@ -21,20 +21,24 @@ def load_digits_tensors(
     test_fraction: float = 0.25,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    *,
+    standardize: bool = True,
 ) -> tuple[TensorDataset, TensorDataset]:
     """Load scikit-learn's 8x8 handwritten digits as train and test tensor datasets.
 
     The 1797 images ship with scikit-learn, so nothing is downloaded. Images are
     returned with shape ``(N, 1, 8, 8)``: pixels are first scaled to ``[0, 1]`` and then
-    standardized with the scalar mean and standard deviation of the *training* split
-    (the test split uses the same statistics). The split is stratified by class and
-    fully determined by ``seed``.
+    (``standardize``) standardized with the scalar mean and standard deviation of the
+    *training* split (the test split uses the same statistics). The split is stratified by
+    class and fully determined by ``seed``.
 
     Args:
         test_fraction: Fraction of the samples that goes to the test split, in
             ``(0, 1)``.
         seed: Seed of the split.
         dtype: Floating-point dtype of the images; labels are always ``torch.long``.
+        standardize: standardize the pixels; ``False`` keeps them in ``[0, 1]`` (targets
+            of an autoencoder).
 
     Returns:
         ``(train, test)`` datasets, each yielding ``(image, label)`` pairs.
@@ -73,8 +77,8 @@ def load_digits_tensors(
     test_index = torch.as_tensor(test_idx, dtype=torch.long)
 
     train_images = images[train_index]
-    mean = train_images.mean()
-    std = train_images.std().clamp_min(1e-12)
+    mean = train_images.mean() if standardize else torch.tensor(0.0, dtype=torch.float64)
+    std = train_images.std().clamp_min(1e-12) if standardize else torch.tensor(1.0)
 
     def _standardize(x: torch.Tensor) -> torch.Tensor:
         return ((x - mean) / std).to(dtype)

@@ -12,6 +12,7 @@ name           data
 ``cifar10``    CIFAR-10 from the local *python* batches (never downloaded).
 ``npz``        User arrays ``x``/``y`` (optionally ``x_test``/``y_test``) from a ``.npz``.
 ``tokens``     Random token sequences labelled by the token at a fixed position.
+``pysource``   Characters of the Python standard library's own sources, next-character labels.
 =============  ==============================================================================
 
 Nothing is ever downloaded: ``cifar10`` reads files that are already on disk and says
@@ -24,7 +25,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from dkfac.data.builtin import import_numpy, load_digits_tensors
+from dkfac.data.builtin import load_digits_tensors
 from dkfac.data.cifar10 import (
     CIFAR10_CLASSES,
     CIFAR10_MEAN,
@@ -40,6 +40,9 @@ from dkfac.data.cifar10 import (
     default_cifar10_root,
     load_cifar10,
 )
+from dkfac.data.npz import load_npz
+from dkfac.data.spec import DATASET_KINDS, DatasetSpec, fraction_option, positive_int_option
+from dkfac.data.stdlib_text import VOCAB_SIZE, load_stdlib_text
 
 logger = logging.getLogger(__name__)
 
@@ -53,45 +56,8 @@ __all__ = [
     "load_dataset",
 ]
 
-DATASET_NAMES: tuple[str, ...] = ("digits", "synthetic", "cifar10", "npz", "tokens")
+DATASET_NAMES: tuple[str, ...] = ("digits", "synthetic", "cifar10", "npz", "tokens", "pysource")
 """Names accepted by :func:`load_dataset`."""
-
-DATASET_KINDS: tuple[str, ...] = ("image", "vector", "tokens")
-"""Kinds of input: ``image`` is ``(C, H, W)`` floats, ``vector`` any other float
-features, ``tokens`` a sequence of integer token ids."""
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A loaded dataset and what a model needs to know about it.
-
-    Attributes:
-        name: Registry name the dataset was loaded under.
-        train: Training split of ``(input, label)`` pairs.
-        test: Test split of ``(input, label)`` pairs.
-        input_shape: Shape of one input, without the batch dimension (e.g.
-            ``(3, 32, 32)`` for images or ``(seq_len,)`` for tokens).
-        num_classes: Number of classes; labels are in ``range(num_classes)``.
-        kind: One of :data:`DATASET_KINDS`.
-        vocab_size: Number of distinct token ids for ``kind == "tokens"``, else ``None``.
-
-    """
-
-    name: str
-    train: Dataset[tuple[Tensor, ...]]
-    test: Dataset[tuple[Tensor, ...]]
-    input_shape: tuple[int, ...]
-    num_classes: int
-    kind: str
-    vocab_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in DATASET_KINDS:
-            raise ValueError(f"kind={self.kind!r} is not allowed: expected one of {DATASET_KINDS}")
-        if self.num_classes < 1:
-            raise ValueError(f"num_classes must be positive, got {self.num_classes}")
-        if self.kind == "tokens" and (self.vocab_size is None or self.vocab_size < 1):
-            raise ValueError(f"a tokens dataset needs a positive vocab_size, got {self.vocab_size}")
 
 
 def load_dataset(
@@ -121,6 +87,10 @@ def load_dataset(
       over ``range(vocab_size)``; the label is ``tokens[key_position] % num_classes``, so a
       model must find one position and read the token there (a task for attention and
       positional embeddings). ``root`` is ignored.
+    * ``pysource``: ``seq_len`` (64), ``valid_fraction`` (0.1), ``max_chars`` (all): windows
+      of this interpreter's standard-library sources, a fixed list of modules, each file
+      split at ``1 - valid_fraction`` of its length (:mod:`dkfac.data.stdlib_text`); kind
+      ``text``, 128 token ids. ``root`` is ignored; ``seed`` too (a fixed split).
 
     Every dataset is fully determined by ``seed`` (and the files it reads).
 
@@ -144,7 +114,8 @@ def load_dataset(
         "digits": _load_digits,
         "synthetic": _load_synthetic,
         "cifar10": _load_cifar10,
-        "npz": _load_npz,
+        "npz": load_npz,
+        "pysource": _load_pysource,
         "tokens": _load_tokens,
     }
     allowed: Mapping[str, frozenset[str]] = {
@@ -155,6 +126,7 @@ def load_dataset(
         "tokens": frozenset(
             {"vocab_size", "seq_len", "num_classes", "train_size", "test_size", "key_position"}
         ),
+        "pysource": frozenset({"seq_len", "valid_fraction", "max_chars"}),
     }
     if name not in loaders:
         raise ValueError(
@@ -191,27 +163,13 @@ def _length(dataset: Dataset[tuple[Tensor, ...]]) -> int:
     return int(size()) if callable(size) else -1
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    """Validate an integer option (booleans are rejected)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is not allowed: expected an integer >= {minimum}")
-    return value
-
-
-def _fraction(name: str, value: Any) -> float:
-    """Validate a fraction option in ``(0, 1)``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ValueError(f"{name}={value!r} is not allowed: expected a number in (0, 1)")
-    return float(value)
-
-
 # -- digits and synthetic -----------------------------------------------------------------
 
 
 def _load_digits(_root: Path | None, seed: int, *, test_fraction: float = 0.25) -> DatasetSpec:
     """scikit-learn's digits through :func:`dkfac.data.builtin.load_digits_tensors`."""
     train, test = load_digits_tensors(
-        test_fraction=_fraction("test_fraction", test_fraction), seed=seed
+        test_fraction=fraction_option("test_fraction", test_fraction), seed=seed
     )
     return DatasetSpec("digits", train, test, (1, 8, 8), 10, "image")
 
@@ -230,9 +188,9 @@ def _load_synthetic(
     if not sizes or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in sizes):
         raise ValueError(f"shape={shape!r} is not allowed: expected a tuple of positive integers")
     dims: tuple[int, ...] = sizes
-    classes = _positive_int("num_classes", num_classes)
-    n_train = _positive_int("train_size", train_size)
-    n_test = _positive_int("test_size", test_size)
+    classes = positive_int_option("num_classes", num_classes)
+    n_train = positive_int_option("train_size", train_size)
+    n_test = positive_int_option("test_size", test_size)
     generator = torch.Generator().manual_seed(seed)
     features = math.prod(dims)
     weight = torch.randn(features, classes, generator=generator) / math.sqrt(features)
@@ -263,12 +221,12 @@ def _load_tokens(
     key_position: int = 0,
 ) -> DatasetSpec:
     """Uniform token sequences labelled by ``tokens[key_position] % num_classes``."""
-    vocab = _positive_int("vocab_size", vocab_size)
-    length = _positive_int("seq_len", seq_len)
-    classes = _positive_int("num_classes", num_classes)
-    n_train = _positive_int("train_size", train_size)
-    n_test = _positive_int("test_size", test_size)
-    position = _positive_int("key_position", key_position, minimum=0)
+    vocab = positive_int_option("vocab_size", vocab_size)
+    length = positive_int_option("seq_len", seq_len)
+    classes = positive_int_option("num_classes", num_classes)
+    n_train = positive_int_option("train_size", train_size)
+    n_test = positive_int_option("test_size", test_size)
+    position = positive_int_option("key_position", key_position, minimum=0)
     if position >= length:
         raise ValueError(
             f"key_position={position} is not allowed: expected 0 <= key_position < seq_len={length}"
@@ -298,102 +256,22 @@ def _load_cifar10(root: Path | None, _seed: int) -> DatasetSpec:
     return DatasetSpec("cifar10", train, test, (3, 32, 32), CIFAR10_CLASSES, "image")
 
 
-# -- npz ----------------------------------------------------------------------------------
+# -- pysource ------------------------------------------------------------------------------
 
 
-def _load_npz(
-    root: Path | None,
-    seed: int,
+def _load_pysource(
+    _root: Path | None,
+    _seed: int,
     *,
-    test_fraction: float = 0.2,
-    num_classes: int | None = None,
+    seq_len: int = 64,
+    valid_fraction: float = 0.1,
+    max_chars: int | None = None,
 ) -> DatasetSpec:
-    """User arrays from a ``.npz`` file (see :func:`load_dataset`)."""
-    if root is None:
-        raise ValueError(
-            "dataset 'npz' needs root= (--data-root): the path of a .npz file with arrays "
-            "x and y (and optionally x_test and y_test)"
-        )
-    if not root.is_file():
-        raise FileNotFoundError(f"npz dataset file not found: expected {root}")
-    fraction = _fraction("test_fraction", test_fraction)
-    numpy = import_numpy("the npz dataset")
-    try:
-        with numpy.load(root, allow_pickle=False) as archive:
-            arrays = {key: numpy.asarray(archive[key]) for key in archive.files}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{root} is not a readable .npz file: {exc}") from exc
-
-    missing = [key for key in ("x", "y") if key not in arrays]
-    if missing:
-        raise ValueError(
-            f"{root}: missing array(s) {', '.join(missing)}; expected x and y (optionally "
-            f"x_test and y_test), found {', '.join(sorted(arrays)) or 'none'}"
-        )
-    if ("x_test" in arrays) != ("y_test" in arrays):
-        raise ValueError(f"{root}: x_test and y_test must be given together or not at all")
-
-    x, y = _npz_pair(root, arrays["x"], arrays["y"], "x", "y")
-    if "x_test" in arrays:
-        x_test, y_test = _npz_pair(root, arrays["x_test"], arrays["y_test"], "x_test", "y_test")
-        if x_test.shape[1:] != x.shape[1:]:
-            raise ValueError(
-                f"{root}: x_test samples have shape {tuple(x_test.shape[1:])} but x samples "
-                f"have shape {tuple(x.shape[1:])}"
-            )
-    else:
-        total = x.shape[0]
-        n_test = round(total * fraction)
-        if total < 2 or not 0 < n_test < total:
-            raise ValueError(
-                f"{root}: cannot split {total} sample(s) with test_fraction={fraction}; "
-                "add samples or provide x_test and y_test"
-            )
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-        x, x_test = x[order[n_test:]], x[order[:n_test]]
-        y, y_test = y[order[n_test:]], y[order[:n_test]]
-
-    largest = int(torch.cat([y, y_test]).max()) if y.numel() + y_test.numel() else -1
-    classes = largest + 1 if num_classes is None else _positive_int("num_classes", num_classes)
-    if classes <= largest or classes < 1:
-        raise ValueError(
-            f"num_classes={num_classes} is not allowed: {root} has label {largest}, so at least "
-            f"{largest + 1} classes are needed"
-        )
-    if x.ndim == 3:  # (N, H, W) grayscale images
-        x, x_test = x.unsqueeze(1), x_test.unsqueeze(1)
-    kind = "image" if x.ndim == 4 else "vector"
+    """The standard library's text (:func:`~dkfac.data.stdlib_text.load_stdlib_text`)."""
+    length = positive_int_option("seq_len", seq_len)
+    if max_chars is not None:
+        positive_int_option("max_chars", max_chars, minimum=length + 1)
+    train, valid = load_stdlib_text(length, valid_fraction, max_chars)
     return DatasetSpec(
-        "npz",
-        TensorDataset(x, y),
-        TensorDataset(x_test, y_test),
-        tuple(int(d) for d in x.shape[1:]),
-        classes,
-        kind,
+        "pysource", train, valid, (length,), VOCAB_SIZE, "text", vocab_size=VOCAB_SIZE
     )
-
-
-def _npz_pair(root: Path, x: Any, y: Any, x_name: str, y_name: str) -> tuple[Tensor, Tensor]:
-    """Validate and convert one ``(inputs, labels)`` pair of an npz file."""
-    numpy = import_numpy("the npz dataset")
-    if x.ndim < 2:
-        raise ValueError(
-            f"{root}: {x_name} must have shape (N, ...) with at least 2 dims, got {x.shape}"
-        )
-    if y.ndim != 1 or y.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"{root}: {y_name} must have shape ({x.shape[0]},) to match {x_name} of shape "
-            f"{x.shape}, got {y.shape}"
-        )
-    if not (numpy.issubdtype(x.dtype, numpy.number) or x.dtype == numpy.bool_):
-        raise ValueError(f"{root}: {x_name} must be numeric, got dtype {x.dtype}")
-    if numpy.issubdtype(y.dtype, numpy.floating):
-        if not numpy.all(numpy.isfinite(y)) or not numpy.all(y == numpy.round(y)):
-            raise ValueError(f"{root}: {y_name} must hold integer class labels")
-    elif not numpy.issubdtype(y.dtype, numpy.integer):
-        raise ValueError(f"{root}: {y_name} must hold integer class labels, got dtype {y.dtype}")
-    if y.size and y.min() < 0:
-        raise ValueError(f"{root}: {y_name} has negative label {y.min()}")
-    inputs = torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.float32))
-    labels = torch.from_numpy(numpy.ascontiguousarray(y).astype(numpy.int64))
-    return inputs, labels

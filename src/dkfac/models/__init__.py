@@ -1,5 +1,6 @@
 """Reference models: CIFAR ResNets, small networks and Transformers for tests and demos."""
 
+from dkfac.models.autoencoder import DeepAutoencoder
 from dkfac.models.registry import MODEL_NAMES, build_model
 from dkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from dkfac.models.small import MLP, SmallCNN
@@ -10,6 +11,7 @@ __all__ = [
     "MODEL_NAMES",
     "BasicBlock",
     "CifarResNet",
+    "DeepAutoencoder",
     "SmallCNN",
     "TransformerClassifier",
     "TransformerLM",

@@ -12,13 +12,21 @@ from torch import nn
 
 from dkfac.models.resnet import CifarResNet
 from dkfac.models.small import MLP, SmallCNN
-from dkfac.models.transformer import TransformerClassifier
+from dkfac.models.transformer import TransformerClassifier, TransformerLM
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MODEL_KINDS", "MODEL_NAMES", "DataInfo", "build_model"]
 
-MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet20", "resnet32", "resnet56", "transformer")
+MODEL_NAMES: tuple[str, ...] = (
+    "mlp",
+    "cnn",
+    "resnet20",
+    "resnet32",
+    "resnet56",
+    "transformer",
+    "lm",
+)
 """Names accepted by :func:`build_model`."""
 
 MODEL_KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -29,6 +37,7 @@ MODEL_KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "resnet32": ("image",),
         "resnet56": ("image",),
         "transformer": ("tokens",),
+        "lm": ("text",),
     }
 )
 """Input kinds (see ``dkfac.data.registry.DATASET_KINDS``) each model accepts."""
@@ -44,6 +53,7 @@ _OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
         "resnet32": frozenset(),
         "resnet56": frozenset(),
         "transformer": frozenset({"d_model", "heads", "layers", "seq_len", "dropout"}),
+        "lm": frozenset({"d_model", "heads", "layers", "seq_len", "dropout"}),
     }
 )
 
@@ -63,7 +73,7 @@ class DataInfo(Protocol):
 
     @property
     def kind(self) -> str:
-        """``"image"``, ``"vector"`` or ``"tokens"``."""
+        """``"image"``, ``"vector"``, ``"tokens"`` or ``"text"``."""
         ...
 
     @property
@@ -99,13 +109,15 @@ def build_model(
     * ``transformer`` (tokens): ``TransformerClassifier`` with ``seq_len`` from
       ``input_shape`` and ``vocab_size`` from the data; ``d_model`` (64), ``heads`` (4),
       ``layers`` (2), ``seq_len``, ``dropout`` (0.0).
+    * ``lm`` (text): ``TransformerLM``, a causal character or token language model, with
+      the same options and defaults as ``transformer``.
 
     Args:
         name: One of :data:`MODEL_NAMES`.
         data: Description of the dataset, or ``None`` to use the keywords only.
         input_shape: Shape of one input without the batch dimension.
         num_classes: Number of output classes.
-        kind: ``"image"``, ``"vector"`` or ``"tokens"``.
+        kind: ``"image"``, ``"vector"``, ``"tokens"`` or ``"text"``.
         vocab_size: Number of token ids (token data only).
         **options: Model-specific options listed above.
 
@@ -168,12 +180,12 @@ def build_model(
     else:
         if vocab_size is None:
             raise ValueError(
-                "model 'transformer' needs the vocabulary size of the token data: pass "
+                f"model {name!r} needs the vocabulary size of the token data: pass "
                 "vocab_size= or the DatasetSpec as data="
             )
         if len(shape) != 1:
             raise ValueError(
-                f"model 'transformer' does not fit dataset inputs of shape {shape}: expected "
+                f"model {name!r} does not fit dataset inputs of shape {shape}: expected "
                 "(seq_len,) token ids"
             )
         seq_len = int(options.pop("seq_len", shape[0]))
@@ -181,7 +193,10 @@ def build_model(
             raise ValueError(
                 f"seq_len={seq_len} is shorter than the dataset's sequences ({shape[0]} tokens)"
             )
-        model = TransformerClassifier(vocab_size, num_classes, seq_len=seq_len, **options)
+        if name == "lm":
+            model = TransformerLM(vocab_size, seq_len=seq_len, **options)
+        else:
+            model = TransformerClassifier(vocab_size, num_classes, seq_len=seq_len, **options)
     logger.debug("Built model %r for %s data of shape %s", name, kind, shape)
     return model
 

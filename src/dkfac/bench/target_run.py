@@ -1,0 +1,209 @@
+"""Train a workload until it reaches its target or its time budget: one run of time-to-target.
+
+The clock counts training only (forward, backward, K-FAC, the optimizer and, on several
+workers, their communication); every ``eval_every`` steps it stops while the metric is
+measured on the test split. A run ends at the first measurement that meets the target, when
+the training seconds pass the budget, or when the loss or the metric stops being finite
+(counted as a divergence). Every method starts from the same initial weights for a seed and
+sees the same batches in the same order: the seed fixes both.
+
+On ``P`` workers (``spawn_workers``, gloo) each takes its ``1/P`` of every global batch, DDP
+averages the gradients, and K-FAC runs the named strategy; the measurement is rank 0's,
+broadcast so every rank stops together.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dkfac
+from dkfac.bench.workloads import Workload, load_workload
+from dkfac.cli.local_workers import spawn_workers
+
+__all__ = ["Method", "Trace", "run_method", "train_to_target"]
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+#: SGD's momentum in every run (with and without K-FAC).
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Method:
+    """An optimizer and its learning rate, with or without K-FAC.
+
+    Attributes:
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adamw"`` (PyTorch's defaults).
+        lr: the learning rate.
+        kfac: precondition with :class:`dkfac.KFACPreconditioner`.
+        kfac_options: its keyword arguments (empty: the library's defaults); ``lr`` is
+            always the optimizer's current rate.
+        name: what tables call it (default: built from the fields).
+    """
+
+    optimizer: str
+    lr: float
+    kfac: bool = False
+    kfac_options: tuple[tuple[str, Any], ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: expected one of {OPTIMIZERS}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr!r}: expected a finite number > 0")
+
+    @property
+    def label(self) -> str:
+        """``name``, or e.g. ``"sgd lr=0.1"`` / ``"sgd+kfac lr=0.1"``."""
+        if self.name:
+            return self.name
+        return f"{self.optimizer}{'+kfac' if self.kfac else ''} lr={self.lr:g}"
+
+
+@dataclass
+class Trace:
+    """What one run did: its measurements against training seconds and steps.
+
+    Attributes:
+        points: ``(training seconds, steps, metric)`` at every measurement (the first at 0).
+        reached_s: training seconds at the first measurement meeting the target (``None``:
+            not reached).
+        reached_step: the steps at that measurement.
+        diverged: the loss or the metric stopped being finite.
+        train_s: training seconds in all.
+    """
+
+    points: list[tuple[float, int, float]] = field(default_factory=list)
+    reached_s: float | None = None
+    reached_step: int | None = None
+    diverged: bool = False
+    train_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "points": [list(p) for p in self.points],
+            "reached_s": self.reached_s,
+            "reached_step": self.reached_step,
+            "diverged": self.diverged,
+            "train_s": self.train_s,
+        }
+
+
+def _optimizer(method: Method, model: nn.Module) -> torch.optim.Optimizer:
+    if method.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=method.lr, momentum=MOMENTUM)
+    return torch.optim.AdamW(model.parameters(), lr=method.lr)
+
+
+def _measured(workload: Workload, model: nn.Module, world: int) -> float:
+    """The metric on the test split (rank 0's, on every rank)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        value = torch.tensor([workload.measure(model, workload.test)], dtype=torch.float64)
+    model.train(was_training)
+    if world > 1:
+        dist.broadcast(value, 0)
+    return float(value)
+
+
+def train_to_target(
+    workload: Workload,
+    method: Method,
+    seed: int,
+    budget_s: float | None = None,
+    *,
+    strategy: str = "dkfac",
+) -> Trace:
+    """One run on this process (its rank of the process group, if there is one).
+
+    Args:
+        workload: the task.
+        method: the optimizer, its rate, K-FAC or not.
+        seed: the initial weights' and the batch order's seed.
+        budget_s: training seconds after which the run stops unreached (``None``: the
+            workload's).
+        strategy: K-FAC's strategy on several workers (one worker: ``"local"``).
+    """
+    budget = workload.budget_s if budget_s is None else budget_s
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if workload.batch_size % world:
+        raise ValueError(f"batch {workload.batch_size} does not split over {world} workers")
+    torch.manual_seed(seed)
+    model = workload.build()
+    trained: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = _optimizer(method, model)
+    pre = None
+    if method.kfac:
+        options: dict[str, Any] = dict(method.kfac_options)
+        options.setdefault("strategy", strategy if world > 1 else "local")
+        pre = dkfac.KFACPreconditioner(
+            trained, lr=lambda _: float(optimizer.param_groups[0]["lr"]), **options
+        )
+    inputs, targets = workload.train
+    order = torch.Generator().manual_seed(seed)
+    share = workload.batch_size // world
+    trace = Trace(points=[(0.0, 0, _measured(workload, model, world))])
+    steps, permutation, position = 0, torch.randperm(len(inputs), generator=order), 0
+    while trace.train_s < budget:
+        tick = time.perf_counter()
+        for _ in range(workload.eval_every):
+            if position + workload.batch_size > len(permutation):
+                permutation, position = torch.randperm(len(inputs), generator=order), 0
+            batch = permutation[position : position + workload.batch_size]
+            mine = batch[rank * share : (rank + 1) * share]
+            position += workload.batch_size
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss_fn(trained(inputs[mine]), targets[mine])
+            loss.backward()  # type: ignore[no-untyped-call]
+            if pre is not None:
+                pre.step()
+            optimizer.step()
+            steps += 1
+        trace.train_s += time.perf_counter() - tick
+        value = _measured(workload, model, world)
+        trace.points.append((trace.train_s, steps, value))
+        if not (math.isfinite(value) and math.isfinite(float(loss.detach()))):
+            trace.diverged = True
+            break
+        if workload.reached(value):
+            trace.reached_s, trace.reached_step = trace.train_s, steps
+            break
+    if pre is not None:
+        pre.remove()
+    return trace
+
+
+def _worker(
+    workload_name: str, method: Method, seed: int, budget_s: float | None, strategy: str
+) -> Any:
+    # One process in a process group of one runs strategy="local" on purpose.
+    warnings.filterwarnings("ignore", "strategy='local' in a process group")
+    trace = train_to_target(load_workload(workload_name), method, seed, budget_s, strategy=strategy)
+    return trace.as_dict()
+
+
+def run_method(
+    workload_name: str,
+    method: Method,
+    seed: int,
+    budget_s: float | None = None,
+    *,
+    world_size: int = 1,
+    strategy: str = "dkfac",
+) -> dict[str, Any]:
+    """One run on ``world_size`` fresh processes, one intra-op thread each; rank 0's trace."""
+    args = (workload_name, method, seed, budget_s, strategy)
+    limit = load_workload(workload_name).budget_s if budget_s is None else budget_s
+    results = spawn_workers(_worker, world_size, 1, args, timeout=limit * 4 + 300)
+    return dict(results[0])

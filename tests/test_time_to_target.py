@@ -1,0 +1,178 @@
+"""Issue 15's workloads and the time-to-target runner: data, models, runs, summaries."""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dkfac.bench.target_report import format_table, grid_score, summarize
+from dkfac.bench.target_run import Method, train_to_target
+from dkfac.bench.workloads import Workload, load_workload
+from dkfac.cli.main import main
+from dkfac.cli.objective import label_cross_entropy
+from dkfac.data.builtin import load_digits_tensors
+from dkfac.data.registry import load_dataset
+from dkfac.data.stdlib_text import OTHER_BYTE, STDLIB_TEXT_MODULES, load_stdlib_text
+from dkfac.models import DeepAutoencoder, TransformerLM, build_model
+
+
+def test_pysource_windows_are_the_library_files_bytes_shifted_by_one() -> None:
+    source = (Path(sysconfig.get_paths()["stdlib"]) / f"{STDLIB_TEXT_MODULES[0]}.py").read_bytes()
+    train, valid = load_stdlib_text(seq_len=16, valid_fraction=0.25)
+    x, y = train[0]
+    assert bytes(x.tolist()) == source[:16] and bytes(y.tolist()) == source[1:17]
+    x1, _ = train[1]
+    assert bytes(x1.tolist()) == source[16:32]  # windows do not overlap
+    cut = round(len(source) * 0.75)
+    first_valid, _ = valid[0]
+    assert bytes(first_valid.tolist()) == source[cut : cut + 16]  # each file's tail validates
+    for data in (train, valid):
+        inputs, targets = data.tensors
+        assert inputs.max() < 128 and targets.min() >= 0
+
+
+def test_pysource_maps_bytes_outside_ascii_to_one_id_and_refuses_bad_options() -> None:
+    from dkfac.data.stdlib_text import _encode
+
+    assert _encode("é=1".encode()).tolist() == [OTHER_BYTE, OTHER_BYTE, ord("="), ord("1")]
+    spec = load_dataset("pysource", seq_len=8, max_chars=900)
+    assert (spec.kind, spec.num_classes, spec.vocab_size, spec.input_shape) == (
+        "text",
+        128,
+        128,
+        (8,),
+    )
+    assert len(spec.train) == (900 - 1) // 8  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seq_len=0"):
+        load_dataset("pysource", seq_len=0)
+    with pytest.raises(ValueError, match="max_chars=5"):
+        load_dataset("pysource", seq_len=8, max_chars=5)
+
+
+def test_the_lm_model_takes_text_and_only_text() -> None:
+    text = load_dataset("pysource", seq_len=8, max_chars=900)
+    tokens = load_dataset("tokens", seq_len=8)
+    assert isinstance(build_model("lm", text, d_model=16, heads=2, layers=1), TransformerLM)
+    with pytest.raises(ValueError, match="'transformer' does not fit dataset kind 'text'"):
+        build_model("transformer", text)
+    with pytest.raises(ValueError, match="'lm' does not fit dataset kind 'tokens'"):
+        build_model("lm", tokens)
+
+
+def test_label_cross_entropy_is_the_mean_over_every_position() -> None:
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 5, 7, dtype=torch.float64), torch.randint(0, 7, (3, 5))
+    by_position = [F.cross_entropy(logits[:, t], labels[:, t]) for t in range(5)]
+    assert label_cross_entropy(logits, labels) == pytest.approx(float(sum(by_position) / 5))
+    flat = torch.randn(4, 7)  # one label per example: plain cross-entropy
+    assert torch.equal(
+        label_cross_entropy(flat, labels[0, :4]), F.cross_entropy(flat, labels[0, :4])
+    )
+
+
+def test_dkfac_train_runs_a_character_language_model_on_pysource(tmp_path) -> None:
+    argv = ["train", "--model", "lm", "--dataset", "pysource", "--batch-size", "16"]
+    argv += ["--dataset-option", "max_chars=20000", "--dataset-option", "seq_len=32"]
+    argv += ["--steps-per-epoch", "3", "--epochs", "1", "--nproc", "1", "--strategy", "local"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    epoch = [r for r in records if r.get("event") == "epoch"][-1]
+    # Next-character loss starts near ln(128) = 4.85 (uniform) and cannot be far above it.
+    assert 0 < epoch["test_loss"] < 6 and 0 <= epoch["test_accuracy"] <= 1
+
+
+def test_digits_can_stay_in_the_unit_interval_for_the_autoencoder() -> None:
+    from sklearn.datasets import load_digits
+
+    train, test = load_digits_tensors(standardize=False)
+    images = torch.as_tensor(load_digits().images, dtype=torch.float32) / 16
+    everything = torch.cat([train.tensors[0], test.tensors[0]]).flatten(1)
+    assert everything.min() == 0 and everything.max() == 1
+    # The same images as scikit-learn's, in some order.
+    assert sorted(map(tuple, everything.tolist())) == sorted(map(tuple, images.flatten(1).tolist()))
+
+
+def test_the_deep_autoencoder_has_martens_and_grosses_shape() -> None:
+    model = DeepAutoencoder(64)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    widths = [linears[0].in_features] + [m.out_features for m in linears]
+    assert widths == [64, 1000, 500, 250, 30, 250, 500, 1000, 64]
+    assert sum(isinstance(m, nn.Sigmoid) for m in model.modules()) == 6  # not after code, output
+    assert isinstance(model.encoder[-1], nn.Linear) and isinstance(model.decoder[-1], nn.Linear)
+    assert model(torch.rand(5, 1, 8, 8)).shape == (5, 64)
+
+
+def _regression(target: float, lr_scale: float = 1.0) -> Workload:
+    """y = 2x: a loss that a working optimizer drives to zero."""
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    data = (x, 2 * x)
+
+    def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        return float(F.mse_loss(model(batch[0]), batch[1]))
+
+    return Workload(
+        "regression", data, data, lambda: nn.Linear(1, 1), F.mse_loss, mse, "mse",
+        target, False, batch_size=16, eval_every=5, budget_s=5.0,
+    )  # fmt: skip
+
+
+def test_a_run_stops_at_the_first_measurement_that_meets_the_target() -> None:
+    trace = train_to_target(_regression(target=1e-3), Method("sgd", 0.1), seed=0)
+    assert trace.reached_step is not None and trace.reached_step % 5 == 0
+    assert trace.points[-1][2] <= 1e-3 < min(p[2] for p in trace.points[:-1])
+    assert trace.reached_s == trace.points[-1][0] == trace.train_s and not trace.diverged
+    with_kfac = train_to_target(_regression(1e-3), Method("sgd", 0.1, kfac=True), seed=0)
+    assert with_kfac.reached_step is not None
+
+
+def test_a_diverging_run_and_an_unreachable_target_are_told_apart() -> None:
+    diverged = train_to_target(_regression(1e-3), Method("sgd", 1e3), seed=0)
+    assert diverged.diverged and diverged.reached_s is None
+    unreached = train_to_target(_regression(-1.0), Method("sgd", 0.1), seed=0, budget_s=0.05)
+    assert not unreached.diverged and unreached.reached_s is None
+    assert unreached.train_s >= 0.05 and len(unreached.points) >= 2
+
+
+def test_summaries_take_the_median_over_reached_runs_and_count_failures() -> None:
+    def trace(seconds: float | None, diverged: bool = False) -> dict:
+        points = [[0.0, 0, 0.5], [1.0, 10, 0.9 if seconds else 0.8]]
+        step = None if seconds is None else 10
+        return {"points": points, "reached_s": seconds, "reached_step": step, "diverged": diverged}
+
+    runs = [trace(3.0), trace(1.0), trace(2.0), trace(None), trace(None, diverged=True)]
+    summary = summarize(runs)
+    assert summary == {
+        "runs": 5,
+        "reached": 3,
+        "diverged": 1,
+        "median_s": 2.0,
+        "min_s": 1.0,
+        "max_s": 3.0,
+        "median_steps": 10,
+    }
+    assert summarize(runs[2:])["median_s"] is None  # one of three reached: not typical
+    assert grid_score(trace(2.0), True) < grid_score(trace(3.0), True)
+    assert grid_score(trace(None), True) == (math.inf, -0.8)
+    table = format_table(
+        [{"workload": "digits", "world_size": 1, "method": "sgd lr=0.1", "summary": summary}]
+    )
+    assert "digits" in table and "3/5" in table and "1.00-3.00" in table
+
+
+def test_every_workload_loads_with_a_target_its_first_measurement_misses() -> None:
+    for name in ("digits", "autoencoder", "charlm"):
+        workload = load_workload(name)
+        torch.manual_seed(0)
+        model = workload.build()
+        with torch.no_grad():
+            start = workload.measure(model, workload.test)
+        assert not workload.reached(start), name
+    with pytest.raises(ValueError, match="workload='mnist'"):
+        load_workload("mnist")
