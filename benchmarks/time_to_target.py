@@ -7,7 +7,7 @@ character-level Transformer on the standard library's sources) and each world si
    the rate that reaches the target soonest (else comes closest) is kept. The grid is
    reported in the JSON.
 2. **Runs**: the kept SGD and AdamW, and dkfac with its defaults (one configuration for every
-   workload: ``--kfac``), on every seed.
+   workload: ``--kfac``), on ``--seeds`` seeds numbered after the grid's.
 
 Every run has its own processes (one intra-op thread each) and stops at the target or the
 workload's time budget (:mod:`dkfac.bench.target_run`). Output: a table (median seconds to

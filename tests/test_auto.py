@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -235,7 +236,7 @@ def test_a_rank_without_a_profile_or_with_other_layers_fails_every_rank(case: st
 NOISY = ClusterCostModel(AlphaBeta(2e-3, 1e-5, r_squared=0.2), CubicCost(1e-4, 1e-9))
 
 
-def chosen_on_a_noisy_network(rank: int, world_size: int) -> dict:
+def chosen_on_a_noisy_network(rank: int, world_size: int) -> dict[str, Any]:
     net = model()
     auto = dkfac.AutoOptions(profile=profile(), cost_model=NOISY, fallback="kaisa")
     pre = dkfac.KFACPreconditioner(net, strategy=auto)
@@ -259,7 +260,9 @@ def test_auto_options_refuse_a_fallback_it_may_not_choose() -> None:
         dkfac.AutoOptions(profile=profile(), strategies=("dkfac", "kaisa"), fallback="dp")
 
 
-def test_the_command_line_refuses_auto_with_dear_gradient_averaging(capsys) -> None:
+def test_the_command_line_refuses_auto_with_dear_gradient_averaging(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     argv = ["train", "--model", "mlp", "--dataset", "digits", "--strategy", "auto"]
     assert main([*argv, "--grad-sync", "dear", "--nproc", "2"]) != 0
     assert "--strategy auto is not allowed with --grad-sync dear" in capsys.readouterr().err

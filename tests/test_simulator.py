@@ -318,7 +318,9 @@ def test_a_profile_measured_here_has_every_layer_in_order() -> None:
     assert measured.decomposition["eigen"].c3 > 0
 
 
-def test_on_a_gpu_every_profile_clock_reading_waits_for_the_device(monkeypatch) -> None:
+def test_on_a_gpu_every_profile_clock_reading_waits_for_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Without the wait, a stamp is when the work was queued: launch times, not compute times.
     waited: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)

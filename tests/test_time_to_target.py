@@ -6,6 +6,7 @@ import json
 import math
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac.bench.target_report import format_table, grid_score, summarize
-from dkfac.bench.target_run import Method, train_to_target
+from dkfac.bench.target_run import Method, train_to_target, window_steps
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.main import main
 from dkfac.cli.objective import label_cross_entropy
@@ -77,7 +78,7 @@ def test_label_cross_entropy_is_the_mean_over_every_position() -> None:
     )
 
 
-def test_dkfac_train_runs_a_character_language_model_on_pysource(tmp_path) -> None:
+def test_dkfac_train_runs_a_character_language_model_on_pysource(tmp_path: Path) -> None:
     argv = ["train", "--model", "lm", "--dataset", "pysource", "--batch-size", "16"]
     argv += ["--dataset-option", "max_chars=20000", "--dataset-option", "seq_len=32"]
     argv += ["--steps-per-epoch", "3", "--epochs", "1", "--nproc", "1", "--strategy", "local"]
@@ -125,7 +126,9 @@ def _regression(target: float, lr_scale: float = 1.0) -> Workload:
 
 def test_a_run_stops_at_the_first_measurement_that_meets_the_target() -> None:
     trace = train_to_target(_regression(target=1e-3), Method("sgd", 0.1), seed=0)
-    assert trace.reached_step is not None and trace.reached_step % 5 == 0
+    assert trace.reached_step is not None
+    # One step first, then eval_every (5) at a time: these steps take well under budget/200.
+    assert [p[1] for p in trace.points] == [0, 1, *range(6, trace.reached_step + 1, 5)]
     assert trace.points[-1][2] <= 1e-3 < min(p[2] for p in trace.points[:-1])
     assert trace.reached_s == trace.points[-1][0] == trace.train_s and not trace.diverged
     with_kfac = train_to_target(_regression(1e-3), Method("sgd", 0.1, kfac=True), seed=0)
@@ -140,8 +143,16 @@ def test_a_diverging_run_and_an_unreachable_target_are_told_apart() -> None:
     assert unreached.train_s >= 0.05 and len(unreached.points) >= 2
 
 
+def test_measurements_come_every_eval_every_steps_or_sooner_when_steps_are_slow() -> None:
+    workload = _regression(1e-3)  # eval_every 5; a budget of 5 s: windows near 0.025 s
+    assert window_steps(workload, 5.0, 0.0, 0) == 1  # the first step alone: no timing yet
+    assert window_steps(workload, 5.0, 0.001, 10) == 5  # 0.1 ms steps: eval_every
+    assert window_steps(workload, 5.0, 0.1, 10) == 2  # 10 ms steps: 0.025 s is 2 of them
+    assert window_steps(workload, 5.0, 1.0, 10) == 1  # 100 ms steps: never fewer than one
+
+
 def test_summaries_take_the_median_over_reached_runs_and_count_failures() -> None:
-    def trace(seconds: float | None, diverged: bool = False) -> dict:
+    def trace(seconds: float | None, diverged: bool = False) -> dict[str, Any]:
         points = [[0.0, 0, 0.5], [1.0, 10, 0.9 if seconds else 0.8]]
         step = None if seconds is None else 10
         return {"points": points, "reached_s": seconds, "reached_step": step, "diverged": diverged}
@@ -160,6 +171,8 @@ def test_summaries_take_the_median_over_reached_runs_and_count_failures() -> Non
     assert summarize(runs[2:])["median_s"] is None  # one of three reached: not typical
     assert grid_score(trace(2.0), True) < grid_score(trace(3.0), True)
     assert grid_score(trace(None), True) == (math.inf, -0.8)
+    nothing_finite = {**trace(None, diverged=True), "points": [[0.0, 0, math.nan]]}
+    assert grid_score(nothing_finite, True) == (math.inf, math.inf)  # ranks last
     table = format_table(
         [{"workload": "digits", "world_size": 1, "method": "sgd lr=0.1", "summary": summary}]
     )

@@ -17,7 +17,9 @@ At construction, on every rank together, the preconditioner asks :meth:`AutoOpti
 logged. Where the calibration cannot describe the cluster (:meth:`ClusterCostModel.problems`:
 too noisy a network, decompositions whose time does not grow with size), nothing is
 predicted: ``fallback`` runs, and the report says why. If profiling fails on any rank, every
-rank raises (none waits for the others). Measuring costs a few training steps of the copy and
+rank raises (none waits for the others); a calibration that raises on one rank only (out of
+memory in a decomposition, say) still leaves the others waiting in its collectives until the
+process group's timeout. Measuring costs a few training steps of the copy and
 the calibration (about a second here), once per preconditioner (reuse a ``CostModelCache``
 across preconditioners).
 """
@@ -38,7 +40,7 @@ from torch import Tensor, nn
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.groups import require_distributed
-from dkfac.config import KFACConfig
+from dkfac.config import DEFAULT_BUCKET_CAP_MB, KFACConfig, check_float
 from dkfac.sim.choice import (
     AUTO_BUCKET_CAPS_MB,
     AUTO_STRATEGIES,
@@ -88,7 +90,7 @@ class AutoOptions(StrategyChooser):
     bucket_caps_mb: tuple[float, ...] = AUTO_BUCKET_CAPS_MB
     cost_model: ClusterCostModel | CostModelCache | None = None
     measure_steps: int = 3
-    ddp_bucket_cap_mb: float = 25.0
+    ddp_bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     fallback: str | None = None
 
     def __post_init__(self) -> None:
@@ -103,8 +105,13 @@ class AutoOptions(StrategyChooser):
         candidates(SimulatedRun("dkfac"), 2, strategies=self.strategies)  # validates the names
         if not self.bucket_caps_mb or min(self.bucket_caps_mb) <= 0:
             raise ValueError(f"bucket_caps_mb={self.bucket_caps_mb!r}: expected caps > 0 MiB")
-        if not self.ddp_bucket_cap_mb > 0:
-            raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r}: expected > 0 MiB")
+        check_float(
+            "ddp_bucket_cap_mb",
+            self.ddp_bucket_cap_mb,
+            low=0.0,
+            low_open=True,
+            allowed="a finite number of MiB > 0",
+        )
         if self.fallback is not None and self.fallback not in self.strategies:
             raise ValueError(
                 f"fallback={self.fallback!r}: expected one of the strategies "

@@ -19,7 +19,9 @@ def grid_score(trace: dict[str, Any], higher_is_better: bool) -> tuple[float, fl
     the one that came closest wins (its best metric, negated where higher is better).
     """
     values = [p[2] for p in trace["points"] if math.isfinite(p[2])]
-    best = (max(values) if higher_is_better else min(values)) if values else math.inf
+    if not values:
+        return math.inf, math.inf
+    best = max(values) if higher_is_better else min(values)
     closeness = -best if higher_is_better else best
     if trace["diverged"] or trace["reached_s"] is None:
         return math.inf, closeness

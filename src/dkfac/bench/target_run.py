@@ -1,15 +1,18 @@
 """Train a workload until it reaches its target or its time budget: one run of time-to-target.
 
 The clock counts training only (forward, backward, K-FAC, the optimizer and, on several
-workers, their communication); every ``eval_every`` steps it stops while the metric is
-measured on the test split. A run ends at the first measurement that meets the target, when
-the training seconds pass the budget, or when the loss or the metric stops being finite
-(counted as a divergence). Every method starts from the same initial weights for a seed and
-sees the same batches in the same order: the seed fixes both.
+workers, their communication), not building the model and the preconditioner (SPD/PAD's
+calibration, ``AutoOptions``' choice) and not measuring; it stops while the metric is
+measured on the test split, every ``eval_every`` steps or about every ``budget / 200``
+seconds when steps are slow (:func:`window_steps`). A run ends at the first measurement that
+meets the target, when the training seconds pass the budget, or when the loss or the metric
+stops being finite (counted as a divergence). Every method starts from the same initial
+weights for a seed and sees the same batches in the same order: the seed fixes both.
 
 On ``P`` workers (``spawn_workers``, gloo) each takes its ``1/P`` of every global batch, DDP
-averages the gradients, and K-FAC runs the named strategy; the measurement is rank 0's,
-broadcast so every rank stops together.
+averages the gradients, and K-FAC runs the named strategy; the measurement, the training
+seconds and whether the loss stayed finite are rank 0's, broadcast, so every rank stops
+together.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import dkfac
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.local_workers import spawn_workers
 
-__all__ = ["Method", "Trace", "run_method", "train_to_target"]
+__all__ = ["Method", "Trace", "run_method", "train_to_target", "window_steps"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 #: SGD's momentum in every run (with and without K-FAC).
@@ -104,16 +107,37 @@ def _optimizer(method: Method, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=method.lr)
 
 
-def _measured(workload: Workload, model: nn.Module, world: int) -> float:
-    """The metric on the test split (rank 0's, on every rank)."""
+def _agreed(
+    workload: Workload, model: nn.Module, world: int, train_s: float, loss_finite: bool
+) -> tuple[float, float, bool]:
+    """Rank 0's metric on the test split, training seconds and loss finiteness, on every rank.
+
+    Every rank decides to stop (target, budget, divergence) and how long the next window is
+    from these same numbers; with each rank's own clock and batch loss they could disagree,
+    and a rank that stops leaves the others waiting in DDP's allreduce.
+    """
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        value = torch.tensor([workload.measure(model, workload.test)], dtype=torch.float64)
+        value = workload.measure(model, workload.test)
     model.train(was_training)
+    agreed = torch.tensor([value, train_s, float(loss_finite)], dtype=torch.float64)
     if world > 1:
-        dist.broadcast(value, 0)
-    return float(value)
+        dist.broadcast(agreed, 0)
+    return float(agreed[0]), float(agreed[1]), bool(agreed[2])
+
+
+def window_steps(workload: Workload, budget_s: float, train_s: float, steps: int) -> int:
+    """Steps until the next measurement: ``eval_every``, fewer when steps are slow.
+
+    A run reaches its target at a measurement, so a window of slow steps would add up to its
+    length to the time reported; windows are kept near ``budget_s / 200`` seconds (at least
+    one step) from the mean step time so far. The first window is one step.
+    """
+    if steps == 0:
+        return 1
+    per_step = train_s / steps
+    return max(1, min(workload.eval_every, int(budget_s / 200 / per_step) if per_step else 1))
 
 
 def train_to_target(
@@ -153,11 +177,12 @@ def train_to_target(
     inputs, targets = workload.train
     order = torch.Generator().manual_seed(seed)
     share = workload.batch_size // world
-    trace = Trace(points=[(0.0, 0, _measured(workload, model, world))])
+    trace = Trace(points=[(0.0, 0, _agreed(workload, model, world, 0.0, True)[0])])
     steps, permutation, position = 0, torch.randperm(len(inputs), generator=order), 0
     while trace.train_s < budget:
         tick = time.perf_counter()
-        for _ in range(workload.eval_every):
+        finite = True
+        for _ in range(window_steps(workload, budget, trace.train_s, steps)):
             if position + workload.batch_size > len(permutation):
                 permutation, position = torch.randperm(len(inputs), generator=order), 0
             batch = permutation[position : position + workload.batch_size]
@@ -170,10 +195,11 @@ def train_to_target(
                 pre.step()
             optimizer.step()
             steps += 1
-        trace.train_s += time.perf_counter() - tick
-        value = _measured(workload, model, world)
+            finite = finite and math.isfinite(float(loss.detach()))
+        elapsed = trace.train_s + time.perf_counter() - tick
+        value, trace.train_s, finite = _agreed(workload, model, world, elapsed, finite)
         trace.points.append((trace.train_s, steps, value))
-        if not (math.isfinite(value) and math.isfinite(float(loss.detach()))):
+        if not (math.isfinite(value) and finite):
             trace.diverged = True
             break
         if workload.reached(value):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dkfac.cli.objective import label_cross_entropy
 from dkfac.data.builtin import load_digits_tensors
 from dkfac.data.stdlib_text import VOCAB_SIZE, load_stdlib_text
 from dkfac.models import DeepAutoencoder, SmallCNN, TransformerLM
@@ -91,15 +92,9 @@ def _token_loss(model: nn.Module, data: tuple[Tensor, Tensor]) -> float:
     x, y = data
     total = 0.0
     for start in range(0, x.shape[0], 256):  # bounded memory for the logits
-        logits = model(x[start : start + 256])
-        total += float(
-            F.cross_entropy(logits.flatten(0, 1), y[start : start + 256].flatten(), reduction="sum")
-        )
+        batch = slice(start, start + 256)
+        total += float(label_cross_entropy(model(x[batch]), y[batch], reduction="sum"))
     return total / y.numel()
-
-
-def _token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _reconstruction_loss(logits: Tensor, inputs: Tensor) -> Tensor:
@@ -153,7 +148,7 @@ def load_workload(name: str) -> Workload:
             _tensors(train_text),
             _tensors(valid_text),
             lambda: TransformerLM(VOCAB_SIZE, d_model=64, heads=4, layers=2, seq_len=64),
-            _token_cross_entropy,
+            label_cross_entropy,
             _token_loss,
             "validation loss (nats per character)",
             1.4,

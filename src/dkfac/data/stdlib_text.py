@@ -3,7 +3,8 @@
 A fixed list of standard-library modules (:data:`STDLIB_TEXT_MODULES`) is read from the
 running interpreter's installation (nothing is downloaded). Each file's text is split by
 position: its first ``1 - valid_fraction`` goes to training, the rest to validation, so both
-splits see every file's style and neither sees the other's characters. Characters are bytes
+splits see every file's style and neither sees the other's characters (``max_chars`` keeps
+the first characters of each split, so only the first files' text). Characters are bytes
 of the UTF-8 text; bytes outside ASCII (rare in these files) map to one id,
 :data:`OTHER_BYTE`. An example is a window of ``seq_len + 1`` characters: the first
 ``seq_len`` are the input, the last ``seq_len`` the targets (the next character at every
