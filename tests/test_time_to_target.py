@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dkfac.bench.target_report import format_table, grid_score, summarize
-from dkfac.bench.target_run import Method, train_to_target, window_steps
+from dkfac.bench.target_run import Method, run_method, train_to_target, window_steps
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.main import main
 from dkfac.cli.objective import label_cross_entropy
@@ -189,3 +189,18 @@ def test_every_workload_loads_with_a_target_its_first_measurement_misses() -> No
         assert not workload.reached(start), name
     with pytest.raises(ValueError, match="workload='mnist'"):
         load_workload("mnist")
+
+
+@pytest.mark.parametrize("kfac", [False, True])
+def test_two_workers_train_as_one_process_on_the_global_batch(kfac: bool) -> None:
+    # A budget this large keeps every window at eval_every steps, so both runs measure at the
+    # same steps; each worker's half batch averaged by DDP (and dkfac's factors reduced over
+    # both) is the one process's full batch, so the accuracies agree up to float32 order
+    # effects (one test image either way).
+    method = Method("sgd", 0.1, kfac=kfac)
+    one = run_method("digits", method, seed=1, budget_s=1e6, world_size=1)
+    two = run_method("digits", method, seed=1, budget_s=1e6, world_size=2)
+    assert one["reached_step"] is not None and two["reached_step"] == one["reached_step"]
+    assert [p[1] for p in two["points"]] == [p[1] for p in one["points"]]
+    for (_, _, got), (_, _, want) in zip(two["points"], one["points"], strict=True):
+        assert got == pytest.approx(want, abs=1 / 450 + 1e-9)
