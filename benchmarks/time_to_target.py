@@ -174,12 +174,12 @@ def main() -> int:
         "platform": platform.platform(),
         "seconds": time.time() - started,
         "workloads": {
-            name: {
-                "metric": load_workload(name).metric,
-                "target": load_workload(name).target,
-                "budget_s": load_workload(name).budget_s,
+            workload.name: {
+                "metric": workload.metric,
+                "target": workload.target,
+                "budget_s": workload.budget_s,
             }
-            for name in args.workloads.split(",")
+            for workload in map(load_workload, args.workloads.split(","))
         },
         "kfac": kfacs,
         "grids": grids,
