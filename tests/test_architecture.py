@@ -16,6 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "dkfac"
 #: Per lower layer, the dkfac packages it may import (itself included).
 ALLOWED = {
     "curvature": {"curvature"},
+    # Adaptive K-FAC: model-level math (torch.func); the average over workers is passed in.
+    "adaptive": {"adaptive", "curvature", "validation"},
     "comm": {"comm", "curvature"},
     "strategies": {"strategies", "comm", "curvature"},
     # The simulator sits above the strategies: their own planners and runner; profiling runs

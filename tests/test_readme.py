@@ -41,3 +41,21 @@ def test_the_strategy_table_lists_every_registered_strategy_with_its_reference()
     distributed = [name for name, spec in STRATEGIES.items() if spec.distributed]
     assert list(COMMAND_LINE) == ["none", *STRATEGIES, "auto"]  # auto: dkfac.AutoOptions
     assert list(BENCHED) == list(ACCOUNTED_STRATEGIES) == distributed
+
+
+def test_the_adaptive_example_runs_after_the_quickstart_and_learns() -> None:
+    text = README.read_text()
+    blocks = [text[text.index(title) :] for title in ("## Quickstart", "### Adaptive K-FAC")]
+    codes = [re.search(r"```python\n(.*?)```", block, re.S) for block in blocks]
+    assert all(code is not None for code in codes)
+    namespace: dict[str, object] = {}
+    for index, code in enumerate(codes):
+        assert code is not None
+        exec(compile(code.group(1), str(README), "exec"), namespace)
+        if index == 0:  # the quickstart's preconditioner leaves the model first
+            namespace.pop("pre").remove()  # type: ignore[attr-defined]
+    pre, model, x, y = (namespace[k] for k in ("pre", "model", "x", "y"))
+    assert pre.steps == 28 and pre.adaptive_report is not None
+    assert all(p.grad is None for p in model.parameters())  # every layer moved by K-FAC
+    accuracy = (model(x).argmax(-1) == y).float().mean().item()
+    assert accuracy > 0.9, accuracy  # a second pass, adaptive

@@ -9,6 +9,7 @@
 aggregation (reduce-scatter under backward, all-gather under the next forward).
 """
 
+from dkfac.adaptive import AdaptiveOptions, AdaptiveReport
 from dkfac.auto import AutoOptions
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerHealth
@@ -21,6 +22,8 @@ from dkfac.strategies.plan_report import PlanReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveOptions",
+    "AdaptiveReport",
     "AutoOptions",
     "DeAR",
     "Health",

@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
+from dkfac.validation import check_float, check_int, describe
+
+__all__ = ["KFACConfig", "check_float", "check_int", "check_multiple"]
 
 #: A number, or a function of the K-FAC step (0-based count of completed ``step()`` calls).
 Hyperparameter = float | Callable[[int], float]
@@ -33,62 +37,6 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
 )
-
-
-def _describe(value: object) -> str:
-    return repr(value) if not callable(value) else f"callable {value!r}"
-
-
-def check_float(
-    name: str,
-    value: object,
-    *,
-    low: float,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = False,
-    allowed: str,
-    where: str = "",
-) -> float:
-    """Return ``value`` as a finite float, or raise a ``ValueError`` naming ``name`` and the range.
-
-    NaN and ±inf are always refused, whatever the bounds.
-
-    Args:
-        name: parameter name used in the message.
-        value: the value to check.
-        low: lower bound.
-        high: upper bound.
-        low_open: whether ``low`` itself is excluded.
-        high_open: whether ``high`` itself is excluded.
-        allowed: human description of the allowed values, e.g. ``"a finite number >= 0"``.
-        where: context placed after ``name=value`` in the message, e.g.
-            ``" (returned by the callable at step 3)"``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={_describe(value)}{where} is not allowed: expected {allowed}")
-    number = float(value)
-    below = number <= low if low_open else number < low
-    above = number >= high if high_open else number > high
-    if not math.isfinite(number) or below or above:
-        raise ValueError(f"{name}={value!r}{where} is not allowed: expected {allowed}")
-    return number
-
-
-def check_int(name: str, value: object, *, low: int = 1, where: str = "") -> int:
-    """Return ``value`` as an int ``>= low`` or raise a ``ValueError`` naming ``name``.
-
-    Args:
-        name: parameter name used in the message.
-        value: the value to check.
-        low: smallest allowed value.
-        where: context placed after ``name=value`` in the message.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"{name}={_describe(value)}{where} is not allowed: expected an integer >= {low}"
-        )
-    return value
 
 
 def check_multiple(factor_steps: int, inv_steps: int, step: int | None = None) -> None:
@@ -193,6 +141,7 @@ class KFACConfig:
     cost_model: ClusterCostModel | CostModelCache | None = None
     share: str | None = None
     check_replicas_every: int = 0
+    adaptive: AdaptiveOptions | None = None
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -248,6 +197,7 @@ class KFACConfig:
                 "torch.float32 or torch.float64"
             )
         check_int("accumulation_steps", self.accumulation_steps)
+        self._check_adaptive()
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
@@ -319,6 +269,26 @@ class KFACConfig:
                     f"regular expression ({error})"
                 ) from None
         object.__setattr__(self, "skip_patterns", tuple(patterns))
+
+    def _check_adaptive(self) -> None:
+        """Adaptive K-FAC: its options, a constant initial damping, one backward per step."""
+        if self.adaptive is None:
+            return
+        if not isinstance(self.adaptive, AdaptiveOptions):
+            raise ValueError(
+                f"adaptive={self.adaptive!r} is not allowed: expected None or "
+                "dkfac.AdaptiveOptions(loss_fn=...)"
+            )
+        if callable(self.damping):
+            raise ValueError(
+                f"damping={describe(self.damping)} is not allowed with adaptive: expected a "
+                "number (the initial damping; adaptive K-FAC chooses it from then on)"
+            )
+        if self.accumulation_steps != 1:
+            raise ValueError(
+                f"accumulation_steps={self.accumulation_steps!r} is not allowed with adaptive: "
+                "the quadratic model is measured on the one batch passed to step()"
+            )
 
     def intervals_at(self, step: int) -> tuple[int, int]:
         """``(factor_update_steps, inv_update_steps)`` at K-FAC step ``step``, checked together.

@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
-import copy
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
+from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.curvature.layer import LayerCurvature
-from dkfac.health import Health
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
-from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
+from dkfac.preconditioner_inspection import PreconditionerInspection
 from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import StrategyOptions
 from dkfac.strategies.chooser import StrategyChooser
-from dkfac.strategies.plan_report import PlanReport
 from dkfac.strategy_start import start_strategy
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(PreconditionerInspection):
     """K-FAC preconditioning as one call between ``loss.backward()`` and ``optimizer.step()``.
 
     Example::
@@ -89,6 +84,12 @@ class KFACPreconditioner:
         check_replicas_every: every this many decomposition steps, compare the bits of each
             replicated decomposition across workers (one all-gather of two int64 per layer);
             a difference raises ``RuntimeError`` naming layers and ranks. 0 (default): never.
+        adaptive: ``dkfac.AdaptiveOptions(loss_fn=...)``: each ``step(inputs, targets)`` moves
+            the preconditioned layers' parameters itself, by the learning rate and momentum
+            that minimise the quadratic model of the loss on the batch, and adapts the damping
+            (Levenberg-Marquardt; ``damping`` is its initial value). Their ``.grad`` is cleared,
+            so ``optimizer.step()`` moves only the other parameters; ``lr`` and ``kl_clip`` are
+            not used (the step's scale is chosen). ``None`` (default): off.
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (completed ``step()`` calls), checked like a constant when :meth:`step`
@@ -123,10 +124,16 @@ class KFACPreconditioner:
         cost_model: ClusterCostModel | CostModelCache | None = None,
         share: str | None = None,
         check_replicas_every: int = 0,
+        adaptive: AdaptiveOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"model={type(model).__name__} is not allowed: expected a torch.nn.Module"
+            )
+        if adaptive is not None and grad_scaler is not None:
+            raise ValueError(
+                "grad_scaler is not allowed with adaptive: the quadratic model is measured in "
+                "the model's own precision (train adaptive K-FAC without loss scaling)"
             )
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise ValueError(
@@ -154,6 +161,7 @@ class KFACPreconditioner:
             cost_model=cost_model,
             share=share,
             check_replicas_every=check_replicas_every,
+            adaptive=adaptive,
         )
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
@@ -171,6 +179,9 @@ class KFACPreconditioner:
         self._skipped_steps = 0
         self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, accumulation_steps)
+        self._adaptive = None
+        if adaptive is not None:
+            self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
         self._capture = StatisticsCapture(
             self._model,
             self._layers,
@@ -192,16 +203,23 @@ class KFACPreconditioner:
         return self._steps
 
     @property
+    def adaptive_report(self) -> AdaptiveReport | None:
+        """What adaptive K-FAC chose at the last step (``None``: not adaptive, or no step yet)."""
+        return None if self._adaptive is None else self._adaptive.last
+
+    @property
     def profiling(self) -> bool:
         """Whether spd/pad still profile this cluster to re-plan (benchmarks: time after)."""
         return self._strategy.profiling
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, inputs: Any = None, targets: Any = None) -> None:
         """Replace the gradients of the preconditioned layers by the K-FAC direction.
 
         Call after ``loss.backward()`` (and ``scaler.unscale_(optimizer)`` with AMP), before
-        ``optimizer.step()``.
+        ``optimizer.step()``. With ``adaptive``, pass the batch the gradients are of: the
+        model's ``inputs`` (a tensor, or a tuple of its positional arguments) and the
+        ``targets`` of ``loss_fn``; the layers' parameters move here (see ``adaptive``).
 
         A layer found used outside its own ``forward()`` (its parent calls ``F.linear`` on its
         weight, like ``nn.MultiheadAttention`` does with ``out_proj``) has a gradient but no
@@ -211,8 +229,15 @@ class KFACPreconditioner:
         Raises:
             RuntimeError: called before any backward pass, after :meth:`remove`, or the model
                 changed since the preconditioner was built.
-            ValueError: a callable hyperparameter returned a value that is not allowed.
+            ValueError: a callable hyperparameter returned a value that is not allowed, or the
+                batch is missing with ``adaptive`` (given without it).
         """
+        if (inputs is None) != (self._adaptive is None) or (targets is None) != (inputs is None):
+            raise ValueError(
+                "step(inputs, targets) needs both with adaptive K-FAC, and neither without it "
+                f"(adaptive={self.config.adaptive is not None}, inputs given: "
+                f"{inputs is not None}, targets given: {targets is not None})"
+            )
         if self._removed:
             raise RuntimeError(
                 "step() after remove(): this preconditioner has detached its "
@@ -221,9 +246,16 @@ class KFACPreconditioner:
         check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
-            self._step()
+            batch = None if inputs is None else (_arguments(inputs), targets)
+            self._step(batch)
 
-    def _step(self) -> None:
+    def _damping_at(self, step: int) -> float:
+        """``λ``: adaptive K-FAC's current value, else the configured one at ``step``."""
+        return (
+            self._adaptive.damping if self._adaptive is not None else self.config.damping_at(step)
+        )
+
+    def _step(self, batch: tuple[tuple[Any, ...], Any] | None) -> None:
         active = [layer for layer in self._layers if layer.block.has_grad()]
         if not active:
             raise RuntimeError(
@@ -258,7 +290,7 @@ class KFACPreconditioner:
         if not skipped and (inverse_step or self._force_inverse):
             self._force_inverse = False
             self._strategy.update_inverses(
-                self._layers, config.damping_at(k), config.inverse_method, config.inv_dtype
+                self._layers, self._damping_at(k), config.inverse_method, config.inv_dtype
             )
             self._decomposition_steps += 1
             every = config.check_replicas_every
@@ -268,13 +300,26 @@ class KFACPreconditioner:
         active = [layer for layer in active if layer.name not in silent]
         if active:
             grads = [layer.block.grad_matrix() for layer in active]
-            directions = self._strategy.precondition(active, grads, config.damping_at(k))
-            scale = None
-            if config.kl_clip_at is not None:
-                lr = config.lr_at(k)
-                scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
-            for layer, direction in zip(active, directions, strict=True):
-                layer.block.set_grad(direction if scale is None else direction * scale)
+            directions = self._strategy.precondition(active, grads, self._damping_at(k))
+            if self._adaptive is not None and batch is not None:
+                self._capture.capturing = False  # its extra forward passes are not statistics
+                with self._recorder.phase("adaptive"):
+                    self._adaptive.step(
+                        k,
+                        [layer.name for layer in active],
+                        [layer.block for layer in active],
+                        grads,
+                        directions,
+                        batch,
+                        self._strategy.average,
+                    )
+            else:
+                scale = None
+                if config.kl_clip_at is not None:
+                    lr = config.lr_at(k)
+                    scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
+                for layer, direction in zip(active, directions, strict=True):
+                    layer.block.set_grad(direction if scale is None else direction * scale)
         self._recorder.finish_step(self._steps)
         self._steps += 1
         self._capture.capturing = capture_next
@@ -287,96 +332,29 @@ class KFACPreconditioner:
         """
         return self
 
-    # -- inspection -------------------------------------------------------------------------
-    def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{layer name: (A, G)}`` running factors held by this worker."""
-        held = [layer for layer in self._layers if self._strategy.holds_factors(layer)]
-        return {
-            layer.name: (layer.factors["a"].value(), layer.factors["g"].value()) for layer in held
-        }
-
-    def health(self) -> Health:
-        """Numerical trouble so far, on this worker.
-
-        Steps skipped for non-finite gradients, and per layer how often batch factors,
-        running factors and decompositions failed (counted where the layer is decomposed).
-        """
-        return Health(
-            skipped_steps=self._skipped_steps,
-            layers={layer.name: layer.health() for layer in self._layers},
-        )
-
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes and calls of the last step per ``"phase/collective"`` (payload on this rank)."""
-        return self._recorder.comm_stats()
-
-    def timings(self) -> dict[str, float]:
-        """Wall seconds of each phase of the last step on this rank.
-
-        Phases: factor_compute (in the hooks), factor_comm, inverse_compute, inverse_comm,
-        precondition, grad_comm. On CUDA, times are host times of asynchronous launches.
-        """
-        return self._recorder.timings()
-
-    def comm_overlap(self) -> dict[str, dict[str, float]]:
-        """Per phase of the last step: ``in_flight_s`` = ``exposed_s`` (waited) + ``hidden_s``."""
-        return self._recorder.overlap()
-
-    def export_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write a Chrome trace (JSON) of the recent steps, one lane per phase."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._recorder.export_trace(path, rank=rank)
-
-    def plan(self) -> PlanReport:
-        """The strategy's placement as plain data (a typed dict, :class:`PlanReport`).
-
-        ``"factors"``: one entry per factor with its owner(s); ``"buckets"``: the fused
-        collectives in launch order with predicted times (``"spd"``/``"pad"``), plus the cost
-        model behind them. ``"local"`` has no placement (empty lists). A chosen strategy
-        (``strategy=dkfac.AutoOptions(...)``) adds ``"chosen"``: the ranking and why.
-        """
-        plan = self._strategy.plan()
-        if self._choice is not None:
-            plan["chosen"] = copy.deepcopy(self._choice.report)  # the caller may edit it
-        return plan
-
-    @property
-    def layers(self) -> list[LayerCurvature]:
-        """The preconditioned layers, in registration (module) order."""
-        return list(self._layers)
-
-    @property
-    def skipped(self) -> list[SkippedModule]:
-        """Modules with parameters that are not preconditioned, and why."""
-        return list(self._skipped)
-
-    def __repr__(self) -> str:
-        header = (
-            f"KFACPreconditioner(strategy={self._strategy.name!r}, "
-            f"inverse_method={self.config.inverse_method!r}, steps={self._steps}, "
-            f"layers={len(self._layers)}, skipped={len(self._skipped)})"
-        )
-        lines = format_layer_table(
-            self._model,
-            dict(zip(self._paths, self._layers, strict=True)),
-            self._skipped,
-            self._strategy.plan(),
-            silent=self._usage.silent,
-        )
-        return "\n".join([header, *lines])
-
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Steps, running factors and decompositions: enough to continue bitwise identically."""
-        return pack_state(self._steps, self.config.inverse_method, self._layers)
+        state = pack_state(self._steps, self.config.inverse_method, self._layers)
+        if self._adaptive is not None:
+            state["adaptive"] = self._adaptive.state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (same model architecture).
 
         Raises:
-            ValueError: the state does not match this preconditioner's layers.
+            ValueError: the state does not match this preconditioner's layers, or has no
+                adaptive state for an adaptive preconditioner.
         """
+        shapes = {layer.name: (layer.block.g_dim, layer.block.a_dim) for layer in self._layers}
+        if self._adaptive is not None:
+            self._adaptive.check_state(
+                state.get("adaptive") if isinstance(state, dict) else None, shapes
+            )
         self._steps = restore_state(state, self._layers, self.config.inverse_method)
+        if self._adaptive is not None:
+            self._adaptive.load(state["adaptive"], shapes)
         self._usage.new_window()
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer
@@ -396,3 +374,8 @@ class KFACPreconditioner:
         self._removed = True
         for layer in self._layers:
             layer.clear_statistics()
+
+
+def _arguments(inputs: Any) -> tuple[Any, ...]:
+    """The model's positional arguments: a tuple as given, anything else as the only one."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)

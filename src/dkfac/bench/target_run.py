@@ -171,6 +171,10 @@ def train_to_target(
     if method.kfac:
         options: dict[str, Any] = dict(method.kfac_options)
         options.setdefault("strategy", strategy if world > 1 else "local")
+        adaptive = options.pop("adaptive", None)
+        if adaptive:  # True, or AdaptiveOptions' keywords (JSON): the workload's loss
+            given = adaptive if isinstance(adaptive, dict) else {}
+            options["adaptive"] = dkfac.AdaptiveOptions(loss_fn=workload.loss_fn, **given)
         pre = dkfac.KFACPreconditioner(
             trained, lr=lambda _: float(optimizer.param_groups[0]["lr"]), **options
         )
@@ -191,7 +195,9 @@ def train_to_target(
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss_fn(trained(inputs[mine]), targets[mine])
             loss.backward()  # type: ignore[no-untyped-call]
-            if pre is not None:
+            if pre is not None and pre.config.adaptive is not None:
+                pre.step(inputs[mine], targets[mine])
+            elif pre is not None:
                 pre.step()
             optimizer.step()
             steps += 1

@@ -98,15 +98,19 @@ class KroneckerBlock(ABC):
             matrix = torch.cat([matrix, self.bias.grad.reshape(-1, 1)], dim=1)
         return matrix
 
+    def split_matrix(self, matrix: Tensor) -> list[Tensor]:
+        """A ``(d_G, d_A)`` matrix as tensors shaped like :meth:`parameters` (views)."""
+        columns = self.a_dim - (1 if self.bias is not None else 0)
+        parts = [matrix[:, :columns].reshape(self.weight_shape)]
+        if self.bias is not None:
+            parts.append(matrix[:, columns])
+        return parts
+
     def set_grad(self, matrix: Tensor) -> None:
         """Write a ``(d_G, d_A)`` matrix back into the parameters' ``.grad`` (in place)."""
-        weight_grad = self.weight.grad
-        assert weight_grad is not None
-        columns = self.a_dim - (1 if self.bias is not None else 0)
-        weight_grad.copy_(matrix[:, :columns].reshape(weight_grad.shape))
-        if self.bias is not None:
-            assert self.bias.grad is not None
-            self.bias.grad.copy_(matrix[:, columns])
+        for parameter, part in zip(self.parameters(), self.split_matrix(matrix), strict=True):
+            assert parameter.grad is not None
+            parameter.grad.copy_(part)
 
     def describe(self) -> str:
         """A short description of the layer for tables."""

@@ -196,6 +196,17 @@ class Strategy(ABC):
                 "decomposes each factor once and broadcasts it (strategy='pad' or 'dkfac')"
             )
 
+    def average(self, values: Tensor) -> Tensor:
+        """The element-wise mean of a float64 vector over all workers (one allreduce).
+
+        Sent as float64 whatever ``comm_dtype`` says; every worker gets the same bits.
+        """
+        if self.comm is None:
+            return values
+        averaged = values.clone()
+        self.comm.allreduce([averaged], phase="adaptive", average=True, exact=True).wait()
+        return averaged
+
     def any_worker(self, flags: Sequence[bool], device: torch.device) -> list[bool]:
         """Element-wise OR of ``flags`` over all workers.
 

@@ -1,0 +1,86 @@
+"""Validated options of adaptive K-FAC: the quadratic model's step, Levenberg-Marquardt damping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from dkfac.validation import check_float, check_int
+
+#: ``loss_fn(outputs, targets)``: the training loss of the model's outputs, a scalar tensor.
+LossFunction = Callable[[Any, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """Adaptive K-FAC (Martens and Grosse 2015, sections 6.4-7; kfac-jax's adaptive mode).
+
+    Every step, the update is ``δ = α·Δ + μ·δ₀``: ``Δ`` is minus the K-FAC direction, ``δ₀``
+    the previous update, and ``(α, μ)`` minimise the quadratic model
+    ``M(δ) = ∇hᵀδ + ½·δᵀ(C + λI)δ`` on the current batch, where ``C`` is the exact
+    Gauss-Newton matrix of ``loss_fn`` (two Jacobian-vector products through the model) and
+    ``λ`` the damping. Every ``damping_interval`` steps the loss is measured again after the
+    update, and the ratio ``ρ`` of the actual to the predicted change drives ``λ`` by the
+    Levenberg-Marquardt rule: ``ρ > 3/4`` multiplies it by ``ω = damping_decay ** interval``,
+    ``ρ < 1/4`` divides it by ``ω``, within ``[min_damping, max_damping]``. The same ``λ`` is
+    the preconditioner's damping. docs/math.md derives it and states its cost.
+
+    Args:
+        loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on, averaged
+            over the batch (``loss_reduction="mean"``) or summed (``"sum"``). Its Hessian in the
+            outputs must be positive semi-definite (cross-entropy, squared error), so that the
+            Gauss-Newton matrix is.
+        damping_interval: steps ``T`` between damping adaptations (each costs one extra forward
+            pass).
+        damping_decay: per-step factor of the Levenberg-Marquardt rule, in (0, 1).
+        min_damping: lower bound of ``λ`` (> 0).
+        max_damping: upper bound of ``λ``.
+        momentum: include the previous update (``μ``); ``False`` chooses ``α`` alone.
+    """
+
+    loss_fn: LossFunction
+    damping_interval: int = 5
+    damping_decay: float = 0.95
+    min_damping: float = 1e-6
+    max_damping: float = 1e3
+    momentum: bool = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss_fn):
+            raise ValueError(
+                f"loss_fn={self.loss_fn!r} is not allowed: expected a callable "
+                "loss_fn(outputs, targets) returning the scalar training loss"
+            )
+        check_int("damping_interval", self.damping_interval)
+        check_float(
+            "damping_decay",
+            self.damping_decay,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+            allowed="a number in (0, 1)",
+        )
+        check_float(
+            "min_damping",
+            self.min_damping,
+            low=0.0,
+            low_open=True,
+            allowed="a finite number > 0",
+        )
+        check_float(
+            "max_damping",
+            self.max_damping,
+            low=self.min_damping,
+            allowed=f"a finite number >= min_damping={self.min_damping!r}",
+        )
+        if not isinstance(self.momentum, bool):
+            raise ValueError(f"momentum={self.momentum!r} is not allowed: expected True or False")
+
+    @property
+    def omega(self) -> float:
+        """The Levenberg-Marquardt factor per adaptation: ``damping_decay ** damping_interval``."""
+        return float(self.damping_decay**self.damping_interval)

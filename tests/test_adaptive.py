@@ -1,0 +1,383 @@
+"""Adaptive K-FAC against float64 oracles: the quadratic model, Gauss-Newton products, the step.
+
+The oracles are dense: the Gauss-Newton matrix ``C = Jᵀ H J`` from
+``torch.autograd.functional.jacobian``/``hessian`` of the flattened parameters, K-FAC's
+direction from the factors built from explicit per-example gradients (test_oracle_numerics),
+and the quadratic model solved in closed form.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.functional import hessian, jacobian
+
+import dkfac
+from distributed_harness import run_workers
+from dkfac.adaptive import levenberg_marquardt, minimise_quadratic_model, reduction_ratio
+from dkfac.adaptive.gauss_newton import gauss_newton_products
+from test_oracle_numerics import eigen_direction, grad_matrix, oracle_layer_factors
+
+DT = torch.float64
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+
+
+def batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=gen, dtype=DT), torch.randint(0, 3, (n,), generator=gen)
+
+
+def flat(model: nn.Module, names: list[str]) -> torch.Tensor:
+    params = dict(model.named_parameters())
+    return torch.cat([params[name].detach().reshape(-1) for name in names])
+
+
+def dense_gauss_newton(
+    model: nn.Module, names: list[str], x: torch.Tensor, t: torch.Tensor, loss=F.cross_entropy
+) -> torch.Tensor:
+    """``Jᵀ H J`` over the flattened ``names`` (float64, dense)."""
+    params = dict(model.named_parameters())
+    shapes = [params[name].shape for name in names]
+    sizes = [params[name].numel() for name in names]
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+
+    def outputs(theta: torch.Tensor) -> torch.Tensor:
+        parts = dict(zip(names, torch.split(theta, sizes), strict=True))
+        state = {n: p.detach() for n, p in params.items()}
+        state.update({n: parts[n].reshape(s) for n, s in zip(names, shapes, strict=True)})
+        state.update({n: b.clone() for n, b in buffers.items()})
+        return torch.func.functional_call(model, state, (x,))
+
+    theta = flat(model, names)
+    out = outputs(theta)
+    j = jacobian(outputs, theta).reshape(out.numel(), theta.numel())
+    h = hessian(lambda o: loss(o.reshape(out.shape), t), out.reshape(-1))
+    return j.T @ h @ j
+
+
+# -- the quadratic model (pure) ---------------------------------------------------------------
+def test_the_quadratic_model_minimiser_solves_its_normal_equations() -> None:
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.randn(5, 2, generator=gen, dtype=DT)
+    c_full = torch.randn(5, 5, generator=gen, dtype=DT)
+    c_full = c_full @ c_full.T
+    g = torch.randn(5, generator=gen, dtype=DT)
+    damping = 0.3
+    step = minimise_quadratic_model(basis.T @ c_full @ basis, basis.T @ basis, basis.T @ g, damping)
+    coefficients = torch.tensor(step.coefficients, dtype=DT)
+    delta = basis @ coefficients
+    # Stationary in the span: the model's gradient is orthogonal to both vectors.
+    residual = basis.T @ (g + (c_full + damping * torch.eye(5, dtype=DT)) @ delta)
+    torch.testing.assert_close(residual, torch.zeros(2, dtype=DT), atol=1e-12, rtol=0)
+    model_value = float(
+        g @ delta + 0.5 * delta @ (c_full + damping * torch.eye(5, dtype=DT)) @ delta
+    )
+    assert step.predicted_change == pytest.approx(model_value, rel=1e-12)
+    assert step.predicted_change < 0
+
+
+def test_a_collinear_or_zero_second_vector_is_dropped() -> None:
+    k1 = torch.tensor([[2.0]], dtype=DT)
+    one = minimise_quadratic_model(k1, torch.eye(1, dtype=DT), torch.tensor([-3.0], dtype=DT), 1.0)
+    assert one.coefficients == pytest.approx((1.0,))  # -b / (K + λV) = 3 / 3
+    assert one.predicted_change == pytest.approx(-1.5)
+    # v2 = 2·v1: the 2x2 system is singular; the answer is the 1-D one.
+    curvature = torch.tensor([[2.0, 4.0], [4.0, 8.0]], dtype=DT)
+    inner = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=DT)
+    two = minimise_quadratic_model(curvature, inner, torch.tensor([-3.0, -6.0], dtype=DT), 1.0)
+    assert two.coefficients == pytest.approx((1.0, 0.0))
+    # The first step has no previous update (a zero vector).
+    zero = minimise_quadratic_model(
+        torch.diag(torch.tensor([2.0, 0.0], dtype=DT)),
+        torch.diag(torch.tensor([1.0, 0.0], dtype=DT)),
+        torch.tensor([-3.0, 0.0], dtype=DT),
+        1.0,
+    )
+    assert zero.coefficients == pytest.approx((1.0, 0.0))
+    with pytest.raises(ValueError, match="non-finite"):
+        minimise_quadratic_model(k1, k1, torch.tensor([math.nan], dtype=DT), 1.0)
+    with pytest.raises(ValueError, match="must be"):
+        minimise_quadratic_model(curvature, k1, torch.tensor([1.0], dtype=DT), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"), [(0.9, 0.5), (0.5, 1.0), (0.1, 2.0), (-math.inf, 2.0)]
+)
+def test_levenberg_marquardt_rule(ratio: float, expected: float) -> None:
+    assert levenberg_marquardt(1.0, ratio, 0.5, 1e-3, 10.0) == expected
+    assert levenberg_marquardt(8.0, 0.0, 0.5, 1e-3, 10.0) == 10.0  # bounded above
+    assert levenberg_marquardt(1e-3, 1.0, 0.5, 1e-3, 10.0) == 1e-3  # and below
+
+
+def test_reduction_ratio() -> None:
+    assert reduction_ratio(2.0, 1.5, -1.0) == 0.5
+    assert reduction_ratio(2.0, 2.5, -1.0) == -0.5
+    assert reduction_ratio(2.0, math.nan, -1.0) == -math.inf
+    assert reduction_ratio(2.0, 2.0, 0.0) == 1.0
+    assert reduction_ratio(2.0, 3.0, 0.0) == -math.inf
+
+
+# -- Gauss-Newton products ----------------------------------------------------------------------
+def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchanged() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    x, t = batch(1)
+    moved = ["0.weight", "3.weight", "3.bias"]  # batch norm's own parameters stay fixed
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(2)
+    vectors = [
+        {name: torch.randn(params[name].shape, generator=gen, dtype=DT) for name in moved}
+        for _ in range(2)
+    ]
+    before = copy.deepcopy(model.state_dict())
+    loss, products = gauss_newton_products(
+        model, {n: params[n] for n in moved}, vectors, (x,), t, F.cross_entropy
+    )
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # running statistics untouched
+    dense = dense_gauss_newton(model, moved, x, t)
+    flats = torch.stack([torch.cat([v[n].reshape(-1) for n in moved]) for v in vectors])
+    torch.testing.assert_close(products, flats @ dense @ flats.T, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(float(F.cross_entropy(model(x), t)), rel=1e-12)
+
+
+def test_a_model_returning_a_tuple_is_refused() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3).to(DT)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.fc(x), x
+
+    model = Pair()
+    x, t = batch(0)
+    vector = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="returns one tensor"):
+        gauss_newton_products(
+            model, dict(model.named_parameters()), [vector], (x,), t, F.cross_entropy
+        )
+
+
+# -- the adaptive step against the dense oracle --------------------------------------------------
+def oracle_step(
+    model: nn.Sequential,
+    factors: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    damping: float,
+    previous: torch.Tensor | None,
+) -> tuple[torch.Tensor, tuple[float, ...], float]:
+    """The update ``δ`` (flattened), its coefficients and ``M(δ)`` from dense quantities."""
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    model.zero_grad()
+    F.cross_entropy(model(x), t).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    direction = []
+    for i in (0, 2):
+        a, gg = factors[i]
+        v = eigen_direction(a, gg, grad_matrix(model[i]), damping)
+        direction += [v[:, :-1].reshape(-1), v[:, -1]]
+    vectors = [-torch.cat(direction)]
+    if previous is not None:
+        vectors.append(previous)
+    basis = torch.stack(vectors, dim=1)
+    c = dense_gauss_newton(model, names, x, t) + damping * torch.eye(basis.shape[0], dtype=DT)
+    system, rhs = basis.T @ c @ basis, basis.T @ g
+    coefficients = torch.linalg.solve(system, -rhs)
+    delta = basis @ coefficients
+    return delta, tuple(coefficients.tolist()), float(0.5 * rhs @ coefficients)
+
+
+def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> None:
+    model = mlp()
+    oracle = copy.deepcopy(model)
+    damping, decay = 0.05, 0.95
+    pre = dkfac.KFACPreconditioner(
+        model,
+        damping=damping,
+        factor_dtype=DT,
+        inv_dtype=DT,
+        adaptive=dkfac.AdaptiveOptions(
+            loss_fn=F.cross_entropy, damping_interval=2, damping_decay=decay
+        ),
+    )
+    running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    previous = None
+    for step in range(2):
+        x, t = batch(10 + step)
+        batch_factors = {i: oracle_layer_factors(oracle, i, x, t) for i in (0, 2)}
+        running = {
+            i: (a, g)
+            if not running
+            else (decay * running[i][0] + (1 - decay) * a, decay * running[i][1] + (1 - decay) * g)
+            for i, (a, g) in batch_factors.items()
+        }
+        delta, coefficients, predicted = oracle_step(oracle, running, x, t, damping, previous)
+        loss_before = float(F.cross_entropy(oracle(x), t))
+        start = flat(oracle, [n for n, _ in oracle.named_parameters()])
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(start + delta, oracle.parameters())
+        previous = delta
+
+        model.zero_grad()
+        F.cross_entropy(model(x), t).backward()
+        pre.step(x, t)
+        assert all(p.grad is None for p in model.parameters())  # moved here, not by an optimizer
+        got = flat(model, [n for n, _ in model.named_parameters()])
+        torch.testing.assert_close(got, start + delta, rtol=1e-9, atol=1e-12)
+        report = pre.adaptive_report
+        assert report is not None
+        want = (*coefficients, 0.0)[:2]
+        assert (report.learning_rate, report.momentum) == pytest.approx(want, rel=1e-8)
+        assert report.predicted_change == pytest.approx(predicted, rel=1e-8)
+        assert report.loss == pytest.approx(loss_before, rel=1e-12)
+    # Step 1 adapted the damping (interval 2) from the loss actually reached on its batch.
+    loss_after = float(F.cross_entropy(oracle(x), t))
+    ratio = (loss_after - loss_before) / predicted
+    assert report.ratio == pytest.approx(ratio, rel=1e-8)
+    omega = decay**2
+    expected = damping * omega if ratio > 0.75 else damping / omega if ratio < 0.25 else damping
+    assert report.damping == pytest.approx(expected, rel=1e-12)
+    assert pre.state_dict()["adaptive"]["damping"] == report.damping
+
+
+# -- errors, state, workers ------------------------------------------------------------------
+def adaptive(**kw: Any) -> dkfac.AdaptiveOptions:
+    return dkfac.AdaptiveOptions(loss_fn=F.cross_entropy, **kw)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"damping_interval": 0}, "damping_interval=0"),
+        ({"damping_decay": 1.0}, "damping_decay=1.0"),
+        ({"min_damping": 0.0}, "min_damping=0.0"),
+        ({"min_damping": 1.0, "max_damping": 0.5}, "max_damping=0.5"),
+        ({"momentum": 1}, "momentum=1"),
+    ],
+)
+def test_bad_adaptive_options_are_refused(kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        adaptive(**kwargs)
+    with pytest.raises(ValueError, match="loss_fn"):
+        dkfac.AdaptiveOptions(loss_fn="cross_entropy")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"damping": lambda step: 0.1}, "damping=callable .* with adaptive"),
+        ({"accumulation_steps": 2}, "accumulation_steps=2 .* with adaptive"),
+        ({"grad_scaler": torch.amp.GradScaler("cpu")}, "grad_scaler .* with adaptive"),
+        ({"adaptive": F.cross_entropy}, "adaptive=.* expected None or dkfac.AdaptiveOptions"),
+    ],
+)
+def test_what_adaptive_cannot_do_is_refused(kwargs: dict[str, Any], pattern: str) -> None:
+    kwargs.setdefault("adaptive", adaptive())
+    with pytest.raises(ValueError, match=pattern):
+        dkfac.KFACPreconditioner(mlp(), **kwargs)
+
+
+def test_the_batch_is_required_with_adaptive_and_refused_without() -> None:
+    x, t = batch(0)
+    for options, call in ((adaptive(), ()), (None, (x, t)), (adaptive(), (x,))):
+        model = mlp()
+        pre = dkfac.KFACPreconditioner(model, adaptive=options)
+        F.cross_entropy(model(x), t).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"step\(inputs, targets\) needs both"):
+            pre.step(*call)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def run_adaptive(model: nn.Module, pre: dkfac.KFACPreconditioner, steps: range) -> None:
+    for step in steps:
+        x, t = batch(20 + step)
+        model.zero_grad()
+        F.cross_entropy(model(x), t).backward()
+        pre.step(x, t)
+
+
+def test_a_resumed_adaptive_run_continues_bit_for_bit() -> None:
+    def build() -> tuple[nn.Module, dkfac.KFACPreconditioner]:
+        model = mlp()
+        options = adaptive(damping_interval=2)
+        return model, dkfac.KFACPreconditioner(model, damping=0.05, adaptive=options)
+
+    model, pre = build()
+    run_adaptive(model, pre, range(6))
+    first, pre_first = build()
+    run_adaptive(first, pre_first, range(3))
+    saved = copy.deepcopy((first.state_dict(), pre_first.state_dict()))
+    resumed, pre_resumed = build()
+    resumed.load_state_dict(saved[0])
+    pre_resumed.load_state_dict(saved[1])
+    run_adaptive(resumed, pre_resumed, range(3, 6))
+    for got, want in zip(resumed.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
+    assert pre_resumed.adaptive_report == pre.adaptive_report
+    plain = dkfac.KFACPreconditioner(mlp()).state_dict()
+    with pytest.raises(ValueError, match="no adaptive K-FAC state"):
+        build()[1].load_state_dict(plain)
+
+
+def adaptive_workers(rank: int, world_size: int, strategies: list[str]) -> list[list[torch.Tensor]]:
+    out = []
+    for strategy in strategies:
+        model = mlp()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        pre = dkfac.KFACPreconditioner(
+            ddp,
+            strategy=strategy,
+            damping=0.05,
+            factor_dtype=DT,
+            inv_dtype=DT,
+            adaptive=adaptive(damping_interval=2),
+        )
+        for step in range(4):
+            x, t = batch(30 + step, n=4 * world_size)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            ddp.zero_grad()
+            F.cross_entropy(ddp(x[mine]), t[mine]).backward()
+            pre.step(x[mine], t[mine])
+        out.append([p.detach().clone() for p in model.parameters()])
+        pre.remove()
+    return out
+
+
+def test_adaptive_workers_equal_one_process_on_the_global_batch() -> None:
+    """Every strategy agrees across replicas bit for bit; those computing factors from the
+    global batch equal one process on it (float64). DP-KFAC builds each layer's factors from
+    its owner's shard (by design; test_dp has its oracle), so only its replicas are compared."""
+    strategies = ["dkfac", "kaisa", "spd", "pad", "dp"]
+    results = run_workers(adaptive_workers, 2, (strategies,))
+    model = mlp()
+    pre = dkfac.KFACPreconditioner(
+        model, damping=0.05, factor_dtype=DT, inv_dtype=DT, adaptive=adaptive(damping_interval=2)
+    )
+    for step in range(4):
+        x, t = batch(30 + step, n=8)
+        model.zero_grad()
+        F.cross_entropy(model(x), t).backward()
+        pre.step(x, t)
+    start = list(mlp().parameters())
+    for index, strategy in enumerate(strategies):
+        for got, first in zip(results[1][index], results[0][index], strict=True):
+            assert torch.equal(got, first), strategy  # replicas agree to the last bit
+        if strategy == "dp":
+            continue
+        for got, want, first in zip(results[0][index], model.parameters(), start, strict=True):
+            moved = float((want - first).abs().max())
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-9 * moved, msg=strategy)
