@@ -381,3 +381,48 @@ def test_adaptive_workers_equal_one_process_on_the_global_batch() -> None:
         for got, want, first in zip(results[0][index], model.parameters(), start, strict=True):
             moved = float((want - first).abs().max())
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-9 * moved, msg=strategy)
+
+
+def test_a_step_without_a_finite_model_moves_nothing_and_raises_the_damping(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = mlp()
+    options = adaptive(damping_interval=1, damping_decay=0.5)
+    pre = dkfac.KFACPreconditioner(model, damping=0.05, adaptive=options)
+    run_adaptive(model, pre, range(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    damping = pre.state_dict()["adaptive"]["damping"]
+    x, t = batch(99)
+    x[0, 0] = math.nan  # this batch's loss and gradients are NaN
+    model.zero_grad()
+    F.cross_entropy(model(x), t).backward()
+    pre.step(x, t)
+    report = pre.adaptive_report
+    assert report is not None and not report.moved and report.ratio == -math.inf
+    assert report.damping == pytest.approx(damping / 0.5)  # λ/ω, ω = 0.5 ** 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert "did not move" in caplog.text
+    run_adaptive(model, pre, range(2, 4))  # training goes on from the same parameters
+    assert pre.adaptive_report is not None and pre.adaptive_report.moved
+
+
+def test_the_curvature_fraction_measures_the_leading_examples() -> None:
+    from dkfac.adaptive.controller import leading_examples
+
+    x, t = batch(5, n=8)
+    inputs, targets = leading_examples(((x, "keep", torch.zeros(3)), t), 0.3)
+    assert torch.equal(inputs[0], x[:3]) and torch.equal(targets, t[:3])
+    assert inputs[1] == "keep" and inputs[2].shape == (3,)  # not the batch dimension
+    model = mlp()
+    pre = dkfac.KFACPreconditioner(model, adaptive=adaptive(curvature_fraction=0.5))
+    F.cross_entropy(model(x), t).backward()
+    with torch.no_grad():
+        want = float(F.cross_entropy(model(x[:4]), t[:4]))
+    pre.step(x, t)
+    assert pre.adaptive_report is not None
+    assert pre.adaptive_report.loss == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="curvature_fraction=0.5 needs"):
+        leading_examples((("text",), t), 0.5)
+    with pytest.raises(ValueError, match="curvature_fraction=0"):
+        adaptive(curvature_fraction=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ class AdaptiveReport:
         loss: the batch loss before the step (mean over workers).
         ratio: ``ρ`` when the damping was adapted at this step, else ``None``.
         damping: ``λ`` after the step.
+        moved: ``False`` when the step was skipped: the quadratic model, or the loss after
+            the step (on a damping step), was not finite; nothing moved and ``λ`` grew.
     """
 
     step: int
@@ -46,6 +49,35 @@ class AdaptiveReport:
     loss: float
     ratio: float | None
     damping: float
+    moved: bool = True
+
+
+def leading_examples(
+    batch: tuple[Sequence[Any], Any], fraction: float
+) -> tuple[tuple[Any, ...], Any]:
+    """The first ``ceil(fraction·N)`` examples of every input and target tensor (dim 0).
+
+    Raises:
+        ValueError: below 1, the first input is not a tensor with a batch dimension.
+    """
+    inputs, targets = tuple(batch[0]), batch[1]
+    if fraction >= 1.0:
+        return inputs, targets
+    first = inputs[0] if inputs else None
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        raise ValueError(
+            f"curvature_fraction={fraction!r} needs the model's first input to be a tensor "
+            "whose dim 0 indexes the examples"
+        )
+    size = first.shape[0]
+    keep = max(1, math.ceil(fraction * size))
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
+            return value[:keep]
+        return value
+
+    return tuple(cut(value) for value in inputs), cut(targets)
 
 
 class AdaptiveStep:
@@ -64,6 +96,8 @@ class AdaptiveStep:
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._previous: dict[str, Tensor] = {}
         self.last: AdaptiveReport | None = None
+        #: Steps that did not move (non-finite quadratic model or loss after).
+        self.skipped_steps = 0
 
     def _named(
         self, blocks: Sequence[KroneckerBlock], matrices: Sequence[Tensor]
@@ -95,7 +129,8 @@ class AdaptiveStep:
             batch: ``(inputs, targets)`` of this step on this worker.
             average: the mean of a float64 vector over the workers.
         """
-        options, (inputs, targets) = self.options, batch
+        options = self.options
+        inputs, targets = leading_examples(batch, options.curvature_fraction)
         vectors = [[-direction for direction in directions]]
         if options.momentum:
             vectors.append(
@@ -133,6 +168,11 @@ class AdaptiveStep:
         inner = agreed[k * k : 2 * k * k].reshape(k, k)
         linear = agreed[2 * k * k : 2 * k * k + k]
         loss_before = float(agreed[-1])
+        if not bool(torch.isfinite(agreed).all()):
+            # A non-finite gradient, direction or loss on some worker: no model to trust.
+            # Nothing moves and the damping grows, on every worker alike (agreed values).
+            self._skip(step, names, blocks, directions, loss_before)
+            return
         chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
         updates = []
         for index, direction in enumerate(directions):
@@ -150,18 +190,14 @@ class AdaptiveStep:
             loss_after = float(
                 average(torch.tensor([after], dtype=torch.float64, device=device))[0]
             )
+            if not math.isfinite(loss_after):
+                self._skip(step, names, blocks, directions, loss_before)
+                return
             ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)
             self.damping = levenberg_marquardt(
                 self.damping, ratio, options.omega, options.min_damping, options.max_damping
             )
-        with torch.no_grad():
-            for block, update in zip(blocks, updates, strict=True):
-                for parameter, part in zip(
-                    block.parameters(), block.split_matrix(update), strict=True
-                ):
-                    parameter.add_(part)
-                    parameter.grad = None
-        self._previous = dict(zip(names, updates, strict=True))
+        self._move(names, blocks, updates)
         coefficients = (*chosen.coefficients, 0.0)
         self.last = AdaptiveReport(
             step=step,
@@ -173,6 +209,52 @@ class AdaptiveStep:
             damping=self.damping,
         )
         logger.debug("adaptive K-FAC: %s", self.last)
+
+    def _move(
+        self, names: Sequence[str], blocks: Sequence[KroneckerBlock], updates: Sequence[Tensor]
+    ) -> None:
+        """Add each update to its layer's parameters, clear their ``.grad``, remember it."""
+        with torch.no_grad():
+            for block, update in zip(blocks, updates, strict=True):
+                for parameter, part in zip(
+                    block.parameters(), block.split_matrix(update), strict=True
+                ):
+                    parameter.add_(part)
+                    parameter.grad = None
+        self._previous = dict(zip(names, updates, strict=True))
+
+    def _skip(
+        self,
+        step: int,
+        names: Sequence[str],
+        blocks: Sequence[KroneckerBlock],
+        directions: Sequence[Tensor],
+        loss: float,
+    ) -> None:
+        """A step with no finite model: move nothing, raise the damping, warn."""
+        options = self.options
+        self.damping = levenberg_marquardt(
+            self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
+        )
+        self._move(names, blocks, [torch.zeros_like(d) for d in directions])
+        self.skipped_steps += 1
+        self.last = AdaptiveReport(
+            step=step,
+            learning_rate=0.0,
+            momentum=0.0,
+            predicted_change=0.0,
+            loss=loss,
+            ratio=-math.inf,
+            damping=self.damping,
+            moved=False,
+        )
+        logger.warning(
+            "adaptive K-FAC step %d did not move: the quadratic model or the loss after the "
+            "step is not finite (loss before %s); damping raised to %.3g",
+            step,
+            loss,
+            self.damping,
+        )
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
