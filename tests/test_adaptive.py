@@ -422,7 +422,7 @@ def test_the_curvature_fraction_measures_the_leading_examples() -> None:
     pre.step(x, t)
     assert pre.adaptive_report is not None
     assert pre.adaptive_report.loss == pytest.approx(want, rel=1e-12)
-    with pytest.raises(ValueError, match="curvature_fraction=0.5 needs"):
+    with pytest.raises(ValueError, match=r"curvature_fraction=0\.5 needs"):
         leading_examples((("text",), t), 0.5)
     with pytest.raises(ValueError, match="curvature_fraction=0"):
         adaptive(curvature_fraction=0)
