@@ -215,6 +215,7 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> Non
     )
     running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     previous = None
+    omega = decay**2
     for step in range(2):
         x, t = batch(10 + step)
         batch_factors = {i: oracle_layer_factors(oracle, i, x, t) for i in (0, 2)}
@@ -229,6 +230,7 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> Non
         start = flat(oracle, [n for n, _ in oracle.named_parameters()])
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(start + delta, oracle.parameters())
+            loss_after = float(F.cross_entropy(oracle(x), t))
         previous = delta
 
         model.zero_grad()
@@ -238,19 +240,69 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> Non
         got = flat(model, [n for n, _ in model.named_parameters()])
         torch.testing.assert_close(got, start + delta, rtol=1e-9, atol=1e-12)
         report = pre.adaptive_report
-        assert report is not None
+        assert report is not None and report.moved
         want = (*coefficients, 0.0)[:2]
         assert (report.learning_rate, report.momentum) == pytest.approx(want, rel=1e-8)
         assert report.predicted_change == pytest.approx(predicted, rel=1e-8)
         assert report.loss == pytest.approx(loss_before, rel=1e-12)
-    # Step 1 adapted the damping (interval 2) from the loss actually reached on its batch.
-    loss_after = float(F.cross_entropy(oracle(x), t))
-    ratio = (loss_after - loss_before) / predicted
-    assert report.ratio == pytest.approx(ratio, rel=1e-8)
-    omega = decay**2
-    expected = damping * omega if ratio > 0.75 else damping / omega if ratio < 0.25 else damping
-    assert report.damping == pytest.approx(expected, rel=1e-12)
+        if step == 0:
+            # Step 0 adapts the damping (every 2 steps from the first) from the loss actually
+            # reached on its batch; step 1 preconditions and models with the new damping.
+            ratio = (loss_after - loss_before) / predicted
+            assert ratio >= 0  # the step is taken (refusals: the test below)
+            assert report.ratio == pytest.approx(ratio, rel=1e-8)
+            if ratio > 0.75:
+                damping *= omega
+            elif ratio < 0.25:
+                damping /= omega
+            assert report.damping == pytest.approx(damping, rel=1e-12)
+        else:
+            assert report.ratio is None and report.damping == pytest.approx(damping, rel=1e-12)
     assert pre.state_dict()["adaptive"]["damping"] == report.damping
+
+
+def test_a_step_that_raises_the_loss_is_refused_and_the_damping_grows_until_one_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nielsen's rule: the n-th refusal in a row multiplies the damping by 2^(n-1) / ω."""
+    import dkfac.adaptive.controller as controller
+
+    model = mlp()
+    options = adaptive(damping_interval=4, damping_decay=0.5)  # ω = 0.0625
+    pre = dkfac.KFACPreconditioner(model, damping=1e-4, adaptive=options)
+    real_loss_at = controller.loss_at
+    rises = iter([True, True, True, False, False])
+    checked: list[int] = []
+
+    def loss_at(*args: Any) -> float:
+        checked.append(pre.steps)
+        after = real_loss_at(*args)
+        return after + 10.0 if next(rises) else after
+
+    monkeypatch.setattr(controller, "loss_at", loss_at)
+    damping = 1e-4
+    for step in range(6):
+        before = [p.detach().clone() for p in model.parameters()]
+        run_adaptive(model, pre, range(step, step + 1))
+        report = pre.adaptive_report
+        assert report is not None
+        if step < 3:  # refused: nothing moved, the damping grew by 16, 32, 64
+            damping = damping / 0.0625 * 2.0**step
+            assert not report.moved and report.ratio is not None and report.ratio < 0
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        else:
+            assert report.moved
+            assert (report.ratio is None) == (step == 5)  # 5: neither refused nor on the interval
+        if step in (3, 4):  # taken and checked; the ratio decides by the usual rule
+            assert report.ratio is not None and report.ratio >= 0
+            if report.ratio > 0.75:
+                damping *= 0.0625
+            elif report.ratio < 0.25:
+                damping /= 0.0625
+        assert report.damping == pytest.approx(damping, rel=1e-12)
+    # Checked at step 0 (the interval), at 1-3 (after refusals), then at 4 (the interval).
+    assert checked == [0, 1, 2, 3, 4]
+    assert pre.state_dict()["adaptive"]["rejected_steps"] == 3
 
 
 # -- errors, state, workers ------------------------------------------------------------------
@@ -399,7 +451,7 @@ def test_a_step_without_a_finite_model_moves_nothing_and_raises_the_damping(
     pre.step(x, t)
     report = pre.adaptive_report
     assert report is not None and not report.moved and report.ratio == -math.inf
-    assert report.damping == pytest.approx(damping / 0.5)  # λ/ω, ω = 0.5 ** 1
+    assert report.damping > damping  # raised (by the non-finite model, or a refused step)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
     assert "did not move" in caplog.text

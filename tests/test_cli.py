@@ -839,3 +839,19 @@ def test_epoch_sampler_resumes_at_the_exact_example_on_any_number_of_ranks(size:
             assert taken == order[start : start + len(taken)]
     with pytest.raises(ValueError, match="start=200"):
         full.set_epoch(0, 200)
+
+
+def test_adaptive_trains_and_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    out = tmp_path / "adaptive"
+    argv = ["train", "--model", "cnn", "--dataset", "digits", "--strategy", "local"]
+    assert main([*argv, "--nproc", "1", "--epochs", "1", "--adaptive", "--out", str(out)]) == 0
+    assert "adaptive = true" in (out / "config.toml").read_text()
+    # One epoch of adaptive K-FAC (about 45 steps of 32 digits) learns the task.
+    assert epochs_of(out)[-1]["test_accuracy"] > 0.9
+    with pytest.raises(ConfigError, match="--adaptive is not allowed with --strategy none"):
+        TrainConfig(adaptive=True, strategy="none")
+    with pytest.raises(ConfigError, match="--adaptive is not allowed with --grad-sync dear"):
+        TrainConfig(adaptive=True, grad_sync="dear")
+    with pytest.raises(ConfigError, match="option adaptive = 'false' is not allowed"):
+        TrainConfig().with_overrides({"adaptive": "false"})  # a string is not a boolean
+    assert TrainConfig().with_overrides({"adaptive": True}).adaptive is True

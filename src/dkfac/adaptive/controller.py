@@ -38,8 +38,9 @@ class AdaptiveReport:
         loss: the batch loss before the step (mean over workers).
         ratio: ``ρ`` when the damping was adapted at this step, else ``None``.
         damping: ``λ`` after the step.
-        moved: ``False`` when the step was skipped: the quadratic model, or the loss after
-            the step (on a damping step), was not finite; nothing moved and ``λ`` grew.
+        moved: ``False`` when the step was not taken: on a damping step the loss rose
+            (``ρ < 0``, also a non-finite loss after), or the quadratic model was not finite;
+            nothing moved and ``λ`` grew.
     """
 
     step: int
@@ -96,8 +97,10 @@ class AdaptiveStep:
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._previous: dict[str, Tensor] = {}
         self.last: AdaptiveReport | None = None
-        #: Steps that did not move (non-finite quadratic model or loss after).
-        self.skipped_steps = 0
+        #: Steps not taken (the loss rose, or the quadratic model was not finite).
+        self.rejected_steps = 0
+        # Steps refused in a row (the loss rose): while > 0, every step is checked.
+        self._refusals = 0
 
     def _named(
         self, blocks: Sequence[KroneckerBlock], matrices: Sequence[Tensor]
@@ -181,7 +184,7 @@ class AdaptiveStep:
                 update.add_(vector[index].to(direction), alpha=coefficient)
             updates.append(update)
         ratio = None
-        if (step + 1) % options.damping_interval == 0:
+        if step % options.damping_interval == 0 or self._refusals:
             moved = {
                 name: parameters[name].detach() + part
                 for name, part in self._named(blocks, updates).items()
@@ -190,13 +193,20 @@ class AdaptiveStep:
             loss_after = float(
                 average(torch.tensor([after], dtype=torch.float64, device=device))[0]
             )
-            if not math.isfinite(loss_after):
-                self._skip(step, names, blocks, directions, loss_before)
-                return
             ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)
             self.damping = levenberg_marquardt(
                 self.damping, ratio, options.omega, options.min_damping, options.max_damping
             )
+            if not ratio >= 0.0:
+                # A step that raised the loss is not taken; the next steps are checked too
+                # until one is, and each further refusal in a row doubles the damping's
+                # increase (Nielsen's rule for Levenberg-Marquardt): a model far off, as at
+                # a start with too little damping, is corrected in a few steps, not dozens.
+                self._refusals += 1
+                self.damping = min(options.max_damping, self.damping * 2.0 ** (self._refusals - 1))
+                self._stay(step, names, blocks, directions, loss_before, ratio)
+                return
+            self._refusals = 0
         self._move(names, blocks, updates)
         coefficients = (*chosen.coefficients, 0.0)
         self.last = AdaptiveReport(
@@ -231,36 +241,51 @@ class AdaptiveStep:
         directions: Sequence[Tensor],
         loss: float,
     ) -> None:
-        """A step with no finite model: move nothing, raise the damping, warn."""
+        """A step with no finite model: raise the damping, move nothing, warn."""
         options = self.options
         self.damping = levenberg_marquardt(
             self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
         )
+        self._stay(step, names, blocks, directions, loss, -math.inf)
+        logger.warning(
+            "adaptive K-FAC step %d did not move: its quadratic model is not finite (loss "
+            "before %s); damping raised to %.3g",
+            step,
+            loss,
+            self.damping,
+        )
+
+    def _stay(
+        self,
+        step: int,
+        names: Sequence[str],
+        blocks: Sequence[KroneckerBlock],
+        directions: Sequence[Tensor],
+        loss: float,
+        ratio: float,
+    ) -> None:
+        """A step not taken: nothing moves (no momentum either), the ``.grad`` are cleared."""
         self._move(names, blocks, [torch.zeros_like(d) for d in directions])
-        self.skipped_steps += 1
+        self.rejected_steps += 1
         self.last = AdaptiveReport(
             step=step,
             learning_rate=0.0,
             momentum=0.0,
             predicted_change=0.0,
             loss=loss,
-            ratio=-math.inf,
+            ratio=ratio,
             damping=self.damping,
             moved=False,
         )
-        logger.warning(
-            "adaptive K-FAC step %d did not move: the quadratic model or the loss after the "
-            "step is not finite (loss before %s); damping raised to %.3g",
-            step,
-            loss,
-            self.damping,
-        )
+        logger.debug("adaptive K-FAC step %d not taken (ratio %s)", step, ratio)
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The damping and the previous update (to continue identically)."""
         return {
             "damping": self.damping,
+            "refusals": self._refusals,
+            "rejected_steps": self.rejected_steps,
             "previous": {name: update.clone() for name, update in self._previous.items()},
         }
 
@@ -275,7 +300,12 @@ class AdaptiveStep:
         Raises:
             ValueError: the state is missing or does not match (a layer unknown, a shape).
         """
-        if not isinstance(state, dict) or set(state) != {"damping", "previous"}:
+        if not isinstance(state, dict) or set(state) != {
+            "damping",
+            "refusals",
+            "rejected_steps",
+            "previous",
+        }:
             raise ValueError(
                 "state_dict has no adaptive K-FAC state ('adaptive': damping and previous "
                 "update): it was saved without adaptive=..."
@@ -291,4 +321,6 @@ class AdaptiveStep:
         """Restore :meth:`state` output (checked by :meth:`check_state`)."""
         self.check_state(state, shapes)
         self.damping = float(state["damping"])
+        self._refusals = int(state["refusals"])
+        self.rejected_steps = int(state["rejected_steps"])
         self._previous = {name: update.clone() for name, update in state["previous"].items()}

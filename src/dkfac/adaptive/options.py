@@ -22,11 +22,13 @@ class AdaptiveOptions:
     the previous update, and ``(α, μ)`` minimise the quadratic model
     ``M(δ) = ∇hᵀδ + ½·δᵀ(C + λI)δ`` on the current batch, where ``C`` is the exact
     Gauss-Newton matrix of ``loss_fn`` (two Jacobian-vector products through the model) and
-    ``λ`` the damping. Every ``damping_interval`` steps the loss is measured again after the
-    update, and the ratio ``ρ`` of the actual to the predicted change drives ``λ`` by the
-    Levenberg-Marquardt rule: ``ρ > 3/4`` multiplies it by ``ω = damping_decay ** interval``,
-    ``ρ < 1/4`` divides it by ``ω``, within ``[min_damping, max_damping]``. The same ``λ`` is
-    the preconditioner's damping. docs/math.md derives it and states its cost.
+    ``λ`` the damping. At step 0 and every ``damping_interval`` steps the loss is measured
+    again after the update, and the ratio ``ρ`` of the actual to the predicted change drives
+    ``λ`` by the Levenberg-Marquardt rule: ``ρ > 3/4`` multiplies it by
+    ``ω = damping_decay ** interval``, ``ρ < 1/4`` divides it by ``ω``, within
+    ``[min_damping, max_damping]``. A step that raised the loss (``ρ < 0``) is not taken, the
+    next ones are checked until one is, and each refusal in a row doubles the increase. The
+    same ``λ`` is the preconditioner's damping. docs/math.md derives it and states its cost.
 
     Args:
         loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on, averaged

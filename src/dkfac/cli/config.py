@@ -58,6 +58,8 @@ class TrainConfig:
     kl_clip: float = 0.001
     factor_update_steps: int = 1
     inv_update_steps: int = 1
+    #: Adaptive K-FAC (dkfac.AdaptiveOptions): the step's size and the damping chosen.
+    adaptive: bool = False
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
@@ -136,6 +138,17 @@ class TrainConfig:
                 f"--inv-update-steps {self.inv_update_steps} is not allowed: "
                 f"expected a multiple of --factor-update-steps "
                 f"{self.factor_update_steps}"
+            )
+        if self.adaptive and self.strategy == "none":
+            raise ConfigError(
+                "--adaptive is not allowed with --strategy none: it is a mode of K-FAC "
+                "(choose a K-FAC strategy, e.g. --strategy dkfac)"
+            )
+        if self.adaptive and self.grad_sync != "ddp":
+            raise ConfigError(
+                f"--adaptive is not allowed with --grad-sync {self.grad_sync}: adaptive K-FAC "
+                "moves the preconditioned layers itself, which DeAR's sharded optimizer step "
+                "does not expect (use --grad-sync ddp)"
             )
         if self.strategy == "local" and self.nproc > 1:
             raise ConfigError(
@@ -301,7 +314,9 @@ def _convert(config: TrainConfig, key: str, value: Any) -> Any:
         return _dataset_options(value)
     try:
         if isinstance(current, bool):
-            return bool(value)
+            if not isinstance(value, bool):
+                raise ValueError(value)  # "false" must not become True
+            return value
         if isinstance(current, int):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)

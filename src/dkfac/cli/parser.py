@@ -51,6 +51,9 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "target_accuracy": "test accuracy whose first crossing `compare` reports",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
         "run fails",
+        "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "
+        "each batch, Levenberg-Marquardt damping (--damping is its start; --lr moves only the "
+        "layers K-FAC does not precondition)",
         "max_restarts": "restart the local workers this many times when one is lost, resuming "
         "from the last checkpoint (train only; under torchrun use its --max-restarts)",
     }
@@ -59,6 +62,15 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
+        if isinstance(f.default, bool):
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=f"{helps.get(f.name, '')} (default: {f.default!r})",
+            )
+            continue
         parser.add_argument(
             flag,
             dest=f.name,

@@ -234,18 +234,19 @@ class _RankRun:
         setup, pre = self.setup, self.setup.pre
         tick = time.perf_counter()
         setup.optimizer.zero_grad(set_to_none=True)
-        logits = setup.wrapped(x.to(setup.device))
-        loss = label_cross_entropy(logits, y.to(setup.device))
+        x, y = x.to(setup.device), y.to(setup.device)
+        logits = setup.wrapped(x)
+        loss = label_cross_entropy(logits, y)
         torch.autograd.backward(loss)
         if pre is not None:
             setup.sync.before_preconditioning()
-            pre.step()
+            pre.step(*((x, y) if pre.config.adaptive is not None else ()))
         setup.sync.step()
         setup.scheduler.step()
         self.step += 1
         seconds = time.perf_counter() - tick
         loss_value = float(loss.detach())
-        correct = float((logits.argmax(-1) == y.to(setup.device)).sum())
+        correct = float((logits.argmax(-1) == y).sum())
         self.totals[0] += loss_value * y.numel()
         self.totals[1] += correct
         self.totals[2] += y.numel()

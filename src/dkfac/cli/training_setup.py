@@ -228,5 +228,6 @@ def _build_preconditioner(
         lr=lambda _: float(scheduler.get_last_lr()[0]),
         factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps,
+        adaptive=dkfac.AdaptiveOptions(loss_fn=label_cross_entropy) if config.adaptive else None,
         **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
     )
