@@ -174,7 +174,17 @@ class AdaptiveStep:
         if not bool(torch.isfinite(agreed).all()):
             # A non-finite gradient, direction or loss on some worker: no model to trust.
             # Nothing moves and the damping grows, on every worker alike (agreed values).
-            self._skip(step, names, blocks, directions, loss_before)
+            self.damping = levenberg_marquardt(
+                self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
+            )
+            self._stay(step, names, blocks, directions, loss_before, -math.inf)
+            logger.warning(
+                "adaptive K-FAC step %d did not move: its quadratic model is not finite (loss "
+                "before %s); damping raised to %.3g",
+                step,
+                loss_before,
+                self.damping,
+            )
             return
         chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
         updates = []
@@ -232,28 +242,6 @@ class AdaptiveStep:
                     parameter.add_(part)
                     parameter.grad = None
         self._previous = dict(zip(names, updates, strict=True))
-
-    def _skip(
-        self,
-        step: int,
-        names: Sequence[str],
-        blocks: Sequence[KroneckerBlock],
-        directions: Sequence[Tensor],
-        loss: float,
-    ) -> None:
-        """A step with no finite model: raise the damping, move nothing, warn."""
-        options = self.options
-        self.damping = levenberg_marquardt(
-            self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
-        )
-        self._stay(step, names, blocks, directions, loss, -math.inf)
-        logger.warning(
-            "adaptive K-FAC step %d did not move: its quadratic model is not finite (loss "
-            "before %s); damping raised to %.3g",
-            step,
-            loss,
-            self.damping,
-        )
 
     def _stay(
         self,
