@@ -319,17 +319,48 @@ def test_compare_default_strategies_and_table_of_n_runs(tmp_path: Path) -> None:
     assert all(is_png(path) for path in write_plots(runs, tmp_path))
 
 
-def test_no_arguments_run_compare(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_arguments_print_the_help_and_compare_keeps_its_defaults(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     seen: list[Any] = []
     monkeypatch.setattr(main_module, "cmd_compare", lambda args: seen.append(args) or 0)
     monkeypatch.setattr(sys, "argv", ["dkfac"])
     assert main() == 0 and main([]) == 0
-    assert [args.command for args in seen] == ["compare", "compare"]
+    assert seen == [] and capsys.readouterr().out.count("usage: dkfac") == 2
+    assert main(["compare"]) == 0
     args = seen[0]
     assert args.strategies is None and args.nproc is None and args.strategy is None
     config = resolve_config(args)
     assert compare_strategies(args.strategies, config) == ("none", "dkfac")
     assert (config.nproc, config.dataset) == (2, "digits")
+
+
+def test_version_module_entry_abbreviations_and_the_defaults_help_shows(capsys) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dkfac {dkfac.__version__}"
+    module = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "dkfac", "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (module.returncode, module.stdout.strip(), module.stderr) == (
+        0,
+        f"dkfac {dkfac.__version__}",
+        "",
+    )
+    # An abbreviation is an error, not another option (--damp would have meant --damping).
+    assert main(["train", "--damp", "0.1"]) == 2
+    assert "unrecognized arguments: --damp" in capsys.readouterr().err
+    assert main(["train", "--target-accuracy", "0.9"]) == 2  # only compare reports a target
+    capsys.readouterr()
+    for command, out in (("train", "runs/train"), ("compare", "runs/compare")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"(default: {out!r})" in text, command  # the folder the command writes
+        assert "(choices: none, local, dkfac, kaisa, spd, pad, dp, auto)" in text
+    assert "(default: 0.95)" in text  # compare's target
 
 
 def test_compare_on_other_ranks_returns_without_reporting(
@@ -488,7 +519,7 @@ def test_every_workers_outcome_is_reported_not_only_the_first() -> None:
 
 def test_console_script_runs_as_a_module() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "dkfac.cli.main", "train", "--help"],
+        [sys.executable, "-m", "dkfac", "train", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -646,7 +677,7 @@ def test_the_last_two_checkpoints_are_kept_and_a_damaged_one_is_detected(
 def dkfac_command(*argv: str) -> subprocess.CompletedProcess[str]:
     """``dkfac ARGV`` in a process of its own: its workers' output is captured too."""
     return subprocess.run(
-        [sys.executable, "-m", "dkfac.cli.main", *argv],
+        [sys.executable, "-m", "dkfac", *argv],
         capture_output=True,
         text=True,
         timeout=240,

@@ -110,7 +110,7 @@ def same_steps(got: list[dict], want: list[dict]) -> None:
 def test_a_killed_local_worker_stops_the_run_naming_the_lost_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
     process = start(
-        [sys.executable, "-m", "dkfac.cli.main", *RUN, "--nproc", "3", "--out", str(out)],
+        [sys.executable, "-m", "dkfac", *RUN, "--nproc", "3", "--out", str(out)],
         tmp_path,
     )
     victim, killed = kill_a_worker_at(process, out, 3, local_workers)
@@ -126,7 +126,7 @@ def test_a_killed_local_worker_is_replaced_and_the_run_ends_as_if_uninterrupted(
     tmp_path: Path, uninterrupted: list[dict]
 ) -> None:
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "dkfac.cli.main", *RUN, "--nproc", "2"]
+    command = [sys.executable, "-m", "dkfac", *RUN, "--nproc", "2"]
     process = start([*command, "--max-restarts", "1", "--out", str(out)], tmp_path)
     _, _ = kill_a_worker_at(process, out, 5, local_workers)
     _, err = process.communicate(timeout=180)
@@ -147,7 +147,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_uninterrupted(
 ) -> None:
     out = tmp_path / "run"
     command = [*TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1"]
-    process = start([*command, "-m", "dkfac.cli.main", *RUN, "--out", str(out)], tmp_path)
+    process = start([*command, "-m", "dkfac", *RUN, "--out", str(out)], tmp_path)
     kill_a_worker_at(process, out, 5, children_of)
     _, err = process.communicate(timeout=180)
     assert process.returncode == 0, err[-3000:]
@@ -160,7 +160,7 @@ def test_under_torchrun_the_others_stop_at_once_and_the_lost_rank_is_named(
 ) -> None:
     out = tmp_path / "run"
     command = [*TORCHRUN, "--nproc-per-node", "3", "--max-restarts", "0"]
-    process = start([*command, "-m", "dkfac.cli.main", *RUN, "--out", str(out)], tmp_path)
+    process = start([*command, "-m", "dkfac", *RUN, "--out", str(out)], tmp_path)
     victim, killed = kill_a_worker_at(process, out, 3, children_of)
     _, err = process.communicate(timeout=90)
     assert process.returncode != 0
@@ -182,7 +182,7 @@ def test_a_stuck_worker_fails_the_run_within_the_collective_timeout(tmp_path: Pa
     # SIGSTOP: the process is alive and its sockets open, so nobody sees it vanish; the
     # collective timeout (8 s here) is what ends the run.
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "dkfac.cli.main", *RUN, "--nproc", "2"]
+    command = [sys.executable, "-m", "dkfac", *RUN, "--nproc", "2"]
     process = start([*command, "--collective-timeout", "8", "--out", str(out)], tmp_path)
     deadline = time.monotonic() + 120
     while len(steps_done(out)) < 3:
@@ -209,7 +209,7 @@ def test_a_worker_stopped_by_its_launcher_says_so_in_one_line(tmp_path: Path) ->
         "MASTER_PORT": str(29400 + os.getpid() % 500),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "dkfac.cli.main", *RUN, "--out", str(out)],
+        [sys.executable, "-m", "dkfac", *RUN, "--out", str(out)],
         cwd=tmp_path,
         env=environ,
         stdout=subprocess.PIPE,

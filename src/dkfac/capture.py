@@ -9,7 +9,8 @@ when it happens: the backward of several passes may come later, all at once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -87,6 +88,15 @@ class StatisticsCapture:
             layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
             for index, layer in enumerate(self._layers)
         ]
+
+    @contextmanager
+    def resumed_after(self) -> Iterator[None]:
+        """Whatever the enclosed block sets, :attr:`capturing` is as before when it exits."""
+        capturing = self.capturing
+        try:
+            yield
+        finally:
+            self.capturing = capturing
 
     def end_window(self) -> None:
         """The factor window ended: the loss scale is read again in the next one."""

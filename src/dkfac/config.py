@@ -289,6 +289,19 @@ class KFACConfig:
                 f"accumulation_steps={self.accumulation_steps!r} is not allowed with adaptive: "
                 "the quadratic model is measured on the one batch passed to step()"
             )
+        if self.loss_reduction != "mean":
+            raise ValueError(
+                f"loss_reduction={self.loss_reduction!r} is not allowed with adaptive: the "
+                "factors are per-example averages, so a summed loss's curvature would be "
+                "damped N times less in the quadratic model than in the direction (use a "
+                "mean loss)"
+            )
+        low, high = self.adaptive.min_damping, self.adaptive.max_damping
+        if not low <= float(self.damping) <= high:
+            raise ValueError(
+                f"damping={self.damping!r} is not allowed with adaptive: expected a number "
+                f"in [min_damping, max_damping] = [{low!r}, {high!r}] (the initial damping)"
+            )
 
     def intervals_at(self, step: int) -> tuple[int, int]:
         """``(factor_update_steps, inv_update_steps)`` at K-FAC step ``step``, checked together.

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
@@ -180,6 +181,12 @@ class KFACPreconditioner(PreconditionerInspection):
         self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, accumulation_steps)
         self._adaptive = None
+        if adaptive is not None and self._strategy.comm is None and _world_size() > 1:
+            raise ValueError(
+                f"adaptive is not allowed with strategy={self._strategy.name!r} on "
+                f"{_world_size()} processes: each would choose its own step and damping; use "
+                "a distributed strategy (e.g. 'dkfac'), which agrees them"
+            )
         if adaptive is not None:
             self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
         self._capture = StatisticsCapture(
@@ -302,8 +309,8 @@ class KFACPreconditioner(PreconditionerInspection):
             grads = [layer.block.grad_matrix() for layer in active]
             directions = self._strategy.precondition(active, grads, self._damping_at(k))
             if self._adaptive is not None and batch is not None:
-                self._capture.capturing = False  # its extra forward passes are not statistics
-                with self._recorder.phase("adaptive"):
+                with self._recorder.phase("adaptive"), self._capture.resumed_after():
+                    self._capture.capturing = False  # its extra passes are not statistics
                     self._adaptive.step(
                         k,
                         [layer.name for layer in active],
@@ -347,14 +354,14 @@ class KFACPreconditioner(PreconditionerInspection):
             ValueError: the state does not match this preconditioner's layers, or has no
                 adaptive state for an adaptive preconditioner.
         """
-        shapes = {layer.name: (layer.block.g_dim, layer.block.a_dim) for layer in self._layers}
+        blocks = {layer.name: layer.block for layer in self._layers}
         if self._adaptive is not None:
             self._adaptive.check_state(
-                state.get("adaptive") if isinstance(state, dict) else None, shapes
+                state.get("adaptive") if isinstance(state, dict) else None, blocks
             )
         self._steps = restore_state(state, self._layers, self.config.inverse_method)
         if self._adaptive is not None:
-            self._adaptive.load(state["adaptive"], shapes)
+            self._adaptive.load(state["adaptive"], blocks)
         self._usage.new_window()
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer
@@ -379,3 +386,8 @@ class KFACPreconditioner(PreconditionerInspection):
 def _arguments(inputs: Any) -> tuple[Any, ...]:
     """The model's positional arguments: a tuple as given, anything else as the only one."""
     return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _world_size() -> int:
+    """Processes of the default group (1 without ``torch.distributed``)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dkfac.adaptive.gauss_newton import gauss_newton_products, loss_at
+from dkfac.adaptive.gauss_newton import gauss_newton_products, loss_at, replayed_randomness
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.adaptive.quadratic_model import (
     levenberg_marquardt,
@@ -19,6 +19,7 @@ from dkfac.adaptive.quadratic_model import (
     reduction_ratio,
 )
 from dkfac.curvature.blocks import KroneckerBlock
+from dkfac.validation import check_float
 
 logger = logging.getLogger(__name__)
 
@@ -53,34 +54,6 @@ class AdaptiveReport:
     moved: bool = True
 
 
-def leading_examples(
-    batch: tuple[Sequence[Any], Any], fraction: float
-) -> tuple[tuple[Any, ...], Any]:
-    """The first ``ceil(fraction·N)`` examples of every input and target tensor (dim 0).
-
-    Raises:
-        ValueError: below 1, the first input is not a tensor with a batch dimension.
-    """
-    inputs, targets = tuple(batch[0]), batch[1]
-    if fraction >= 1.0:
-        return inputs, targets
-    first = inputs[0] if inputs else None
-    if not isinstance(first, Tensor) or first.dim() == 0:
-        raise ValueError(
-            f"curvature_fraction={fraction!r} needs the model's first input to be a tensor "
-            "whose dim 0 indexes the examples"
-        )
-    size = first.shape[0]
-    keep = max(1, math.ceil(fraction * size))
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
-            return value[:keep]
-        return value
-
-    return tuple(cut(value) for value in inputs), cut(targets)
-
-
 class AdaptiveStep:
     """Adaptive K-FAC's state (damping, previous update) and its step.
 
@@ -92,7 +65,7 @@ class AdaptiveStep:
 
     def __init__(self, options: AdaptiveOptions, damping: float, model: nn.Module) -> None:
         self.options = options
-        self.damping = min(options.max_damping, max(options.min_damping, damping))
+        self.damping = damping  # within the bounds (KFACConfig checks it)
         self._model = model
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._previous: dict[str, Tensor] = {}
@@ -132,8 +105,7 @@ class AdaptiveStep:
             batch: ``(inputs, targets)`` of this step on this worker.
             average: the mean of a float64 vector over the workers.
         """
-        options = self.options
-        inputs, targets = leading_examples(batch, options.curvature_fraction)
+        options, (inputs, targets) = self.options, batch
         vectors = [[-direction for direction in directions]]
         if options.momentum:
             vectors.append(
@@ -143,80 +115,91 @@ class AdaptiveStep:
                 ]
             )
         k = len(vectors)
-        inner = torch.zeros(k, k, dtype=torch.float64)
-        linear = torch.zeros(k, dtype=torch.float64)
-        for i, vector in enumerate(vectors):
-            linear[i] = sum(
-                (g.double() * v.double()).sum() for g, v in zip(grads, vector, strict=True)
-            )
-            for j in range(i, k):
-                inner[i, j] = inner[j, i] = sum(
-                    (u.double() * v.double()).sum() for u, v in zip(vector, vectors[j], strict=True)
-                )
+
+        def dot(left: Sequence[Tensor], right: Sequence[Tensor]) -> Tensor:
+            pairs = zip(left, right, strict=True)
+            return torch.stack([(u.double() * v.double()).sum() for u, v in pairs]).sum()
+
+        linear = torch.stack([dot(grads, vector) for vector in vectors])
+        inner = torch.stack([torch.stack([dot(u, v) for v in vectors]) for u in vectors])
         parameters = {self._names[id(p)]: p for block in blocks for p in block.parameters()}
-        loss, curvature = gauss_newton_products(
-            self._model,
-            parameters,
-            [self._named(blocks, vector) for vector in vectors],
-            inputs,
-            targets,
-            options.loss_fn,
-        )
-        # Everything the solution depends on, averaged together: every worker then solves the
-        # same system bit for bit (gradients and directions already agree; this makes sure).
         device = directions[0].device  # collectives run on the model's device
-        local = torch.cat([curvature.reshape(-1), inner.reshape(-1), linear, loss.reshape(1)])
-        agreed = average(local.to(device)).cpu()
-        curvature = agreed[: k * k].reshape(k, k)
-        inner = agreed[k * k : 2 * k * k].reshape(k, k)
-        linear = agreed[2 * k * k : 2 * k * k + k]
-        loss_before = float(agreed[-1])
-        if not bool(torch.isfinite(agreed).all()):
-            # A non-finite gradient, direction or loss on some worker: no model to trust.
-            # Nothing moves and the damping grows, on every worker alike (agreed values).
-            self.damping = levenberg_marquardt(
-                self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
-            )
-            self._stay(step, names, blocks, directions, loss_before, -math.inf)
-            logger.warning(
-                "adaptive K-FAC step %d did not move: its quadratic model is not finite (loss "
-                "before %s); damping raised to %.3g",
-                step,
-                loss_before,
-                self.damping,
-            )
-            return
-        chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
-        updates = []
-        for index, direction in enumerate(directions):
-            update = torch.zeros_like(direction)
-            for coefficient, vector in zip(chosen.coefficients, vectors, strict=True):
-                update.add_(vector[index].to(direction), alpha=coefficient)
-            updates.append(update)
-        ratio = None
-        if step % options.damping_interval == 0 or self._refusals:
-            moved = {
-                name: parameters[name].detach() + part
-                for name, part in self._named(blocks, updates).items()
-            }
-            after = loss_at(self._model, moved, inputs, targets, options.loss_fn)
-            loss_after = float(
-                average(torch.tensor([after], dtype=torch.float64, device=device))[0]
-            )
-            ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)
-            self.damping = levenberg_marquardt(
-                self.damping, ratio, options.omega, options.min_damping, options.max_damping
-            )
-            if not ratio >= 0.0:
-                # A step that raised the loss is not taken; the next steps are checked too
-                # until one is, and each further refusal in a row doubles the damping's
-                # increase (Nielsen's rule for Levenberg-Marquardt): a model far off, as at
-                # a start with too little damping, is corrected in a few steps, not dozens.
-                self._refusals += 1
-                self.damping = min(options.max_damping, self.damping * 2.0 ** (self._refusals - 1))
-                self._stay(step, names, blocks, directions, loss_before, ratio)
+        with replayed_randomness(device) as replay:
+            try:
+                loss, curvature = gauss_newton_products(
+                    self._model,
+                    parameters,
+                    [self._named(blocks, vector) for vector in vectors],
+                    inputs,
+                    targets,
+                    options.loss_fn,
+                    replay,
+                )
+            except (RuntimeError, NotImplementedError) as error:
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise
+                raise ValueError(
+                    "adaptive K-FAC could not take forward-mode derivatives of the model "
+                    f"(torch.func.jvp): {error}. Not supported: reentrant activation "
+                    "checkpointing, SyncBatchNorm, autograd Functions without a forward-mode "
+                    "rule"
+                ) from error
+            # Everything the solution depends on, averaged together and read back once: every
+            # worker then solves the same system bit for bit.
+            local = torch.cat(
+                [curvature.reshape(-1), inner.reshape(-1), linear, loss.reshape(1)]
+            ).to(device)
+            agreed = average(local).cpu()
+            curvature = agreed[: k * k].reshape(k, k)
+            inner = agreed[k * k : 2 * k * k].reshape(k, k)
+            linear = agreed[2 * k * k : 2 * k * k + k]
+            loss_before = float(agreed[-1])
+            if not bool(torch.isfinite(agreed).all()):
+                # A non-finite gradient, direction or loss on some worker: no model to trust.
+                self.damping = levenberg_marquardt(
+                    self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
+                )
+                self._stay(step, names, blocks, directions, loss_before, -math.inf)
+                logger.warning(
+                    "adaptive K-FAC step %d did not move: its quadratic model is not finite "
+                    "(loss before %s); damping raised to %.3g",
+                    step,
+                    loss_before,
+                    self.damping,
+                )
                 return
-            self._refusals = 0
+            chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
+            updates = []
+            for index, direction in enumerate(directions):
+                update = torch.zeros_like(direction)
+                for coefficient, vector in zip(chosen.coefficients, vectors, strict=True):
+                    update.add_(vector[index].to(direction), alpha=coefficient)
+                updates.append(update)
+            ratio = None
+            if step % options.damping_interval == 0 or self._refusals:
+                moved = {
+                    name: parameters[name].detach() + part
+                    for name, part in self._named(blocks, updates).items()
+                }
+                after = loss_at(self._model, moved, inputs, targets, options.loss_fn, replay)
+                loss_after = float(average(after.reshape(1).to(device))[0])
+                ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)
+                self.damping = levenberg_marquardt(
+                    self.damping, ratio, options.omega, options.min_damping, options.max_damping
+                )
+                if not ratio >= 0.0:
+                    # A step that raised the loss is not taken; the next steps are checked
+                    # too until one is, and each further refusal in a row doubles the
+                    # damping's increase (Nielsen's rule for Levenberg-Marquardt): a model far
+                    # off, as at a start with too little damping, is corrected in a few
+                    # steps, not dozens.
+                    self._refusals += 1
+                    self.damping = min(
+                        options.max_damping, self.damping * 2.0 ** (self._refusals - 1)
+                    )
+                    self._stay(step, names, blocks, directions, loss_before, ratio)
+                    return
+                self._refusals = 0
         self._move(names, blocks, updates)
         coefficients = (*chosen.coefficients, 0.0)
         self.last = AdaptiveReport(
@@ -277,38 +260,47 @@ class AdaptiveStep:
             "previous": {name: update.clone() for name, update in self._previous.items()},
         }
 
-    @staticmethod
-    def check_state(state: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Raise unless ``state`` is :meth:`state` output for layers of ``shapes``.
+    def check_state(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
+        """Raise unless ``state`` is :meth:`state` output for the layers ``blocks``.
 
         Args:
             state: the saved adaptive state.
-            shapes: each layer's gradient-matrix shape, by name.
+            blocks: each preconditioned layer's block, by name.
 
         Raises:
-            ValueError: the state is missing or does not match (a layer unknown, a shape).
+            ValueError: the state is missing or does not match (a layer unknown, a shape, a
+                damping outside ``[min_damping, max_damping]``).
         """
-        if not isinstance(state, dict) or set(state) != {
-            "damping",
-            "refusals",
-            "rejected_steps",
-            "previous",
-        }:
+        keys = {"damping", "refusals", "rejected_steps", "previous"}
+        if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(
                 "state_dict has no adaptive K-FAC state ('adaptive': damping and previous "
                 "update): it was saved without adaptive=..."
             )
+        options = self.options
+        check_float(
+            "the saved adaptive damping",
+            state["damping"],
+            low=options.min_damping,
+            high=options.max_damping,
+            allowed=f"a number in [{options.min_damping!r}, {options.max_damping!r}]",
+        )
         for name, update in state["previous"].items():
-            if name not in shapes or tuple(update.shape) != shapes[name]:
+            block = blocks.get(name)
+            shape = None if block is None else (block.g_dim, block.a_dim)
+            if not isinstance(update, Tensor) or tuple(update.shape) != shape:
                 raise ValueError(
                     f"adaptive state's previous update of {name!r} does not match the model "
-                    f"(expected a matrix of shape {shapes.get(name)})"
+                    f"(expected a matrix of shape {shape})"
                 )
 
-    def load(self, state: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Restore :meth:`state` output (checked by :meth:`check_state`)."""
-        self.check_state(state, shapes)
+    def load(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
+        """Restore :meth:`state` output (checked by :meth:`check_state`) onto the layers' device."""
+        self.check_state(state, blocks)
         self.damping = float(state["damping"])
         self._refusals = int(state["refusals"])
         self.rejected_steps = int(state["rejected_steps"])
-        self._previous = {name: update.clone() for name, update in state["previous"].items()}
+        self._previous = {
+            name: update.to(blocks[name].weight.device, blocks[name].weight.dtype, copy=True)
+            for name, update in state["previous"].items()
+        }

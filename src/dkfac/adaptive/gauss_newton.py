@@ -4,11 +4,16 @@
 of the loss in the outputs. For a vector ``v``, ``Jv`` is one Jacobian-vector product through
 the model (``torch.func.jvp``) and ``H(Jv)`` one through the gradient of the loss in the
 outputs, so ``vᵢᵀCvⱼ = (Jvᵢ)ᵀ H (Jvⱼ)`` without ever forming ``C``.
+
+Every forward pass here starts from the same random state (:func:`replayed_randomness`): with
+dropout, the products and the losses before and after a step then see the same masks, and
+the training run's own random stream is left where it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +21,28 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp
 
 from dkfac.adaptive.options import LossFunction
+
+#: Called before every forward pass (puts the random state back).
+Replay = Callable[[], None]
+#: Dtypes whose losses are too coarse to compare before and after a step (2^-8 near 1).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@contextmanager
+def replayed_randomness(device: torch.device) -> Iterator[Replay]:
+    """A function that restores the random state of entry; restored again on exit."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def replay() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+    try:
+        yield replay
+    finally:
+        replay()
 
 
 def _state(model: nn.Module, moved: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -31,6 +58,7 @@ def _state(model: nn.Module, moved: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _outputs(model: nn.Module, state: dict[str, Tensor], inputs: Sequence[Any]) -> Tensor:
+    """The model's outputs with ``state``; 16-bit outputs in float32 (see LOW_PRECISION)."""
     outputs = functional_call(model, state, tuple(inputs))
     if not isinstance(outputs, Tensor):
         raise ValueError(
@@ -38,7 +66,7 @@ def _outputs(model: nn.Module, state: dict[str, Tensor], inputs: Sequence[Any]) 
             f"{type(outputs).__name__}: wrap it so that loss_fn(model(*inputs), targets) "
             "takes a tensor"
         )
-    return outputs
+    return outputs.float() if outputs.dtype in LOW_PRECISION else outputs
 
 
 def gauss_newton_products(
@@ -48,8 +76,9 @@ def gauss_newton_products(
     inputs: Sequence[Any],
     targets: Any,
     loss_fn: LossFunction,
+    replay: Replay = lambda: None,
 ) -> tuple[Tensor, Tensor]:
-    """The loss at the current parameters and ``[vᵢᵀCvⱼ]`` for ``vectors`` (float64, ``k × k``).
+    """The loss at the current parameters and ``[vᵢᵀCvⱼ]`` (float64, on the model's device).
 
     Args:
         model: the model (unwrapped), in the mode it trains in.
@@ -59,6 +88,10 @@ def gauss_newton_products(
         inputs: the positional arguments of ``model``.
         targets: the second argument of ``loss_fn``.
         loss_fn: ``loss_fn(outputs, targets)``, a scalar.
+        replay: called before each forward pass.
+
+    Returns:
+        The loss (a float64 scalar) and the ``k × k`` products, without a host read.
     """
     names = list(parameters)
     primals = tuple(parameters[name].detach() for name in names)
@@ -73,22 +106,26 @@ def gauss_newton_products(
     directional: list[Tensor] = []
     for vector in vectors:
         tangents = tuple(vector[name].to(primals[i].dtype) for i, name in enumerate(names))
+        replay()
         result = jvp(outputs_of, primals, tangents)
         outputs, along = result[0], result[1]
-        directional.append(along)
+        directional.append(along.to(outputs.dtype))
     if outputs is None:
+        replay()
         outputs = outputs_of(*primals)
     curved = [jvp(loss_gradient, (outputs,), (along,))[1] for along in directional]
     k = len(vectors)
-    products = torch.zeros(k, k, dtype=torch.float64)
-    for i in range(k):
-        for j in range(i, k):
-            value = 0.5 * (
-                (directional[i].double() * curved[j].double()).sum()
-                + (directional[j].double() * curved[i].double()).sum()
-            )
-            products[i, j] = products[j, i] = value
-    loss = loss_fn(outputs, targets).detach().double().cpu()
+    rows = [
+        torch.stack(
+            [
+                0.5 * ((directional[i] * curved[j]).sum() + (directional[j] * curved[i]).sum())
+                for j in range(k)
+            ]
+        )
+        for i in range(k)
+    ]
+    products = torch.stack(rows).double() if rows else torch.zeros(0, 0, dtype=torch.float64)
+    loss = loss_fn(outputs, targets).detach().double()
     return loss, products
 
 
@@ -98,8 +135,13 @@ def loss_at(
     inputs: Sequence[Any],
     targets: Any,
     loss_fn: LossFunction,
-) -> float:
-    """The loss with ``parameters`` in place of the model's own, the model left unchanged."""
+    replay: Replay = lambda: None,
+) -> Tensor:
+    """The loss (a float64 scalar tensor) with ``parameters`` in place of the model's own.
+
+    The model is left unchanged; ``replay`` is called before the forward pass.
+    """
     with torch.no_grad():
+        replay()
         outputs = _outputs(model, _state(model, parameters), inputs)
-        return float(loss_fn(outputs, targets))
+        return loss_fn(outputs, targets).detach().double()

@@ -34,18 +34,14 @@ class AdaptiveOptions:
         loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on, averaged
             over the batch (``loss_reduction="mean"``) or summed (``"sum"``). Its Hessian in the
             outputs must be positive semi-definite (cross-entropy, squared error), so that the
-            Gauss-Newton matrix is.
+            Gauss-Newton matrix is. Its randomness (and the model's: dropout) is replayed:
+            every extra forward pass draws what the first one drew.
         damping_interval: steps ``T`` between damping adaptations (each costs one extra forward
             pass).
         damping_decay: per-step factor of the Levenberg-Marquardt rule, in (0, 1).
         min_damping: lower bound of ``λ`` (> 0).
         max_damping: upper bound of ``λ``.
         momentum: include the previous update (``μ``); ``False`` chooses ``α`` alone.
-        curvature_fraction: the leading fraction of each worker's batch (dim 0 of every input
-            and target tensor, at least one example) on which the Gauss-Newton products and
-            the losses of ``ρ`` are measured; the gradient term uses the whole batch. Below 1
-            the quadratic model costs proportionally less and is noisier (an unbiased
-            estimate of the batch's ``C``).
     """
 
     loss_fn: LossFunction
@@ -54,7 +50,6 @@ class AdaptiveOptions:
     min_damping: float = 1e-6
     max_damping: float = 1e3
     momentum: bool = True
-    curvature_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -84,14 +79,6 @@ class AdaptiveOptions:
             self.max_damping,
             low=self.min_damping,
             allowed=f"a finite number >= min_damping={self.min_damping!r}",
-        )
-        check_float(
-            "curvature_fraction",
-            self.curvature_fraction,
-            low=0.0,
-            high=1.0,
-            low_open=True,
-            allowed="a number in (0, 1]",
         )
         if not isinstance(self.momentum, bool):
             raise ValueError(f"momentum={self.momentum!r} is not allowed: expected True or False")

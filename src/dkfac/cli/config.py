@@ -22,6 +22,14 @@ SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 #: "auto" (``dkfac.AutoOptions``: the fastest the simulator predicts for this model here).
 STRATEGIES: tuple[str, ...] = ("none", *strategy_names(), "auto")
 GRAD_SYNCS: tuple[str, ...] = ("ddp", "dear")
+#: The options that take one of a few names, and those names (checked here, listed in --help).
+CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("optimizer", OPTIMIZERS),
+    ("schedule", SCHEDULES),
+    ("strategy", STRATEGIES),
+    ("grad_sync", GRAD_SYNCS),
+    ("inverse_method", ("eigen", "inverse")),
+)
 
 
 class ConfigError(ValueError):
@@ -75,14 +83,7 @@ class TrainConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        choices = {
-            "optimizer": OPTIMIZERS,
-            "schedule": SCHEDULES,
-            "strategy": STRATEGIES,
-            "grad_sync": GRAD_SYNCS,
-            "inverse_method": ("eigen", "inverse"),
-        }
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES:
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "

@@ -47,11 +47,15 @@ def missing_dependency_message(error: ImportError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dkfac`` console script; returns the exit code.
 
-    Without arguments it runs ``dkfac compare`` (what ``make demo`` does).
+    Without arguments it prints the help (``make demo`` runs ``dkfac compare``).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not arguments:
+        parser.print_help()
+        return 0
     try:
-        args = build_parser().parse_args(arguments or ["compare"])
+        args = parser.parse_args(arguments)
     except SystemExit as stop:  # --help, or the parser's one-line error
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
     outside = external_rank()

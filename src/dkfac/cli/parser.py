@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from dkfac import __version__
 from dkfac.bench.options import add_bench_options
-from dkfac.cli.config import TrainConfig
+from dkfac.cli.config import CHOICES, TrainConfig
 from dkfac.cli.exit_codes import EXIT_USAGE
 from dkfac.cli.simulate import add_simulate_parser
 
@@ -20,18 +21,31 @@ BENCH_NPROCS = "2"
 
 
 class CommandParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, ``PROG: error: MESSAGE``, and exit code 2."""
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE``, and exit code 2.
+
+    Abbreviated options are refused: ``--lr`` must not silently mean ``--lr-schedule`` one day.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one line (no usage block) and exit with code 2."""
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_train_options(parser: argparse.ArgumentParser) -> None:
+def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
     """Add one flag per TrainConfig field to ``parser``, and ``--dataset-option``, ``--config``.
 
-    The flags' defaults are None (not given): the configuration's defaults apply.
+    The flags' defaults are None (not given): the configuration's defaults apply, except
+    where ``command`` (``"train"`` or ``"compare"``) has its own, which ``--help`` shows.
     """
+    shown = {
+        "out": os.path.join("runs", command),
+        "target_accuracy": 0.95,
+    }
+    choices = dict(CHOICES)
     helps = {
         "model": "mlp, cnn, resnet20, resnet32, resnet56, transformer, lm (a causal language "
         "model, for text data such as pysource)",
@@ -48,7 +62,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "checkpoint_every": "also checkpoint every N steps (0: at epoch ends only)",
         "stop_after_steps": "checkpoint and stop after N steps, as a preempted job would "
         "(continue with --resume; 0: run to the end)",
-        "target_accuracy": "test accuracy whose first crossing `compare` reports",
+        "target_accuracy": "test accuracy whose first crossing each run's seconds and epochs "
+        "are reported to",
+        "out": "output folder (metrics, checkpoints, plots)",
+        "optimizer": "sgd (with --momentum) or adamw",
+        "schedule": "constant, cosine or step (x0.1 at 1/2 and 3/4 of the epochs), after "
+        "--warmup-epochs",
+        "inverse_method": "eigen (exact damped inverse) or inverse (factored Tikhonov, Cholesky)",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
         "run fails",
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "
@@ -58,8 +78,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "from the last checkpoint (train only; under torchrun use its --max-restarts)",
     }
     for f in fields(TrainConfig):
-        if f.name == "dataset_options":
-            continue
+        if f.name == "dataset_options" or (f.name == "target_accuracy" and command != "compare"):
+            continue  # set by --dataset-option; a target only compare reports
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
         if isinstance(f.default, bool):
@@ -68,7 +88,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
                 dest=f.name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
-                help=f"{helps.get(f.name, '')} (default: {f.default!r})",
+                help=_help(helps.get(f.name, ""), None, f.default),
             )
             continue
         parser.add_argument(
@@ -76,7 +96,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             default=None,
             type=kind if kind in (int, float) else str,
-            help=f"{helps.get(f.name, '')} (default: {f.default!r})",
+            help=_help(helps.get(f.name, ""), choices.get(f.name), shown.get(f.name, f.default)),
         )
     parser.add_argument(
         "--dataset-option",
@@ -92,12 +112,19 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
 
 
+def _help(text: str, choices: tuple[str, ...] | None, default: Any) -> str:
+    """An option's help: what it is, its choices, the default the command uses."""
+    listed = f" (choices: {', '.join(choices)})" if choices else ""
+    return f"{text}{listed} (default: {default!r})".strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dkfac`` argument parser (its errors are one line and exit code 2)."""
     parser = CommandParser(prog="dkfac", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"dkfac {__version__}")
     sub = parser.add_subparsers(dest="command")  # subcommands are CommandParsers too
     train = sub.add_parser("train", help="train one configuration")
-    _add_train_options(train)
+    _add_train_options(train, "train")
     train.add_argument(
         "--resume", action="store_true", help="continue from the checkpoint in --out"
     )
@@ -106,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="several strategies (default: the optimizer with and without K-FAC) on the same "
         "data and seed",
     )
-    _add_train_options(compare)
+    _add_train_options(compare, "compare")
     compare.add_argument(
         "--strategies",
         default=None,
