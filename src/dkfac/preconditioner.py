@@ -17,14 +17,15 @@ from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
+from dkfac.optimizer_hook import OptimizerHook
 from dkfac.preconditioner_inspection import PreconditionerInspection
-from dkfac.saved_state import needs_decomposition, pack_state, restore_state
+from dkfac.preconditioner_state import PreconditionerState
 from dkfac.strategies import StrategyOptions
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategy_start import start_strategy
 
 
-class KFACPreconditioner(PreconditionerInspection):
+class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
     """K-FAC preconditioning as one call between ``loss.backward()`` and ``optimizer.step()``.
 
     Example::
@@ -35,6 +36,9 @@ class KFACPreconditioner(PreconditionerInspection):
             F.cross_entropy(model(x), y).backward()
             pre.step()          # replaces .grad of Linear/Conv2d layers by the K-FAC direction
             optimizer.step()
+
+    or ``KFACPreconditioner(model, optimizer=optimizer)`` and ``optimizer.step()`` alone (a
+    framework's loop: the optimizer's step runs K-FAC's first).
 
     Args:
         model: the model (plain or wrapped by DDP). ``nn.Linear`` and ``nn.Conv2d`` layers are
@@ -53,7 +57,8 @@ class KFACPreconditioner(PreconditionerInspection):
         factor_decay: running-average decay ε in [0, 1): ``F ← ε·F + (1−ε)·F_batch``.
         kl_clip: κ > 0 (finite) of KL clipping, or ``None`` to disable it.
         lr: learning rate of the optimizer, used by KL clipping. Pass a callable when it
-            changes (e.g. ``lambda step: scheduler.get_last_lr()[0]``).
+            changes (e.g. ``lambda step: scheduler.get_last_lr()[0]``). ``None``: the
+            ``optimizer``'s, read at each step, or 0.1 without one.
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions; a multiple of ``factor_update_steps``.
         accumulation_steps: backward passes per ``step()`` (gradient accumulation). Statistics
@@ -91,6 +96,10 @@ class KFACPreconditioner(PreconditionerInspection):
             (Levenberg-Marquardt; ``damping`` is its initial value). Their ``.grad`` is cleared,
             so ``optimizer.step()`` moves only the other parameters; ``lr`` and ``kl_clip`` are
             not used (the step's scale is chosen). ``None`` (default): off.
+        optimizer: attach to this optimizer: every ``optimizer.step()`` (also from
+            ``GradScaler.step``, a Hugging Face ``Trainer``, Lightning) runs :meth:`step` first,
+            through a step pre-hook, and ``pre.step()`` by hand is an error. :meth:`remove`
+            detaches it. Not with ``adaptive`` (its step needs the batch).
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (completed ``step()`` calls), checked like a constant when :meth:`step`
@@ -109,7 +118,7 @@ class KFACPreconditioner(PreconditionerInspection):
         damping: Hyperparameter = 0.003,
         factor_decay: Hyperparameter = 0.95,
         kl_clip: Hyperparameter | None = 0.001,
-        lr: Hyperparameter = 0.1,
+        lr: Hyperparameter | None = None,
         factor_update_steps: IntHyperparameter = 1,
         inv_update_steps: IntHyperparameter = 1,
         accumulation_steps: int = 1,
@@ -126,6 +135,7 @@ class KFACPreconditioner(PreconditionerInspection):
         share: str | None = None,
         check_replicas_every: int = 0,
         adaptive: AdaptiveOptions | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -141,6 +151,13 @@ class KFACPreconditioner(PreconditionerInspection):
                 f"grad_scaler={grad_scaler!r} is not allowed: expected a "
                 "torch.amp.GradScaler or None"
             )
+        if optimizer is not None and adaptive is not None:
+            raise ValueError(
+                "optimizer is not allowed with adaptive: adaptive K-FAC's step needs the batch "
+                "(call pre.step(inputs, targets) before optimizer.step())"
+            )
+        if lr is None:  # the optimizer's rate, once the hook below exists
+            lr = 0.1 if optimizer is None else (lambda step: self._hook_lr(step))
         self.config = KFACConfig(
             strategy=strategy,
             inverse_method=inverse_method,
@@ -182,6 +199,7 @@ class KFACPreconditioner(PreconditionerInspection):
         self._usage = LayerUsage(self._layers, accumulation_steps)
         self._adaptive = None
         if adaptive is not None and self._strategy.comm is None and _world_size() > 1:
+            self._strategy.close()
             raise ValueError(
                 f"adaptive is not allowed with strategy={self._strategy.name!r} on "
                 f"{_world_size()} processes: each would choose its own step and damping; use "
@@ -189,6 +207,14 @@ class KFACPreconditioner(PreconditionerInspection):
             )
         if adaptive is not None:
             self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
+        self._hook = None
+        if optimizer is not None:
+            parameters = [p for layer in self._layers for p in layer.block.parameters()]
+            try:
+                self._hook = OptimizerHook(optimizer, parameters, self.step)
+            except ValueError:
+                self._strategy.close()  # a process group it may have made
+                raise
         self._capture = StatisticsCapture(
             self._model,
             self._layers,
@@ -201,9 +227,6 @@ class KFACPreconditioner(PreconditionerInspection):
         )
 
     # -- schedule -----------------------------------------------------------------------------
-    def _is_factor_step(self, step: int) -> bool:
-        return step % self.config.factor_update_steps_at(step) == 0
-
     @property
     def steps(self) -> int:
         """Number of completed ``step()`` calls."""
@@ -250,11 +273,20 @@ class KFACPreconditioner(PreconditionerInspection):
                 "step() after remove(): this preconditioner has detached its "
                 "hooks; build a new KFACPreconditioner"
             )
+        if self._hook is not None and not self._hook.running:
+            raise RuntimeError(
+                "step() by hand on a preconditioner attached to an optimizer: "
+                "optimizer.step() runs it (calling both would precondition twice)"
+            )
         check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
             batch = None if inputs is None else (_arguments(inputs), targets)
             self._step(batch)
+
+    def _hook_lr(self, step: int) -> float:
+        assert self._hook is not None
+        return self._hook.lr(step)
 
     def _damping_at(self, step: int) -> float:
         """``λ``: adaptive K-FAC's current value, else the configured one at ``step``."""
@@ -339,36 +371,6 @@ class KFACPreconditioner(PreconditionerInspection):
         """
         return self
 
-    # -- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Steps, running factors and decompositions: enough to continue bitwise identically."""
-        state = pack_state(self._steps, self.config.inverse_method, self._layers)
-        if self._adaptive is not None:
-            state["adaptive"] = self._adaptive.state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (same model architecture).
-
-        Raises:
-            ValueError: the state does not match this preconditioner's layers, or has no
-                adaptive state for an adaptive preconditioner.
-        """
-        blocks = {layer.name: layer.block for layer in self._layers}
-        if self._adaptive is not None:
-            self._adaptive.check_state(
-                state.get("adaptive") if isinstance(state, dict) else None, blocks
-            )
-        self._steps = restore_state(state, self._layers, self.config.inverse_method)
-        if self._adaptive is not None:
-            self._adaptive.load(state["adaptive"], blocks)
-        self._usage.new_window()
-        self._capture.capturing = self._is_factor_step(self._steps)
-        # Before after_load, which drops what the plan does not give this rank: the answer
-        # must be the same on every rank (it decides a collective decomposition step).
-        self._force_inverse = needs_decomposition(self._layers)
-        self._strategy.after_load(self._layers)
-
     def remove(self) -> None:
         """Detach every hook and release the strategy's process group, if it made one.
 
@@ -376,6 +378,8 @@ class KFACPreconditioner(PreconditionerInspection):
         calls it (like building the preconditioner).
         """
         self._capture.remove()
+        if self._hook is not None:
+            self._hook.remove()
         if not self._removed:
             self._strategy.close()
         self._removed = True

@@ -82,6 +82,7 @@ def write_plots(results: Mapping[str, RunResult], folder: Path) -> list[Path]:
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
             axis.legend()
+        figure.suptitle(f"{label} of {', '.join(results)}")
         figure.tight_layout()
         path = folder / f"{metric}.png"
         figure.savefig(path, dpi=100)
