@@ -1,9 +1,9 @@
 """Mixed precision: statistics in factor_dtype under autocast; GradScaler through its public API.
 
-* Under CPU bfloat16 autocast the factors are computed in float32 from the tensors the layers
-  really saw: the first layer's ``A`` (its input is float32 in both runs) equals the float32
-  run's bit for bit, and every factor equals a float64 formula over the captured inputs and
-  output gradients (a bfloat16 Gram would be off by ~1e-3).
+* Under bfloat16 autocast (and float16 on a GPU) the factors are computed in float32 from the
+  tensors the layers really saw: the first layer's ``A`` (its input is float32 in both runs)
+  equals the float32 run's bit for bit, and every factor equals a float64 formula over the
+  captured inputs and output gradients (a bfloat16 Gram would be off by ~1e-3).
 * A step whose gradients are not finite (the GradScaler skips it) changes no factor and no
   decomposition; the next finite step makes the postponed decomposition.
 * Only public GradScaler methods are used.
@@ -14,11 +14,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import dkfac
+from devices import CUDA_TEST_DEVICE, on_cuda
 
 
 def mlp() -> nn.Module:
@@ -31,10 +33,20 @@ def data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 10, generator=g), torch.randint(0, 3, (32,), generator=g)
 
 
-def test_autocast_bf16_statistics_are_float32_from_what_the_layers_saw() -> None:
-    model = mlp()
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        ("cpu", torch.bfloat16),
+        on_cuda(CUDA_TEST_DEVICE.type, torch.bfloat16),
+        on_cuda(CUDA_TEST_DEVICE.type, torch.float16),
+    ],
+)
+def test_autocast_statistics_are_float32_from_what_the_layers_saw(
+    device: str, dtype: torch.dtype
+) -> None:
+    model = mlp().to(device)
     reference = copy.deepcopy(model)
-    x, y = data()
+    x, y = (t.to(device) for t in data())
     seen: dict[int, dict[str, torch.Tensor]] = {}
 
     def capture(index: int):  # type: ignore[no-untyped-def]
@@ -47,9 +59,9 @@ def test_autocast_bf16_statistics_are_float32_from_what_the_layers_saw() -> None
     for index in (0, 2, 4):
         model[index].register_forward_hook(capture(index))
     pre = dkfac.KFACPreconditioner(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=dtype):
         out = model(x)
-        assert out.dtype == torch.bfloat16  # the layers really ran in bfloat16
+        assert out.dtype == dtype  # the layers really ran in 16 bits
         loss = F.cross_entropy(out, y)
     loss.backward()
     pre.step()
@@ -62,7 +74,7 @@ def test_autocast_bf16_statistics_are_float32_from_what_the_layers_saw() -> None
     n = x.shape[0]
     for index in (0, 2, 4):
         rows = seen[index]["x"].double()
-        rows = torch.cat([rows, torch.ones(n, 1, dtype=torch.float64)], dim=1)
+        rows = torch.cat([rows, torch.ones(n, 1, dtype=torch.float64, device=device)], dim=1)
         dy = seen[index]["dy"].double()
         want_a, want_g = rows.t() @ rows / n, n * dy.t() @ dy
         got_a, got_g = factors[str(index)]

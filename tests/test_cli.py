@@ -27,7 +27,8 @@ from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, rng_state, sa
 from dkfac.cli.commands import compare_strategies
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
 from dkfac.cli.config_resolution import resolve_config
-from dkfac.cli.launch import ExternalRank, backend_for, external_rank, join_external
+from dkfac.cli.device import LocalSlot, backend_for, local_slot, resolve_device
+from dkfac.cli.launch import ExternalRank, external_rank, join_external
 from dkfac.cli.local_workers import WorkerError, spawn_local
 from dkfac.cli.main import main, missing_dependency_message
 from dkfac.cli.parser import build_parser
@@ -554,10 +555,15 @@ def test_rank_0_logs_info_and_other_ranks_only_prefixed_warnings(
 
 def test_backend_follows_the_run_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert backend_for(torch.device("cpu")) == "gloo"
-    assert backend_for(torch.device("cuda", 0)) == "nccl"
-    # CUDA being present does not matter: runs train on the CPU, so the group is gloo.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert run_device(TrainConfig()) == torch.device("cpu")
+    # On a GPU one group serves NCCL for CUDA tensors and gloo for the host's agreements.
+    assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert run_device(TrainConfig(device="cpu")) == torch.device("cpu")
+    assert run_device(TrainConfig()) == torch.device("cpu")  # auto, and torch sees no GPU
+    # auto takes the GPUs when every local worker has one (torch made to see two).
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert run_device(TrainConfig(), LocalSlot(1, 2)) == torch.device("cuda", 1)
+    assert run_device(TrainConfig(device="cpu"), LocalSlot(1, 2)) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(name, value)
     joined: list[str] = []
@@ -570,6 +576,41 @@ def test_backend_follows_the_run_device(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(RuntimeError, match="stop before training"):
         execution_module.execute(TrainConfig(model="mlp"))
     assert joined == ["gloo"]
+
+
+def test_device_choice_takes_the_gpu_of_the_local_rank_or_says_why_not() -> None:
+    assert resolve_device("cuda", LocalSlot(3, 4), cuda_count=4) == torch.device("cuda", 3)
+    assert resolve_device("auto", LocalSlot(3, 4), cuda_count=4) == torch.device("cuda", 3)
+    # auto falls back to the CPU when some local worker would have no GPU of its own.
+    assert resolve_device("auto", LocalSlot(0, 2), cuda_count=1) == torch.device("cpu")
+    assert resolve_device("auto", LocalSlot(0, 1), cuda_count=0) == torch.device("cpu")
+    assert resolve_device("cpu", LocalSlot(0, 1), cuda_count=8) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"--device cuda is not allowed here: .* sees no GPU"):
+        resolve_device("cuda", LocalSlot(0, 1), cuda_count=0)
+    with pytest.raises(ValueError, match="with 2 workers on this machine: it has 1 GPU"):
+        resolve_device("cuda", LocalSlot(0, 2), cuda_count=1)
+
+
+def test_local_slot_from_torchrun_slurm_and_local_workers() -> None:
+    torchrun = {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "SLURM_LOCALID": "0"}
+    assert local_slot(torchrun) == LocalSlot(2, 4)
+    assert local_slot({"SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x3)"}) == LocalSlot(1, 2)
+    assert local_slot({}, default_world=3) == LocalSlot(0, 3)
+
+
+def test_device_and_amp_refusals_name_what_to_use_instead() -> None:
+    with pytest.raises(ConfigError, match="--device cuda is not allowed here"):
+        run_device(TrainConfig(device="cuda"))
+    with pytest.raises(ConfigError, match=r"--amp fp16 is not allowed on the CPU: .* bf16"):
+        run_device(TrainConfig(amp="fp16"))
+    with pytest.raises(ConfigError, match="--device 'tpu' is not allowed: choose one of auto"):
+        TrainConfig(device="tpu")
+    with pytest.raises(ConfigError, match="--amp fp16 is not allowed with --adaptive"):
+        TrainConfig(amp="fp16", adaptive=True)
+    with pytest.raises(ConfigError, match="--amp fp16 is not allowed with --grad-sync dear"):
+        TrainConfig(amp="fp16", grad_sync="dear")
+    with pytest.raises(ConfigError, match="--loader-workers -2 is not allowed"):
+        TrainConfig(loader_workers=-2)
 
 
 def test_external_rank_from_torchrun_and_slurm_environments() -> None:

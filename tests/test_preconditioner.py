@@ -6,9 +6,7 @@ import copy
 import logging
 import math
 import re
-import sys
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from torch import nn
 
 import dkfac
 from dkfac.curvature.inverse import EigenInverse
+from host_reads import HostReadSpy
 
 
 def small_model(dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -733,66 +732,6 @@ def test_cholesky_failure_is_detected_without_exceptions() -> None:
 
 
 # -- host synchronisation -------------------------------------------------------------------------
-#: Tensor methods that copy device data to the host (a synchronisation on CUDA).
-HOST_READ_METHODS = (
-    "item",
-    "tolist",
-    "__bool__",
-    "__int__",
-    "__float__",
-    "__index__",
-    "nonzero",
-    "unique",
-    "cpu",
-    "numpy",
-)
-#: torch functions that read device data back, or build a device tensor from host data.
-HOST_READ_FUNCTIONS = ("nonzero", "unique", "unique_consecutive", "masked_select", "tensor")
-
-
-class HostReadSpy:
-    """Records host reads made directly by dkfac code, whatever the device.
-
-    A call counts when the frame that makes it belongs to a ``dkfac`` module; indexing a
-    tensor with a Python list counts too (on CUDA it copies the list to the device first).
-    """
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[tuple[str, str]] = []
-        for name in HOST_READ_METHODS:
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), name))
-        for name in HOST_READ_FUNCTIONS:
-            monkeypatch.setattr(torch, name, self._wrap(getattr(torch, name), f"torch.{name}"))
-        for name in ("__getitem__", "__setitem__"):
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap_index(original, name))
-
-    def _record(self, what: str) -> None:
-        module = sys._getframe(2).f_globals.get("__name__", "")
-        if module.startswith("dkfac"):
-            self.calls.append((what, module))
-
-    def _wrap(self, original: Any, what: str) -> Any:
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            self._record(what)
-            return original(*args, **kwargs)
-
-        return spy
-
-    def _wrap_index(self, original: Any, what: str) -> Any:
-        def spy(tensor: torch.Tensor, index: Any, *rest: Any) -> Any:
-            parts = index if isinstance(index, tuple) else (index,)
-            if any(isinstance(part, list) for part in parts):
-                self._record(f"{what} with a list")
-            return original(tensor, index, *rest)
-
-        return spy
-
-    def take(self) -> list[tuple[str, str]]:
-        calls, self.calls = self.calls, []
-        return calls
-
-
 def test_factor_steps_of_conv_layers_read_nothing_back_from_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

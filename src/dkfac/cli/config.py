@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dkfac.cli.device import AMP_MODES, DEVICES
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
@@ -29,6 +30,8 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("strategy", STRATEGIES),
     ("grad_sync", GRAD_SYNCS),
     ("inverse_method", ("eigen", "inverse")),
+    ("device", DEVICES),
+    ("amp", AMP_MODES),
 )
 
 
@@ -71,6 +74,13 @@ class TrainConfig:
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
+    #: Where each worker trains (dkfac.cli.device): auto takes GPU LOCAL_RANK when every
+    #: local worker has one, the CPU otherwise.
+    device: str = "auto"
+    #: Autocast precision of the forward pass; fp16 adds a GradScaler.
+    amp: str = "none"
+    #: DataLoader worker processes per rank; -1: 2 on a GPU, 0 on the CPU.
+    loader_workers: int = -1
     seed: int = 0
     out: str = ""
     checkpoint_every: int = 0
@@ -150,6 +160,17 @@ class TrainConfig:
                 f"--adaptive is not allowed with --grad-sync {self.grad_sync}: adaptive K-FAC "
                 "moves the preconditioned layers itself, which DeAR's sharded optimizer step "
                 "does not expect (use --grad-sync ddp)"
+            )
+        if self.amp == "fp16" and (self.adaptive or self.grad_sync != "ddp"):
+            what = "--adaptive" if self.adaptive else f"--grad-sync {self.grad_sync}"
+            raise ConfigError(
+                f"--amp fp16 is not allowed with {what}: its loss scaling skips steps that "
+                f"{what} does not expect; use --amp bf16 (no scaler)"
+            )
+        if self.loader_workers < -1:
+            raise ConfigError(
+                f"--loader-workers {self.loader_workers} is not allowed: expected a number "
+                ">= 0, or -1 (2 on a GPU, 0 on the CPU)"
             )
         if self.strategy == "local" and self.nproc > 1:
             raise ConfigError(

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from dkfac.cli.checkpoint import has_checkpoint
 from dkfac.cli.config import TrainConfig
+from dkfac.cli.device import backend_for, local_slot
 from dkfac.cli.exit_codes import WORKER_USAGE_ERRORS
-from dkfac.cli.launch import backend_for, external_rank, join_external
+from dkfac.cli.launch import external_rank, join_external
 from dkfac.cli.local_workers import WorkerError, spawn_local
 from dkfac.cli.rank_logging import configure_logging, quiet
 from dkfac.cli.run_metrics import RunResult
@@ -131,7 +132,8 @@ def execute_runs(
     first = configs[0]
     outside = external_rank()
     _check_before_start(configs, first.nproc if outside is None else outside.world_size)
-    backend = backend_for(run_device(first))
+    world = first.nproc if outside is None else outside.world_size
+    backend = backend_for(run_device(first, local_slot(default_world=world)))
     args = (tuple(configs), tuple(labels or [""] * len(configs)), resume, show_progress)
     if outside is not None:
         join_external(outside, first.threads, backend, first.collective_timeout)

@@ -7,6 +7,7 @@ from torch import nn
 
 import dkfac
 from dkfac.cli.config import TrainConfig
+from dkfac.cli.device import Precision
 
 
 class GradientSync:
@@ -22,12 +23,19 @@ class GradientSync:
         optimizer: the optimizer over ``model``'s parameters.
         config: the run's configuration (``grad_sync``, ``bucket_mb``).
         world: number of ranks.
+        precision: the run's precision (under fp16 the optimizer steps through its scaler).
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, world: int
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig,
+        world: int,
+        precision: Precision,
     ) -> None:
         self.optimizer = optimizer
+        self.precision = precision
         self.dear: dkfac.DeAR | None = None
         self.model = model
         if config.grad_sync == "dear":
@@ -35,19 +43,25 @@ class GradientSync:
         elif world > 1:
             cap = config.bucket_cap_mb
             assert isinstance(cap, float)  # "auto" is refused for DDP by TrainConfig
-            self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+            device = next(model.parameters()).device
+            self.model = nn.parallel.DistributedDataParallel(
+                model,
+                device_ids=[device] if device.type == "cuda" else None,
+                bucket_cap_mb=cap,
+            )
 
     def before_preconditioning(self) -> None:
-        """Make ``.grad`` hold the averaged gradients (DDP: already so after backward)."""
+        """Make ``.grad`` hold the averaged, unscaled gradients (DDP: averaged after backward)."""
         if self.dear is not None:
             self.dear.gather_gradients()
+        self.precision.unscale(self.optimizer)
 
     def step(self) -> None:
         """The optimizer step of this iteration."""
         if self.dear is not None:
             self.dear.step()
         else:
-            self.optimizer.step()
+            self.precision.step(self.optimizer)
 
     def close(self) -> None:
         """Apply what is still pending and detach (DeAR); nothing to do for DDP."""

@@ -5,7 +5,8 @@ Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) or Slurm ``srun
 group, and a collective that fails because a peer is gone is said in one line. Local workers
 are started by :mod:`dkfac.cli.local_workers` instead.
 
-The process group backend follows the device the run trains on (:func:`backend_for`).
+The process group backend follows the device the run trains on
+(:func:`dkfac.cli.device.backend_for`).
 """
 
 from __future__ import annotations
@@ -65,11 +66,6 @@ def lost_peer_message(error: BaseException) -> str | None:
     )
 
 
-def backend_for(device: torch.device) -> str:
-    """The process group backend for tensors on ``device``: NCCL for CUDA, gloo otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def join_external(
     rank: ExternalRank, threads: int, backend: str, collective_timeout: float = 600.0
 ) -> None:
@@ -78,7 +74,7 @@ def join_external(
     Args:
         rank: this process's place in the job (:func:`external_rank`).
         threads: intra-op threads of this process.
-        backend: ``"gloo"`` or ``"nccl"``, from :func:`backend_for` of the run's device.
+        backend: from :func:`dkfac.cli.device.backend_for` of the run's device.
         collective_timeout: seconds a collective may wait before the process group fails.
     """
     torch.set_num_threads(threads)

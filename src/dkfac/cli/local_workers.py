@@ -139,6 +139,8 @@ def _worker(
     # runs with the parent's environment of now (e.g. GLOO_SOCKET_IFNAME set since).
     os.environ.clear()
     os.environ.update(environ)
+    # All local: the worker's place on this machine picks its GPU (dkfac.cli.device).
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
     torch.set_num_threads(threads)
     with open(stack_file, "w") as stacks:
         # Where the worker is, for the parent's report when it crashes or is stopped.

@@ -74,6 +74,11 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "
         "each batch, Levenberg-Marquardt damping (--damping is its start; --lr moves only the "
         "layers K-FAC does not precondition)",
+        "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
+        "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
+        "amp": "autocast the forward pass: none, bf16, or fp16 (GPU only; with a GradScaler)",
+        "loader_workers": "DataLoader processes per worker (-1: 2 on a GPU under torchrun or "
+        "Slurm, else 0; batches are pinned on a GPU)",
         "max_restarts": "restart the local workers this many times when one is lost, resuming "
         "from the last checkpoint (train only; under torchrun use its --max-restarts)",
     }

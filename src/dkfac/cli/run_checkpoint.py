@@ -63,10 +63,12 @@ def save_run_checkpoint(
     world: int,
     totals: torch.Tensor,
     phases: PhaseTotals,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state.
 
-    ``position`` is where the run stands in epoch ``epoch``.
+    ``position`` is where the run stands in epoch ``epoch``; ``scaler`` is the fp16 run's
+    gradient scaler (its scale and growth tracker resume too).
     """
     local = {
         "rng": rng_state(),
@@ -87,6 +89,7 @@ def save_run_checkpoint(
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
                 "ranks": gathered,
                 "epoch": epoch,
                 "batch": position.batch,
@@ -111,8 +114,9 @@ def restore_checkpoint(
     pre: dkfac.KFACPreconditioner | None,
     rank: int,
     world: int,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[tuple[int, int, int, int], torch.Tensor, PhaseTotals]:
-    """Load a checkpoint.
+    """Load a checkpoint (``scaler``: the fp16 run's gradient scaler, restored when saved).
 
     Returns:
         Where to continue, ``(epoch, examples of the epoch consumed, the epoch's budget,
@@ -121,6 +125,8 @@ def restore_checkpoint(
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
+    if scaler is not None and saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
     ranks = saved["ranks"]
     same_world = saved["world_size"] == world
     mine = ranks[rank] if same_world else ranks[0]

@@ -22,6 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.config import TrainConfig
+from dkfac.cli.device import Precision
 from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.run_checkpoint import EpochPosition, restore_checkpoint, save_run_checkpoint
 from dkfac.cli.run_metrics import (
@@ -60,9 +61,13 @@ def _world() -> tuple[int, int]:
 
 
 def _evaluate(
-    model: nn.Module, data: Dataset[Any], batch_size: int, device: torch.device
+    model: nn.Module, data: Dataset[Any], batch_size: int, precision: Precision
 ) -> tuple[float, float]:
-    """(mean loss, accuracy) over this rank's shard of ``data``, aggregated over ranks."""
+    """(mean loss, accuracy) over this rank's shard of ``data``, aggregated over ranks.
+
+    The forward pass runs in the training's precision; the sums are float64 on the host.
+    """
+    device = precision.device
     rank, world = _world()
     sampler: DistributedSampler[Any] = DistributedSampler(
         data, num_replicas=world, rank=rank, shuffle=False
@@ -73,9 +78,10 @@ def _evaluate(
     model.eval()
     with torch.no_grad():
         for x, y in loader:
-            logits = model(x.to(device))
             y = y.to(device)
-            totals[0] += float(label_cross_entropy(logits, y, reduction="sum"))
+            with precision.autocast():
+                logits = model(x.to(device))
+            totals[0] += float(label_cross_entropy(logits.float(), y, reduction="sum"))
             totals[1] += float((logits.argmax(-1) == y).sum())
             totals[2] += y.numel()
     model.train(was_training)
@@ -168,7 +174,14 @@ class _RankRun:
             return 0, 0, 0
         setup = self.setup
         where, self.totals, self.phases = restore_checkpoint(
-            saved, setup.model, setup.optimizer, setup.scheduler, setup.pre, setup.rank, setup.world
+            saved,
+            setup.model,
+            setup.optimizer,
+            setup.scheduler,
+            setup.pre,
+            setup.rank,
+            setup.world,
+            setup.precision.scaler,
         )
         start_epoch, start_position, start_budget, self.step = where
         self.result.epochs = list(saved["epochs"])
@@ -234,10 +247,12 @@ class _RankRun:
         setup, pre = self.setup, self.setup.pre
         tick = time.perf_counter()
         setup.optimizer.zero_grad(set_to_none=True)
-        x, y = x.to(setup.device), y.to(setup.device)
-        logits = setup.wrapped(x)
-        loss = label_cross_entropy(logits, y)
-        torch.autograd.backward(loss)
+        x = x.to(setup.device, non_blocking=True)  # asynchronous from pinned batches
+        y = y.to(setup.device, non_blocking=True)
+        with setup.precision.autocast():
+            logits = setup.wrapped(x)
+            loss = label_cross_entropy(logits, y)
+        setup.precision.backward(loss)
         if pre is not None:
             setup.sync.before_preconditioning()
             pre.step(*((x, y) if pre.config.adaptive is not None else ()))
@@ -308,7 +323,7 @@ class _RankRun:
         """Epoch ``epoch``'s training totals over all ranks and its test evaluation."""
         setup = self.setup
         test_loss, test_accuracy = _evaluate(
-            setup.wrapped, setup.spec.test, self.config.batch_size, setup.device
+            setup.wrapped, setup.spec.test, self.config.batch_size, setup.precision
         )
         epoch_totals = self.totals.clone()
         if setup.world > 1:
@@ -349,6 +364,7 @@ class _RankRun:
             setup.world,
             totals,
             phases,
+            setup.precision.scaler,
         )
 
     def finish(self) -> RunResult:

@@ -7,6 +7,7 @@ initialization follows ``config.seed``), so that every rank starts from the same
 from __future__ import annotations
 
 import math
+import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,14 @@ from torch.utils.data import DataLoader
 
 import dkfac
 from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.device import (
+    DeviceError,
+    LocalSlot,
+    Precision,
+    check_amp,
+    local_slot,
+    resolve_device,
+)
 from dkfac.cli.gradient_sync import GradientSync
 from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.sampling import EpochSampler
@@ -25,14 +34,53 @@ from dkfac.models.registry import build_model
 from dkfac.strategies import option_keywords
 
 
-def run_device(config: TrainConfig) -> torch.device:
-    """The device ``config`` trains on: the one place that decides it.
+def run_device(config: TrainConfig, slot: LocalSlot | None = None) -> torch.device:
+    """The device ``config`` trains on: the one place that decides it (``--device``).
 
-    Runs train on the CPU; the process group backend follows from this device
-    (:func:`dkfac.cli.launch.backend_for`).
+    The process group backend follows from this device (:func:`dkfac.cli.device.backend_for`).
+
+    Args:
+        config: the run's configuration.
+        slot: this worker's place on its machine (default: from the environment).
+
+    Raises:
+        ConfigError: ``--device cuda`` where the GPUs are missing or too few, or an ``--amp``
+            the device does not run.
     """
-    del config  # every configuration runs on the CPU for now
-    return torch.device("cpu")
+    slot = local_slot(default_world=config.nproc) if slot is None else slot
+    try:
+        device = resolve_device(config.device, slot, torch.cuda.device_count())
+        check_amp(config.amp, device)
+    except DeviceError as error:
+        raise ConfigError(str(error)) from None
+    return device
+
+
+def loader_options(config: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The training loader's workers and memory: pinned pages and 2 workers on a GPU.
+
+    Pinned batches let the copy to the GPU run asynchronously (``non_blocking``); loader
+    workers are spawned, not forked, so they never inherit the parent's CUDA state. Only a
+    process that may have children runs them: ``dkfac train``'s own workers are daemonic (they
+    end with the command), so there ``-1`` means none; under torchrun or Slurm, 2 on a GPU.
+
+    Raises:
+        ConfigError: ``--loader-workers N > 0`` in ``dkfac train``'s own (daemonic) workers.
+    """
+    workers = config.loader_workers
+    daemonic = multiprocessing.current_process().daemon
+    if workers > 0 and daemonic:
+        raise ConfigError(
+            f"--loader-workers {workers} is not allowed with dkfac train's own workers: they "
+            "end with the command and so cannot start processes; launch with torchrun or "
+            "Slurm, or use --loader-workers 0"
+        )
+    if workers < 0:
+        workers = 2 if device.type == "cuda" and not daemonic else 0
+    options: dict[str, Any] = {"pin_memory": device.type == "cuda", "num_workers": workers}
+    if workers:
+        options.update(multiprocessing_context="spawn", persistent_workers=True)
+    return options
 
 
 def load_run_dataset(config: TrainConfig) -> DatasetSpec:
@@ -89,6 +137,7 @@ class TrainingSetup:
         rank: this process's rank.
         world: number of ranks.
         device: the device the run trains on (:func:`run_device`).
+        precision: autocast and, under ``--amp fp16``, the gradient scaler.
         spec: the run's dataset.
         model: the model on this rank (unwrapped: what the checkpoint saves).
         sampler: this rank's share of each epoch's order.
@@ -105,6 +154,7 @@ class TrainingSetup:
     rank: int
     world: int
     device: torch.device
+    precision: Precision
     spec: DatasetSpec
     model: nn.Module
     sampler: EpochSampler
@@ -139,6 +189,9 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
     """
     torch.manual_seed(config.seed)
     device = run_device(config)
+    if device.type == "cuda":  # NCCL and the caching allocator use the current device
+        torch.cuda.set_device(device)
+    precision = Precision(config.amp, device)
     spec = load_run_dataset(config)
     check_fits(config, spec, world)
     model: nn.Module = build_model(config.model, spec).to(device)
@@ -152,13 +205,14 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
         sampler=sampler,
         drop_last=True,
         generator=torch.Generator().manual_seed(config.seed),
+        **loader_options(config, device),
     )
     steps_per_epoch = len(loader)
     if config.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
 
     optimizer = _build_optimizer(config, model)
-    sync = GradientSync(model, optimizer, config, world)
+    sync = GradientSync(model, optimizer, config, world, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     pre = None
     if config.uses_kfac:
@@ -174,12 +228,13 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
             strategy = dkfac.AutoOptions(
                 example=example, loss_fn=label_cross_entropy, ddp_bucket_cap_mb=cap
             )
-        pre = _build_preconditioner(config, strategy, sync.model, scheduler)
+        pre = _build_preconditioner(config, strategy, sync.model, scheduler, precision)
     return TrainingSetup(
         config=config,
         rank=rank,
         world=world,
         device=device,
+        precision=precision,
         spec=spec,
         model=model,
         sampler=sampler,
@@ -209,6 +264,7 @@ def _build_preconditioner(
     strategy: str | dkfac.AutoOptions,
     wrapped: nn.Module,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
+    precision: Precision,
 ) -> dkfac.KFACPreconditioner:
     """The K-FAC preconditioner of ``strategy`` over the model that trains.
 
@@ -217,6 +273,7 @@ def _build_preconditioner(
         strategy: ``config.strategy``, or the chooser ``--strategy auto`` means.
         wrapped: the model the steps run (DDP-wrapped on several ranks).
         scheduler: the learning rate schedule; the preconditioner follows its current rate.
+        precision: the run's precision (its fp16 scaler unscales the output gradients).
     """
     return dkfac.KFACPreconditioner(
         wrapped,
@@ -229,5 +286,6 @@ def _build_preconditioner(
         factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps,
         adaptive=dkfac.AdaptiveOptions(loss_fn=label_cross_entropy) if config.adaptive else None,
+        grad_scaler=precision.scaler,
         **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
     )

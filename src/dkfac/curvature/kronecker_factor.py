@@ -9,6 +9,8 @@ gradient of its output), so a layer holds two of them instead of paired fields.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -48,6 +50,22 @@ class KroneckerFactor:
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
         self.running = running_average(self.running, batch, decay)
 
+    def fold_counted(self, total: Tensor, count: Tensor, decay: float) -> None:
+        """Fold ``total / count`` where the device scalar ``count`` is positive; else keep.
+
+        The same as ``fold(total / count)`` when ``count > 0`` and nothing when it is 0, decided
+        on the device: summed statistics whose count only the device knows fold without a host
+        read. Needs a running average (a first estimate is folded knowing the count).
+        """
+        if self.running is None:
+            raise RuntimeError(f"factor {self.side.upper()} has no running average to fold into")
+        present = count > 0
+        batch = total / count.clamp_min(1.0).to(total.dtype)
+        bad = (present & ~torch.isfinite(batch).all()).to(torch.int64)
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
+        folded = running_average(self.running, batch, decay)
+        self.running = torch.where(present, folded, self.running)
+
     def fold_window(self, loss_reduction: str, decay: float) -> None:
         """Fold this window's batch factor, if the window has statistics."""
         if self.statistics.has_statistics:
@@ -75,3 +93,21 @@ class KroneckerFactor:
     def trace_mean(self, dtype: torch.dtype) -> Tensor:
         """``tr(F)/d`` of the running average in ``dtype`` (an input of the Tikhonov ``π``)."""
         return trace_mean(self.value(), dtype)
+
+
+def fold_summed(
+    factors: Sequence[KroneckerFactor], totals: Sequence[Tensor], counts: Tensor, decay: float
+) -> None:
+    """Fold each factor's summed statistics ``totals[i] / counts[i]`` where ``counts[i] > 0``.
+
+    Once every factor has an estimate this runs on the device with no host read (the steps
+    that update factors but decompose nothing then never wait for the GPU); the first
+    estimates read the counts once.
+    """
+    if all(factor.running is not None for factor in factors):
+        for factor, total, count in zip(factors, totals, counts, strict=True):
+            factor.fold_counted(total, count, decay)
+        return
+    for factor, total, count in zip(factors, totals, counts.tolist(), strict=True):
+        if count > 0:
+            factor.fold(total / count, decay)

@@ -88,7 +88,8 @@ class DecompositionPayload:
             parts = [stored[name].to(dtype).contiguous() for name, _, _ in specs]
         else:  # a receiver's buffers, or a failed decomposition
             parts = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, _ in specs]
-        flag = torch.tensor([0.0 if stored is None else 1.0], dtype=dtype, device=device)
+        # Filled on the device: a tensor built from a host list would be a copy that waits.
+        flag = torch.full((1,), 0.0 if stored is None else 1.0, dtype=dtype, device=device)
         return cls(
             method=method,
             factors=list(factors),

@@ -32,6 +32,7 @@ from torch import Tensor
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.staging import host_floats
 from dkfac.comm.wire import packed_values
 from dkfac.curvature.statistics import SummedFactor
 
@@ -174,7 +175,7 @@ class FactorPipeline:
             for c, extra in zip(self._counts, late, strict=True)
         ]
         has_late = any(extra is not None for extra in late)
-        counts_tensor = torch.tensor([*counts, float(has_late)], dtype=torch.float64, device=device)
+        counts_tensor = host_floats([*counts, float(has_late)], device)
         with self.recorder.phase("factor_comm"):
             count_handle = self.comm.allreduce([counts_tensor], phase="factor_comm", exact=True)
             for handle in self._handles:

@@ -28,12 +28,10 @@ from torch import Tensor
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
+from dkfac.comm.staging import host_floats
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
-from dkfac.curvature.inverse import (
-    FACTOR_SIDES,
-    combine_factors,
-    tikhonov_shift,
-)
+from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, tikhonov_shift
+from dkfac.curvature.kronecker_factor import fold_summed
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
@@ -138,13 +136,11 @@ class PlacementRunner:
             counts.append(count)
         # Counts travel in float64 on their own (also under comm_dtype): exact integers even
         # summed over many workers, and they do not force the factor bucket into float64.
-        counts_tensor = self.counts_buffer(totals[0].device)
-        counts_tensor.copy_(torch.tensor(counts, dtype=torch.float64))
+        counts_tensor = host_floats(counts, totals[0].device)
         self.send_factor_sums(totals, counts_tensor)
-        summed = counts_tensor.tolist()  # one host synchronisation per factor update
-        for route, total, count in zip(self.placement.factors, totals, summed, strict=True):
-            if fold and count > 0:
-                layers[route.layer].factors[route.side].fold(total / count, decay)
+        if fold:
+            factors = [layers[route.layer].factors[route.side] for route in self.placement.factors]
+            fold_summed(factors, totals, counts_tensor, decay)
 
     def counts_buffer(self, device: torch.device) -> Tensor:
         """The float64 counts (rows or examples) of every factor, zero, in exchange order."""
