@@ -598,7 +598,10 @@ def test_local_slot_from_torchrun_slurm_and_local_workers() -> None:
     assert local_slot({}, default_world=3) == LocalSlot(0, 3)
 
 
-def test_device_and_amp_refusals_name_what_to_use_instead() -> None:
+def test_device_and_amp_refusals_name_what_to_use_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # also on a GPU machine
     with pytest.raises(ConfigError, match="--device cuda is not allowed here"):
         run_device(TrainConfig(device="cuda"))
     with pytest.raises(ConfigError, match=r"--amp fp16 is not allowed on the CPU: .* bf16"):

@@ -658,6 +658,51 @@ def test_failed_decomposition_is_retried_in_float64(monkeypatch: pytest.MonkeyPa
         assert layer.inverse.qa.dtype == torch.float64
 
 
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_one_factor_retried_in_float64_gives_a_float64_layer_inverse(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only A of the first layer fails in float32: the layer preconditions in float64."""
+    model = small_model(torch.float32)
+    reference = copy.deepcopy(model)
+    pre = dkfac.KFACPreconditioner(model, inverse_method=method, kl_clip=None)
+    exact = dkfac.KFACPreconditioner(
+        reference, inverse_method=method, kl_clip=None, inv_dtype=torch.float64
+    )
+    first = 0  # A's size of the first layer, read from the reference below
+    real_eigh, real_cholesky = torch.linalg.eigh, torch.linalg.cholesky_ex
+
+    def fails_for_a_of_layer_0(matrix: torch.Tensor) -> bool:
+        return matrix.dtype == torch.float32 and matrix.shape[0] == first
+
+    def flaky_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if fails_for_a_of_layer_0(matrix):
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return real_eigh(matrix)
+
+    def flaky_cholesky(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        factor, info = real_cholesky(matrix)
+        return factor, info + int(fails_for_a_of_layer_0(matrix))
+
+    x, y = batch(0, dtype=torch.float32)
+    F.cross_entropy(reference(x), y).backward()
+    exact.step()
+    F.cross_entropy(model(x), y).backward()
+    first = next(iter(exact.factors().values()))[0].shape[0]
+    monkeypatch.setattr(torch.linalg, "eigh", flaky_eigh)
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", flaky_cholesky)
+    with pytest.warns(RuntimeWarning, match="recomputed in float64"):
+        pre.step()
+    inverse = pre.layers[0].inverse
+    assert inverse is not None
+    assert {t.dtype for t in inverse.tensors().values()} == {torch.float64}
+    assert {t.dtype for t in pre.layers[1].inverse.tensors().values()} == {torch.float32}
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert mine.grad.dtype == torch.float32
+        error = (mine.grad - theirs.grad).norm() / theirs.grad.norm()  # float32 round-off
+        assert error < 1e-3, float(error)
+
+
 def test_decomposition_failing_everywhere_keeps_the_last_good_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -53,6 +53,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "stop_after_steps",
     "collective_timeout",
     "max_restarts",
+    "loader_workers",
 )
 
 

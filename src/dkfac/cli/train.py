@@ -297,7 +297,8 @@ class _RankRun:
         self.result.epochs.append(summary)
         if setup.rank == 0 and self.out is not None:
             kfac = self.phases.record() if setup.pre is not None else {}
-            append_metrics(self.out / METRICS_NAME, {"event": "epoch", **summary, **kfac})
+            record = {"event": "epoch", **summary, **kfac, "device": str(setup.device)}
+            append_metrics(self.out / METRICS_NAME, record)
         if setup.rank == 0:
             logger.info(
                 "epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.4f (%.1f s)",

@@ -20,6 +20,7 @@ check many layers with a single host synchronisation.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -179,8 +180,14 @@ def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
 def combine_factors(
     method: str, a: FactorDecomposition, g: FactorDecomposition
 ) -> KroneckerInverse:
-    """The layer's inverse from its two factor decompositions."""
-    return inverse_from_tensors(method, {**a.tensors, **g.tensors})
+    """The layer's inverse from its two factor decompositions, in their widest dtype.
+
+    One factor retried in float64 (its decomposition failed in the working dtype) makes the
+    layer's inverse float64: both sides' products then run in one dtype.
+    """
+    tensors = {**a.tensors, **g.tensors}
+    wide = functools.reduce(torch.promote_types, (t.dtype for t in tensors.values()))
+    return inverse_from_tensors(method, {name: t.to(wide) for name, t in tensors.items()})
 
 
 class KroneckerInverse(ABC):
