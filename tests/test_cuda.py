@@ -48,9 +48,10 @@ def test_a_step_on_the_gpu_equals_the_float64_oracle(
     method: str, dtype: torch.dtype, rtol: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Factors, decompositions and preconditioning on the GPU against dense CPU formulas."""
-    # Full float32 products: TF32 convolutions would round activations to 10-bit mantissas.
+    # Full float32 products: TF32 convolutions would round activations to 10-bit mantissas
+    # (matrix products are full float32 by default: precision "highest").
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert torch.get_float32_matmul_precision() == "highest"
     generator = torch.Generator().manual_seed(6)
     model = small_conv_model(bias=True)  # float64, CPU: the oracle's copy
     x, t = conv_batch(4, generator)
