@@ -151,6 +151,7 @@ def test_a_handle_records_each_collective_from_launch_to_its_future_s_completion
     handle = CollectiveHandle(pending)
     finisher = threading.Timer(0.02, lambda: [w.future.set_result(None) for w in works])
     finisher.start()
+    entered = recorder.now()
     with recorder.phase("x"):
         handle.wait()
     finisher.join()
@@ -162,7 +163,10 @@ def test_a_handle_records_each_collective_from_launch_to_its_future_s_completion
     assert len(flights) == 2
     assert all(end >= start + 0.01 for start, end in flights)
     assert [name for name, _, _ in record.events].count("x in flight") == 2
-    assert recorder.overlap()["x"]["hidden_s"] == pytest.approx(0.0, abs=1e-3)
+    # Hidden: only the flight before the wait began (setting up the handle and the timer,
+    # which a loaded machine can stretch to milliseconds); the rest was waited for.
+    hidden = recorder.overlap()["x"]["hidden_s"]
+    assert hidden == pytest.approx(entered - launched, abs=2e-3)
 
 
 def test_work_without_a_host_future_is_not_recorded() -> None:
