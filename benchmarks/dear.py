@@ -42,7 +42,8 @@ from dkfac.bench.configs import LR, MODEL_LABELS, MODELS, MOMENTUM, environment
 from dkfac.bench.models import batch_loss, model_batch
 from dkfac.comm import destroy_process_groups
 
-RESULTS = Path(__file__).resolve().parent / "results"
+#: Where results go by default: under the working folder, outside the source tree.
+RESULTS = Path("runs")
 #: Bucket sizes (MiB): DDP's default, and DeAR's fixed size for the comparison.
 DDP_BUCKET_MB = 25.0
 DEAR_FIXED_MB = 25.0
@@ -272,6 +273,7 @@ def launch(args: argparse.Namespace) -> int:
     for line in verdicts(summary):
         print(line)
     report = {"environment": environment(), "args": vars(args), "summary": summary, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
     return 0

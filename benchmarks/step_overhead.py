@@ -51,7 +51,8 @@ NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
 LR = 0.1
 MOMENTUM = 0.9
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "step_overhead.json"
+#: Default output, under the working folder (outside the source tree).
+DEFAULT_JSON = Path("runs") / "step_overhead.json"
 
 REFERENCE_LINE = (
     "kfac-pytorch 0.4.2 measured on this machine class (single process, 1 thread, ResNet-20, "

@@ -43,7 +43,8 @@ from dkfac.cli.config import ConfigError
 
 __all__ = ["PHASES", "main"]
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "strategies.json"
+#: Default output, under the working folder (outside the source tree).
+DEFAULT_JSON = Path("runs") / "strategies.json"
 #: Where a dry run (``--layers NAME``) writes by default: ``NAME_dry_run.json``.
 RESULTS = DEFAULT_JSON.parent
 #: The reference and the targets checked by default (``--targets`` to change), as a path

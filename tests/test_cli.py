@@ -396,6 +396,10 @@ def test_compare_on_other_ranks_returns_without_reporting(
             ["train", "--strategy", "spd", "--grad-worker-fraction", "0"],
             "--grad-worker-fraction 0.0 is not allowed: expected a number in (0, 1]",
         ),
+        (
+            ["train", "--strategy", "dkfac", "--grad-worker-fraction", "0.5"],
+            "--grad-worker-fraction is not allowed with --strategy dkfac: only kaisa read it",
+        ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
         (["train", "--lr", "-1"], "--lr"),
         (["train", "--grad-sync", "nccl"], "--grad-sync 'nccl'"),

@@ -905,3 +905,33 @@ def test_deep_copying_what_holds_the_preconditioner_keeps_one_preconditioner() -
     snapshot["pre"].remove()  # the same object: removing it removes the original's hooks
     with pytest.raises(RuntimeError, match=r"step\(\) after remove\(\)"):
         pre.step()
+
+
+def test_each_phase_is_a_range_in_torch_profiler() -> None:
+    model = small_model(torch.float32)
+    pre = dkfac.KFACPreconditioner(model)
+    x, y = batch(0, dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    names = {event.name for event in profiler.events()}
+    for phase in ("factor_compute", "inverse_compute", "precondition"):
+        assert f"dkfac/{phase}" in names, sorted(n for n in names if n.startswith("dkfac"))
+
+
+def _fsdp2_refused(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError) as error:
+        dkfac.KFACPreconditioner(model)
+    return str(error.value)
+
+
+def test_an_fsdp2_model_is_refused_with_what_is_supported() -> None:
+    from distributed_harness import run_workers
+
+    (message,) = run_workers(_fsdp2_refused, world_size=1, timeout=60)
+    assert "is sharded (FSDP)" in message and "DistributedDataParallel" in message

@@ -14,11 +14,41 @@ from dkfac.layer_table import SkippedModule
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix)."""
+    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix).
+
+    Raises:
+        ValueError: a sharded model (:func:`refuse_sharded_parameters`).
+    """
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
     while isinstance(model, wrappers):
         model = model.module
+    refuse_sharded_parameters(model)
     return model
+
+
+def refuse_sharded_parameters(model: nn.Module) -> None:
+    """Refuse a model whose parameters are sharded (FSDP, FSDP2 ``fully_shard``, DTensor).
+
+    K-FAC here preconditions each layer's whole weight gradient; a shard of it is not a
+    Kronecker-factored block, so a sharded model is refused instead of failing later in an
+    obscure tensor operation.
+
+    Raises:
+        ValueError: naming the sharded module and what is supported instead.
+    """
+    for name, module in model.named_modules():
+        sharded = type(module).__name__ == "FullyShardedDataParallel" or any(
+            base.__name__ == "FSDPModule" for base in type(module).__mro__
+        )
+        dtensor = any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))
+        if sharded or dtensor:
+            what = "a DTensor parameter" if dtensor and not sharded else "FSDP"
+            raise ValueError(
+                f"model module {name or '<root>'!r} ({type(module).__name__}) is sharded "
+                f"({what}): dkfac preconditions whole weight gradients and does not support "
+                "FSDP, FSDP2 (fully_shard) or tensor parallelism; wrap the model in "
+                "DistributedDataParallel (or use dkfac.DeAR) instead"
+            )
 
 
 def parameter_holders(model: nn.Module) -> dict[int, list[str]]:

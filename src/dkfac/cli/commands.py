@@ -14,7 +14,11 @@ from dkfac.bench.options import options_from_args
 from dkfac.bench.report import format_summary, write_chart
 from dkfac.cli.checkpoint import has_checkpoint
 from dkfac.cli.config import STRATEGIES, ConfigError, TrainConfig
-from dkfac.cli.config_resolution import resolve_config, resumed_config
+from dkfac.cli.config_resolution import (
+    refuse_unread_strategy_options,
+    resolve_config,
+    resumed_config,
+)
 from dkfac.cli.execution import execute, execute_runs, is_lead
 from dkfac.cli.exit_codes import EXIT_WORKER
 from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS
@@ -60,6 +64,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
     else:
         config = resolve_config(args)
+        refuse_unread_strategy_options(args, config)
     if not config.out:
         config = dataclasses.replace(config, out=os.path.join("runs", "train"))
     out = _prepare_out(config.out)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file, parse_dataset_option
+from dkfac.strategies.registry import option_keywords, strategy_names
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,6 +42,26 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
     """Defaults < ``--config`` file < flags (dataset options are merged key by key)."""
     return (base or TrainConfig()).with_overrides(_given(args))
+
+
+def refuse_unread_strategy_options(args: argparse.Namespace, config: TrainConfig) -> None:
+    """Refuse a strategy option the chosen strategy does not read (``dkfac train``).
+
+    ``--grad-worker-fraction`` with ``--strategy dkfac`` would be silently ignored; it is an
+    error instead. (``dkfac compare`` runs several strategies from one configuration: there
+    it reaches the strategies that read it.)
+
+    Raises:
+        ConfigError: naming the option, the strategy and the strategies that read it.
+    """
+    given = _given(args)
+    for option in ("grad_worker_fraction",):
+        if option in given and not option_keywords(config.strategy, **{option: given[option]}):
+            readers = [s for s in strategy_names() if option_keywords(s, **{option: 1.0})]
+            raise ConfigError(
+                f"--{option.replace('_', '-')} is not allowed with --strategy "
+                f"{config.strategy}: only {', '.join(readers)} read it"
+            )
 
 
 #: What ``--resume`` may change in a saved run: how and where it runs, not what it computes.
