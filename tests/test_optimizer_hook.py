@@ -108,6 +108,29 @@ def test_a_manual_step_is_refused_and_remove_detaches() -> None:
     assert pre.steps == 0
 
 
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_step_given_a_closure_runs_kfac_after_the_closure(keyword: bool) -> None:
+    """``opt.step(closure)`` (Lightning's automatic optimization): the gradients exist only
+    once the closure has run inside the step; K-FAC must precondition them, as the manual
+    loop does."""
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+    pre = dkfac.KFACPreconditioner(net, optimizer=opt, kl_clip=0.01)
+    for x, y in batches(5):
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+
+        returned = opt.step(closure=closure) if keyword else opt.step(closure)
+        assert returned is not None and returned.dim() == 0  # the closure's loss comes back
+    assert pre.steps == 5
+    manual = train(False)
+    assert all(torch.equal(a, m) for a, m in zip(net.parameters(), manual, strict=True))
+
+
 def test_what_cannot_be_attached_is_refused() -> None:
     net = model()
     with pytest.raises(ValueError, match=r"expected a torch\.optim\.Optimizer"):
@@ -115,6 +138,8 @@ def test_what_cannot_be_attached_is_refused() -> None:
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds none of the preconditioned layers' parameters"):
         dkfac.KFACPreconditioner(net, optimizer=other)
+    with pytest.raises(ValueError, match="LBFGS is not allowed: it evaluates its closure"):
+        dkfac.KFACPreconditioner(net, optimizer=torch.optim.LBFGS(net.parameters()))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="optimizer is not allowed with adaptive"):
         dkfac.KFACPreconditioner(

@@ -2,7 +2,8 @@
 
 Frameworks that own the training loop (a Hugging Face ``Trainer``, Lightning, accelerate) and
 ``GradScaler.step(optimizer)`` all end an iteration with ``optimizer.step()``; a pre-hook
-there precondition the gradients first, wherever that call comes from.
+there preconditions the gradients first, wherever that call comes from (after the step's
+closure, when it is given one).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class OptimizerHook:
             raise ValueError(
                 f"optimizer={optimizer!r} is not allowed: expected a torch.optim.Optimizer"
             )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "optimizer=LBFGS is not allowed: it evaluates its closure several times per "
+                "step (a line search), and K-FAC preconditions one gradient per step"
+            )
         held = {id(p) for p in parameters}
         groups = [
             index
@@ -56,7 +62,31 @@ class OptimizerHook:
         self._run_step = run_step
         self._handle: RemovableHandle | None = optimizer.register_step_pre_hook(self._before)
 
-    def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before(
+        self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """K-FAC now, or, when the step gets a closure, right after the closure has run.
+
+        Lightning (automatic optimization) and others call ``optimizer.step(closure)``: the
+        closure computes the gradients inside the step, so K-FAC must follow it, not precede
+        it; the hook hands the optimizer a closure that runs both.
+        """
+        # ``args`` are the step's positional arguments with the optimizer first.
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._run()
+            return None
+
+        def closure_then_kfac() -> Any:
+            loss = closure()
+            self._run()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_kfac}
+        return (args[0], closure_then_kfac, *args[2:]), kwargs
+
+    def _run(self) -> None:
         self.running = True
         try:
             self._run_step()
