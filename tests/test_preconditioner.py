@@ -191,7 +191,7 @@ def test_model_without_supported_layers_is_refused() -> None:
     with pytest.raises(
         ValueError,
         match=r"model=Sequential is not allowed: it has no layer K-FAC can precondition "
-        r"\(nn\.Linear, nn\.Conv2d\); found: BatchNorm1d",
+        r"\(nn\.Linear, nn\.Conv2d, nn\.Conv1d, transformers' Conv1D\); found: BatchNorm1d",
     ):
         dkfac.KFACPreconditioner(nn.Sequential(nn.BatchNorm1d(3)))
     with pytest.raises(ValueError, match=r"model=int is not allowed: expected a torch\.nn\.Module"):

@@ -104,7 +104,8 @@ def discover_layers(
         found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
         raise ValueError(
             f"model={type(model).__name__} is not allowed: it has no "
-            f"layer K-FAC can precondition (nn.Linear, nn.Conv2d); found: {found}"
+            "layer K-FAC can precondition (nn.Linear, nn.Conv2d, nn.Conv1d, transformers' "
+            f"Conv1D); found: {found}"
         )
     return layers, skipped
 

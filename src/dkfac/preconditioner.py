@@ -41,9 +41,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
     framework's loop: the optimizer's step runs K-FAC's first).
 
     Args:
-        model: the model (plain or wrapped by DDP). ``nn.Linear`` and ``nn.Conv2d`` layers are
-            preconditioned; other modules with parameters keep their gradients and are listed
-            as skipped in ``repr(pre)``.
+        model: the model (plain or wrapped by DDP). ``nn.Linear``, ``nn.Conv2d``,
+            ``nn.Conv1d`` and transformers' ``Conv1D`` are preconditioned; other modules with
+            parameters keep their gradients and are listed as skipped in ``repr(pre)``.
         strategy: how work is placed on workers: a name from
             :data:`dkfac.strategies.STRATEGIES` (``"local"`` runs everything here) or its
             options object (``dkfac.strategies.KAISAOptions(grad_worker_fraction=0.5)``), or

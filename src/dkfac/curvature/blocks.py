@@ -209,6 +209,93 @@ class Conv2dBlock(KroneckerBlock):
         return FactorStatistic(flat @ flat.t(), flat.shape[1], examples)
 
 
+class Conv1dBlock(Conv2dBlock):
+    """``nn.Conv1d`` as a Conv2d of height 1: the same patches, rows and factors.
+
+    An input ``(N, C, L)`` is ``(N, C, 1, L)`` to a ``(1, k)`` kernel; the weight
+    ``(out, in, k)`` flattens to the same ``(c_in, k)`` patch order.
+    """
+
+    kind = "Conv1d"
+
+    def __init__(self, module: nn.Conv1d) -> None:
+        if module.groups != 1:
+            raise UnsupportedLayerError(
+                f"grouped convolution (groups={module.groups}) is not supported; add its name "
+                "to skip_layers to train it with the plain gradient"
+            )
+        KroneckerBlock.__init__(self, module)
+        self.conv = module  # type: ignore[assignment]  # padding_mode is all it is read for
+        kernel, dilation = (1, int(module.kernel_size[0])), (1, int(module.dilation[0]))
+        if isinstance(module.padding, str):
+            self.pad = _same_padding(kernel, dilation) if module.padding == "same" else (0, 0, 0, 0)
+        else:
+            self.pad = (int(module.padding[0]), int(module.padding[0]), 0, 0)
+        self.kernel, self.dilation = kernel, dilation
+        self.stride = (1, int(module.stride[0]))
+        self.gram_plans = ShiftedGramPlans()
+
+    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
+        x = x.unsqueeze(0) if x.dim() == 2 else x  # unbatched (C, L)
+        return super().a_statistic(x.unsqueeze(2), dtype)
+
+    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
+        """``Σ dy dyᵀ`` over every output position of every example."""
+        dy = dy.unsqueeze(0) if dy.dim() == 2 else dy
+        return super().g_statistic(dy.unsqueeze(2), dtype)
+
+
+class TransposedLinearBlock(LinearBlock):
+    """A linear layer whose weight is stored ``(in, out)``: ``y = x W + b``.
+
+    Hugging Face ``transformers``' ``Conv1D`` (GPT-2's attention and MLP projections) is such a
+    layer; it is recognised by its class name and ``nf`` attribute, without importing
+    transformers. The factors are a Linear layer's; the gradient matrix is ``Wᵀ``'s.
+    """
+
+    kind = "Linear (weight stored transposed)"
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.g_dim = int(self.weight.shape[1])
+        self.a_dim = int(self.weight.shape[0]) + (1 if self.bias is not None else 0)
+
+    def grad_matrix(self) -> Tensor:
+        """``∇Wᵀ`` with the bias gradient as the last column, ``(d_G, d_A)``."""
+        grad = self.weight.grad
+        assert grad is not None
+        matrix = grad.t()
+        if self.bias is not None:
+            assert self.bias.grad is not None
+            return torch.cat([matrix, self.bias.grad.reshape(-1, 1)], dim=1)
+        return matrix.contiguous()
+
+    def split_matrix(self, matrix: Tensor) -> list[Tensor]:
+        """A ``(d_G, d_A)`` matrix as tensors shaped like :meth:`parameters` (views)."""
+        columns = self.a_dim - (1 if self.bias is not None else 0)
+        parts = [matrix[:, :columns].t()]
+        if self.bias is not None:
+            parts.append(matrix[:, columns])
+        return parts
+
+    def describe(self) -> str:
+        """The layer's class, and that its weight is transposed."""
+        return f"{type(self.module).__name__} (transposed weight)"
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (``y = x W + b``, ``W`` of ``(in, nf)``)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nf", None), int)
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and int(weight.shape[1]) == module.nf
+    )
+
+
 def make_block(module: nn.Module) -> KroneckerBlock | None:
     """The block for ``module``, ``None`` when its type is not supported.
 
@@ -219,4 +306,8 @@ def make_block(module: nn.Module) -> KroneckerBlock | None:
         return LinearBlock(module)
     if isinstance(module, nn.Conv2d):
         return Conv2dBlock(module)
+    if isinstance(module, nn.Conv1d):
+        return Conv1dBlock(module)
+    if is_transposed_linear(module):
+        return TransposedLinearBlock(module)
     return None

@@ -1,0 +1,179 @@
+"""Blocks for ``nn.Conv1d`` and transformers' ``Conv1D`` (weight stored ``(in, out)``).
+
+Oracles: explicit 1-D patches built with Python loops and ``torch.func`` per-example output
+gradients (the same construction as ``test_oracle_numerics`` for Conv2d), dense float64
+eigen directions, and for ``Conv1D`` the ``nn.Linear`` holding the transposed weight (whose
+numerics the oracle tests check).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, vmap
+
+import dkfac
+from test_oracle_numerics import DT, eigen_direction, per_example_loss
+
+
+def conv1d_patches(x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """``(N, L_out, C·K)`` patches in ``(c_in, k)`` order, by loops over output positions."""
+    (k,), (s,), (d,) = conv.kernel_size, conv.stride, conv.dilation
+    if isinstance(conv.padding, str):
+        total = d * (k - 1) if conv.padding == "same" else 0
+        left, right = total // 2, total - total // 2
+    else:
+        left = right = conv.padding[0]
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    padded = F.pad(x, (left, right), mode=mode)
+    length = (padded.shape[-1] - d * (k - 1) - 1) // s + 1
+    rows = []
+    for t in range(length):
+        taps = [padded[:, :, t * s + d * j] for j in range(k)]  # each (N, C)
+        rows.append(torch.stack(taps, dim=-1).reshape(x.shape[0], -1))  # (N, C·K)
+    return torch.stack(rows, dim=1)
+
+
+def conv1d_oracle(
+    model: nn.Sequential, x: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and G of ``model[0]`` (a Conv1d) from loop patches and per-example gradients."""
+    model = copy.deepcopy(model)
+    conv, head = model[0], model[1:]
+    with torch.no_grad():
+        y = conv(x)
+    patches = conv1d_patches(x, conv)
+    weight = conv.weight.reshape(conv.weight.shape[0], -1)
+    rebuilt = torch.einsum("nlk,ok->nol", patches, weight)
+    if conv.bias is not None:
+        rebuilt = rebuilt + conv.bias.reshape(1, -1, 1)
+    torch.testing.assert_close(rebuilt, y, rtol=1e-12, atol=1e-12)  # the patches are right
+
+    def ell(yn: torch.Tensor, tn: torch.Tensor) -> torch.Tensor:
+        return per_example_loss(head(yn.unsqueeze(0)), tn.unsqueeze(0))
+
+    g = vmap(grad(ell))(y, t)  # (N, C_out, L_out): N·dL/dy for the mean loss
+    a_rows = patches.reshape(-1, patches.shape[-1])
+    if conv.bias is not None:
+        a_rows = torch.cat([a_rows, torch.ones(a_rows.shape[0], 1, dtype=DT)], dim=1)
+    g_rows = g.permute(0, 2, 1).reshape(-1, g.shape[1])
+    return a_rows.t() @ a_rows / a_rows.shape[0], g_rows.t() @ g_rows / x.shape[0]
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        {"padding": 1, "stride": 2},
+        {"padding": "same", "dilation": 2, "bias": False},
+        {"padding": 2, "padding_mode": "circular"},
+    ],
+)
+def test_conv1d_factors_and_step_equal_the_float64_oracle(conv: dict[str, object]) -> None:
+    torch.manual_seed(0)
+    layer = nn.Conv1d(2, 3, 3, **conv)  # type: ignore[arg-type]
+    length = layer(torch.zeros(1, 2, 9)).shape[-1]  # output length, for the head
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(3 * length, 4)).to(DT)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 2, 9, dtype=DT, generator=generator)
+    t = torch.randint(0, 4, (5,), generator=generator)
+    want_a, want_g = conv1d_oracle(model, x, t)
+    damping = 0.05
+    pre = dkfac.KFACPreconditioner(
+        model, damping=damping, kl_clip=None, factor_dtype=DT, inv_dtype=DT
+    )
+    F.cross_entropy(model(x), t).backward()
+    weight_grad = layer.weight.grad.reshape(3, -1).clone()  # step() writes .grad in place
+    grad_m = (
+        weight_grad if layer.bias is None else torch.cat([weight_grad, layer.bias.grad[:, None]], 1)
+    )
+    pre.step()
+    got_a, got_g = pre.factors()["0"]
+    torch.testing.assert_close(got_a, want_a, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_g, want_g, rtol=1e-10, atol=1e-12)
+    direction = eigen_direction(want_a, want_g, grad_m, damping)
+    got = layer.weight.grad.reshape(3, -1)
+    if layer.bias is not None:
+        got = torch.cat([got, layer.bias.grad[:, None]], 1)
+    torch.testing.assert_close(got, direction, rtol=1e-9, atol=1e-12)
+
+
+class Conv1D(nn.Module):
+    """transformers' ``Conv1D`` as it is written there: ``y = x W + b``, ``W`` of ``(nx, nf)``
+    (a stand-in, so the test needs no transformers; the real one is tested below)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.reshape(*x.shape[:-1], self.nf)
+
+
+def transposed_and_linear() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(2)
+    transposed = nn.Sequential(Conv1D(6, 4), nn.Tanh(), Conv1D(3, 6)).to(DT)
+    linear = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    with torch.no_grad():
+        for conv, lin in ((transposed[0], linear[0]), (transposed[2], linear[2])):
+            lin.weight.copy_(conv.weight.t())
+            lin.bias.copy_(conv.bias)
+    return transposed, linear
+
+
+def test_transformers_conv1d_is_preconditioned_as_the_linear_layer_it_transposes() -> None:
+    transposed, linear = transposed_and_linear()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, 4, dtype=DT, generator=generator)  # (batch, time, features)
+    t = torch.randint(0, 3, (5, 7), generator=generator)
+    pres = []
+    for model in (transposed, linear):
+        pre = dkfac.KFACPreconditioner(model, kl_clip=None, factor_dtype=DT, inv_dtype=DT)
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(x).flatten(0, 1), t.flatten()).backward()
+            pre.step()
+        pres.append(pre)
+    assert [layer.name for layer in pres[0].layers] == ["0", "2"]
+    assert "transposed weight" in repr(pres[0])
+    for name in ("0", "2"):
+        for mine, theirs in zip(pres[0].factors()[name], pres[1].factors()[name], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
+    for conv, lin in ((transposed[0], linear[0]), (transposed[2], linear[2])):
+        torch.testing.assert_close(conv.weight.grad, lin.weight.grad.t(), rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(conv.bias.grad, lin.bias.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_a_gpt2_from_its_config_gets_its_conv1d_projections_preconditioned() -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    pre = dkfac.KFACPreconditioner(model)
+    names = {layer.name for layer in pre.layers}
+    for block in range(2):
+        for projection in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            assert f"transformer.h.{block}.{projection}" in names
+    ids = torch.randint(0, 50, (4, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(input_ids=ids, labels=ids).loss.backward()
+    raw = model.transformer.h[0].mlp.c_fc.weight.grad.clone()
+    pre.step()
+    after = model.transformer.h[0].mlp.c_fc.weight.grad
+    assert torch.isfinite(after).all() and not torch.allclose(after, raw)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # grads only
