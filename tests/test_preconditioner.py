@@ -935,3 +935,21 @@ def test_an_fsdp2_model_is_refused_with_what_is_supported() -> None:
 
     (message,) = run_workers(_fsdp2_refused, world_size=1, timeout=60)
     assert "is sharded (FSDP)" in message and "DistributedDataParallel" in message
+
+
+def test_a_layer_with_a_factor_above_max_factor_dim_is_skipped_with_the_reason() -> None:
+    model = nn.Sequential(
+        nn.Linear(6, 9000), nn.Tanh(), nn.Linear(9000, 3), nn.Tanh(), nn.Linear(3, 2)
+    )
+    pre = dkfac.KFACPreconditioner(model)  # default 8192: both wide layers skipped
+    assert [layer.name for layer in pre.layers] == ["4"]
+    text = repr(pre)
+    assert "factor side 9000 > max_factor_dim=8192" in text and "0.3 GiB" in text
+    assert [
+        layer.name for layer in dkfac.KFACPreconditioner(model, max_factor_dim=None).layers
+    ] == ["0", "2", "4"]
+    pair = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))  # sides 5 (4 + bias) and 6
+    assert [la.name for la in dkfac.KFACPreconditioner(pair, max_factor_dim=5).layers] == ["0"]
+    assert [la.name for la in dkfac.KFACPreconditioner(pair, max_factor_dim=6).layers] == ["0", "1"]
+    with pytest.raises(ValueError, match="max_factor_dim"):
+        dkfac.KFACPreconditioner(model, max_factor_dim=0)

@@ -142,6 +142,7 @@ class KFACConfig:
     share: str | None = None
     check_replicas_every: int = 0
     adaptive: AdaptiveOptions | None = None
+    max_factor_dim: int | None = 8192
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -199,6 +200,8 @@ class KFACConfig:
         check_int("accumulation_steps", self.accumulation_steps)
         self._check_adaptive()
         check_int("check_replicas_every", self.check_replicas_every, low=0)
+        if self.max_factor_dim is not None:
+            check_int("max_factor_dim", self.max_factor_dim, low=1)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

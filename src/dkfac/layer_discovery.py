@@ -61,7 +61,10 @@ def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
 
 
 def discover_layers(
-    model: nn.Module, skip_patterns: Sequence[re.Pattern[str]], factor_dtype: torch.dtype
+    model: nn.Module,
+    skip_patterns: Sequence[re.Pattern[str]],
+    factor_dtype: torch.dtype,
+    max_factor_dim: int | None = None,
 ) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
     """Every module of ``model`` with parameters: a (path, curvature) pair, or a skipped entry.
 
@@ -69,6 +72,7 @@ def discover_layers(
         model: the unwrapped model.
         skip_patterns: a module whose path or class name matches one is skipped.
         factor_dtype: dtype of the layers' statistics and running factors.
+        max_factor_dim: a layer with a larger factor side is skipped (None: no limit).
 
     Raises:
         ValueError: a layer of a supported type cannot be handled, or no layer can be
@@ -91,6 +95,17 @@ def discover_layers(
             raise ValueError(f"layer {name!r} ({kind}): {error}") from None
         if block is None:
             skipped.append(SkippedModule(name, kind, "unsupported type"))
+        elif max_factor_dim is not None and max(block.a_dim, block.g_dim) > max_factor_dim:
+            side = max(block.a_dim, block.g_dim)
+            size = side * side * torch.empty((), dtype=factor_dtype).element_size()
+            skipped.append(
+                SkippedModule(
+                    name,
+                    kind,
+                    f"factor side {side} > max_factor_dim={max_factor_dim} (one factor would "
+                    f"take {size / 2**30:.1f} GiB, its decomposition as much again)",
+                )
+            )
         elif not all(p.requires_grad for p in block.parameters()):
             skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
         elif others := sorted({other for p in params for other in holders[id(p)] if other != name}):

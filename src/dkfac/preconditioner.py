@@ -18,6 +18,7 @@ from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwra
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
+from dkfac.preconditioner_arguments import refuse_conflicting_arguments
 from dkfac.preconditioner_inspection import PreconditionerInspection
 from dkfac.preconditioner_state import PreconditionerState
 from dkfac.strategies import StrategyOptions
@@ -99,7 +100,11 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         optimizer: attach to this optimizer: every ``optimizer.step()`` (also from
             ``GradScaler.step``, a Hugging Face ``Trainer``, Lightning) runs :meth:`step` first,
             through a step pre-hook, and ``pre.step()`` by hand is an error. :meth:`remove`
-            detaches it. Not with ``adaptive`` (its step needs the batch).
+            detaches it. Not with ``adaptive`` (its step needs the batch). With a closure
+            (``optimizer.step(closure)``, Lightning), K-FAC runs right after the closure.
+        max_factor_dim: a layer with a factor side above this (a vocabulary-sized LM head) is
+            skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
+            (default 8192: 256 MiB per float32 factor); ``None``: no limit.
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (completed ``step()`` calls), checked like a constant when :meth:`step`
@@ -136,26 +141,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         check_replicas_every: int = 0,
         adaptive: AdaptiveOptions | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        max_factor_dim: int | None = 8192,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"model={type(model).__name__} is not allowed: expected a torch.nn.Module"
-            )
-        if adaptive is not None and grad_scaler is not None:
-            raise ValueError(
-                "grad_scaler is not allowed with adaptive: the quadratic model is measured in "
-                "the model's own precision (train adaptive K-FAC without loss scaling)"
-            )
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise ValueError(
-                f"grad_scaler={grad_scaler!r} is not allowed: expected a "
-                "torch.amp.GradScaler or None"
-            )
-        if optimizer is not None and adaptive is not None:
-            raise ValueError(
-                "optimizer is not allowed with adaptive: adaptive K-FAC's step needs the batch "
-                "(call pre.step(inputs, targets) before optimizer.step())"
-            )
+        refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
         if lr is None:  # the optimizer's rate, once the hook below exists
             lr = 0.1 if optimizer is None else (lambda step: self._hook_lr(step))
         self.config = KFACConfig(
@@ -180,12 +168,13 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             share=share,
             check_replicas_every=check_replicas_every,
             adaptive=adaptive,
+            max_factor_dim=max_factor_dim,
         )
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
         self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
         discovered, self._skipped = discover_layers(
-            self._model, self.config.skip_patterns, self.config.factor_dtype
+            self._model, self.config.skip_patterns, self.config.factor_dtype, max_factor_dim
         )
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]

@@ -144,6 +144,19 @@ def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[i
     return pads[0], pads[1], pads[2], pads[3]
 
 
+def refuse_grouped(module: nn.Conv1d | nn.Conv2d) -> None:
+    """Refuse a grouped convolution (its weight is not one Kronecker-factored block).
+
+    Raises:
+        UnsupportedLayerError: ``groups != 1``.
+    """
+    if module.groups != 1:
+        raise UnsupportedLayerError(
+            f"grouped convolution (groups={module.groups}) is not supported; add its name "
+            "to skip_layers to train it with the plain gradient"
+        )
+
+
 class Conv2dBlock(KroneckerBlock):
     """``nn.Conv2d`` with the KFC approximation (Grosse & Martens 2016).
 
@@ -155,11 +168,7 @@ class Conv2dBlock(KroneckerBlock):
     kind = "Conv2d"
 
     def __init__(self, module: nn.Conv2d) -> None:
-        if module.groups != 1:
-            raise UnsupportedLayerError(
-                f"grouped convolution (groups={module.groups}) is not supported; add its name "
-                "to skip_layers to train it with the plain gradient"
-            )
+        refuse_grouped(module)
         super().__init__(module)
         self.conv = module
         kernel = (int(module.kernel_size[0]), int(module.kernel_size[1]))
@@ -219,11 +228,7 @@ class Conv1dBlock(Conv2dBlock):
     kind = "Conv1d"
 
     def __init__(self, module: nn.Conv1d) -> None:
-        if module.groups != 1:
-            raise UnsupportedLayerError(
-                f"grouped convolution (groups={module.groups}) is not supported; add its name "
-                "to skip_layers to train it with the plain gradient"
-            )
+        refuse_grouped(module)
         KroneckerBlock.__init__(self, module)
         self.conv = module  # type: ignore[assignment]  # padding_mode is all it is read for
         kernel, dilation = (1, int(module.kernel_size[0])), (1, int(module.dilation[0]))
