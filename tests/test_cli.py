@@ -400,6 +400,15 @@ def test_compare_on_other_ranks_returns_without_reporting(
             ["train", "--strategy", "dkfac", "--grad-worker-fraction", "0.5"],
             "--grad-worker-fraction is not allowed with --strategy dkfac: only kaisa read it",
         ),
+        (
+            ["train", "--grad-accumulation", "2", "--adaptive"],
+            "--grad-accumulation 2 is not allowed with --adaptive",
+        ),
+        (["train", "--grad-accumulation", "0"], "--grad-accumulation 0 is not allowed"),
+        (
+            ["train", "--nproc", "2", "--batch-size", "200", "--grad-accumulation", "4"],
+            "x 4 micro-batches (at most --batch-size 168)",
+        ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
         (["train", "--lr", "-1"], "--lr"),
         (["train", "--grad-sync", "nccl"], "--grad-sync 'nccl'"),
@@ -934,3 +943,32 @@ def test_adaptive_trains_and_is_refused_where_it_cannot_run(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="option adaptive = 'false' is not allowed"):
         TrainConfig().with_overrides({"adaptive": "false"})  # a string is not a boolean
     assert TrainConfig().with_overrides({"adaptive": True}).adaptive is True
+
+
+def test_grad_accumulation_trains_as_the_batch_its_micro_batches_make(tmp_path: Path) -> None:
+    """--batch-size 8 --grad-accumulation 4 sees the same 32 examples per step per worker as
+    --batch-size 32 (the loader takes a step's examples, split in four): the oracle is that
+    run, to float32 round-off (the sums are ordered differently)."""
+    common = [*QUICK[:4], "--nproc", "2", "--epochs", "1", "--steps-per-epoch", "4"]
+    common += ["--log-every", "1", "--strategy", "dkfac", "--damping", "0.03"]
+    runs = {}
+    for name, extra in (
+        ("big", ["--batch-size", "32"]),
+        ("micro", ["--batch-size", "8", "--grad-accumulation", "4"]),
+    ):
+        out = tmp_path / name
+        assert main(["train", *common, *extra, "--out", str(out)]) == 0
+        runs[name] = (steps_of(out), load_checkpoint(out))
+    (big_steps, big), (micro_steps, micro) = runs["big"], runs["micro"]
+    assert [s["step"] for s in micro_steps] == [1, 2, 3, 4]
+    for one, other in zip(big_steps, micro_steps, strict=True):
+        assert one["loss"] == pytest.approx(other["loss"], rel=1e-5)
+        assert one["accuracy"] == other["accuracy"]
+    assert big is not None and micro is not None
+    for key, tensor in big["model"].items():
+        torch.testing.assert_close(micro["model"][key], tensor, rtol=1e-4, atol=1e-6)
+    # K-FAC accumulated the four micro-batches' statistics (else the factors would differ).
+    mine, theirs = micro["ranks"][0]["pre"]["layers"], big["ranks"][0]["pre"]["layers"]
+    for name in theirs:
+        for side in ("A", "G"):
+            torch.testing.assert_close(mine[name][side], theirs[name][side], rtol=1e-4, atol=1e-6)

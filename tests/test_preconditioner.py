@@ -953,3 +953,46 @@ def test_a_layer_with_a_factor_above_max_factor_dim_is_skipped_with_the_reason()
     assert [la.name for la in dkfac.KFACPreconditioner(pair, max_factor_dim=6).layers] == ["0", "1"]
     with pytest.raises(ValueError, match="max_factor_dim"):
         dkfac.KFACPreconditioner(model, max_factor_dim=0)
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_compiled_model_has_eager_names_and_steps_as_eager_without_graph_breaks(
+    conv: bool,
+) -> None:
+    """Compiled (aot_eager: no C++ toolchain) against eager. Linear layers: bit for bit.
+    Convolutions: the compiled hooks build the patch Gram by im2col (the eager stride-1 path's
+    index plan has data-dependent shapes), equal to round-off."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = (
+        small_model(torch.float32)
+        if conv
+        else nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
+    )
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="aot_eager")
+    pres = [dkfac.KFACPreconditioner(compiled), dkfac.KFACPreconditioner(eager)]
+    assert [layer.name for layer in pres[0].layers] == [layer.name for layer in pres[1].layers]
+    for seed in range(3):
+        x, y = batch(seed, dtype=torch.float32)
+        for net, pre in zip((compiled, eager), pres, strict=True):
+            net.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+    for mine, theirs in zip(model.parameters(), eager.parameters(), strict=True):
+        if conv:
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+        else:
+            assert torch.equal(mine, theirs)
+    # No graph break from the clock, cached_property's lock or the conv index plans (each
+    # seen before the fixes); the capture hooks' state changes still break it (not asserted).
+    breaks = " ".join(counters["graph_break"])
+    for avoided in ("perf_counter", "RLock", "unique_dim"):
+        assert avoided not in breaks, breaks
+    pres[1].load_state_dict(pres[0].state_dict())  # interchangeable with the eager model's

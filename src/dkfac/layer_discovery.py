@@ -14,14 +14,24 @@ from dkfac.layer_table import SkippedModule
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside a DDP/DataParallel wrapper (so names carry no ``module.`` prefix).
+    """The module inside DDP/DataParallel and ``torch.compile`` wrappers.
+
+    Names then carry no ``module.`` or ``_orig_mod.`` prefix, so a compiled model's layers,
+    state dict and plan read as the eager model's; the hooks sit on the same submodules,
+    which the compiled forward calls.
 
     Raises:
         ValueError: a sharded model (:func:`refuse_sharded_parameters`).
     """
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
+    while True:
+        compiled = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(compiled, nn.Module):
+            model = compiled
+        else:
+            break
     refuse_sharded_parameters(model)
     return model
 

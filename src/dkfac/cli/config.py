@@ -58,6 +58,8 @@ class TrainConfig:
     warmup_epochs: float = 0.0
     epochs: int = 10
     batch_size: int = 32
+    #: Micro-batches of ``batch_size`` whose gradients one optimizer step averages.
+    grad_accumulation: int = 1
     steps_per_epoch: int = 0
     strategy: str = "dkfac"
     grad_sync: str = "ddp"
@@ -104,6 +106,7 @@ class TrainConfig:
             "damping",
             "epochs",
             "batch_size",
+            "grad_accumulation",
             "factor_update_steps",
             "inv_update_steps",
             "nproc",
@@ -161,6 +164,13 @@ class TrainConfig:
                 "moves the preconditioned layers itself, which DeAR's sharded optimizer step "
                 "does not expect (use --grad-sync ddp)"
             )
+        if self.grad_accumulation > 1 and (self.adaptive or self.grad_sync != "ddp"):
+            what = "--adaptive" if self.adaptive else f"--grad-sync {self.grad_sync}"
+            raise ConfigError(
+                f"--grad-accumulation {self.grad_accumulation} is not allowed with {what}: "
+                "it needs one batch per step (use --grad-accumulation 1, or a larger "
+                "--batch-size)"
+            )
         if self.amp == "fp16" and (self.adaptive or self.grad_sync != "ddp"):
             what = "--adaptive" if self.adaptive else f"--grad-sync {self.grad_sync}"
             raise ConfigError(
@@ -195,6 +205,11 @@ class TrainConfig:
                     f"--grad-worker-fraction {self.grad_worker_fraction!r} is not allowed with "
                     f"--nproc {self.nproc}: {str(error).split(': ', 1)[1]}"
                 ) from None
+
+    @property
+    def step_batch(self) -> int:
+        """Examples one optimizer step takes on one worker: the micro-batches together."""
+        return self.batch_size * self.grad_accumulation
 
     @property
     def bucket_cap_mb(self) -> float | str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -49,6 +51,12 @@ class GradientSync:
                 device_ids=[device] if device.type == "cuda" else None,
                 bucket_cap_mb=cap,
             )
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """A micro-batch's backward: DDP averages only the ``last`` one's (with the rest)."""
+        if last or not isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def before_preconditioning(self) -> None:
         """Make ``.grad`` hold the averaged, unscaled gradients (DDP: averaged after backward)."""

@@ -58,6 +58,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "backward, all-gather under the next forward)",
         "bucket_mb": "MiB per gradient bucket of DDP/DeAR, or auto (DeAR's online search)",
         "steps_per_epoch": "cap on steps per epoch (0: the whole shard)",
+        "grad_accumulation": "micro-batches of --batch-size whose gradients one optimizer step "
+        "averages (K-FAC accumulates their statistics too); a step takes batch x N per worker",
         "nproc": "local worker processes to start (ignored under torchrun/Slurm)",
         "checkpoint_every": "also checkpoint every N steps (0: at epoch ends only)",
         "stop_after_steps": "checkpoint and stop after N steps, as a preempted job would "

@@ -247,12 +247,20 @@ class _RankRun:
         setup, pre = self.setup, self.setup.pre
         tick = time.perf_counter()
         setup.optimizer.zero_grad(set_to_none=True)
-        x = x.to(setup.device, non_blocking=True)  # asynchronous from pinned batches
-        y = y.to(setup.device, non_blocking=True)
-        with setup.precision.autocast():
-            logits = setup.wrapped(x)
-            loss = label_cross_entropy(logits, y)
-        setup.precision.backward(loss)
+        micro = self.config.grad_accumulation
+        losses, corrects = [], []
+        for index, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            xm = xm.to(setup.device, non_blocking=True)  # asynchronous from pinned batches
+            ym = ym.to(setup.device, non_blocking=True)
+            with setup.sync.no_sync(last=index == micro - 1):
+                with setup.precision.autocast():
+                    logits = setup.wrapped(xm)
+                    loss = label_cross_entropy(logits, ym)
+                # Equal micro-batches: the mean of their means is the step batch's mean.
+                setup.precision.backward(loss / micro)
+            losses.append(loss.detach())
+            corrects.append((logits.argmax(-1) == ym).sum())
+        x, y = x.to(setup.device), y.to(setup.device)  # the step batch (adaptive: micro == 1)
         if pre is not None:
             setup.sync.before_preconditioning()
             pre.step(*((x, y) if pre.config.adaptive is not None else ()))
@@ -260,8 +268,8 @@ class _RankRun:
         setup.scheduler.step()
         self.step += 1
         seconds = time.perf_counter() - tick
-        loss_value = float(loss.detach())
-        correct = float((logits.argmax(-1) == y).sum())
+        loss_value = float(torch.stack(losses).mean())
+        correct = float(torch.stack(corrects).sum())
         self.totals[0] += loss_value * y.numel()
         self.totals[1] += correct
         self.totals[2] += y.numel()

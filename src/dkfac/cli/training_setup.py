@@ -102,11 +102,15 @@ def check_fits(config: TrainConfig, spec: DatasetSpec, world: int) -> None:
         ConfigError: not one full batch per worker and epoch.
     """
     size = len(spec.train)  # type: ignore[arg-type]
-    if shard_steps(size, world, config.batch_size) == 0:
+    if shard_steps(size, world, config.step_batch) == 0:
+        times = (
+            f" x {config.grad_accumulation} micro-batches" if config.grad_accumulation > 1 else ""
+        )
         raise ConfigError(
             f"--batch-size {config.batch_size} is not allowed: dataset {config.dataset!r} has "
             f"{size} training examples, too few for {world} worker(s) x batch "
-            f"{config.batch_size} (at most --batch-size {size // world})"
+            f"{config.batch_size}{times} (at most --batch-size "
+            f"{size // world // config.grad_accumulation})"
         )
 
 
@@ -173,7 +177,7 @@ class TrainingSetup:
     @property
     def global_batch(self) -> int:
         """Examples one step consumes on all ranks together."""
-        return self.config.batch_size * self.world
+        return self.config.step_batch * self.world
 
 
 def build_training_setup(config: TrainConfig, rank: int, world: int) -> TrainingSetup:
@@ -201,7 +205,7 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
     # whose state a checkpoint restores.
     loader = DataLoader(
         spec.train,
-        batch_size=config.batch_size,
+        batch_size=config.step_batch,  # one optimizer step's examples, split in _train_step
         sampler=sampler,
         drop_last=True,
         generator=torch.Generator().manual_seed(config.seed),
@@ -287,5 +291,6 @@ def _build_preconditioner(
         inv_update_steps=config.inv_update_steps,
         adaptive=dkfac.AdaptiveOptions(loss_fn=label_cross_entropy) if config.adaptive else None,
         grad_scaler=precision.scaler,
+        accumulation_steps=config.grad_accumulation,
         **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
     )

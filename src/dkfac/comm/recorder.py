@@ -91,8 +91,13 @@ class StepRecorder:
         """Time the enclosed block as part of phase ``name`` of the current step.
 
         The block is also a ``dkfac/<name>`` range for ``torch.profiler`` (and its TensorBoard
-        view), which costs next to nothing while no profiler runs.
+        view), which costs next to nothing while no profiler runs. Inside a region that
+        ``torch.compile`` traces (the layers' hooks of a compiled model) nothing is timed: a
+        clock read there would break the graph.
         """
+        if torch.compiler.is_compiling():
+            yield
+            return
         start = time.perf_counter()
         try:
             with torch.profiler.record_function(f"dkfac/{name}"):

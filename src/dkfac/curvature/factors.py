@@ -63,7 +63,9 @@ def conv2d_patch_gram(
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
-    if stride == (1, 1):
+    # Inside torch.compile's tracing the index plan's data-dependent shapes would break the
+    # graph: the im2col product (same Gram, other rounding) traces whole.
+    if stride == (1, 1) and not torch.compiler.is_compiling():
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
         plan = (
             plan_shifted_gram(geometry, x.device)

@@ -155,6 +155,9 @@ class Placement:
                         f"layer {layer}'s gradient is shared by a rank without its inverse"
                     )
         self._check_buckets()
+        # Computed now, not at a first use inside the hooks of a torch.compile'd model:
+        # cached_property takes a lock there (Python < 3.12), which breaks the graph.
+        _ = self._routes, self._receivers
 
     def _check_buckets(self) -> None:
         """Hooks: buckets cover every factor once, one destination each; otherwise none."""
