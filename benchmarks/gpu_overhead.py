@@ -141,6 +141,8 @@ def time_window(
 ) -> dict[str, Any]:
     """Build a fresh model for ``config``, warm it up, time ``iters`` iterations."""
     torch.manual_seed(0)
+    if device.type == "cuda":  # each window's own peak, not the process's so far
+        torch.cuda.reset_peak_memory_stats(device)
     model = spec.build(spec.num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     pre = kfac_preconditioner(config, model) if config.library else None

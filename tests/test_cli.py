@@ -27,7 +27,13 @@ from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, rng_state, sa
 from dkfac.cli.commands import compare_strategies
 from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
 from dkfac.cli.config_resolution import resolve_config
-from dkfac.cli.device import LocalSlot, backend_for, local_slot, resolve_device
+from dkfac.cli.device import (
+    LocalSlot,
+    backend_for,
+    local_slot,
+    resolve_device,
+    slurm_task_counts,
+)
 from dkfac.cli.launch import ExternalRank, external_rank, join_external
 from dkfac.cli.local_workers import WorkerError, spawn_local
 from dkfac.cli.main import main, missing_dependency_message
@@ -609,6 +615,10 @@ def test_local_slot_from_torchrun_slurm_and_local_workers() -> None:
     assert local_slot(torchrun) == LocalSlot(2, 4)
     assert local_slot({"SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x3)"}) == LocalSlot(1, 2)
     assert local_slot({}, default_world=3) == LocalSlot(0, 3)
+    # Without --ntasks-per-node Slurm still gives the step's per-node list: this node's entry.
+    step = {"SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
+    assert local_slot(step, default_world=2) == LocalSlot(1, 3)
+    assert slurm_task_counts("4(x2),3") == [4, 4, 3] and slurm_task_counts("8") == [8]
 
 
 def test_device_and_amp_refusals_name_what_to_use_instead(

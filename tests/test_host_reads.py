@@ -96,3 +96,24 @@ def test_steps_without_decompositions_read_nothing_on_two_workers() -> None:
             decomposition = [module for _, module in reads[4]]
             assert decomposition.count("dkfac.curvature.decomposition") == 1, (where, reads[4])
             assert len(decomposition) <= (3 if strategy in ("spd", "pad") else 2), (where, reads[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fold_counted_divides_16_bit_sums_as_the_host_path_does(dtype: torch.dtype) -> None:
+    """A count above float16's range (65504) must not turn the batch factor into zeros."""
+    total = torch.full((2, 2), 1000.0, dtype=dtype)
+    count = torch.tensor(131072.0, dtype=torch.float64)
+    counted = KroneckerFactor("a", 2, dtype)
+    counted.running = torch.ones(2, 2, dtype=dtype)
+    counted.fold_counted(total, count, 0.5)
+    host = KroneckerFactor("a", 2, dtype)
+    host.running = torch.ones(2, 2, dtype=dtype)
+    host.fold(total / 131072.0, 0.5)
+    assert torch.equal(counted.running, host.running)
+    expected = 0.5 + 0.5 * 1000.0 / 131072.0  # oracle in float64
+    torch.testing.assert_close(
+        counted.running.double(),
+        torch.full((2, 2), expected, dtype=torch.float64),
+        rtol=1e-2,
+        atol=0,
+    )

@@ -937,12 +937,16 @@ def test_an_fsdp2_model_is_refused_with_what_is_supported() -> None:
     assert "is sharded (FSDP)" in message and "DistributedDataParallel" in message
 
 
-def test_a_layer_with_a_factor_above_max_factor_dim_is_skipped_with_the_reason() -> None:
+def test_a_layer_with_a_factor_above_max_factor_dim_is_skipped_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     model = nn.Sequential(
         nn.Linear(6, 9000), nn.Tanh(), nn.Linear(9000, 3), nn.Tanh(), nn.Linear(3, 2)
     )
-    pre = dkfac.KFACPreconditioner(model)  # default 8192: both wide layers skipped
+    with caplog.at_level(logging.WARNING, logger="dkfac.layer_discovery"):
+        pre = dkfac.KFACPreconditioner(model)  # default 8192: both wide layers skipped
     assert [layer.name for layer in pre.layers] == ["4"]
+    assert sum("K-FAC skips layer" in r.getMessage() for r in caplog.records) == 2  # said
     text = repr(pre)
     assert "factor side 9000 > max_factor_dim=8192" in text and "0.3 GiB" in text
     assert [

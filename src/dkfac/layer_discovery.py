@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -11,6 +12,8 @@ from torch import nn
 from dkfac.curvature.blocks import UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule
+
+logger = logging.getLogger(__name__)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -108,14 +111,14 @@ def discover_layers(
         elif max_factor_dim is not None and max(block.a_dim, block.g_dim) > max_factor_dim:
             side = max(block.a_dim, block.g_dim)
             size = side * side * torch.empty((), dtype=factor_dtype).element_size()
-            skipped.append(
-                SkippedModule(
-                    name,
-                    kind,
-                    f"factor side {side} > max_factor_dim={max_factor_dim} (one factor would "
-                    f"take {size / 2**30:.1f} GiB, its decomposition as much again)",
-                )
+            reason = (
+                f"factor side {side} > max_factor_dim={max_factor_dim} (one factor would "
+                f"take {size / 2**30:.1f} GiB, its decomposition as much again)"
             )
+            logger.warning(
+                "K-FAC skips layer %r: %s; raise max_factor_dim to include it", name, reason
+            )
+            skipped.append(SkippedModule(name, kind, reason))
         elif not all(p.requires_grad for p in block.parameters()):
             skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
         elif others := sorted({other for p in params for other in holders[id(p)] if other != name}):

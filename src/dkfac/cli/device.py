@@ -45,10 +45,29 @@ def local_slot(environ: Mapping[str, str] | None = None, default_world: int = 1)
     if "LOCAL_RANK" in env:
         return LocalSlot(int(env["LOCAL_RANK"]), int(env.get("LOCAL_WORLD_SIZE", default_world)))
     if "SLURM_LOCALID" in env:
-        # "2(x3)" style counts: the first node's count is every node's in an even layout.
-        tasks = env.get("SLURM_NTASKS_PER_NODE", str(default_world)).split("(")[0]
-        return LocalSlot(int(env["SLURM_LOCALID"]), int(tasks))
+        # SLURM_NTASKS_PER_NODE exists only with --ntasks-per-node; the step's per-node task
+        # list ("4(x2),3": two nodes of 4, one of 3) always does: take this node's entry.
+        layout = next(
+            (
+                env[name]
+                for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                if env.get(name)
+            ),
+            env.get("SLURM_NTASKS_PER_NODE", str(default_world)),
+        )
+        per_node = slurm_task_counts(layout)
+        node = int(env.get("SLURM_NODEID", "0"))
+        return LocalSlot(int(env["SLURM_LOCALID"]), per_node[min(node, len(per_node) - 1)])
     return LocalSlot(0, default_world)
+
+
+def slurm_task_counts(layout: str) -> list[int]:
+    """Slurm's compressed per-node task counts, expanded: ``"4(x2),3"`` is ``[4, 4, 3]``."""
+    counts: list[int] = []
+    for part in layout.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
 
 
 def resolve_device(choice: str, slot: LocalSlot, cuda_count: int) -> torch.device:

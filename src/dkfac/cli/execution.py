@@ -99,6 +99,7 @@ def _check_before_start(configs: Sequence[TrainConfig], world: int) -> None:
                 config.seed,
                 config.model,
                 config.batch_size,
+                config.grad_accumulation,
             )
             if key in checked:
                 continue

@@ -260,10 +260,11 @@ class _RankRun:
                 setup.precision.backward(loss / micro)
             losses.append(loss.detach())
             corrects.append((logits.argmax(-1) == ym).sum())
-        x, y = x.to(setup.device), y.to(setup.device)  # the step batch (adaptive: micro == 1)
         if pre is not None:
             setup.sync.before_preconditioning()
-            pre.step(*((x, y) if pre.config.adaptive is not None else ()))
+            # Adaptive K-FAC re-evaluates the batch (one micro-batch: accumulation is refused).
+            adaptive = pre.config.adaptive is not None
+            pre.step(*((x.to(setup.device), y.to(setup.device)) if adaptive else ()))
         setup.sync.step()
         setup.scheduler.step()
         self.step += 1

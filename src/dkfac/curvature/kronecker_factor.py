@@ -60,7 +60,10 @@ class KroneckerFactor:
         if self.running is None:
             raise RuntimeError(f"factor {self.side.upper()} has no running average to fold into")
         present = count > 0
-        batch = total / count.clamp_min(1.0).to(total.dtype)
+        # Divided in at least float32 (as ``total / n`` with a Python number is): a float16
+        # count overflows above 65504 and a bfloat16 one rounds to 8 bits.
+        wide = torch.promote_types(total.dtype, torch.float32)
+        batch = (total.to(wide) / count.clamp_min(1.0).to(wide)).to(total.dtype)
         bad = (present & ~torch.isfinite(batch).all()).to(torch.int64)
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
         folded = running_average(self.running, batch, decay)
