@@ -177,3 +177,61 @@ def test_a_gpt2_from_its_config_gets_its_conv1d_projections_preconditioned() -> 
     after = model.transformer.h[0].mlp.c_fc.weight.grad
     assert torch.isfinite(after).all() and not torch.allclose(after, raw)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # grads only
+
+
+class Projection(nn.Module):
+    """A user's own linear layer (its parameters, ``F.linear``): no built-in block knows it."""
+
+    def __init__(self, features: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out, features) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class GatedProjection(Projection):
+    """A subclass: found through the class hierarchy of the ``blocks`` lookup."""
+
+
+def test_blocks_add_a_users_layer_type_as_the_worked_example_in_the_readme() -> None:
+    from dkfac.curvature import LinearBlock
+
+    torch.manual_seed(4)
+    mine = nn.Sequential(Projection(4, 6), nn.Tanh(), GatedProjection(6, 3)).to(DT)
+    linear = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    with torch.no_grad():
+        for a, b in ((mine[0], linear[0]), (mine[2], linear[2])):
+            b.weight.copy_(a.weight)
+            b.bias.copy_(a.bias)
+    # Without blocks= the user's layer is skipped as an unsupported type.
+    plain = dkfac.KFACPreconditioner(nn.Sequential(Projection(4, 2), nn.Linear(2, 2)))
+    assert [layer.name for layer in plain.layers] == ["1"]
+    generator = torch.Generator().manual_seed(5)
+    x, t = (
+        torch.randn(8, 4, dtype=DT, generator=generator),
+        torch.randint(0, 3, (8,), generator=generator),
+    )
+    pres = [
+        dkfac.KFACPreconditioner(
+            mine, blocks={Projection: LinearBlock}, kl_clip=None, factor_dtype=DT, inv_dtype=DT
+        ),
+        dkfac.KFACPreconditioner(linear, kl_clip=None, factor_dtype=DT, inv_dtype=DT),
+    ]
+    assert [layer.name for layer in pres[0].layers] == ["0", "2"]
+    for model, pre in zip((mine, linear), pres, strict=True):
+        F.cross_entropy(model(x), t).backward()
+        pre.step()
+    for a, b in zip(mine.parameters(), linear.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_bad_blocks_are_refused() -> None:
+    model = nn.Sequential(Projection(4, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="blocks entry"):
+        dkfac.KFACPreconditioner(model, blocks={"Projection": lambda m: m})  # type: ignore[dict-item]
+    with pytest.raises(
+        TypeError, match=r"returned Projection, not a dkfac\.curvature\.KroneckerBlock"
+    ):
+        dkfac.KFACPreconditioner(model, blocks={Projection: lambda m: m})  # type: ignore[dict-item, return-value]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from dkfac.curvature.blocks import UnsupportedLayerError, make_block
+from dkfac.curvature.blocks import BlockFactory, UnsupportedLayerError, make_block
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule
 
@@ -78,6 +78,7 @@ def discover_layers(
     skip_patterns: Sequence[re.Pattern[str]],
     factor_dtype: torch.dtype,
     max_factor_dim: int | None = None,
+    blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
 ) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
     """Every module of ``model`` with parameters: a (path, curvature) pair, or a skipped entry.
 
@@ -86,6 +87,7 @@ def discover_layers(
         skip_patterns: a module whose path or class name matches one is skipped.
         factor_dtype: dtype of the layers' statistics and running factors.
         max_factor_dim: a layer with a larger factor side is skipped (None: no limit).
+        blocks: the user's blocks for more module types (:func:`make_block`).
 
     Raises:
         ValueError: a layer of a supported type cannot be handled, or no layer can be
@@ -103,7 +105,7 @@ def discover_layers(
             skipped.append(SkippedModule(name, kind, "matches skip_layers"))
             continue
         try:
-            block = make_block(module)
+            block = make_block(module, blocks)
         except UnsupportedLayerError as error:
             raise ValueError(f"layer {name!r} ({kind}): {error}") from None
         if block is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,12 +13,13 @@ from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
+from dkfac.curvature.blocks import BlockFactory
 from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
-from dkfac.preconditioner_arguments import refuse_conflicting_arguments
+from dkfac.preconditioner_arguments import check_blocks, refuse_conflicting_arguments
 from dkfac.preconditioner_inspection import PreconditionerInspection
 from dkfac.preconditioner_state import PreconditionerState
 from dkfac.strategies import StrategyOptions
@@ -105,6 +106,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         max_factor_dim: a layer with a factor side above this (a vocabulary-sized LM head) is
             skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
+        blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
+            gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
+            along the module's class hierarchy, before the built-in blocks).
 
     Damping, factor_decay, kl_clip, lr and both update intervals accept a number or a callable
     of the K-FAC step (completed ``step()`` calls), checked like a constant when :meth:`step`
@@ -142,8 +146,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         adaptive: AdaptiveOptions | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         max_factor_dim: int | None = 8192,
+        blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
+        check_blocks(blocks)
         if lr is None:  # the optimizer's rate, once the hook below exists
             lr = 0.1 if optimizer is None else (lambda step: self._hook_lr(step))
         self.config = KFACConfig(
@@ -174,7 +180,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._model = unwrap_model(model)
         self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
         discovered, self._skipped = discover_layers(
-            self._model, self.config.skip_patterns, self.config.factor_dtype, max_factor_dim
+            self._model, self.config.skip_patterns, self.config.factor_dtype, max_factor_dim, blocks
         )
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]

@@ -31,3 +31,21 @@ def refuse_conflicting_arguments(
             "optimizer is not allowed with adaptive: adaptive K-FAC's step needs the batch "
             "(call pre.step(inputs, targets) before optimizer.step())"
         )
+
+
+def check_blocks(blocks: Any | None) -> None:
+    """Refuse a ``blocks=`` mapping that is not module types to callables.
+
+    Raises:
+        ValueError: naming the offending entry.
+    """
+    if blocks is None:
+        return
+    if not hasattr(blocks, "items"):
+        raise ValueError(f"blocks={blocks!r} is not allowed: expected a mapping type -> factory")
+    for kind, factory in blocks.items():
+        if not (isinstance(kind, type) and issubclass(kind, nn.Module)) or not callable(factory):
+            raise ValueError(
+                f"blocks entry {kind!r}: {factory!r} is not allowed: expected an nn.Module "
+                "subclass mapped to a callable that returns its dkfac.curvature.KroneckerBlock"
+            )
