@@ -416,3 +416,28 @@ def test_network_quick_run_writes_json_table_and_chart(
     assert rows["dear"]["bytes_per_step"]["grad"] > 0
     png = out / "network.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_gpu_overhead_quick_run_on_the_cpu_writes_every_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/gpu_overhead.py end to end where there is no GPU (kfac-pytorch absent:
+    reported as not measured), so the script the GPU sessions run cannot rot unseen."""
+    bench = load_benchmark("gpu_overhead", monkeypatch)
+    monkeypatch.setattr(bench, "kfac_pytorch_version", lambda: None)
+    argv = ["--device", "cpu", "--quick", "--models", "resnet32", "--batch-size", "4"]
+    assert bench.main([*argv, "--out", str(tmp_path), "--eigh-probe", "1"]) == 0
+    report = json.loads((tmp_path / "gpu_overhead.json").read_text())
+    assert report["kfac_pytorch"].startswith("not measured")
+    entry = report["models"]["resnet32"]
+    assert list(entry["summary"]) == [
+        "sgd",
+        "dkfac_eigen_1_1",
+        "dkfac_inverse_1_1",
+        "dkfac_eigen_10_100",
+        "dkfac_inverse_10_100",
+    ]
+    assert all(row["median_s"] > 0 for row in entry["summary"].values())
+    assert entry["verdicts"]["every_step_eigen"]["met"] is None  # no kfac-pytorch to compare
+    assert entry["eigh_probe"]["factors"] == 2 * 34  # ResNet-32: 33 convolutions and the head
