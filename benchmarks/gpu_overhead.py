@@ -125,6 +125,13 @@ def kfac_preconditioner(config: Configuration, model: nn.Module) -> Any:
     )
 
 
+def fresh_model(spec: ModelSpec, device: torch.device) -> tuple[nn.Module, torch.optim.SGD]:
+    """``spec``'s network from seed 0 on ``device``, and its SGD (every measurement's start)."""
+    torch.manual_seed(0)
+    model = spec.build(spec.num_classes).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device`` (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -140,11 +147,9 @@ def time_window(
     iters: int,
 ) -> dict[str, Any]:
     """Build a fresh model for ``config``, warm it up, time ``iters`` iterations."""
-    torch.manual_seed(0)
     if device.type == "cuda":  # each window's own peak, not the process's so far
         torch.cuda.reset_peak_memory_stats(device)
-    model = spec.build(spec.num_classes).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model, optimizer = fresh_model(spec, device)
     pre = kfac_preconditioner(config, model) if config.library else None
     x, y = batch
 
@@ -188,9 +193,7 @@ def host_waits(spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor]) -> dic
     result: dict[str, Any] = {}
     x, y = batch
     for method in ("eigen", "inverse"):
-        torch.manual_seed(0)
-        model = spec.build(spec.num_classes).to(x.device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        model, optimizer = fresh_model(spec, x.device)
         pre = dkfac.KFACPreconditioner(
             model, inverse_method=method, lr=LR, factor_update_steps=10, inv_update_steps=100
         )
@@ -226,9 +229,7 @@ def eigh_probe(
     both forms of the same factors separates that from the libraries' own code.
     """
     x, y = batch
-    torch.manual_seed(0)
-    model = spec.build(spec.num_classes).to(x.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model, optimizer = fresh_model(spec, x.device)
     pre = dkfac.KFACPreconditioner(model, lr=LR)
     phases: dict[str, float] = {}
     for _ in range(steps):

@@ -112,7 +112,7 @@ def discover_layers(
             skipped.append(SkippedModule(name, kind, "unsupported type"))
         elif max_factor_dim is not None and max(block.a_dim, block.g_dim) > max_factor_dim:
             side = max(block.a_dim, block.g_dim)
-            size = side * side * torch.empty((), dtype=factor_dtype).element_size()
+            size = side * side * factor_dtype.itemsize
             reason = (
                 f"factor side {side} > max_factor_dim={max_factor_dim} (one factor would "
                 f"take {size / 2**30:.1f} GiB, its decomposition as much again)"
