@@ -374,6 +374,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host-waits", default="resnet32", help="models whose host waits are counted (CUDA)"
     )
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="allow TF32 matmuls (torch.backends.cuda.matmul.allow_tf32), as many GPU users do",
+    )
     parser.add_argument("--out", default="runs/gpu_overhead", help="folder of the JSON")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny windows")
     return parser.parse_args(argv)
@@ -383,6 +388,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     """Measure every model and configuration; the JSON-ready result (``save``d per model)."""
     device = torch.device(args.device)
     torch.backends.cudnn.benchmark = device.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     install_note = (
         install_kfac_pytorch(args.install_kfac_pytorch) if args.install_kfac_pytorch else ""
     )

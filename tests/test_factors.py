@@ -11,13 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import dkfac.curvature.factors as factors_module
+from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
 from dkfac.curvature.factors import (
     ShiftedGramPlans,
     conv2d_patch_gram,
+    finite_flags,
     gram_with_ones,
     running_average,
+    running_averages,
 )
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
 
 
 def brute_force_patch_gram(
@@ -146,3 +150,65 @@ def test_running_average_formula_and_non_finite_batches() -> None:
     torch.testing.assert_close(
         running_average(torch.full((3, 3), float("nan"), dtype=torch.float64), second, 0.9), second
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_many_factors_fold_together_exactly_as_one_at_a_time(
+    dtype: torch.dtype, device: str
+) -> None:
+    # Every case of the rule at once: both finite, a NaN or an Inf batch (kept), an average
+    # with no estimate yet (NaN: the batch is taken), and both bad. Oracle: the float64
+    # formula ``0.9·running + 0.1·batch`` where both are finite; the one-at-a-time path must
+    # agree bit for bit (mixed paths would give replicas different bits).
+    torch.manual_seed(0)
+    sizes = [3, 5, 4, 6, 2, 1]
+    # A large factor too: a GPU reduces it in many blocks, and NaN must survive all of them.
+    sizes = [*sizes, 700]
+    runnings = [torch.randn(d, d, dtype=torch.float64).to(device, dtype) for d in sizes]
+    batches = [torch.randn(d, d, dtype=torch.float64).to(device, dtype) for d in sizes]
+    batches[6][456, 321] = float("nan")
+    batches[1][2, 3] = float("nan")
+    batches[2][0, 0] = float("-inf")
+    runnings[3].fill_(float("nan"))
+    runnings[4].fill_(float("nan"))
+    batches[4][1, 1] = float("inf")
+    flags = [True, False, False, True, False, True, False]
+    assert finite_flags(batches).tolist() == flags
+    folded, batch_ok = running_averages(runnings, batches, 0.9)
+    assert batch_ok.tolist() == flags
+    for index, (new, old, batch) in enumerate(zip(folded, runnings, batches, strict=True)):
+        torch.testing.assert_close(
+            new, running_average(old, batch, 0.9), rtol=0, atol=0, equal_nan=True
+        )
+        if index in (0, 5):
+            expected = 0.9 * old.double() + 0.1 * batch.double()
+            tolerance = {torch.float64: 1e-15, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+            torch.testing.assert_close(new.double(), expected, rtol=tolerance, atol=tolerance)
+        elif index in (1, 2, 6):
+            assert torch.equal(new, old)
+        elif index == 3:
+            assert torch.equal(new, batch)
+        else:
+            assert torch.isnan(new).all()
+
+
+def test_fold_batches_counts_dropped_batches_like_fold() -> None:
+    def factors() -> list[KroneckerFactor]:
+        made = [KroneckerFactor("a", 3, torch.float32) for _ in range(3)]
+        for factor in made:
+            factor.running = torch.eye(3)
+        return made
+
+    batches = [torch.ones(3, 3), torch.full((3, 3), float("nan")), torch.zeros(3, 3)]
+    together, alone = factors(), factors()
+    fold_batches(together, batches, 0.5)
+    fold_batches(together, batches, 0.5)
+    for factor, batch in zip(alone, batches, strict=True):
+        factor.fold(batch, 0.5)
+        factor.fold(batch, 0.5)
+    for one, other in zip(together, alone, strict=True):
+        assert torch.equal(one.value(), other.value())
+    dropped = [[int(f.take_nonfinite_count()) for f in made] for made in (together, alone)]
+    assert dropped == [[0, 2, 0], [0, 2, 0]]
+    torch.testing.assert_close(together[0].value(), 0.25 * torch.eye(3) + 0.75 * torch.ones(3, 3))

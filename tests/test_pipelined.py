@@ -531,13 +531,15 @@ def replica_check_run(rank: int, world_size: int) -> dict[str, Any]:
                     opt.step()
                     if perturb and step == 0 and rank == 1:
                         # One rank's copy of a factor every worker decomposes itself is off
-                        # by one rounding step: as on a worker with other hardware.
+                        # by a few rounding steps, as on a worker with other hardware (one
+                        # step can vanish in the next step's running average, depending on
+                        # the CPU's vector arithmetic: seen on a 16-core machine).
                         entry = next(
                             f for f in pre.plan()["factors"] if f["decomposed_by"] == "all"
                         )
                         layer = next(lay for lay in pre.layers if lay.name == entry["layer"])
                         factor = layer.factor(entry["factor"].lower())
-                        factor[0, 0] = torch.nextafter(factor[0, 0], factor[0, 0] + 1)
+                        factor[0, 0] = factor[0, 0] * (1 + 2**-16)
                         out["perturbed"] = f"{entry['layer']!r}"
             except RuntimeError as caught:
                 error = str(caught)

@@ -7,6 +7,7 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -321,11 +322,46 @@ def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tens
 
     A batch estimate with a NaN or Inf is not folded in (the running average keeps its value),
     and a running average that is not finite yet counts as "no estimate": this is decided on the
-    device, with no host synchronisation.
+    device, with no host synchronisation. The average is ``lerp(running, batch, 1−ε)`` (one
+    pass; :func:`running_averages` folds many factors the same way, bit for bit).
     """
     batch_ok = torch.isfinite(batch).all()
     if running is None:
         return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
-    updated = running * decay + batch * (1.0 - decay)
+    updated = torch.lerp(running, batch, 1.0 - decay)
     running_ok = torch.isfinite(running).all()
     return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """Device booleans, one per tensor (all on one device): is every entry finite?
+
+    One reading pass per tensor, launched together: the largest magnitude of a tensor is
+    finite exactly when all its entries are (the maximum propagates NaN).
+    """
+    peaks = torch._foreach_norm(list(tensors), float("inf"))
+    return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
+
+
+def running_averages(
+    runnings: Sequence[Tensor], batches: Sequence[Tensor], decay: float
+) -> tuple[list[Tensor], Tensor]:
+    """:func:`running_average` of many running factors at once (each must exist).
+
+    The factor updates of a model are many matrices with a few elementwise passes each; here
+    they share their launches (finiteness of all batches and averages, the blend of all) and
+    each factor adds only its choice between blend, batch and old value, so a step that
+    updates factors costs the device little and the host a few operations per factor.
+
+    Returns:
+        The new running factors and the device booleans "batch ``i`` was finite".
+    """
+    batch_ok = finite_flags(batches)
+    running_ok = finite_flags(runnings)
+    both = batch_ok & running_ok
+    blended = torch._foreach_lerp(list(runnings), list(batches), 1.0 - decay)
+    result = [
+        torch.where(both[i], blend, torch.where(batch_ok[i], batch, running))
+        for i, (blend, batch, running) in enumerate(zip(blended, batches, runnings, strict=True))
+    ]
+    return result, batch_ok

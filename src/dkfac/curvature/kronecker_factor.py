@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dkfac.curvature.factors import running_average
+from dkfac.curvature.factors import running_average, running_averages
 from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -46,9 +46,11 @@ class KroneckerFactor:
 
     def fold(self, batch: Tensor, decay: float) -> None:
         """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
-        bad = (~torch.isfinite(batch).all()).to(torch.int64)
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
+        self._count_nonfinite((~torch.isfinite(batch).all()).to(torch.int64))
         self.running = running_average(self.running, batch, decay)
+
+    def _count_nonfinite(self, bad: Tensor) -> None:
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
 
     def fold_counted(self, total: Tensor, count: Tensor, decay: float) -> None:
         """Fold ``total / count`` where the device scalar ``count`` is positive; else keep.
@@ -64,15 +66,9 @@ class KroneckerFactor:
         # count overflows above 65504 and a bfloat16 one rounds to 8 bits.
         wide = torch.promote_types(total.dtype, torch.float32)
         batch = (total.to(wide) / count.clamp_min(1.0).to(wide)).to(total.dtype)
-        bad = (present & ~torch.isfinite(batch).all()).to(torch.int64)
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
+        self._count_nonfinite((present & ~torch.isfinite(batch).all()).to(torch.int64))
         folded = running_average(self.running, batch, decay)
         self.running = torch.where(present, folded, self.running)
-
-    def fold_window(self, loss_reduction: str, decay: float) -> None:
-        """Fold this window's batch factor, if the window has statistics."""
-        if self.statistics.has_statistics:
-            self.fold(self.statistics.batch_factor(loss_reduction), decay)
 
     def take_nonfinite_count(self) -> Tensor | None:
         """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
@@ -96,6 +92,36 @@ class KroneckerFactor:
     def trace_mean(self, dtype: torch.dtype) -> Tensor:
         """``tr(F)/d`` of the running average in ``dtype`` (an input of the Tikhonov ``π``)."""
         return trace_mean(self.value(), dtype)
+
+
+def fold_batches(
+    factors: Sequence[KroneckerFactor], batches: Sequence[Tensor], decay: float
+) -> None:
+    """``factor.fold(batch, decay)`` for each pair, with shared launches where possible.
+
+    Once every factor has a running average on one device, the finiteness checks and blends
+    of all factors run together (:func:`~dkfac.curvature.factors.running_averages`); the
+    result is the same, bit for bit, as folding one factor at a time.
+    """
+    runnings = [factor.running for factor in factors]
+    devices = {batch.device for batch in batches}
+    if not factors or len(devices) > 1 or any(running is None for running in runnings):
+        for factor, batch in zip(factors, batches, strict=True):
+            factor.fold(batch, decay)
+        return
+    held = [running for running in runnings if running is not None]
+    folded, batch_ok = running_averages(held, batches, decay)
+    bad = (~batch_ok).to(torch.int64)
+    for index, (factor, running) in enumerate(zip(factors, folded, strict=True)):
+        factor._count_nonfinite(bad[index])
+        factor.running = running
+
+
+def fold_windows(factors: Sequence[KroneckerFactor], loss_reduction: str, decay: float) -> None:
+    """Fold each factor's window (those with statistics) with :func:`fold_batches`."""
+    windows = [factor for factor in factors if factor.statistics.has_statistics]
+    batches = [factor.statistics.batch_factor(loss_reduction) for factor in windows]
+    fold_batches(windows, batches, decay)
 
 
 def fold_summed(

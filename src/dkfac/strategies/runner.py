@@ -31,7 +31,7 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, tikhonov_shift
-from dkfac.curvature.kronecker_factor import fold_summed
+from dkfac.curvature.kronecker_factor import fold_summed, fold_windows
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
@@ -112,9 +112,12 @@ class PlacementRunner:
         window's ready times for re-planning.
         """
         if self.placement.exchange == "none":
-            for route in self.placement.factors:
-                if fold and self.placement.holds_factor(route, self.rank):
-                    layers[route.layer].factors[route.side].fold_window(loss_reduction, decay)
+            held = [
+                layers[route.layer].factors[route.side]
+                for route in self.placement.factors
+                if fold and self.placement.holds_factor(route, self.rank)
+            ]
+            fold_windows(held, loss_reduction, decay)
         elif self.placement.exchange == "step":
             self._exchange_at_step(layers, decay, loss_reduction, fold)
         else:
