@@ -441,3 +441,28 @@ def test_gpu_overhead_quick_run_on_the_cpu_writes_every_row(
     assert all(row["median_s"] > 0 for row in entry["summary"].values())
     assert entry["verdicts"]["every_step_eigen"]["met"] is None  # no kfac-pytorch to compare
     assert entry["eigh_probe"]["factors"] == 2 * 34  # ResNet-32: 33 convolutions and the head
+
+
+@pytest.mark.slow
+def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/gpu_breakdown.py end to end on the CPU: step kinds, profiler tables, every
+    decomposition variant (the host-CPU eigh only exists on a GPU machine)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("gpu_breakdown", monkeypatch)
+    monkeypatch.setattr(bench, "kfac_pytorch_version", lambda: None)
+    argv = ["--device", "cpu", "--quick", "--models", "resnet32", "--methods", "inverse"]
+    assert bench.main([*argv, "--steps", "112", "--out", str(tmp_path)]) == 0
+    entry = json.loads((tmp_path / "gpu_breakdown.json").read_text())["models"]["resnet32"]
+    steps = entry["steps_inverse"]
+    assert steps["counted"] == {"plain": 9, "factors": 0, "decomposition": 0}  # 101 profiled
+    assert steps["step_s"]["plain"] > 0 and steps["sgd_step_s"] > 0
+    assert set(entry["decompositions_s"]) == {
+        f"{kind}_{how}"
+        for kind in ("eigh", "cholesky_inverse", "inv_ex")
+        for how in ("one_at_a_time", "batched_by_size")
+    }
+    assert len(entry["factor_sizes"]) == 2 * 34
+    for kind in ("plain", "factors", "decomposition"):
+        assert "Name" in (tmp_path / f"resnet32_inverse_{kind}.txt").read_text()

@@ -25,7 +25,8 @@ import dkfac.cli.execution as execution_module
 import dkfac.cli.launch as launch_module
 from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, rng_state, save_atomic
 from dkfac.cli.commands import compare_strategies
-from dkfac.cli.config import ConfigError, TrainConfig, load_config_file
+from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.config_files import load_config_file
 from dkfac.cli.config_resolution import resolve_config
 from dkfac.cli.device import (
     LocalSlot,

@@ -152,7 +152,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for label, strategy in zip(labels, strategies, strict=True):
         folder = out / label.replace(" ", "_").replace("+", "_").replace("(", "").replace(")", "")
         # Validates the combination too (e.g. local on several workers).
-        run_config = dataclasses.replace(config, strategy=strategy, out=str(folder))
+        # Each run's TensorBoard scalars in a subfolder named like its run folder: the
+        # runs then appear side by side in TensorBoard.
+        board = os.path.join(config.tensorboard, folder.name) if config.tensorboard else ""
+        run_config = dataclasses.replace(
+            config, strategy=strategy, out=str(folder), tensorboard=board
+        )
         _prepare_out(str(folder))
         if is_lead():
             (folder / "config.toml").write_text(run_config.to_toml())

@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from dkfac.cli.device import AMP_MODES, DEVICES
+from dkfac.cli.tensorboard_log import tensorboard_missing
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
@@ -85,6 +84,8 @@ class TrainConfig:
     loader_workers: int = -1
     seed: int = 0
     out: str = ""
+    #: TensorBoard log directory ("" none): the metrics.jsonl records as scalars.
+    tensorboard: str = ""
     checkpoint_every: int = 0
     stop_after_steps: int = 0
     log_every: int = 10
@@ -95,6 +96,9 @@ class TrainConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
+        missing = tensorboard_missing() if self.tensorboard else None
+        if missing is not None:
+            raise ConfigError(missing)
         for name, allowed in CHOICES:
             if getattr(self, name) not in allowed:
                 raise ConfigError(
@@ -365,36 +369,3 @@ def _convert(config: TrainConfig, key: str, value: Any) -> Any:
         raise ConfigError(
             f"option {key} = {value!r} is not allowed: expected {type(current).__name__}"
         ) from None
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of options."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--config {path}: no such file")
-    text = file.read_text()
-    if file.suffix == ".toml":
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - exercised on Python 3.10 only
-            import tomli as tomllib
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"--config {path}: invalid TOML ({error})") from None
-    elif file.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError(
-                f"--config {path}: YAML needs PyYAML (pip install 'dkfac[cli]')"
-            ) from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"--config {path}: invalid YAML ({error})") from None
-    else:
-        raise ConfigError(f"--config {path}: expected a .toml, .yaml or .yml file")
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a table of options at the top level")
-    return {str(key).replace("-", "_"): value for key, value in data.items()}

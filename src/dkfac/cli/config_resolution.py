@@ -12,7 +12,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dkfac.cli.config import ConfigError, TrainConfig, load_config_file, parse_dataset_option
+from dkfac.cli.config import ConfigError, TrainConfig, parse_dataset_option
+from dkfac.cli.config_files import load_config_file
 from dkfac.strategies.registry import option_keywords, strategy_names
 
 
@@ -75,6 +76,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "collective_timeout",
     "max_restarts",
     "loader_workers",
+    "tensorboard",
 )
 
 

@@ -67,6 +67,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "target_accuracy": "test accuracy whose first crossing each run's seconds and epochs "
         "are reported to",
         "out": "output folder (metrics, checkpoints, plots)",
+        "tensorboard": "also write the metrics as TensorBoard scalars into DIR (compare: one "
+        "subfolder per run; needs the tensorboard package)",
         "optimizer": "sgd (with --momentum) or adamw",
         "schedule": "constant, cosine or step (x0.1 at 1/2 and 3/4 of the epochs), after "
         "--warmup-epochs",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dkfac
+from dkfac.cli.tensorboard_log import TensorBoardLog
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -69,3 +70,41 @@ def truncate_metrics(path: Path, step: int) -> None:
         if line.strip() and json.loads(line).get("step", 0) <= step
     ]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsLog:
+    """Where rank 0's records go: ``metrics.jsonl`` in the run folder and TensorBoard.
+
+    Args:
+        out: the run folder (None: no ``metrics.jsonl``).
+        tensorboard: the ``--tensorboard`` log (None: none).
+    """
+
+    def __init__(self, out: Path | None, tensorboard: TensorBoardLog | None) -> None:
+        self.out = out
+        self.tensorboard = tensorboard
+
+    @property
+    def active(self) -> bool:
+        """Whether records go anywhere (only on rank 0)."""
+        return self.out is not None or self.tensorboard is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Record one step, epoch or event."""
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            append_metrics(self.out / METRICS_NAME, record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def resumed_at(self, step: int) -> None:
+        """Forget what a crashed run recorded after its checkpoint at ``step``."""
+        if self.out is not None:
+            truncate_metrics(self.out / METRICS_NAME, step)
+        if self.tensorboard is not None:
+            self.tensorboard.resumed_at(step)
+
+    def close(self) -> None:
+        """Close the TensorBoard event file."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()

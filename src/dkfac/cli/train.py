@@ -25,13 +25,8 @@ from dkfac.cli.config import TrainConfig
 from dkfac.cli.device import Precision
 from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.run_checkpoint import EpochPosition, restore_checkpoint, save_run_checkpoint
-from dkfac.cli.run_metrics import (
-    METRICS_NAME,
-    PhaseTotals,
-    RunResult,
-    append_metrics,
-    truncate_metrics,
-)
+from dkfac.cli.run_metrics import MetricsLog, PhaseTotals, RunResult
+from dkfac.cli.tensorboard_log import TensorBoardLog
 from dkfac.cli.training_setup import TrainingSetup, build_training_setup
 
 logger = logging.getLogger(__name__)
@@ -152,13 +147,16 @@ class _RankRun:
         # epoch; part of checkpoints.
         self.totals = torch.zeros(3, dtype=torch.float64)
         self.phases = PhaseTotals()
+        first = setup.rank == 0
+        board = self.config.tensorboard if first else ""
+        self.metrics = MetricsLog(
+            self.out if first else None, TensorBoardLog(board) if board else None
+        )
         chosen = setup.pre.plan().get("chosen") if setup.pre is not None else None
-        if chosen is not None and setup.rank == 0:  # --strategy auto: say what and why
+        if chosen is not None and first:  # --strategy auto: say what and why
             logger.info("%s", chosen["reason"])
-            if self.out is not None:
-                self.out.mkdir(parents=True, exist_ok=True)
-                record = {k: chosen[k] for k in ("strategy", "label", "reason")}
-                append_metrics(self.out / METRICS_NAME, {"event": "strategy", "step": 0, **record})
+            record = {k: chosen[k] for k in ("strategy", "label", "reason")}
+            self.metrics.write({"event": "strategy", "step": 0, **record})
 
     def resume(self) -> tuple[int, int, int]:
         """Continue from the checkpoint in ``out`` when there is one.
@@ -187,7 +185,7 @@ class _RankRun:
         self.result.epochs = list(saved["epochs"])
         self.result.seconds = float(saved["seconds"])
         if setup.rank == 0:
-            truncate_metrics(self.out / METRICS_NAME, self.step)
+            self.metrics.resumed_at(self.step)
             logger.info("resumed from step %d (epoch %d)", self.step, start_epoch + 1)
         return start_epoch, start_position, start_budget
 
@@ -281,11 +279,7 @@ class _RankRun:
     def _record_step(self, epoch: int, outcome: _StepOutcome) -> None:
         """Rank 0 appends the step to ``metrics.jsonl`` every ``log_every`` steps."""
         pre = self.setup.pre
-        if (
-            self.setup.rank == 0
-            and self.out is not None
-            and (self.step % self.config.log_every == 0)
-        ):
+        if self.metrics.active and self.step % self.config.log_every == 0:
             record: dict[str, Any] = {
                 "step": self.step,
                 "epoch": epoch + 1,
@@ -297,17 +291,17 @@ class _RankRun:
             if pre is not None:
                 record["kfac_seconds"] = pre.timings()
                 record["comm_bytes"] = sum(v["bytes"] for v in pre.comm_stats().values())
-            append_metrics(self.out / METRICS_NAME, record)
+            self.metrics.write(record)
 
     def end_epoch(self, epoch: int) -> None:
         """Evaluate and report epoch ``epoch``, then checkpoint the run at its end."""
         setup, config = self.setup, self.config
         summary = self._epoch_summary(epoch)
         self.result.epochs.append(summary)
-        if setup.rank == 0 and self.out is not None:
+        if self.metrics.active:
             kfac = self.phases.record() if setup.pre is not None else {}
             record = {"event": "epoch", **summary, **kfac, "device": str(setup.device)}
-            append_metrics(self.out / METRICS_NAME, record)
+            self.metrics.write(record)
         if setup.rank == 0:
             logger.info(
                 "epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.4f (%.1f s)",
@@ -380,6 +374,7 @@ class _RankRun:
     def finish(self) -> RunResult:
         """Apply what is still pending, detach the preconditioner; the run's record."""
         self.result.steps = self.step
+        self.metrics.close()
         self.setup.sync.close()
         if self.setup.pre is not None:
             self.setup.pre.remove()
