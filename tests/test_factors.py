@@ -82,6 +82,30 @@ def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> N
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("with_ones", [False, True])
+@pytest.mark.parametrize("dilation", [(1, 1), (2, 3)])
+def test_a_1x1_convolution_gram_is_its_pixels_gram(
+    with_ones: bool, dilation: tuple[int, int]
+) -> None:
+    # The direct path for 1x1 kernels (no padding, stride 1) against brute-force patches;
+    # channels-last input too (its pixels are already rows).
+    x = torch.randn(3, 5, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected, expected_rows = brute_force_patch_gram(
+        x, (1, 1), dilation, (1, 1), (0, 0, 0, 0), with_ones
+    )
+    for layout in (x, x.contiguous(memory_format=torch.channels_last)):
+        got, rows = conv2d_patch_gram(
+            layout,
+            kernel=(1, 1),
+            dilation=dilation,
+            stride=(1, 1),
+            pad=(0, 0, 0, 0),
+            with_ones=with_ones,
+        )
+        assert rows == expected_rows == 3 * 4 * 6
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def unfold_patch_gram(x: torch.Tensor, conv: nn.Conv2d) -> tuple[torch.Tensor, int]:
     """Σ a aᵀ (plus the bias 1) over the ``F.unfold`` patches of ``conv``'s input, in float64."""
     assert not isinstance(conv.padding, str)

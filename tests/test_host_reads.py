@@ -23,7 +23,7 @@ from host_reads import HostReadSpy
 STRATEGIES = ("dkfac", "kaisa", "spd", "pad", "dp")
 
 
-def test_fold_counted_is_fold_where_counted_and_keeps_the_average_where_not() -> None:
+def test_fold_summed_is_fold_where_counted_and_keeps_the_average_where_not() -> None:
     torch.manual_seed(0)
     decay = 0.9
     running = torch.randn(4, 4)
@@ -41,6 +41,14 @@ def test_fold_counted_is_fold_where_counted_and_keeps_the_average_where_not() ->
     reference.running = running.clone()
     reference.fold(totals[0] / 3.0, decay)
     assert torch.equal(factors[0].running, reference.running)
+    # A counted batch with an Inf is dropped and counted, as fold drops and counts it; an
+    # uncounted one (count 0) is neither.
+    bad = [torch.full((4, 4), float("inf")), torch.full((4, 4), float("nan"))]
+    before = [factor.value().clone() for factor in factors]
+    factors[0].take_nonfinite_count(), factors[1].take_nonfinite_count()
+    fold_summed(factors, bad, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
+    assert all(torch.equal(f.value(), old) for f, old in zip(factors, before, strict=True))
+    assert [int(f.take_nonfinite_count()) for f in factors] == [1, 0]
     # A first estimate (no running average yet) takes the host path: nothing for count 0.
     fresh = [KroneckerFactor("g", 4, torch.float32) for _ in totals]
     fold_summed(fresh, totals, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
@@ -99,13 +107,13 @@ def test_steps_without_decompositions_read_nothing_on_two_workers() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fold_counted_divides_16_bit_sums_as_the_host_path_does(dtype: torch.dtype) -> None:
+def test_fold_summed_divides_16_bit_sums_as_the_host_path_does(dtype: torch.dtype) -> None:
     """A count above float16's range (65504) must not turn the batch factor into zeros."""
     total = torch.full((2, 2), 1000.0, dtype=dtype)
     count = torch.tensor(131072.0, dtype=torch.float64)
     counted = KroneckerFactor("a", 2, dtype)
     counted.running = torch.ones(2, 2, dtype=dtype)
-    counted.fold_counted(total, count, 0.5)
+    fold_summed([counted], [total], count.reshape(1), 0.5)
     host = KroneckerFactor("a", 2, dtype)
     host.running = torch.ones(2, 2, dtype=dtype)
     host.fold(total / 131072.0, 0.5)

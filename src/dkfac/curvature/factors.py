@@ -64,6 +64,11 @@ def conv2d_patch_gram(
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
+    if kernel == (1, 1) and stride == (1, 1) and pad == (0, 0, 0, 0):
+        # A 1x1 convolution's patches are its input pixels: their Gram, no plan or blocks
+        # (one copy of the input instead of a zeroed layout, a copy and block scatters).
+        pixels = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+        return gram_with_ones(pixels, with_ones), pixels.shape[0]
     # Inside torch.compile's tracing the index plan's data-dependent shapes would break the
     # graph: the im2col product (same Gram, other rounding) traces whole.
     if stride == (1, 1) and not torch.compiler.is_compiling():
@@ -344,7 +349,10 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def running_averages(
-    runnings: Sequence[Tensor], batches: Sequence[Tensor], decay: float
+    runnings: Sequence[Tensor],
+    batches: Sequence[Tensor],
+    decay: float,
+    present: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """:func:`running_average` of many running factors at once (each must exist).
 
@@ -353,15 +361,23 @@ def running_averages(
     each factor adds only its choice between blend, batch and old value, so a step that
     updates factors costs the device little and the host a few operations per factor.
 
+    Args:
+        runnings: the running factors.
+        batches: the batch factors, one per running factor (same shape and dtype).
+        decay: ``ε``.
+        present: device booleans, one per factor: whether it has a batch at all (a factor
+            without one keeps its value, decided on the device); None: all have one.
+
     Returns:
         The new running factors and the device booleans "batch ``i`` was finite".
     """
     batch_ok = finite_flags(batches)
+    usable = batch_ok if present is None else batch_ok & present
     running_ok = finite_flags(runnings)
-    both = batch_ok & running_ok
+    both = usable & running_ok
     blended = torch._foreach_lerp(list(runnings), list(batches), 1.0 - decay)
     result = [
-        torch.where(both[i], blend, torch.where(batch_ok[i], batch, running))
+        torch.where(both[i], blend, torch.where(usable[i], batch, running))
         for i, (blend, batch, running) in enumerate(zip(blended, batches, runnings, strict=True))
     ]
     return result, batch_ok

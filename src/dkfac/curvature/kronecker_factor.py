@@ -52,24 +52,6 @@ class KroneckerFactor:
     def _count_nonfinite(self, bad: Tensor) -> None:
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
 
-    def fold_counted(self, total: Tensor, count: Tensor, decay: float) -> None:
-        """Fold ``total / count`` where the device scalar ``count`` is positive; else keep.
-
-        The same as ``fold(total / count)`` when ``count > 0`` and nothing when it is 0, decided
-        on the device: summed statistics whose count only the device knows fold without a host
-        read. Needs a running average (a first estimate is folded knowing the count).
-        """
-        if self.running is None:
-            raise RuntimeError(f"factor {self.side.upper()} has no running average to fold into")
-        present = count > 0
-        # Divided in at least float32 (as ``total / n`` with a Python number is): a float16
-        # count overflows above 65504 and a bfloat16 one rounds to 8 bits.
-        wide = torch.promote_types(total.dtype, torch.float32)
-        batch = (total.to(wide) / count.clamp_min(1.0).to(wide)).to(total.dtype)
-        self._count_nonfinite((present & ~torch.isfinite(batch).all()).to(torch.int64))
-        folded = running_average(self.running, batch, decay)
-        self.running = torch.where(present, folded, self.running)
-
     def take_nonfinite_count(self) -> Tensor | None:
         """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
         count, self._nonfinite = self._nonfinite, None
@@ -130,13 +112,29 @@ def fold_summed(
     """Fold each factor's summed statistics ``totals[i] / counts[i]`` where ``counts[i] > 0``.
 
     Once every factor has an estimate this runs on the device with no host read (the steps
-    that update factors but decompose nothing then never wait for the GPU); the first
-    estimates read the counts once.
+    that update factors but decompose nothing then never wait for the GPU): a factor whose
+    device count is 0 keeps its average, as if nothing were folded, and the others fold
+    exactly as ``fold(total / count)`` would (bit for bit; sums are divided in at least
+    float32, as dividing by a Python number is: a float16 count overflows above 65504). The
+    first estimates read the counts once.
     """
-    if all(factor.running is not None for factor in factors):
-        for factor, total, count in zip(factors, totals, counts, strict=True):
-            factor.fold_counted(total, count, decay)
+    if not factors:
         return
-    for factor, total, count in zip(factors, totals, counts.tolist(), strict=True):
-        if count > 0:
-            factor.fold(total / count, decay)
+    runnings = [factor.running for factor in factors]
+    if any(running is None for running in runnings):
+        for factor, total, count in zip(factors, totals, counts.tolist(), strict=True):
+            if count > 0:
+                factor.fold(total / count, decay)
+        return
+    present = counts > 0
+    divisors = counts.clamp_min(1.0)
+    batches = []
+    for index, total in enumerate(totals):
+        wide = torch.promote_types(total.dtype, torch.float32)
+        batches.append((total.to(wide) / divisors[index].to(wide)).to(total.dtype))
+    held = [running for running in runnings if running is not None]
+    folded, batch_ok = running_averages(held, batches, decay, present)
+    bad = (present & ~batch_ok).to(torch.int64)
+    for index, (factor, running) in enumerate(zip(factors, folded, strict=True)):
+        factor._count_nonfinite(bad[index])
+        factor.running = running
