@@ -127,6 +127,46 @@ def test_alpha_beta_calibration_recovers_the_slowest_ranks_costs_on_every_rank()
         assert model.problems() == []
 
 
+def calibrate_with_rank_1_out_of_memory(rank: int, world_size: int) -> dict[str, Any]:
+    real = cost_model.decompose_factor
+
+    def decompose(matrix: torch.Tensor, *args: Any) -> Any:
+        if rank == 1 and matrix.shape[0] == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory (made up by the test)")
+        return real(matrix, *args)
+
+    with mock.patch.object(cost_model, "decompose_factor", decompose):
+        try:
+            calibrate_decomposition(dims=(32, 64, 128), repeats=1)
+        except RuntimeError as error:
+            cause = error.__cause__
+            return {"message": str(error), "cause": None if cause is None else str(cause)}
+    return {"message": None}
+
+
+def test_a_decomposition_failing_on_one_rank_raises_on_every_rank() -> None:
+    # Before, rank 0 went on to the agreement's allreduce and waited there for rank 1 until
+    # the process group's timeout (the workers' 60 s here: the test would time out).
+    ranks = run_workers(calibrate_with_rank_1_out_of_memory, 2, timeout=60)
+    assert ranks[0] == {
+        "message": "the cost-model calibration failed on another rank (see its error)",
+        "cause": None,
+    }
+    assert ranks[1]["message"] == "the cost-model calibration failed on this rank"
+    assert "out of memory" in ranks[1]["cause"]
+
+
+def test_alone_a_failing_decomposition_raises_its_own_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def decompose(matrix: torch.Tensor, *args: Any) -> None:
+        raise torch.OutOfMemoryError("made up")
+
+    monkeypatch.setattr(cost_model, "decompose_factor", decompose)
+    with pytest.raises(torch.OutOfMemoryError, match="made up"):
+        calibrate_decomposition(dims=(32, 64, 128), repeats=1)
+
+
 def cached_builds(rank: int, world_size: int) -> dict[str, Any]:
     calls: collections.Counter[str] = collections.Counter()
 

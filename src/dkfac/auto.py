@@ -16,10 +16,10 @@ At construction, on every rank together, the preconditioner asks :meth:`AutoOpti
 ``pre.plan()["chosen"]`` has the ranking, the profile's totals and the link; the choice is
 logged. Where the calibration cannot describe the cluster (:meth:`ClusterCostModel.problems`:
 too noisy a network, decompositions whose time does not grow with size), nothing is
-predicted: ``fallback`` runs, and the report says why. If profiling fails on any rank, every
-rank raises (none waits for the others); a calibration that raises on one rank only (out of
-memory in a decomposition, say) still leaves the others waiting in its collectives until the
-process group's timeout. Measuring costs a few training steps of the copy and
+predicted: ``fallback`` runs, and the report says why. If profiling or timing the
+decompositions fails on any rank (out of memory, say), every rank raises (none waits for the
+others); only a collective that fails inside the network itself is left to the process
+group's timeout. Measuring costs a few training steps of the copy and
 the calibration (about a second here), once per preconditioner (reuse a ``CostModelCache``
 across preconditioners).
 """

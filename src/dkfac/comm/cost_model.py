@@ -123,13 +123,32 @@ def _fastest_seconds(action: Callable[[], object], repeats: int) -> float:
     return min(samples)
 
 
-def _agree(values: list[float], device: torch.device, comm: Communicator | None) -> list[float]:
-    """The element-wise maximum over ranks, so every rank plans with the same numbers."""
+def _agree(
+    values: list[float],
+    device: torch.device,
+    comm: Communicator | None,
+    failure: Exception | None = None,
+) -> list[float]:
+    """The element-wise maximum over ranks, so every rank plans with the same numbers.
+
+    ``failure``: measuring raised on this rank (``values`` are then placeholders). The ranks
+    agree on whether any failed along with the numbers, so a failure on one rank raises on
+    every rank instead of leaving the others waiting in the next collective.
+
+    Raises:
+        RuntimeError: measuring failed on some rank of several (this rank's ``failure`` is
+            the cause); alone, ``failure`` itself is raised.
+    """
     if comm is None or comm.world_size == 1:
+        if failure is not None:
+            raise failure
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor([float(failure is not None), *values], dtype=torch.float64, device=device)
     comm.allreduce([tensor], phase="calibration", maximum=True, exact=True).wait()
-    return [float(v) for v in tensor.tolist()]
+    if bool(tensor[0]):
+        where = "this rank" if failure is not None else "another rank (see its error)"
+        raise RuntimeError(f"the cost-model calibration failed on {where}") from failure
+    return [float(v) for v in tensor[1:].tolist()]
 
 
 def _world_communicator() -> Communicator | None:
@@ -210,23 +229,31 @@ def calibrate_decomposition(
     ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Sizes
     above 1024 are timed once (each takes seconds on a CPU). Under ``torch.distributed`` the
     times are max-reduced over ``comm``'s group (default: the world) so all ranks agree.
+
+    Raises:
+        RuntimeError: a decomposition raised on some rank (out of memory, say): every rank of
+            the group raises, none is left waiting for the others.
     """
     target = device or torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
-    measured = []
-    for d in dims:
-        x = torch.randn(d, d, generator=generator, dtype=dtype).to(target)
-        matrix = x @ x.t() + torch.eye(d, dtype=dtype, device=target)
+    measured: list[float] = []
+    failure: Exception | None = None
+    try:  # local work only: a failure here (out of memory, say) is agreed on below
+        for d in dims:
+            x = torch.randn(d, d, generator=generator, dtype=dtype).to(target)
+            matrix = x @ x.t() + torch.eye(d, dtype=dtype, device=target)
+            shift = torch.tensor(1e-3, dtype=dtype, device=target)
 
-        shift = torch.tensor(1e-3, dtype=dtype, device=target)
+            def decompose(matrix: torch.Tensor = matrix, shift: torch.Tensor = shift) -> None:
+                decompose_factor(matrix, "a", method, dtype, shift)
+                if matrix.is_cuda:
+                    torch.cuda.synchronize(matrix.device)
 
-        def decompose(matrix: torch.Tensor = matrix, shift: torch.Tensor = shift) -> None:
-            decompose_factor(matrix, "a", method, dtype, shift)
-            if matrix.is_cuda:
-                torch.cuda.synchronize(matrix.device)
-
-        measured.append(_fastest_seconds(decompose, repeats if d <= 1024 else 1))
-    return fit_cubic(list(dims), _agree(measured, target, comm or _world_communicator()))
+            measured.append(_fastest_seconds(decompose, repeats if d <= 1024 else 1))
+    except Exception as error:
+        failure, measured = error, [0.0] * len(dims)
+    agreed = _agree(measured, target, comm or _world_communicator(), failure)
+    return fit_cubic(list(dims), agreed)
 
 
 @dataclass(frozen=True)
