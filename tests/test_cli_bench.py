@@ -212,6 +212,7 @@ def test_bench_selects_strategies_and_schedules() -> None:
         (["--schedules", "10:15"], "--schedules"),
         (["--schedules", "ten"], "--schedules"),
         (["--iters", "0"], "--iters"),
+        *([(["--device", "cuda"], "--device cuda")] if not torch.cuda.is_available() else []),
     ],
 )
 def test_bench_bad_input_is_one_line_and_exit_2(
@@ -224,6 +225,55 @@ def test_bench_bad_input_is_one_line_and_exit_2(
     assert len(lines) == 1
     assert lines[0].startswith("dkfac: error: ") and message in lines[0]
     assert not (tmp_path / "bench").exists()  # refused before anything is launched or written
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "expected"),
+    [
+        ("auto", 0, "cpu"),
+        ("auto", 2, "cuda"),  # a GPU per worker of the largest world size (2, 4: 4 needed)
+        ("auto", 4, "cuda"),
+        ("cpu", 4, "cpu"),
+        ("cuda", 4, "cuda"),
+    ],
+)
+def test_bench_runs_every_world_size_on_one_device(
+    device: str, gpus: int, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    nprocs = "2" if gpus == 2 else "2,4"
+    argv = ["bench", "--device", device, "--nprocs", nprocs]
+    options = options_from_args(
+        build_parser().parse_args(argv), models=BENCH_MODELS, nprocs=BENCH_NPROCS
+    )
+    assert options.device == expected
+    worker_argv = options.worker_argv(Path("x.json"))
+    assert worker_argv[worker_argv.index("--device") + 1] == expected
+    assert options.settings()["backend"] == ("cpu:gloo,cuda:nccl" if expected == "cuda" else "gloo")
+
+
+def test_bench_refuses_cuda_with_fewer_gpus_than_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = build_parser().parse_args(["bench", "--device", "cuda", "--nprocs", "2,4"])
+    with pytest.raises(ConfigError, match=r"4 workers .* 2 GPU\(s\) .*--nprocs 2"):
+        options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (no rehearsal)")
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _torchrun_available(), reason="needs torchrun")
+def test_bench_times_sgd_and_kfac_on_the_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "--device", "cuda", "--nprocs", "1", "--models", "resnet20"]
+    argv += ["--strategies", "dkfac", "--schedules", "1:1", "--rounds", "1", "--warmup", "1"]
+    assert main([*argv, "--iters", "2", "--iters-long", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["device"] == "cuda"
+    assert [row["key"] for row in report["summary"]] == ["sgd", "dkfac_1_1"]
+    assert all(row["amortized_s"] > 0 for row in report["summary"])
 
 
 def test_bench_selects_spd_and_pad() -> None:

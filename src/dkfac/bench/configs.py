@@ -32,6 +32,7 @@ from dkfac.bench.models import MODELS as MODELS
 from dkfac.bench.models import NUM_CLASSES as NUM_CLASSES
 from dkfac.bench.models import TOKEN_VOCABULARIES as TOKEN_VOCABULARIES
 from dkfac.bench.models import mlp6 as mlp6
+from dkfac.cli.config import ConfigError
 from dkfac.strategies.registry import strategy_names
 
 LR = 0.1
@@ -254,3 +255,30 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
+    """``"f:i,f:i"`` as distinct ``(factor_steps, inverse_steps)`` pairs, checked.
+
+    Raises:
+        ConfigError: an item is not two integers >= 1 with ``i`` a multiple of ``f``, or
+            there is none.
+    """
+    schedules: list[tuple[int, int]] = []
+    for item in comma_separated(value):
+        try:
+            f, i = (int(part) for part in item.split(":"))
+        except ValueError:
+            raise ConfigError(
+                f"--schedules: {item!r} is not factor_steps:inverse_steps (e.g. 10:100)"
+            ) from None
+        if f < 1 or i < 1 or i % f != 0:
+            raise ConfigError(
+                f"--schedules: {item!r} needs steps >= 1 and inverse steps a multiple of the "
+                "factor steps"
+            )
+        if (f, i) not in schedules:
+            schedules.append((f, i))
+    if not schedules:
+        raise ConfigError("--schedules needs at least one factor_steps:inverse_steps pair")
+    return tuple(schedules)

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from dkfac.bench.configs import (
     DEAR,
     DEAR_AUTO_RANGE_MB,
@@ -30,6 +32,7 @@ from dkfac.bench.configs import (
     STRATEGY_CHOICES,
     TOKEN_VOCABULARIES,
     comma_separated,
+    parse_schedules,
 )
 from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL
 from dkfac.bench.dry_run_options import add_dry_run_options, cost_model_from_args
@@ -37,6 +40,7 @@ from dkfac.bench.link_shape import LinkShape
 from dkfac.bench.report import MB
 from dkfac.bench.targets import BenchTargets, load_targets
 from dkfac.cli.config import ConfigError
+from dkfac.cli.device import DEVICES, DeviceError, LocalSlot, backend_for, resolve_device
 from dkfac.comm.cost_model import ClusterCostModel
 
 #: Defaults of a full run and of ``--quick`` (models and world sizes come from the front end).
@@ -83,6 +87,8 @@ class BenchOptions:
     cost_model: ClusterCostModel = NOMINAL_COST_MODEL
     targets: BenchTargets | None = None
     network: LinkShape | None = None
+    #: Where every worker runs: "cuda" (GPU ``LOCAL_RANK`` each, NCCL) or "cpu" (gloo).
+    device: str = "cpu"
 
     def worker_argv(self, out: Path) -> list[str]:
         """The options of :mod:`dkfac.bench.worker`, rank 0 writing to ``out``."""
@@ -109,6 +115,8 @@ class BenchOptions:
             str(self.seed),
             "--bucket-cap-mb",
             str(self.bucket_cap_mb),
+            "--device",
+            self.device,
         ]
 
     def settings(self) -> dict[str, Any]:
@@ -126,7 +134,8 @@ class BenchOptions:
             "bucket_cap_mb": self.bucket_cap_mb,
             "timeout_s": self.timeout,
             "quick": self.quick,
-            "backend": "gloo",
+            "device": self.device,
+            "backend": backend_for(torch.device(self.device)),
             "threads_per_process": 1,
             "inverse_method": INVERSE_METHOD,
             "lr": LR,
@@ -213,6 +222,13 @@ def add_bench_options(
     )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: a GPU per worker (NCCL) if there is one for the largest --nprocs, else "
+        "the CPU (gloo); cpu; cuda (an error without enough GPUs) (default auto)",
+    )
+    parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="K-FAC fusion bucket (default 25)"
     )
     parser.add_argument(
@@ -244,33 +260,6 @@ def add_bench_options(
         "links carry RATE each way (tc units: 100mbit, 1gbit) and, where the kernel has netem, "
         "add DELAY (e.g. 50us); needs root (CAP_NET_ADMIN). Default: this machine's loopback",
     )
-
-
-def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
-    """``"f:i,f:i"`` as distinct ``(factor_steps, inverse_steps)`` pairs, checked.
-
-    Raises:
-        ConfigError: an item is not two integers >= 1 with ``i`` a multiple of ``f``, or
-            there is none.
-    """
-    schedules: list[tuple[int, int]] = []
-    for item in comma_separated(value):
-        try:
-            f, i = (int(part) for part in item.split(":"))
-        except ValueError:
-            raise ConfigError(
-                f"--schedules: {item!r} is not factor_steps:inverse_steps (e.g. 10:100)"
-            ) from None
-        if f < 1 or i < 1 or i % f != 0:
-            raise ConfigError(
-                f"--schedules: {item!r} needs steps >= 1 and inverse steps a multiple of the "
-                "factor steps"
-            )
-        if (f, i) not in schedules:
-            schedules.append((f, i))
-    if not schedules:
-        raise ConfigError("--schedules needs at least one factor_steps:inverse_steps pair")
-    return tuple(schedules)
 
 
 def _network_from_args(args: argparse.Namespace) -> LinkShape | None:
@@ -360,6 +349,14 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         raise ConfigError("--timeout must be positive")
     if args.bucket_cap_mb <= 0:
         raise ConfigError("--bucket-cap-mb must be positive")
+    try:  # one device for every world size: a report mixing GPUs and CPUs compares neither
+        device = resolve_device(
+            getattr(args, "device", "cpu"),
+            LocalSlot(0, max(world_sizes)),
+            torch.cuda.device_count(),
+        ).type
+    except DeviceError as error:
+        raise ConfigError(str(error).replace("--nproc ", "--nprocs ")) from None
     return BenchOptions(
         models=tuple(dict.fromkeys(model_names)),
         nprocs=tuple(dict.fromkeys(world_sizes)),
@@ -378,4 +375,5 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         cost_model=cost_model,
         targets=targets,
         network=network,
+        device=device,
     )

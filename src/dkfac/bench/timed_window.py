@@ -93,15 +93,18 @@ def time_window(
     iters: int,
     seed: int,
     bucket_cap_mb: float,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Build a fresh model for ``config``, warm it up, time ``iters`` iterations.
 
     Returns this rank's raw numbers; :func:`~dkfac.bench.window_reduction.reduce_window`
     combines the ranks. The garbage collector is paused during the window (for every
-    configuration alike).
+    configuration alike). On a GPU (``device``) every iteration waits for the device at its
+    end, so that its time is the device's, not that of queuing its work.
     """
     torch.manual_seed(seed)
-    net = MODELS[model_name](num_classes=NUM_CLASSES)
+    on = device or torch.device("cpu")
+    net = MODELS[model_name](num_classes=NUM_CLASSES).to(on)
     net.train()
     model: nn.Module = net
     dear: dkfac.DeAR | None = None
@@ -118,7 +121,7 @@ def time_window(
         )
         step: Callable[[], Any] = dear.step
     else:
-        model = DistributedDataParallel(net)
+        model = DistributedDataParallel(net, device_ids=[on.index] if on.type == "cuda" else None)
         optimizer = sgd(model.parameters())
         step, zero_grad = optimizer.step, optimizer.zero_grad
     pre: dkfac.KFACPreconditioner | None = None
@@ -150,6 +153,8 @@ def time_window(
         if pre is not None:
             pre.step()
         step()
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
         return loss
 
     def settling() -> bool:

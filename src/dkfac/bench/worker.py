@@ -5,7 +5,8 @@ installed package::
 
     python -m torch.distributed.run --standalone --nproc_per_node=P -m dkfac.bench.worker ...
 
-gloo process group, one intra-op thread, a fixed synthetic batch per rank and model
+gloo process group (``--device cuda``: GPU ``LOCAL_RANK``, NCCL), one intra-op thread, a
+fixed synthetic batch per rank and model
 (``--batch-size`` per worker, each model's input shape from
 :data:`~dkfac.bench.models.INPUT_SHAPES`: 3x32x32 images for the CIFAR ResNets, vectors of
 1024 features for ``mlp6``, 64 token ids with their next tokens as targets for
@@ -50,20 +51,24 @@ from dkfac.bench.configs import (
     comma_separated,
     configurations,
     environment,
+    parse_schedules,
 )
 from dkfac.bench.models import make_batch as make_batch
 from dkfac.bench.models import model_batch
-from dkfac.bench.options import parse_schedules
 from dkfac.bench.timed_window import time_window
 from dkfac.bench.window_reduction import reduce_window, summarize
+from dkfac.cli.device import backend_for, local_slot
 from dkfac.comm import destroy_process_groups
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run every round on this rank (process group up); the report on rank 0, else None."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = worker_device(args.device)
     batches = {
-        model: model_batch(model, args.batch_size, args.seed + 1000 * (rank + 1))
+        model: tuple(
+            t.to(device) for t in model_batch(model, args.batch_size, args.seed + 1000 * (rank + 1))
+        )
         for model in args.models
     }
     configs = configurations(world_size, args.strategies, args.schedules)
@@ -86,6 +91,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
                     iters=iters,
                     seed=args.seed,
                     bucket_cap_mb=args.bucket_cap_mb,
+                    device=device,
                 )
                 gathered: list[Any] = [None] * world_size
                 dist.all_gather_object(gathered, raw)
@@ -109,6 +115,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     return {
         "world_size": world_size,
         "backend": dist.get_backend(),
+        "device": str(device),
         "environment": environment(),
         "configurations": [c.to_json() for c in configs],
         "rounds": rounds,
@@ -132,14 +139,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args(argv)
+
+
+def worker_device(kind: str) -> torch.device:
+    """This worker's device: ``cuda:LOCAL_RANK`` (torchrun's) for ``"cuda"``, else the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", local_slot().rank)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Join the torchrun job (gloo, one thread), measure; rank 0 writes ``--out``."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = worker_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
     try:
         report = measure(args)
         if report is not None:
