@@ -252,6 +252,21 @@ def test_bench_runs_every_world_size_on_one_device(
     assert options.settings()["backend"] == ("cpu:gloo,cuda:nccl" if expected == "cuda" else "gloo")
 
 
+def test_an_emulated_cluster_and_a_dry_run_stay_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NCCL between processes of one machine would bypass the shaped link: CPU workers.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    parser = build_parser()
+    for extra in (["--network", "50mbit"], ["--layers", "resnet50"]):
+        args = parser.parse_args(["bench", *extra])
+        options = options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+        assert options.device == "cpu"
+        args = parser.parse_args(["bench", "--device", "cuda", *extra])
+        with pytest.raises(ConfigError, match="--device cuda is not allowed with --network"):
+            options_from_args(args, models=BENCH_MODELS, nprocs=BENCH_NPROCS)
+
+
 def test_bench_refuses_cuda_with_fewer_gpus_than_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

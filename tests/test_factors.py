@@ -217,6 +217,23 @@ def test_many_factors_fold_together_exactly_as_one_at_a_time(
             assert torch.isnan(new).all()
 
 
+@pytest.mark.parametrize("batch_dtype", [torch.float64, torch.bfloat16])
+def test_a_batch_of_another_dtype_folds_promoted_as_before(batch_dtype: torch.dtype) -> None:
+    # A running factor loaded with another factor_dtype meets batches of the layer's dtype:
+    # the blend runs in the wider dtype (as ε·running + (1−ε)·batch promoted), never raises.
+    running = torch.randn(4, 4, dtype=torch.float64).float()
+    batch = torch.randn(4, 4, dtype=torch.float64).to(batch_dtype)
+    factors = [KroneckerFactor("a", 4, batch_dtype), KroneckerFactor("a", 4, batch_dtype)]
+    factors[0].running = running.clone()
+    factors[1].running = running.clone()
+    fold_batches(factors, [batch, batch.clone()], 0.9)
+    wide = torch.promote_types(torch.float32, batch_dtype)
+    expected = 0.9 * running.double() + 0.1 * batch.double()
+    for factor in factors:
+        assert factor.value().dtype == wide
+        torch.testing.assert_close(factor.value().double(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_fold_batches_counts_dropped_batches_like_fold() -> None:
     def factors() -> list[KroneckerFactor]:
         made = [KroneckerFactor("a", 3, torch.float32) for _ in range(3)]

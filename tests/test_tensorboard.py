@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.config import TrainConfig
 from dkfac.cli.main import main
 from dkfac.cli.tensorboard_log import TensorBoardLog, scalars
 from test_cli import QUICK, steps_of
@@ -93,7 +93,7 @@ def test_records_become_scalars_by_kind() -> None:
 
 
 def test_without_the_package_the_option_is_refused_with_the_install_command(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -101,9 +101,14 @@ def test_without_the_package_the_option_is_refused_with_the_install_command(
         "find_spec",
         lambda name, *a: None if name == "tensorboard" else real(name, *a),
     )
-    with pytest.raises(ConfigError, match=r"pip install 'dkfac\[tensorboard\]'"):
-        TrainConfig(tensorboard="runs/tb")
-    assert TrainConfig().tensorboard == ""  # the default needs nothing
+    out = tmp_path / "run"
+    for command in ("train", "compare"):
+        argv = [command, *QUICK, "--nproc", "1", "--out", str(out)]
+        assert main([*argv, "--tensorboard", str(tmp_path / "tb")]) == 2
+        assert "pip install 'dkfac[tensorboard]'" in capsys.readouterr().err
+    assert not (tmp_path / "tb").exists()
+    # A saved configuration naming a TensorBoard folder still loads (to resume without it).
+    assert TrainConfig(tensorboard="runs/tb").with_overrides({"tensorboard": ""}).tensorboard == ""
 
 
 def test_compare_writes_each_run_beside_the_others(tmp_path: Path) -> None:

@@ -349,12 +349,17 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         raise ConfigError("--timeout must be positive")
     if args.bucket_cap_mb <= 0:
         raise ConfigError("--bucket-cap-mb must be positive")
-    try:  # one device for every world size: a report mixing GPUs and CPUs compares neither
-        device = resolve_device(
-            getattr(args, "device", "cpu"),
-            LocalSlot(0, max(world_sizes)),
-            torch.cuda.device_count(),
-        ).type
+    # One device for every world size (a report mixing GPUs and CPUs compares neither). An
+    # emulated cluster shapes TCP between CPU workers (NCCL would bypass the link) and a
+    # dry run times nothing: both on the CPU.
+    choice = getattr(args, "device", "cpu")
+    if network is not None or layers is not None:
+        if choice == "cuda":
+            raise ConfigError("--device cuda is not allowed with --network or --layers")
+        choice = "cpu"
+    try:
+        gpus = torch.cuda.device_count()
+        device = resolve_device(choice, LocalSlot(0, max(world_sizes)), gpus).type
     except DeviceError as error:
         raise ConfigError(str(error).replace("--nproc ", "--nprocs ")) from None
     return BenchOptions(

@@ -24,6 +24,7 @@ from dkfac.cli.exit_codes import EXIT_WORKER
 from dkfac.cli.parser import BENCH_MODELS, BENCH_NPROCS
 from dkfac.cli.report import compare_table, epoch_table, write_plots
 from dkfac.cli.run_metrics import RunResult
+from dkfac.cli.tensorboard_log import tensorboard_missing
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,13 @@ def _print_plots(results: dict[str, RunResult], folder: Path) -> None:
         print("plots: skipped (they need matplotlib: pip install matplotlib)")
 
 
+def refuse_missing_tensorboard(config: TrainConfig) -> None:
+    """``--tensorboard`` without the package: refused before anything runs (the lead writes)."""
+    missing = tensorboard_missing() if config.tensorboard and is_lead() else None
+    if missing is not None:
+        raise ConfigError(missing)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """``dkfac train``."""
     if args.resume:
@@ -65,6 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         config = resolve_config(args)
         refuse_unread_strategy_options(args, config)
+    refuse_missing_tensorboard(config)
     if not config.out:
         config = dataclasses.replace(config, out=os.path.join("runs", "train"))
     out = _prepare_out(config.out)
@@ -140,6 +149,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "--strategy is not allowed with --strategies: list every run in --strategies"
         )
     config = resolve_config(args)
+    refuse_missing_tensorboard(config)
     if config.max_restarts:
         raise ConfigError(
             "--max-restarts is not allowed with compare: it restarts one run from its "

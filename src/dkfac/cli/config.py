@@ -13,7 +13,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dkfac.cli.device import AMP_MODES, DEVICES
-from dkfac.cli.tensorboard_log import tensorboard_missing
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
@@ -96,9 +95,6 @@ class TrainConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        missing = tensorboard_missing() if self.tensorboard else None
-        if missing is not None:
-            raise ConfigError(missing)
         for name, allowed in CHOICES:
             if getattr(self, name) not in allowed:
                 raise ConfigError(

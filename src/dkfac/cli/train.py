@@ -104,21 +104,24 @@ def run_training(
     run = _RankRun(build_training_setup(config, rank, world), on_epoch, progress)
     # Where the first epoch starts: examples of its order already consumed by all ranks, and
     # how many it uses in all (its budget, fixed when the epoch began, whatever the world).
-    start_epoch, start_position, start_budget = run.resume() if resume else (0, 0, 0)
-    run.setup.wrapped.train()
-    for epoch in range(start_epoch, config.epochs):
-        resuming = epoch == start_epoch and start_position > 0
-        full_budget = run.setup.steps_per_epoch * run.setup.global_batch
-        run.train_epoch(
-            epoch,
-            position=start_position if resuming else 0,
-            budget=start_budget if resuming else full_budget,
-            resuming=resuming,
-        )
-        if run.result.stopped:
-            break
-        run.end_epoch(epoch)
-    return run.finish()
+    try:  # the TensorBoard events written so far are closed whatever happens
+        start_epoch, start_position, start_budget = run.resume() if resume else (0, 0, 0)
+        run.setup.wrapped.train()
+        for epoch in range(start_epoch, config.epochs):
+            resuming = epoch == start_epoch and start_position > 0
+            full_budget = run.setup.steps_per_epoch * run.setup.global_batch
+            run.train_epoch(
+                epoch,
+                position=start_position if resuming else 0,
+                budget=start_budget if resuming else full_budget,
+                resuming=resuming,
+            )
+            if run.result.stopped:
+                break
+            run.end_epoch(epoch)
+        return run.finish()
+    finally:
+        run.metrics.close()
 
 
 class _RankRun:

@@ -333,7 +333,8 @@ def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tens
     batch_ok = torch.isfinite(batch).all()
     if running is None:
         return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
-    updated = torch.lerp(running, batch, 1.0 - decay)
+    wide = torch.promote_types(running.dtype, batch.dtype)  # as ε·running + (1−ε)·batch did
+    updated = torch.lerp(running.to(wide), batch.to(wide), 1.0 - decay)
     running_ok = torch.isfinite(running).all()
     return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
 
@@ -363,7 +364,8 @@ def running_averages(
 
     Args:
         runnings: the running factors.
-        batches: the batch factors, one per running factor (same shape and dtype).
+        batches: the batch factors, one per running factor (same shape and dtype: mixed
+            pairs go through :func:`running_average`, which promotes).
         decay: ``ε``.
         present: device booleans, one per factor: whether it has a batch at all (a factor
             without one keeps its value, decided on the device); None: all have one.

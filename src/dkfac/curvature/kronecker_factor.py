@@ -76,6 +76,19 @@ class KroneckerFactor:
         return trace_mean(self.value(), dtype)
 
 
+def _one_launch_each(runnings: Sequence[Tensor | None], batches: Sequence[Tensor]) -> bool:
+    """Whether the factors can share launches (else they fold one at a time).
+
+    Every average must exist, all on one device, each pair in one dtype (a state loaded with
+    another ``factor_dtype`` folds promoted, as one at a time).
+    """
+    if any(running is None for running in runnings):
+        return False
+    pairs = zip(runnings, batches, strict=True)
+    same = all(r is not None and r.dtype == b.dtype for r, b in pairs)
+    return same and len({t.device for t in [*batches, *runnings] if t is not None}) == 1
+
+
 def fold_batches(
     factors: Sequence[KroneckerFactor], batches: Sequence[Tensor], decay: float
 ) -> None:
@@ -86,8 +99,7 @@ def fold_batches(
     result is the same, bit for bit, as folding one factor at a time.
     """
     runnings = [factor.running for factor in factors]
-    devices = {batch.device for batch in batches}
-    if not factors or len(devices) > 1 or any(running is None for running in runnings):
+    if not factors or not _one_launch_each(runnings, batches):
         for factor, batch in zip(factors, batches, strict=True):
             factor.fold(batch, decay)
         return
@@ -121,7 +133,7 @@ def fold_summed(
     if not factors:
         return
     runnings = [factor.running for factor in factors]
-    if any(running is None for running in runnings):
+    if not _one_launch_each(runnings, totals):
         for factor, total, count in zip(factors, totals, counts.tolist(), strict=True):
             if count > 0:
                 factor.fold(total / count, decay)
