@@ -39,6 +39,7 @@ from gpu_overhead import (
     LR,
     MODELS,
     ModelSpec,
+    eigh_seconds,
     environment,
     fresh_model,
     install_kfac_pytorch,
@@ -225,13 +226,6 @@ def decomposition_variants(factors: list[torch.Tensor]) -> dict[str, float]:
         fn()
         seconds[name] = timed(fn, device)
     return seconds
-
-
-def eigh_seconds(matrices: list[torch.Tensor]) -> float:
-    """Seconds of ``eigh`` on each matrix in turn (a few warm-up calls first)."""
-    for matrix in matrices[:4]:
-        torch.linalg.eigh(matrix)
-    return timed(lambda: [torch.linalg.eigh(m) for m in matrices], matrices[0].device)
 
 
 def kfac_pytorch_factors(spec: ModelSpec, batch: Batch, steps: int) -> dict[str, Any]:

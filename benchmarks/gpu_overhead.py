@@ -218,6 +218,19 @@ def host_waits(spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor]) -> dic
     return result
 
 
+def eigh_seconds(matrices: list[torch.Tensor]) -> float:
+    """Seconds of ``eigh`` on each matrix in turn (warm-up calls first, the device waited for)."""
+    for matrix in matrices[:4]:  # warm the solver's workspaces
+        torch.linalg.eigh(matrix)
+    device = matrices[0].device
+    synchronize(device)
+    start = time.perf_counter()
+    for matrix in matrices:
+        torch.linalg.eigh(matrix)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def eigh_probe(
     spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], steps: int
 ) -> dict[str, Any]:
@@ -243,16 +256,6 @@ def eigh_probe(
     factors = [f for pair in pre.factors().values() for f in pair]
     pre.remove()
     blend = 0.95**steps
-
-    def eigh_seconds(matrices: list[torch.Tensor]) -> float:
-        for matrix in matrices[:4]:  # warm the solver's workspaces
-            torch.linalg.eigh(matrix)
-        synchronize(x.device)
-        start = time.perf_counter()
-        for matrix in matrices:
-            torch.linalg.eigh(matrix)
-        synchronize(x.device)
-        return time.perf_counter() - start
 
     eye = [torch.eye(f.shape[0], device=f.device, dtype=f.dtype) for f in factors]
     blended = [blend * i + (1 - blend) * f for i, f in zip(eye, factors, strict=True)]

@@ -83,6 +83,8 @@ class MetricsLog:
     def __init__(self, out: Path | None, tensorboard: TensorBoardLog | None) -> None:
         self.out = out
         self.tensorboard = tensorboard
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
 
     @property
     def active(self) -> bool:
@@ -92,7 +94,6 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         """Record one step, epoch or event."""
         if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
             append_metrics(self.out / METRICS_NAME, record)
         if self.tensorboard is not None:
             self.tensorboard.write(record)
