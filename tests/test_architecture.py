@@ -20,9 +20,10 @@ ALLOWED = {
     "adaptive": {"adaptive", "curvature", "validation"},
     "comm": {"comm", "curvature"},
     "strategies": {"strategies", "comm", "curvature"},
-    # The simulator sits above the strategies: their own planners and runner; profiling runs
-    # the preconditioner, and takes the benchmark's models and link shapes.
-    "sim": {"sim", "strategies", "comm", "curvature", "preconditioner", "bench"},
+    # The simulator sits above the strategies: their own planners and runner, DeAR's bucket
+    # planner; profiling runs the preconditioner, and takes the benchmark's models and link
+    # shapes.
+    "sim": {"sim", "strategies", "dear", "comm", "curvature", "preconditioner", "bench"},
 }
 MAX_LINES = 400
 

@@ -50,20 +50,20 @@ def profile() -> ComputeProfile:
     )
 
 
-def expected_choice() -> tuple[str, float, float]:
+def expected_choice(ddp_bucket_cap_mb: float = 25.0) -> tuple[str, float, float]:
     """The fastest candidate by the simulator, computed here from the same inputs."""
     given = profile()
     given = ComputeProfile(**{**given.__dict__, "decomposition": {"eigen": SLOW.decomposition}})
-    cluster = SimulatedCluster(2, LinkModel.from_allreduce_fit(SLOW.collective, 2), "gloo")
+    link = LinkModel.from_allreduce_fit(SLOW.collective, 2)
+    cluster = SimulatedCluster(2, link, "gloo", ddp_bucket_cap_mb=ddp_bucket_cap_mb)
     best = rank_candidates(given, cluster, candidates(SimulatedRun("dkfac"), 2))[0]
     return best.candidate.run.strategy, best.candidate.run.grad_worker_fraction, best.iteration_s
 
 
-def chosen_with_a_given_profile(rank: int, world_size: int) -> dict:
+def chosen_with_a_given_profile(rank: int, world_size: int, ddp_cap_mb: float = 25.0) -> dict:
     net = model()
-    pre = dkfac.KFACPreconditioner(
-        net, strategy=dkfac.AutoOptions(profile=profile(), cost_model=SLOW)
-    )
+    options = dkfac.AutoOptions(profile=profile(), cost_model=SLOW, ddp_bucket_cap_mb=ddp_cap_mb)
+    pre = dkfac.KFACPreconditioner(net, strategy=options)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
     F.cross_entropy(net(x), torch.arange(16) % 4).backward()
     pre.step()
@@ -90,6 +90,14 @@ def test_auto_runs_the_strategy_the_simulator_ranks_fastest() -> None:
         assert "strategy=auto chose" in chosen["reason"]
         if strategy in ("spd", "pad"):  # planned with the cost model auto was given
             assert out["plan"]["cost_model"]["beta_s_per_byte"] == pytest.approx(1e-5)
+
+
+def test_auto_simulates_ddp_with_the_bucket_cap_it_is_given() -> None:
+    """A DDP cap below one layer's gradient sends the layers in separate allreduces."""
+    _, _, seconds = expected_choice(ddp_bucket_cap_mb=1e-4)
+    assert seconds != pytest.approx(expected_choice()[2])  # the cap changes the prediction
+    for out in run_workers(chosen_with_a_given_profile, 2, args=(1e-4,), timeout=90):
+        assert out["plan"]["chosen"]["ranking"][0]["iteration_s"] == pytest.approx(seconds)
 
 
 def chosen_with_a_measured_profile(rank: int, world_size: int) -> dict:

@@ -16,7 +16,7 @@ from dkfac.sim.choice import candidates, kaisa_fractions, rank_candidates
 from dkfac.sim.flops import DeviceRates, LayerWork, flop_profile, resnet50_work
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.network import ETHERNET_PAYLOAD_SHARE, LinkModel, steps, uplink_loads
-from dkfac.sim.passes import ddp_buckets, worker_passes
+from dkfac.sim.passes import DearBucket, ddp_buckets, dear_buckets, worker_passes
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.sim.profiling import device_clock, measure_profile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
@@ -157,6 +157,73 @@ def test_sgd_step_is_forward_backward_allreduce_optimizer() -> None:
     assert simulate(profile(), fast, SimulatedRun("sgd")).iteration_s == pytest.approx(0.31)
 
 
+def test_dear_buckets_follow_its_plan_and_launch_last_bucket_first() -> None:
+    passes = worker_passes(profile(), [False, False])
+    # One bucket (the first is capped at 1 MiB): everything, when the backward ends (the
+    # parameters outside the layers are ready only then).
+    assert dear_buckets(profile(), passes, 25.0) == [DearBucket(0, 0.2, 216 + 80 + 40)]
+    tiny = 100 / 2**20  # MiB: each layer alone
+    assert dear_buckets(profile(), passes, tiny) == [
+        DearBucket(0, 0.2, 80 + 40),
+        DearBucket(1, 0.06, 216),
+    ]
+    # A first bucket ready before the second still waits for the second's launch.
+    early = profile(
+        other_grad_bytes=0,
+        layers=(dataclasses.replace(profile().layers[0], grad_ready_s=0.03), profile().layers[1]),
+    )
+    early_passes = worker_passes(early, [False, False])
+    assert dear_buckets(early, early_passes, tiny) == [
+        DearBucket(0, 0.06, 80),
+        DearBucket(1, 0.06, 216),
+    ]
+
+
+def test_sgd_with_dear_gathers_under_the_next_forward_and_scatters_under_backward() -> None:
+    link = LinkModel(bytes_per_s=1000.0, step_latency_s=0.001)
+    cluster = SimulatedCluster(2, link, backend="nccl")
+    run = SimulatedRun("sgd", gradient_sync="dear", dear_bucket_cap_mb=100 / 2**20)
+    step = simulate(profile(), cluster, run).steps[0]
+    # Last step's all-gathers from t = 0, first bucket first, one at a time (NCCL): each
+    # member sends half of a bucket after one latency.
+    gather_0 = 0.001 + 60 / 1000
+    gather_1 = gather_0 + 0.001 + 108 / 1000
+    # The forward waits for bucket 0 before layer 0 and applies its share of the optimizer
+    # (by bytes), then reaches layer 1 (0.02 s later) and waits for bucket 1.
+    delay = gather_0 + 0.01 * 120 / 336
+    delay = max(0.02 + delay, gather_1) - 0.02 + 0.01 * 216 / 336
+    forward = 0.1 + delay
+    # Reduce-scatters: bucket 1 when its gradient exists, bucket 0 at the backward's end.
+    scatter_1 = forward + 0.06 + 0.001 + 108 / 1000
+    scatter_0 = max(scatter_1, forward + 0.2) + 0.001 + 60 / 1000
+    assert step.seconds == pytest.approx(max(forward + 0.2, scatter_0))
+    assert step.stages["optimizer"] == 0.0  # inside the forward pass
+    ddp = simulate(profile(), cluster, SimulatedRun("sgd")).iteration_s
+    assert ddp == pytest.approx(0.1 + 0.2 + 0.336 + 0.002 + 0.01) and step.seconds < ddp
+    # A fast link: forward, backward and the optimizer, whichever pass holds it.
+    fast = SimulatedCluster(2, LinkModel(1e12), backend="nccl")
+    assert simulate(profile(), fast, run).iteration_s == pytest.approx(0.31)
+
+
+def test_kfac_with_dear_gathers_the_gradients_before_preconditioning() -> None:
+    link = LinkModel(bytes_per_s=1000.0, step_latency_s=0.001)
+    cluster = SimulatedCluster(2, link, backend="nccl")
+    dear = simulate(profile(), cluster, SimulatedRun("dkfac", gradient_sync="dear")).steps[0]
+    ddp = simulate(profile(), cluster, SimulatedRun("dkfac")).steps[0]
+    # One bucket: its reduce-scatter at the backward's end, then its all-gather at once.
+    assert dear.stages["forward_backward"] == pytest.approx(0.3 + 0.001 + 0.168)
+    assert dear.stages["gradient_gather"] == pytest.approx(0.001 + 0.168)
+    # At P = 2 the two halves move what one allreduce moves, in as many latencies: the
+    # K-FAC stages that follow start at the same time, and the step takes as long.
+    assert ddp.stages["forward_backward"] == pytest.approx(0.3 + 0.002 + 0.336)
+    assert dear.seconds == pytest.approx(ddp.seconds)
+    assert dear.stages["optimizer"] == ddp.stages["optimizer"] == 0.01
+    with pytest.raises(ValueError, match="gradient_sync='allreduce'"):
+        SimulatedRun("sgd", gradient_sync="allreduce")
+    assert SimulatedRun("sgd", gradient_sync="dear").label == "sgd dear"
+    assert SimulatedRun("pad", gradient_sync="dear").label == "pad auto dear (1,1)"
+
+
 def eigen_bytes(dim: int) -> int:
     """Bytes of one factor's eigendecomposition (float32): Q and the eigenvalues."""
     return 4 * (dim * dim + dim)
@@ -249,6 +316,13 @@ def test_dkfac_simulate_prints_the_table_and_writes_json_and_chart(tmp_path, cap
     expected = simulate(profile(), SimulatedCluster(4, link), SimulatedRun("dkfac"))
     assert report["rows"][4]["iteration_s"] == pytest.approx(expected.iteration_s)
     assert ComputeProfile.from_dict(report["profile"]) == profile()
+    # Every row averaging its gradients with DeAR.
+    assert main([*argv, "--grad-sync", "dear"]) == 0
+    report = json.loads((out / "simulate.json").read_text())
+    assert report["rows"][0]["label"] == "sgd dear"
+    dear = SimulatedRun("sgd", gradient_sync="dear")
+    expected = simulate(profile(), SimulatedCluster(2, link), dear)
+    assert report["rows"][0]["iteration_s"] == pytest.approx(expected.iteration_s)
 
 
 @pytest.mark.parametrize(
@@ -425,6 +499,14 @@ def test_validation_predicts_each_row_as_the_benchmark_ran_it() -> None:
     assert abs(plain.iteration_s - expected.iteration_s) > 0.01  # the settings mattered
     with pytest.raises(ValueError, match=r"profile is of batch size 8; .* ran 32"):
         compare_rows([row], {"m": profile()}, {**settings, "batch_size_per_worker": 32})
+    # SGD with DeAR, at the bucket cap its search kept (the middle of its rounds').
+    dear_row = {**row, "strategy": None, "gradient_sync": "dear", "dear_bucket_cap_mb": [1, 2, 1]}
+    [compared] = compare_rows([dear_row], {"m": profile()}, settings)
+    run = SimulatedRun("sgd", gradient_sync="dear", dear_bucket_cap_mb=1.0)
+    assert compared["label"] == "sgd dear"
+    assert compared["predicted_s"] == pytest.approx(simulate(profile(), cluster, run).iteration_s)
+    tiny = SimulatedRun("sgd", gradient_sync="dear", dear_bucket_cap_mb=1e-4)
+    assert simulate(profile(), cluster, tiny).iteration_s != compared["predicted_s"]
 
 
 def test_a_flop_profile_shares_the_passes_by_multiply_adds() -> None:
@@ -521,3 +603,28 @@ def test_ranking_is_every_candidates_simulated_time_fastest_first() -> None:
     twins = [options[0], dataclasses.replace(options[0])]
     assert [r.candidate for r in rank_candidates(profile(), cluster, twins)] == twins
     assert ranked[0].as_dict()["iteration_s"] == ranked[0].iteration_s
+
+
+def test_the_link_speed_flips_which_strategy_auto_chooses() -> None:
+    """A slow link favours SPD, whose factors travel under the backward pass, over DP-KFAC,
+    whose preconditioned gradients travel after all the compute; a faster link favours
+    DP-KFAC, which decomposes less per worker and sends no factors."""
+    options = candidates(SimulatedRun("dkfac"), 2, bucket_caps_mb=(25.0,))
+    chosen = {}
+    stages = {}
+    for bytes_per_s in (1e3, 1e5):
+        cluster = SimulatedCluster(2, LinkModel(bytes_per_s, 1e-4), backend="gloo")
+        ranked = rank_candidates(profile(), cluster, options)
+        # The choice is the fastest of the candidates simulated one by one.
+        times = {c.run.label: simulate(profile(), cluster, c.run).iteration_s for c in options}
+        assert ranked[0].candidate.run.label == min(times, key=times.__getitem__)
+        chosen[bytes_per_s] = ranked[0].candidate.run.strategy
+        for name in ("spd", "dp"):
+            stages[name, bytes_per_s] = simulate(profile(), cluster, SimulatedRun(name)).steps[0]
+    assert chosen == {1e3: "spd", 1e5: "dp"}
+    slow_dp, slow_spd = stages["dp", 1e3], stages["spd", 1e3]
+    assert slow_dp.wire_bytes < slow_spd.wire_bytes  # DP sends less, but after the compute:
+    after_passes = ("factor_exchange", "decompositions", "gradients")
+    assert slow_dp.stages["gradients"] > sum(slow_spd.stages[k] for k in after_passes)
+    fast_dp, fast_spd = stages["dp", 1e5], stages["spd", 1e5]
+    assert fast_dp.stages["decompositions"] < fast_spd.stages["decompositions"]

@@ -92,6 +92,13 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Any]) -> None:
         "--backend", default="nccl", choices=("nccl", "gloo"), help="(default: nccl)"
     )
     parser.add_argument(
+        "--grad-sync",
+        default="ddp",
+        choices=("ddp", "dear"),
+        help="gradient averaging of every row: ddp (allreduce buckets) or dear (DeAR: "
+        "reduce-scatters under backward, all-gathers under the next forward) (default: ddp)",
+    )
+    parser.add_argument(
         "--kaisa-fraction",
         type=float,
         default=None,
@@ -160,6 +167,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             schedules=parse_schedules(args.schedules),
             backend=args.backend,
             kaisa_fraction=args.kaisa_fraction,
+            gradient_sync=args.grad_sync,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -61,6 +61,17 @@ def plan_gradient_buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list
     nbytes = [p.numel() * p.element_size() for p in params]
     kinds = [(p.dtype, p.device) for p in params]
     boundaries = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
+    return plan_bucket_sizes(nbytes, cap_mb, boundaries)
+
+
+def plan_bucket_sizes(
+    nbytes: Sequence[int], cap_mb: float, boundaries: Sequence[int] = ()
+) -> list[list[int]]:
+    """DeAR's bucket rule on gradient sizes in forward order (the simulator plans with it).
+
+    Greedy up to ``cap_mb`` MiB, the first bucket at most :data:`FIRST_BUCKET_BYTES`, a new
+    bucket at each position in ``boundaries``.
+    """
     return plan_buckets_by_size(
         nbytes, int(cap_mb * 2**20), boundaries, first_cap_bytes=FIRST_BUCKET_BYTES
     )

@@ -35,7 +35,8 @@ class SimulateOptions:
             memory-optimal end, as the emulated-cluster benchmark runs it), at least ``1/P``.
         pad_share: PAD's ``share`` option.
         inverse_method: ``"eigen"`` or ``"inverse"``.
-        bucket_cap_mb: the communicator's and DDP's bucket cap (``bucket_cap_mb`` of both).
+        bucket_cap_mb: the communicator's and the gradient buckets' cap (DDP's or DeAR's).
+        gradient_sync: how every row averages its gradients: ``"ddp"`` or ``"dear"``.
     """
 
     world_sizes: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
@@ -46,8 +47,10 @@ class SimulateOptions:
     pad_share: str = "auto"
     inverse_method: str = "eigen"
     bucket_cap_mb: float = 25.0
+    gradient_sync: str = "ddp"
 
     def __post_init__(self) -> None:
+        SimulatedRun(SGD, gradient_sync=self.gradient_sync)  # validates
         if not self.world_sizes or min(self.world_sizes) < 2 or max(self.world_sizes) > 1024:
             raise ValueError(f"world sizes must lie in [2, 1024], got {list(self.world_sizes)}")
         unknown = sorted(set(self.strategies) - set(DEFAULT_STRATEGIES))
@@ -71,9 +74,10 @@ class SimulateOptions:
             groups -= 1
         fraction = groups / world_size
         runs = []
+        sync, cap = self.gradient_sync, self.bucket_cap_mb
         for strategy in self.strategies:
             if strategy == SGD:
-                runs.append(SimulatedRun(SGD))
+                runs.append(SimulatedRun(SGD, gradient_sync=sync, dear_bucket_cap_mb=cap))
                 continue
             for f, i in self.schedules:
                 runs.append(
@@ -84,6 +88,8 @@ class SimulateOptions:
                         factor_update_steps=f,
                         inv_update_steps=i,
                         inverse_method=self.inverse_method,
+                        gradient_sync=sync,
+                        dear_bucket_cap_mb=cap,
                     )
                 )
         return runs

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dkfac.dear.gradient_buckets import plan_bucket_sizes
 from dkfac.sim.profile import ComputeProfile
 
 #: DDP's first bucket is small (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so the
@@ -83,3 +84,44 @@ def ddp_buckets(
     if size or profile.other_grad_bytes or not buckets:
         buckets.append((passes.backward_s, size + profile.other_grad_bytes))
     return buckets
+
+
+@dataclass(frozen=True)
+class DearBucket:
+    """One of DeAR's gradient buckets in a simulated step.
+
+    Attributes:
+        first_layer: its first layer in forward order: the next forward pass waits for the
+            bucket's all-gather (and applies its update) before running that layer.
+        launch_s: from the backward's start until its reduce-scatter is launched.
+        nbytes: its gradients' bytes.
+    """
+
+    first_layer: int
+    launch_s: float
+    nbytes: int
+
+
+def dear_buckets(profile: ComputeProfile, passes: WorkerPasses, cap_mb: float) -> list[DearBucket]:
+    """DeAR's buckets in forward order (:func:`~dkfac.dear.gradient_buckets.plan_bucket_sizes`).
+
+    A bucket's reduce-scatter is launched once its last gradient exists and every later
+    bucket's has been launched (DeAR launches strictly from the last bucket to the first).
+    Parameters outside the preconditioned layers, whose place in the forward order a profile
+    does not record, go with the first bucket, ready at the end of the backward pass (as
+    DDP's last bucket here). A layer's weight and bias are one tensor (DeAR plans per
+    parameter, so a bucket may close between them).
+    """
+    layers = profile.layers
+    plan = plan_bucket_sizes([layer.grad_bytes for layer in layers], cap_mb)
+    ready = [max(passes.grad_ready_s[i] for i in positions) for positions in plan]
+    sizes = [sum(layers[i].grad_bytes for i in positions) for positions in plan]
+    if profile.other_grad_bytes:
+        ready[0], sizes[0] = passes.backward_s, sizes[0] + profile.other_grad_bytes
+    launches = list(ready)
+    for k in reversed(range(len(plan) - 1)):
+        launches[k] = max(ready[k], launches[k + 1])
+    return [
+        DearBucket(positions[0], launch, size)
+        for positions, launch, size in zip(plan, launches, sizes, strict=True)
+    ]

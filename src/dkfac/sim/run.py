@@ -9,9 +9,13 @@ from dkfac.sim.network import LinkModel
 #: The first-order baseline: DDP's gradient allreduce and the optimizer, no K-FAC.
 SGD = "sgd"
 
+#: How a simulated run averages its gradients (:attr:`SimulatedRun.gradient_sync`).
+GRADIENT_SYNCS: tuple[str, ...] = ("ddp", "dear")
+
 #: Stage spans a :class:`StepPrediction` reports, in order.
 STAGE_NAMES: tuple[str, ...] = (
     "forward_backward",
+    "gradient_gather",
     "factor_exchange",
     "traces",
     "decompositions",
@@ -30,7 +34,8 @@ class SimulatedCluster:
         backend: ``"nccl"`` or ``"gloo"``; it decides how a reduce at two ranks travels
             (:func:`~dkfac.comm.direct_reduce.reduces_by_sending`).
         bucket_cap_mb: K-FAC's fused-collective cap (the communicator's).
-        ddp_bucket_cap_mb: DDP's ``bucket_cap_mb`` (its gradient buckets after the first).
+        ddp_bucket_cap_mb: DDP's ``bucket_cap_mb`` (its gradient buckets after the first;
+            a run averaging with DeAR has its own, :attr:`SimulatedRun.dear_bucket_cap_mb`).
     """
 
     world_size: int
@@ -59,6 +64,11 @@ class SimulatedRun:
         inverse_method: ``"eigen"`` or ``"inverse"``.
         comm_dtype: the preconditioner's ``comm_dtype`` (``"float16"``, ``"bfloat16"``): what
             K-FAC's collectives carry; ``None``: each tensor's own dtype.
+        gradient_sync: how gradients are averaged: ``"ddp"`` (allreduce buckets) or
+            ``"dear"`` (:class:`dkfac.DeAR`: reduce-scatters under the backward pass,
+            all-gathers under the next forward pass, or at once when K-FAC needs them).
+        dear_bucket_cap_mb: DeAR's bucket cap in MiB (what its ``"auto"`` search settled on,
+            when it searched).
     """
 
     strategy: str
@@ -68,8 +78,16 @@ class SimulatedRun:
     inv_update_steps: int = 1
     inverse_method: str = "eigen"
     comm_dtype: str | None = None
+    gradient_sync: str = "ddp"
+    dear_bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
+        if self.gradient_sync not in GRADIENT_SYNCS:
+            raise ValueError(
+                f"gradient_sync={self.gradient_sync!r}: expected one of {', '.join(GRADIENT_SYNCS)}"
+            )
+        if not self.dear_bucket_cap_mb > 0:
+            raise ValueError(f"dear_bucket_cap_mb must be positive, got {self.dear_bucket_cap_mb}")
         if self.comm_dtype not in (None, "float16", "bfloat16", "float32"):
             raise ValueError(
                 f"comm_dtype={self.comm_dtype!r}: expected float16, bfloat16 or float32"
@@ -83,8 +101,9 @@ class SimulatedRun:
     @property
     def label(self) -> str:
         """A short row name: the strategy, its option, its schedule."""
+        sync = " dear" if self.gradient_sync == "dear" else ""
         if self.strategy == SGD:
-            return SGD
+            return SGD + sync
         option = ""
         if self.strategy == "kaisa":
             option = f" f={self.grad_worker_fraction:g}"
@@ -92,7 +111,8 @@ class SimulatedRun:
             option = f" {self.share}"
         if self.comm_dtype is not None:
             option += f" {self.comm_dtype}"
-        return f"{self.strategy}{option} ({self.factor_update_steps},{self.inv_update_steps})"
+        schedule = f"({self.factor_update_steps},{self.inv_update_steps})"
+        return f"{self.strategy}{option}{sync} {schedule}"
 
     def step_kinds(self) -> list[tuple[str, float, bool, bool]]:
         """``(kind, share of steps, updates factors, decomposes)`` of the schedule's steps."""

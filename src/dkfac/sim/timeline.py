@@ -34,8 +34,9 @@ from dkfac.comm.direct_reduce import reduces_by_sending
 from dkfac.comm.lanes import Lanes
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import IssuedCollective, RecordingCommunicator
+from dkfac.sim.gradient_sync import gradient_sync
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
-from dkfac.sim.passes import WorkerPasses, ddp_buckets, worker_passes
+from dkfac.sim.passes import WorkerPasses, worker_passes
 from dkfac.sim.profile import ComputeProfile
 from dkfac.sim.run import SGD, Prediction, SimulatedCluster, SimulatedRun, StepPrediction
 from dkfac.strategies.accounting import (
@@ -165,20 +166,6 @@ def _simulate_step(
         for rank in everyone
     ]
 
-    # Forward and backward: DDP's buckets (and a hook-driven strategy's factors) launch.
-    cap = int(cluster.ddp_bucket_cap_mb * 2**20)
-    buckets = [ddp_buckets(profile, worker, cap) for worker in passes]
-    ddp = [
-        ScheduledCollective(
-            "allreduce",
-            size,
-            everyone,
-            None,
-            ("ddp",),
-            {rank: passes[rank].forward_s + buckets[rank][k][0] for rank in everyone},
-        )
-        for k, (_, size) in enumerate(buckets[0])
-    ]
     issued: list[list[IssuedCollective]] = [[] for _ in everyone]
     stage_runs: list[tuple[RecordingCommunicator, Iterator[str]]] = []
     if placement is not None:
@@ -208,23 +195,22 @@ def _simulate_step(
                 )
             )
     lanes = _lanes(placement, cluster)
-    lanes = _lanes(placement, cluster)
     nothing = [0.0] * world
     hooked = _next_stage(stage_runs, issued, lanes, "hooks") if placement is not None else []
-    # The hooks pack their buckets on the training thread, which delays the passes; the
-    # backward pass returns once DDP's allreduce is done.
+    # Forward and backward: the gradient buckets (and a hook-driven strategy's factors)
+    # launch. The hooks pack their buckets on the training thread, which delays the passes;
+    # the backward pass returns once DDP's allreduce is done (DeAR: its reduce-scatters).
+    sync = gradient_sync(profile, cluster, run, passes, network, kfac=placement is not None)
     hooked_pack = _packing(profile, hooked, everyone)
     program = [
         Stage(
             "forward_backward",
-            [*ddp, *hooked],
-            ddp,
-            [
-                w.forward_s + w.backward_s + pack
-                for w, pack in zip(passes, hooked_pack, strict=True)
-            ],
+            [*sync.collectives, *hooked],
+            sync.waits,
+            [p + pack for p, pack in zip(sync.passes_s, hooked_pack, strict=True)],
             nothing,
-        )
+        ),
+        *sync.stages,
     ]
     if placement is not None:
         compute = _RankCompute(profile, placement, run.inverse_method)
@@ -253,8 +239,10 @@ def _simulate_step(
     for stage, stage_ends in zip(program, ends, strict=True):
         stages[stage.name] = max(end - begun for end, begun in zip(stage_ends, starts, strict=True))
         starts = stage_ends
-    stages["optimizer"] = profile.optimizer_s
-    seconds = max(ends[-1]) + profile.optimizer_s
+    # DeAR without K-FAC applies the update inside the next forward pass (in its passes).
+    optimizer_s = 0.0 if sync.optimizer_in_passes else profile.optimizer_s
+    stages["optimizer"] = optimizer_s
+    seconds = max(ends[-1]) + optimizer_s
     return StepPrediction(kind, share, seconds, stages, max(network.sent))
 
 

@@ -1,16 +1,18 @@
 """The simulator against measurements: each row of an emulated-cluster benchmark, predicted.
 
-``benchmarks/network.py`` writes, per link rate, the measured time per iteration of DDP + SGD
-and every K-FAC strategy on the emulated cluster (:mod:`dkfac.bench.emulated_cluster`). For
-each such row :func:`compare_rows` simulates the same run (strategy, KAISA fraction, PAD's
-share, schedule, P, gloo, the rate's shaped link and delay, the benchmark's bucket cap) with
-a compute profile of one worker at the benchmark's batch size and reports the relative
+``benchmarks/network.py`` writes, per link rate, the measured time per iteration of DDP + SGD,
+DeAR + SGD and every K-FAC strategy on the emulated cluster
+(:mod:`dkfac.bench.emulated_cluster`). For each such row :func:`compare_rows` simulates the
+same run (strategy, KAISA fraction, PAD's share, schedule, gradient averaging and DeAR's
+bucket cap, P, gloo, the rate's shaped link and delay, the benchmark's bucket cap) with a
+compute profile of one worker at the benchmark's batch size and reports the relative
 error. Measured: the median iteration at (1, 1), the amortised one for periodic schedules
 (whose median is a step without K-FAC work).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,11 +28,18 @@ TOLERANCE_P4 = 0.25
 
 
 def run_of(row: Mapping[str, Any]) -> SimulatedRun | None:
-    """The simulated run of a benchmark summary row (``None``: one the simulator lacks, DeAR)."""
-    if row.get("gradient_sync") == "dear" or row.get("strategy") == "auto":
-        return None  # DeAR is not simulated; auto is its choice (validated as that strategy)
+    """The simulated run of a benchmark summary row.
+
+    ``None`` for ``auto``: its choice is validated as the strategy it chose.
+    """
+    if row.get("strategy") == "auto":
+        return None
+    sync: dict[str, Any] = {"gradient_sync": row.get("gradient_sync") or "ddp"}
+    cap = dear_bucket_cap_mb(row)
+    if sync["gradient_sync"] == "dear" and cap is not None:
+        sync["dear_bucket_cap_mb"] = cap
     if row["strategy"] is None:
-        return SimulatedRun(SGD)
+        return SimulatedRun(SGD, **sync)
     return SimulatedRun(
         row["strategy"],
         grad_worker_fraction=float(row.get("grad_worker_fraction") or 1.0),
@@ -38,7 +47,17 @@ def run_of(row: Mapping[str, Any]) -> SimulatedRun | None:
         inv_update_steps=int(row["inv_update_steps"]),
         inverse_method=row.get("inverse_method") or "eigen",
         share=row.get("pad_share") or "auto",  # what PAD decided when it ran
+        **sync,
     )
+
+
+def dear_bucket_cap_mb(row: Mapping[str, Any]) -> float | None:
+    """The bucket cap a DeAR row ran with; ``None`` where the row does not say.
+
+    The middle of its rounds' caps: its search may settle differently from round to round.
+    """
+    caps = [float(cap) for cap in row.get("dear_bucket_cap_mb") or () if cap is not None]
+    return statistics.median_low(caps) if caps else None
 
 
 def measured_seconds(row: Mapping[str, Any]) -> float:
