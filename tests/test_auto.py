@@ -13,6 +13,7 @@ from torch import nn
 import dkfac
 from distributed_harness import run_workers
 from dkfac.auto import agree_on_profile
+from dkfac.cli.checkpoint import load_checkpoint, save_atomic
 from dkfac.cli.main import main
 from dkfac.comm import StepRecorder
 from dkfac.comm.communicator import Communicator
@@ -164,6 +165,35 @@ def test_dkfac_train_strategy_auto_says_what_it_chose(tmp_path) -> None:
     assert len(chosen) == 1 and chosen[0]["strategy"] in ("dkfac", "kaisa", "spd", "pad", "dp")
     assert chosen[0]["reason"].startswith(f"strategy=auto chose {chosen[0]['label']}")
     assert [r["event"] for r in records if "event" in r][-1] == "epoch"  # it trained
+
+
+def test_a_resumed_auto_run_keeps_the_choice_its_checkpoint_saved(tmp_path) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--model", "mlp", "--dataset", "digits", "--batch-size", "32"]
+    argv += ["--steps-per-epoch", "4", "--epochs", "1", "--nproc", "2", "--strategy", "auto"]
+    assert main([*argv, "--stop-after-steps", "2", "--out", str(out)]) == 0
+    saved = load_checkpoint(out)
+    assert saved is not None
+    first = saved["strategy_choice"]
+    assert first["strategy"] in ("dkfac", "kaisa", "spd", "pad", "dp")
+    # Another choice than auto's, written into the checkpoint: choosing again could not
+    # land on it, so the resumed run can only have run it by keeping the saved one.
+    kept = {"strategy": "kaisa", "grad_worker_fraction": 0.5, "bucket_cap_mb": 4.0}
+    if first["strategy"] == "kaisa":
+        kept = {"strategy": "dp", "grad_worker_fraction": 1.0, "bucket_cap_mb": 4.0}
+    kept["label"] = f"{kept['strategy']} (kept by the test)"
+    save_atomic({**saved, "strategy_choice": kept}, out)
+    assert main(["train", "--out", str(out), "--resume", "--nproc", "2"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "strategy"]
+    assert [(e["step"], e["strategy"]) for e in events] == [
+        (0, first["strategy"]),
+        (2, kept["strategy"]),
+    ]
+    assert events[1]["reason"] == f"resumed with what strategy=auto chose before: {kept['label']}"
+    # The checkpoint the resumed run wrote keeps the choice for the next resume.
+    final = load_checkpoint(out)
+    assert final is not None and final["step"] == 4 and final["strategy_choice"] == kept
 
 
 def slower(given: ComputeProfile, factor: float) -> ComputeProfile:

@@ -194,9 +194,11 @@ class AutoOptions(StrategyChooser):
             f"calibration cannot describe this cluster ({'; '.join(problems)})"
         )
         logger.warning("%s", reason)
-        report = {"strategy": strategy, "label": strategy, "reason": reason}
+        cap = self.bucket_caps_mb[0]
+        report: dict[str, Any] = {"strategy": strategy, "label": strategy, "reason": reason}
+        report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap}
         chosen = resolve_options(strategy, **option_keywords(strategy, cost_model=cost))
-        return StrategyChoice(chosen, self.bucket_caps_mb[0], {**report, "ranking": []})
+        return StrategyChoice(chosen, cap, {**report, "ranking": []})
 
     def _measure(
         self, model: nn.Module, config: KFACConfig, device: torch.device
@@ -309,6 +311,8 @@ def _report(
     )
     return {
         "strategy": chosen.run.strategy,
+        "grad_worker_fraction": chosen.run.grad_worker_fraction,
+        "bucket_cap_mb": chosen.bucket_cap_mb,
         "label": chosen.label,
         "reason": reason,
         "ranking": [r.as_dict() for r in ranked],

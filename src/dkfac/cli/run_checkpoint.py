@@ -49,6 +49,16 @@ def placement_layout(pre: dkfac.KFACPreconditioner) -> list[tuple[Any, ...]]:
     return [*rows, ("share", None if share is None else share["mode"])]
 
 
+#: What a checkpoint keeps of ``--strategy auto``'s choice (``pre.plan()["chosen"]``).
+CHOICE_KEYS: tuple[str, ...] = ("strategy", "grad_worker_fraction", "bucket_cap_mb", "label")
+
+
+def strategy_choice(pre: dkfac.KFACPreconditioner | None) -> dict[str, Any] | None:
+    """The strategy, KAISA fraction and bucket cap a chooser picked for ``pre`` (or None)."""
+    chosen = pre.plan().get("chosen") if pre is not None else None
+    return None if chosen is None else {key: chosen[key] for key in CHOICE_KEYS}
+
+
 def save_run_checkpoint(
     out: Path,
     model: nn.Module,
@@ -64,11 +74,13 @@ def save_run_checkpoint(
     totals: torch.Tensor,
     phases: PhaseTotals,
     scaler: torch.amp.GradScaler | None = None,
+    kept_choice: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0 writes the checkpoint; every rank contributes its preconditioner and RNG state.
 
     ``position`` is where the run stands in epoch ``epoch``; ``scaler`` is the fp16 run's
-    gradient scaler (its scale and growth tracker resume too).
+    gradient scaler (its scale and growth tracker resume too); ``kept_choice`` is
+    ``--strategy auto``'s choice a resumed run kept (saved again; else ``pre``'s chooser's).
     """
     local = {
         "rng": rng_state(),
@@ -99,6 +111,8 @@ def save_run_checkpoint(
                 "world_size": world,
                 "epochs": list(result.epochs),
                 "seconds": result.seconds,
+                # --strategy auto: what it chose, kept by a resume (dkfac.cli.training_setup).
+                "strategy_choice": kept_choice or strategy_choice(pre),
             },
             out,
         )

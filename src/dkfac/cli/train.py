@@ -101,7 +101,7 @@ def run_training(
         progress: a factory ``(total, description) -> bar`` for rank 0's progress bar.
     """
     rank, world = _world()
-    run = _RankRun(build_training_setup(config, rank, world), on_epoch, progress)
+    run = _RankRun(build_training_setup(config, rank, world, resume=resume), on_epoch, progress)
     # Where the first epoch starts: examples of its order already consumed by all ranks, and
     # how many it uses in all (its budget, fixed when the epoch began, whatever the world).
     try:  # the TensorBoard events written so far are closed whatever happens
@@ -190,6 +190,13 @@ class _RankRun:
         if setup.rank == 0:
             self.metrics.resumed_at(self.step)
             logger.info("resumed from step %d (epoch %d)", self.step, start_epoch + 1)
+            kept = setup.resumed_choice
+            if kept is not None:  # --strategy auto: the checkpoint's choice, not a new one
+                reason = f"resumed with what strategy=auto chose before: {kept['label']}"
+                logger.info("%s", reason)
+                self.metrics.write(
+                    {"event": "strategy", "step": self.step, **kept, "reason": reason}
+                )
         return start_epoch, start_position, start_budget
 
     def train_epoch(self, epoch: int, *, position: int, budget: int, resuming: bool) -> None:
@@ -372,6 +379,7 @@ class _RankRun:
             totals,
             phases,
             setup.precision.scaler,
+            kept_choice=setup.resumed_choice,
         )
 
     def finish(self) -> RunResult:

@@ -10,6 +10,7 @@ import math
 import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import dkfac
+from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.device import (
     DeviceError,
@@ -152,6 +154,8 @@ class TrainingSetup:
         sync: how the gradients are averaged over the ranks (its ``model`` is what trains).
         scheduler: the learning rate schedule of ``optimizer``.
         pre: the K-FAC preconditioner (None for the plain optimizer).
+        resumed_choice: ``--strategy auto``'s choice that a resumed checkpoint kept
+            (:func:`resumed_strategy_choice`), or None.
     """
 
     config: TrainConfig
@@ -168,6 +172,7 @@ class TrainingSetup:
     sync: GradientSync
     scheduler: torch.optim.lr_scheduler.LambdaLR
     pre: dkfac.KFACPreconditioner | None
+    resumed_choice: dict[str, Any] | None = None
 
     @property
     def wrapped(self) -> nn.Module:
@@ -180,13 +185,17 @@ class TrainingSetup:
         return self.config.step_batch * self.world
 
 
-def build_training_setup(config: TrainConfig, rank: int, world: int) -> TrainingSetup:
+def build_training_setup(
+    config: TrainConfig, rank: int, world: int, *, resume: bool = False
+) -> TrainingSetup:
     """Seed, load the data, and build the model, optimizer, schedule and preconditioner.
 
     Args:
         config: the validated configuration.
         rank: this process's rank.
         world: number of ranks.
+        resume: the run continues from the checkpoint in ``config.out`` (``--strategy auto``
+            then keeps the choice saved there).
 
     Raises:
         ConfigError: the training split cannot fill one batch per rank (:func:`check_fits`).
@@ -219,7 +228,18 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
     sync = GradientSync(model, optimizer, config, world, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     pre = None
-    if config.uses_kfac:
+    resumed_choice = resumed_strategy_choice(config) if resume else None
+    if resumed_choice is not None:  # keep what --strategy auto chose before the checkpoint
+        pre = _build_preconditioner(
+            config,
+            resumed_choice["strategy"],
+            sync.model,
+            scheduler,
+            precision,
+            grad_worker_fraction=float(resumed_choice["grad_worker_fraction"]),
+            bucket_cap_mb=float(resumed_choice["bucket_cap_mb"]),
+        )
+    elif config.uses_kfac:
         strategy: str | dkfac.AutoOptions = config.strategy
         if config.strategy == "auto":  # profiled on the first batch of the training split
             first = DataLoader(
@@ -248,7 +268,21 @@ def build_training_setup(config: TrainConfig, rank: int, world: int) -> Training
         sync=sync,
         scheduler=scheduler,
         pre=pre,
+        resumed_choice=resumed_choice,
     )
+
+
+def resumed_strategy_choice(config: TrainConfig) -> dict[str, Any] | None:
+    """What ``--strategy auto`` chose, saved in the checkpoint this run resumes (or None).
+
+    A resumed run keeps that strategy, KAISA fraction and bucket cap instead of choosing
+    again: the machine's load when it resumes must not switch the strategy mid-run.
+    """
+    if config.strategy != "auto" or not config.uses_kfac or not config.out:
+        return None
+    saved = load_checkpoint(Path(config.out))
+    choice = None if saved is None else saved.get("strategy_choice")
+    return None if choice is None else dict(choice)
 
 
 def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -269,16 +303,24 @@ def _build_preconditioner(
     wrapped: nn.Module,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     precision: Precision,
+    *,
+    grad_worker_fraction: float | None = None,
+    bucket_cap_mb: float | None = None,
 ) -> dkfac.KFACPreconditioner:
     """The K-FAC preconditioner of ``strategy`` over the model that trains.
 
     Args:
         config: the run's configuration (a K-FAC strategy).
-        strategy: ``config.strategy``, or the chooser ``--strategy auto`` means.
+        strategy: ``config.strategy``, the chooser ``--strategy auto`` means, or the strategy
+            it chose before a resumed checkpoint.
         wrapped: the model the steps run (DDP-wrapped on several ranks).
         scheduler: the learning rate schedule; the preconditioner follows its current rate.
         precision: the run's precision (its fp16 scaler unscales the output gradients).
+        grad_worker_fraction: KAISA's fraction (None: ``config``'s).
+        bucket_cap_mb: the communicator's bucket cap (None: the preconditioner's default).
     """
+    fraction = config.grad_worker_fraction if grad_worker_fraction is None else grad_worker_fraction
+    name = strategy if isinstance(strategy, str) else config.strategy
     return dkfac.KFACPreconditioner(
         wrapped,
         strategy=strategy,
@@ -292,5 +334,6 @@ def _build_preconditioner(
         adaptive=dkfac.AdaptiveOptions(loss_fn=label_cross_entropy) if config.adaptive else None,
         grad_scaler=precision.scaler,
         accumulation_steps=config.grad_accumulation,
-        **option_keywords(config.strategy, grad_worker_fraction=config.grad_worker_fraction),
+        bucket_cap_mb=bucket_cap_mb,
+        **option_keywords(name, grad_worker_fraction=fraction),
     )
