@@ -159,12 +159,19 @@ def test_sgd_step_is_forward_backward_allreduce_optimizer() -> None:
 
 def test_dear_buckets_follow_its_plan_and_launch_last_bucket_first() -> None:
     passes = worker_passes(profile(), [False, False])
-    # One bucket (the first is capped at 1 MiB): everything, when the backward ends (the
-    # parameters outside the layers are ready only then).
+    # A 25 MiB cap: one bucket holds everything, sent when the backward ends (the parameters
+    # outside the layers are ready only then).
     assert dear_buckets(profile(), passes, 25.0) == [DearBucket(0, 0.2, 216 + 80 + 40)]
-    tiny = 100 / 2**20  # MiB: each layer alone
+    # The other parameters (40 bytes) come first: a 130-byte cap puts them with the first
+    # layer, a 100-byte one alone; the first bucket launches after the second.
+    assert dear_buckets(profile(), passes, 130 / 2**20) == [
+        DearBucket(0, 0.2, 40 + 80),
+        DearBucket(1, 0.06, 216),
+    ]
+    tiny = 100 / 2**20  # MiB
     assert dear_buckets(profile(), passes, tiny) == [
-        DearBucket(0, 0.2, 80 + 40),
+        DearBucket(0, 0.2, 40),
+        DearBucket(0, 0.19, 80),
         DearBucket(1, 0.06, 216),
     ]
     # A first bucket ready before the second still waits for the second's launch.
@@ -185,19 +192,36 @@ def test_sgd_with_dear_gathers_under_the_next_forward_and_scatters_under_backwar
     run = SimulatedRun("sgd", gradient_sync="dear", dear_bucket_cap_mb=100 / 2**20)
     step = simulate(profile(), cluster, run).steps[0]
     # Last step's all-gathers from t = 0, first bucket first, one at a time (NCCL): each
-    # member sends half of a bucket after one latency.
-    gather_0 = 0.001 + 60 / 1000
-    gather_1 = gather_0 + 0.001 + 108 / 1000
-    # The forward waits for bucket 0 before layer 0 and applies its share of the optimizer
-    # (by bytes), then reaches layer 1 (0.02 s later) and waits for bucket 1.
-    delay = gather_0 + 0.01 * 120 / 336
-    delay = max(0.02 + delay, gather_1) - 0.02 + 0.01 * 216 / 336
+    # member sends half of a bucket after one latency. Buckets: the other parameters (40
+    # bytes), the first layer (80), the second (216).
+    gathered = [0.001 + 20 / 1000]
+    gathered.append(gathered[-1] + 0.001 + 40 / 1000)
+    gathered.append(gathered[-1] + 0.001 + 108 / 1000)
+    # The forward waits for each bucket before its first layer (the first two: layer 0 at
+    # t = 0; the third: layer 1, reached 0.02 s into the pass) and applies its share of the
+    # optimizer step (by bytes) there.
+    delay = 0.0
+    for done, start, nbytes in zip(gathered, (0.0, 0.0, 0.02), (40, 80, 216), strict=True):
+        delay = max(start + delay, done) - start + 0.01 * nbytes / 336
     forward = 0.1 + delay
-    # Reduce-scatters: bucket 1 when its gradient exists, bucket 0 at the backward's end.
-    scatter_1 = forward + 0.06 + 0.001 + 108 / 1000
-    scatter_0 = max(scatter_1, forward + 0.2) + 0.001 + 60 / 1000
+    # Reduce-scatters, last bucket first: the second layer's when its gradient exists
+    # (0.06 s into the backward), the first layer's at 0.19 s, the others' at the end.
+    scatter_2 = forward + 0.06 + 0.001 + 108 / 1000
+    scatter_1 = max(scatter_2, forward + 0.19) + 0.001 + 40 / 1000
+    scatter_0 = max(scatter_1, forward + 0.2) + 0.001 + 20 / 1000
     assert step.seconds == pytest.approx(max(forward + 0.2, scatter_0))
     assert step.stages["optimizer"] == 0.0  # inside the forward pass
+    # On gloo a group runs two collectives at once: both all-gathers (two buckets at a
+    # 130-byte cap: 120 and 216 bytes) start together and share the uplinks.
+    gloo = SimulatedCluster(2, link, backend="gloo")
+    two = SimulatedRun("sgd", gradient_sync="dear", dear_bucket_cap_mb=130 / 2**20)
+    gathered_0 = 0.001 + 60 / 500  # half the link each until the first is done
+    gathered_1 = gathered_0 + (108 - 60) / 1000
+    delay = gathered_0 + 0.01 * 120 / 336
+    delay = max(0.02 + delay, gathered_1) - 0.02 + 0.01 * 216 / 336
+    forward = 0.1 + delay
+    scatter_0 = forward + 0.2 + 0.001 + 60 / 1000  # the other one is done by then
+    assert simulate(profile(), gloo, two).iteration_s == pytest.approx(scatter_0)
     ddp = simulate(profile(), cluster, SimulatedRun("sgd")).iteration_s
     assert ddp == pytest.approx(0.1 + 0.2 + 0.336 + 0.002 + 0.01) and step.seconds < ddp
     # A fast link: forward, backward and the optimizer, whichever pass holds it.
@@ -606,25 +630,27 @@ def test_ranking_is_every_candidates_simulated_time_fastest_first() -> None:
 
 
 def test_the_link_speed_flips_which_strategy_auto_chooses() -> None:
-    """A slow link favours SPD, whose factors travel under the backward pass, over DP-KFAC,
-    whose preconditioned gradients travel after all the compute; a faster link favours
-    DP-KFAC, which decomposes less per worker and sends no factors."""
+    """On a slow link DP-KFAC's broadcasts of preconditioned gradients, which travel after all
+    the compute, cost more than everything SPD adds to DP's passes (its factors partly travel
+    under the backward pass): SPD wins. On a fast link traffic costs latencies only and
+    DP-KFAC, which computes and decomposes only its own layers' factors, wins."""
     options = candidates(SimulatedRun("dkfac"), 2, bucket_caps_mb=(25.0,))
-    chosen = {}
-    stages = {}
-    for bytes_per_s in (1e3, 1e5):
-        cluster = SimulatedCluster(2, LinkModel(bytes_per_s, 1e-4), backend="gloo")
+    chosen, steps = {}, {}
+    for bytes_per_s in (1e3, 1e6):
+        cluster = SimulatedCluster(2, LinkModel(bytes_per_s, 1e-3), backend="gloo")
         ranked = rank_candidates(profile(), cluster, options)
         # The choice is the fastest of the candidates simulated one by one.
         times = {c.run.label: simulate(profile(), cluster, c.run).iteration_s for c in options}
         assert ranked[0].candidate.run.label == min(times, key=times.__getitem__)
+        assert ranked[1].iteration_s > ranked[0].iteration_s * 1.005  # not a near tie
         chosen[bytes_per_s] = ranked[0].candidate.run.strategy
         for name in ("spd", "dp"):
-            stages[name, bytes_per_s] = simulate(profile(), cluster, SimulatedRun(name)).steps[0]
-    assert chosen == {1e3: "spd", 1e5: "dp"}
-    slow_dp, slow_spd = stages["dp", 1e3], stages["spd", 1e3]
-    assert slow_dp.wire_bytes < slow_spd.wire_bytes  # DP sends less, but after the compute:
-    after_passes = ("factor_exchange", "decompositions", "gradients")
-    assert slow_dp.stages["gradients"] > sum(slow_spd.stages[k] for k in after_passes)
-    fast_dp, fast_spd = stages["dp", 1e5], stages["spd", 1e5]
+            steps[name, bytes_per_s] = simulate(profile(), cluster, SimulatedRun(name)).steps[0]
+    assert chosen == {1e3: "spd", 1e6: "dp"}
+    slow_dp, slow_spd = steps["dp", 1e3], steps["spd", 1e3]
+    assert slow_dp.wire_bytes < slow_spd.wire_bytes  # DP sends less, but after the compute
+    spd_over_dp_passes = slow_spd.seconds - slow_dp.stages["forward_backward"] - 0.01
+    assert slow_dp.stages["gradients"] > spd_over_dp_passes
+    fast_dp, fast_spd = steps["dp", 1e6], steps["spd", 1e6]
+    assert fast_dp.stages["gradients"] < slow_dp.stages["gradients"] / 20
     assert fast_dp.stages["decompositions"] < fast_spd.stages["decompositions"]

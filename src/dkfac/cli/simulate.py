@@ -31,6 +31,7 @@ from dkfac.sim.command import (
 )
 from dkfac.sim.network import LinkModel
 from dkfac.sim.profile import ComputeProfile
+from dkfac.sim.run import GRADIENT_SYNCS
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction[Any]) -> None:
@@ -94,7 +95,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--grad-sync",
         default="ddp",
-        choices=("ddp", "dear"),
+        choices=GRADIENT_SYNCS,
         help="gradient averaging of every row: ddp (allreduce buckets) or dear (DeAR: "
         "reduce-scatters under backward, all-gathers under the next forward) (default: ddp)",
     )

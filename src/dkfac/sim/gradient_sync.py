@@ -23,10 +23,7 @@ from dataclasses import dataclass, field
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.passes import DearBucket, WorkerPasses, ddp_buckets, dear_buckets
 from dkfac.sim.profile import ComputeProfile
-from dkfac.sim.run import SimulatedCluster, SimulatedRun
-
-#: Name of the stage in which DeAR's all-gathers complete when K-FAC needs the gradients.
-GATHER_STAGE = "gradient_gather"
+from dkfac.sim.run import GATHER_STAGE, SimulatedCluster, SimulatedRun
 
 
 @dataclass
@@ -34,8 +31,9 @@ class GradientSync:
     """What the gradient averaging adds to a simulated step.
 
     Attributes:
-        collectives: launched from the forward and backward passes (their issue times set).
-        waits: what a worker waits for before the passes' stage ends.
+        collectives: launched from the forward and backward passes (their issue times set);
+            a worker waits for them before the passes' stage ends (DDP: the backward pass
+            returns once they are done; DeAR: ``dear.step()`` or ``gather_gradients()``).
         passes_s: per worker, its forward and backward passes as the averaging delays them
             (DeAR without K-FAC: the waits for last step's all-gathers and the updates).
         stages: stages of its own after the passes (DeAR with K-FAC: the all-gathers).
@@ -43,7 +41,6 @@ class GradientSync:
     """
 
     collectives: list[ScheduledCollective]
-    waits: list[ScheduledCollective]
     passes_s: list[float]
     stages: list[Stage] = field(default_factory=list)
     optimizer_in_passes: bool = False
@@ -78,10 +75,7 @@ def gradient_sync(
     if not kfac:
         last_step = gathers({rank: 0.0 for rank in everyone})
         done = network.run(last_step)
-        total = sum(b.nbytes for b in first)
-        forward = [
-            _forward_waiting(worker, first, done, profile.optimizer_s, total) for worker in passes
-        ]
+        forward = [_forward_waiting(worker, first, done, profile.optimizer_s) for worker in passes]
     # Issued last bucket first; the lane keeps that order.
     scatters = [
         ScheduledCollective(
@@ -94,18 +88,23 @@ def gradient_sync(
         )
         for k, bucket in reversed(list(enumerate(first)))
     ]
+    if min(min(c.issued.values()) for c in scatters) < network.now:
+        # The link schedule starts what was issued before its clock at its clock: the
+        # previous step's all-gathers must be done before this step's first collective.
+        raise RuntimeError("a reduce-scatter was issued before last step's all-gathers ended")
     passes_s = [f + w.backward_s for f, w in zip(forward, passes, strict=True)]
     if not kfac:
-        return GradientSync(scatters, scatters, passes_s, optimizer_in_passes=True)
+        return GradientSync(scatters, passes_s, optimizer_in_passes=True)
     nothing = [0.0] * len(everyone)
-    now = gathers({})  # issued when each worker reaches the stage
-    gather = Stage(GATHER_STAGE, now, now, nothing, nothing)
-    return GradientSync(scatters, scatters, passes_s, [gather])
+    at_the_stage = gathers({})  # issued by each worker when it reaches the stage
+    gather = Stage(GATHER_STAGE, at_the_stage, at_the_stage, nothing, nothing)
+    return GradientSync(scatters, passes_s, [gather])
 
 
 def _ddp(
     profile: ComputeProfile, cluster: SimulatedCluster, passes: Sequence[WorkerPasses]
 ) -> GradientSync:
+    """DDP's allreduce buckets (:func:`ddp_buckets`), launched from the backward pass."""
     everyone = tuple(range(cluster.world_size))
     cap = int(cluster.ddp_bucket_cap_mb * 2**20)
     buckets = [ddp_buckets(profile, worker, cap) for worker in passes]
@@ -120,7 +119,7 @@ def _ddp(
         )
         for k, (_, size) in enumerate(buckets[0])
     ]
-    return GradientSync(allreduces, allreduces, [w.forward_s + w.backward_s for w in passes])
+    return GradientSync(allreduces, [w.forward_s + w.backward_s for w in passes])
 
 
 def _forward_waiting(
@@ -128,17 +127,18 @@ def _forward_waiting(
     buckets: Sequence[DearBucket],
     gathered: Sequence[float],
     optimizer_s: float,
-    total_bytes: int,
 ) -> float:
     """The forward pass when each bucket waits for its all-gather and applies its update.
 
     A layer starts when the previous one's output exists; before a bucket's first layer the
     pass waits until the bucket's all-gather (completing at ``gathered``) is done, then
-    applies the bucket's share of the optimizer step (by bytes).
+    applies the bucket's share of the optimizer step (by bytes; equal shares without bytes).
     """
+    total = sum(bucket.nbytes for bucket in buckets)
     delay = 0.0
     for bucket, done in zip(buckets, gathered, strict=True):
         layer = bucket.first_layer
         start = passes.a_ready_s[layer - 1] if layer > 0 else 0.0
-        delay = max(start + delay, done) - start + optimizer_s * bucket.nbytes / total_bytes
+        share = bucket.nbytes / total if total else 1.0 / len(buckets)
+        delay = max(start + delay, done) - start + optimizer_s * share
     return passes.forward_s + delay

@@ -108,20 +108,23 @@ def dear_buckets(profile: ComputeProfile, passes: WorkerPasses, cap_mb: float) -
     A bucket's reduce-scatter is launched once its last gradient exists and every later
     bucket's has been launched (DeAR launches strictly from the last bucket to the first).
     Parameters outside the preconditioned layers, whose place in the forward order a profile
-    does not record, go with the first bucket, ready at the end of the backward pass (as
-    DDP's last bucket here). A layer's weight and bias are one tensor (DeAR plans per
-    parameter, so a bucket may close between them).
+    does not record, are planned as one tensor before the first layer (its bucket is the
+    first, capped like the others), ready at the end of the backward pass (as DDP's last
+    bucket here). A layer's weight and bias are one tensor (DeAR plans per parameter, so a
+    bucket may close between them).
     """
-    layers = profile.layers
-    plan = plan_bucket_sizes([layer.grad_bytes for layer in layers], cap_mb)
-    ready = [max(passes.grad_ready_s[i] for i in positions) for positions in plan]
-    sizes = [sum(layers[i].grad_bytes for i in positions) for positions in plan]
+    # Items in forward order: (first layer the next forward reaches, ready, bytes).
+    items = [
+        (i, passes.grad_ready_s[i], layer.grad_bytes) for i, layer in enumerate(profile.layers)
+    ]
     if profile.other_grad_bytes:
-        ready[0], sizes[0] = passes.backward_s, sizes[0] + profile.other_grad_bytes
+        items.insert(0, (0, passes.backward_s, profile.other_grad_bytes))
+    plan = plan_bucket_sizes([nbytes for _, _, nbytes in items], cap_mb)
+    ready = [max(items[i][1] for i in positions) for positions in plan]
     launches = list(ready)
     for k in reversed(range(len(plan) - 1)):
         launches[k] = max(ready[k], launches[k + 1])
     return [
-        DearBucket(positions[0], launch, size)
-        for positions, launch, size in zip(plan, launches, sizes, strict=True)
+        DearBucket(items[positions[0]][0], launch, sum(items[i][2] for i in positions))
+        for positions, launch in zip(plan, launches, strict=True)
     ]

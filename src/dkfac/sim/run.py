@@ -12,10 +12,13 @@ SGD = "sgd"
 #: How a simulated run averages its gradients (:attr:`SimulatedRun.gradient_sync`).
 GRADIENT_SYNCS: tuple[str, ...] = ("ddp", "dear")
 
+#: The stage in which DeAR's all-gathers complete when K-FAC needs the gradients at once.
+GATHER_STAGE = "gradient_gather"
+
 #: Stage spans a :class:`StepPrediction` reports, in order.
 STAGE_NAMES: tuple[str, ...] = (
     "forward_backward",
-    "gradient_gather",
+    GATHER_STAGE,
     "factor_exchange",
     "traces",
     "decompositions",

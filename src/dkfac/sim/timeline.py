@@ -206,7 +206,7 @@ def _simulate_step(
         Stage(
             "forward_backward",
             [*sync.collectives, *hooked],
-            sync.waits,
+            sync.collectives,
             [p + pack for p, pack in zip(sync.passes_s, hooked_pack, strict=True)],
             nothing,
         ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dkfac.bench.link_shape import LinkShape
@@ -34,20 +35,21 @@ def run_of(row: Mapping[str, Any]) -> SimulatedRun | None:
     """
     if row.get("strategy") == "auto":
         return None
-    sync: dict[str, Any] = {"gradient_sync": row.get("gradient_sync") or "ddp"}
-    cap = dear_bucket_cap_mb(row)
-    if sync["gradient_sync"] == "dear" and cap is not None:
-        sync["dear_bucket_cap_mb"] = cap
+    sync = str(row.get("gradient_sync") or "ddp")
+    cap = dear_bucket_cap_mb(row) if sync == "dear" else None
+    template = SimulatedRun(SGD, gradient_sync=sync)
+    if cap is not None:
+        template = replace(template, dear_bucket_cap_mb=cap)
     if row["strategy"] is None:
-        return SimulatedRun(SGD, **sync)
-    return SimulatedRun(
-        row["strategy"],
+        return template
+    return replace(
+        template,
+        strategy=row["strategy"],
         grad_worker_fraction=float(row.get("grad_worker_fraction") or 1.0),
         factor_update_steps=int(row["factor_update_steps"]),
         inv_update_steps=int(row["inv_update_steps"]),
         inverse_method=row.get("inverse_method") or "eigen",
         share=row.get("pad_share") or "auto",  # what PAD decided when it ran
-        **sync,
     )
 
 
