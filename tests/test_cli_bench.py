@@ -129,7 +129,7 @@ def test_bench_times_the_transformer_lm_and_dear(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench"
-    argv = ["bench", "--quick", "--models", "transformer", "--strategies", "dear,dkfac"]
+    argv = ["bench", "--quick", "--models", "transformer", "--strategies", "dear,dkfac,dkfac+dear"]
     argv += ["--schedules", "1:1", "--batch-size", "4", "--warmup", "1", "--iters", "2"]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -138,7 +138,7 @@ def test_bench_times_the_transformer_lm_and_dear(
     report = json.loads((out / "bench.json").read_text())
     assert report["settings"]["token_vocabularies"] == {"transformer": 256}
     rows = {row["key"]: row for row in report["summary"]}
-    assert list(rows) == ["sgd", "dear", "dkfac_1_1"]
+    assert list(rows) == ["sgd", "dear", "dkfac_1_1", "dkfac_dear_1_1"]
     dear = rows["dear"]
     assert dear["gradient_sync"] == "dear" and dear["strategy"] is None
     assert math.isfinite(dear["overhead_s"]) and math.isfinite(dear["overhead_pct"])
@@ -155,6 +155,12 @@ def test_bench_times_the_transformer_lm_and_dear(
     low, high = DEAR_AUTO_RANGE_MB  # the size kept is a power-of-two size of the range
     assert dear["dear_bucket_cap_mb"][0] in power_of_two_sizes(low, high)
     assert rows["dkfac_1_1"]["bytes_per_step"]["factor"] > 0
+    # K-FAC with DeAR: its factors, and DeAR's two halves for the gradients it gathers.
+    both = rows["dkfac_dear_1_1"]
+    assert (both["strategy"], both["gradient_sync"]) == ("dkfac", "dear")
+    assert both["bytes_per_step"]["factor"] == rows["dkfac_1_1"]["bytes_per_step"]["factor"]
+    assert both["bytes_per_step"]["grad"] >= 2 * gradient_bytes * 0.99
+    assert both["dear_bucket_cap_mb"][0] in power_of_two_sizes(low, high)
     for row in rows.values():
         assert row["median_s"] > 0
     windows = report["launches"][0]["report"]["rounds"][0]["windows"]["transformer"]
@@ -321,7 +327,7 @@ def test_configurations_include_spd_pad_and_dp() -> None:
 
 
 def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
-    assert ("dear", *STRATEGIES, "auto") == STRATEGY_CHOICES
+    assert ("dear", *STRATEGIES, *(f"{s}+dear" for s in STRATEGIES), "auto") == STRATEGY_CHOICES
     configs = configurations(2, strategies=("dkfac", "dear"), schedules=((1, 1), (10, 100)))
     assert [c.key for c in configs] == ["sgd", "dear", "dkfac_1_1", "dkfac_10_100"]
     dear = configs[1]
@@ -342,6 +348,24 @@ def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
     }
     assert configs[2].to_json()["gradient_sync"] == SGD.to_json()["gradient_sync"] == "ddp"
     assert [c.key for c in configurations(4, strategies=("dear",))] == ["sgd", "dear"]
+    # A K-FAC strategy with DeAR averaging its gradients (KAISA at 1/P), after the DDP ones.
+    with_dear = configurations(4, ("kaisa", "kaisa+dear", "pad+dear"), schedules=((1, 1),))
+    assert [
+        (c.key, c.label, c.strategy, c.grad_worker_fraction, c.gradient_sync)
+        for c in with_dear[-2:]
+    ] == [
+        ("kaisa_dear_1_1", "kaisa f=1/4 + DeAR", "kaisa", 0.25, "dear"),
+        ("pad_dear_1_1", "pad + DeAR", "pad", 1.0, "dear"),
+    ]
+    assert with_dear[-1].kfac and with_dear[-1].dear and not with_dear[-1].reference
+    with pytest.raises(ConfigError, match="a dry run"):
+        options_from_args(
+            build_parser().parse_args(
+                ["bench", "--layers", "resnet50", "--strategies", "dkfac+dear"]
+            ),
+            models=BENCH_MODELS,
+            nprocs=BENCH_NPROCS,
+        )
 
 
 def test_bench_takes_dear_among_the_strategies() -> None:

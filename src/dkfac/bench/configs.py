@@ -46,8 +46,11 @@ DEAR = "dear"
 #: ``--strategies`` name of ``strategy=dkfac.AutoOptions(...)``: the one the simulator ranks
 #: fastest at construction (profiled on the benchmark's batch; the choice is reported).
 AUTO = "auto"
+#: ``--strategies`` names of K-FAC strategies whose gradients DeAR averages instead of DDP
+#: (``"dkfac+dear"``...): it gathers them before preconditioning (``gather_gradients``).
+KFAC_WITH_DEAR: tuple[str, ...] = tuple(f"{strategy}+{DEAR}" for strategy in STRATEGIES)
 #: Everything ``--strategies`` accepts, in the order the configurations are measured.
-STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES, AUTO)
+STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES, *KFAC_WITH_DEAR, AUTO)
 #: DeAR's bucket size: searched online (``"auto"``) over these MiB, this many timed steps per
 #: size, inside the warm-up; the window times the size it kept.
 DEAR_BUCKET_CAP_MB = "auto"
@@ -162,7 +165,9 @@ def configurations(
     :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``, then ``auto`` (:data:`AUTO`).
     ``dkfac``, ``spd``, ``pad``, ``dp`` and ``auto`` get one configuration each (key
     ``"{strategy}_{f}_{i}"``, label the strategy's name).
-    ``dear`` has no schedule: one configuration, :data:`DEAR_SGD`.
+    ``dear`` has no schedule: one configuration, :data:`DEAR_SGD`; ``"{strategy}+dear"``
+    (:data:`KFAC_WITH_DEAR`) is the strategy with DeAR averaging the gradients (KAISA at
+    ``1/P``), key ``"{strategy}_dear_{f}_{i}"``.
 
     Args:
         world_size: Number of workers ``P`` (it picks the KAISA fractions).
@@ -197,6 +202,21 @@ def configurations(
             else:
                 configs.append(
                     Configuration(f"{strategy}_{f}_{i}", strategy, strategy, 1.0, "1", f, i)
+                )
+        for strategy in STRATEGIES:  # KAISA at its memory-optimal 1/P only
+            if f"{strategy}+{DEAR}" in strategies:
+                d = world_size if strategy == "kaisa" else 1
+                configs.append(
+                    Configuration(
+                        f"{strategy}_{DEAR}_{f}_{i}",
+                        f"{strategy} + DeAR" if d == 1 else f"kaisa f=1/{d} + DeAR",
+                        strategy,
+                        1.0 / d,
+                        f"1/{d}" if d > 1 else "1",
+                        f,
+                        i,
+                        gradient_sync=DEAR,
+                    )
                 )
         if AUTO in strategies:
             configs.append(Configuration(f"{AUTO}_{f}_{i}", AUTO, AUTO, 1.0, "1", f, i))

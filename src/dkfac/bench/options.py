@@ -23,6 +23,7 @@ from dkfac.bench.configs import (
     DEAR_BUCKET_CAP_MB,
     INPUT_SHAPES,
     INVERSE_METHOD,
+    KFAC_WITH_DEAR,
     LR,
     MODELS,
     MOMENTUM,
@@ -187,7 +188,8 @@ def add_bench_options(
         f"{', '.join(STRATEGY_CHOICES)}: dear = SGD with DeAR's gradient averaging instead of "
         "DDP (no K-FAC, its bucket size searched in the warm-up); the others are K-FAC "
         "strategies (spd = SPD-KFAC, pad = PAD-KFAC, dp = DP-KFAC, auto = the one "
-        "dkfac.AutoOptions chooses); kaisa runs with fraction "
+        "dkfac.AutoOptions chooses; STRATEGY+dear = that strategy with DeAR averaging the "
+        "gradients, kaisa at 1/P); kaisa runs with fraction "
         f"1/P (and 1/2 when P > 2 is even) (default {','.join(STRATEGIES)})",
     )
     default_schedules = ",".join(f"{f}:{i}" for f, i in SCHEDULES)
@@ -338,7 +340,9 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
             f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGY_CHOICES)} (SGD "
             "is always measured as the reference)"
         )
-    if layers is not None and not set(strategies) & set(STRATEGIES):
+    if layers is not None and (
+        not set(strategies) & set(STRATEGIES) or set(strategies) & set(KFAC_WITH_DEAR)
+    ):
         raise ConfigError("--strategies: a dry run (--layers) counts K-FAC strategies only")
     for name, minimum in (("rounds", 1), ("warmup", 0), ("iters", 1), ("iters_long", 1)):
         if values[name] < minimum:

@@ -143,7 +143,8 @@ def time_window(
             **({} if auto else fixed),
         )
 
-    records: Instrumented | None = pre if pre is not None else dear
+    # Both report their phases when K-FAC runs with DeAR (its waits as DeAR names them).
+    records: list[Instrumented] = [r for r in (pre, dear) if r is not None]
 
     def iteration() -> Tensor:
         if zero_grad is not None:
@@ -151,6 +152,8 @@ def time_window(
         loss = batch_loss(model(x), y)
         torch.autograd.backward(loss)  # loss.backward(), untyped in torch's stubs
         if pre is not None:
+            if dear is not None:  # K-FAC preconditions the averaged gradients
+                dear.gather_gradients()
             pre.step()
         step()
         if on.type == "cuda":
@@ -192,10 +195,10 @@ def time_window(
                 t0 = clock()
                 loss = iteration()
                 iter_s.append(clock() - t0)
-                if records is not None:
-                    for phase, seconds in records.timings().items():
+                for record in records:
+                    for phase, seconds in record.timings().items():
                         phase_sums[phase] += seconds
-                    for key, count in records.comm_stats().items():
+                    for key, count in record.comm_stats().items():
                         byte_sums[key] += count["bytes"]
                         call_sums[key] += count["calls"]
                 if pre is not None:
@@ -209,6 +212,7 @@ def time_window(
         final_loss = float(loss.detach())
         factor_bytes = inverse_bytes = 0
         plan: dict[str, Any] = {}
+        dear_plan: dict[str, Any] = {}
         if pre is not None:
             if pre.steps != settled_warmup + iters:
                 raise RuntimeError(
@@ -217,7 +221,7 @@ def time_window(
             factor_bytes, inverse_bytes = kfac_memory_bytes(pre)
             plan = dict(pre.plan())
         if dear is not None:
-            plan = {"bucket_cap_mb": dear.bucket_cap_mb, "tuning": dear.tuning}
+            dear_plan = {"bucket_cap_mb": dear.bucket_cap_mb, "tuning": dear.tuning}
     finally:
         if pre is not None:
             pre.remove()
@@ -225,8 +229,10 @@ def time_window(
             dear.remove()
     phase_s = {name: value / iters for name, value in phase_sums.items()}
     if dear is not None:
-        # DeAR's exposed gradient waits, under the name the K-FAC rows use for gradient traffic.
-        phase_s["grad_comm"] = sum(phase_s.get(name, 0.0) for name in DEAR_WAITS)
+        # DeAR's exposed gradient waits, under the name the K-FAC rows use for gradient traffic
+        # (added to K-FAC's own, when it runs with DeAR).
+        waits = sum(phase_s.get(name, 0.0) for name in DEAR_WAITS)
+        phase_s["grad_comm"] = phase_s.get("grad_comm", 0.0) + waits
     return {
         "wall_s": wall_s,
         "iter_s": iter_s,
@@ -248,6 +254,6 @@ def time_window(
         # PAD broadcasts decompositions or preconditioned gradients (its share option).
         "pad_share": plan.get("share", {}).get("mode"),
         "chosen": plan.get("chosen", {}).get("label"),  # strategy=auto's choice
-        "dear_bucket_cap_mb": plan.get("bucket_cap_mb"),
-        "dear_tuning": plan.get("tuning"),
+        "dear_bucket_cap_mb": dear_plan.get("bucket_cap_mb"),
+        "dear_tuning": dear_plan.get("tuning"),
     }

@@ -122,7 +122,9 @@ def reduce_window(
         ],
     }
     if config.dear:
-        return window | {"dear_bucket_cap_mb": ranks[0].get("dear_bucket_cap_mb")}
+        window |= {"dear_bucket_cap_mb": ranks[0].get("dear_bucket_cap_mb")}
+    if not config.kfac:
+        return window
     memory_per_rank = [r["factor_bytes"] + r["inverse_bytes"] for r in ranks]
     return window | {
         "factor_updates_in_window": count_schedule_hits(config.factor_update_steps, warmup, iters),
@@ -183,7 +185,7 @@ def summarize(
             }
             if config.dear:
                 entry["dear_bucket_cap_mb"] = [w["dear_bucket_cap_mb"] for w in windows]
-            else:
+            if config.kfac:
                 entry |= {
                     "overlap_s": {
                         phase: _median_split(windows, phase)
