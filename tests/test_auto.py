@@ -18,7 +18,7 @@ from dkfac.cli.main import main
 from dkfac.comm import StepRecorder
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
-from dkfac.sim.choice import candidates, rank_candidates
+from dkfac.sim.choice import AUTO_BUCKET_CAPS_MB, candidates, rank_candidates
 from dkfac.sim.network import LinkModel
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
@@ -176,11 +176,12 @@ def test_a_resumed_auto_run_keeps_the_choice_its_checkpoint_saved(tmp_path) -> N
     assert saved is not None
     first = saved["strategy_choice"]
     assert first["strategy"] in ("dkfac", "kaisa", "spd", "pad", "dp")
-    # Another choice than auto's, written into the checkpoint: choosing again could not
-    # land on it, so the resumed run can only have run it by keeping the saved one.
-    kept = {"strategy": "kaisa", "grad_worker_fraction": 0.5, "bucket_cap_mb": 4.0}
+    # A choice written into the checkpoint with a bucket cap auto never tries (7 MiB):
+    # choosing again could not land on it, so the resumed run can only run it by keeping it.
+    assert 7.0 not in AUTO_BUCKET_CAPS_MB
+    kept = {"strategy": "kaisa", "grad_worker_fraction": 0.5, "bucket_cap_mb": 7.0}
     if first["strategy"] == "kaisa":
-        kept = {"strategy": "dp", "grad_worker_fraction": 1.0, "bucket_cap_mb": 4.0}
+        kept = {"strategy": "dp", "grad_worker_fraction": 1.0, "bucket_cap_mb": 7.0}
     kept["label"] = f"{kept['strategy']} (kept by the test)"
     save_atomic({**saved, "strategy_choice": kept}, out)
     assert main(["train", "--out", str(out), "--resume", "--nproc", "2"]) == 0
@@ -191,9 +192,16 @@ def test_a_resumed_auto_run_keeps_the_choice_its_checkpoint_saved(tmp_path) -> N
         (2, kept["strategy"]),
     ]
     assert events[1]["reason"] == f"resumed with what strategy=auto chose before: {kept['label']}"
+    # The event says what the resumed run built (its preconditioner's strategy and options).
+    assert {k: events[1][k] for k in kept} == kept
     # The checkpoint the resumed run wrote keeps the choice for the next resume.
     final = load_checkpoint(out)
     assert final is not None and final["step"] == 4 and final["strategy_choice"] == kept
+    # On another number of workers the choice is made again (it was made for P = 2).
+    assert main(["train", "--out", str(out), "--resume", "--nproc", "1"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "strategy"]
+    assert events[-1]["strategy"] == "local" and events[-1]["reason"] == "one process: local"
 
 
 def slower(given: ComputeProfile, factor: float) -> ComputeProfile:

@@ -128,8 +128,11 @@ class AutoOptions(StrategyChooser):
         require_distributed("strategy=AutoOptions(...)")
         world_size = dist.get_world_size()
         if world_size == 1:
-            report = {"strategy": "local", "label": "local", "reason": "one process: local"}
-            return StrategyChoice(LocalOptions(), self.bucket_caps_mb[0], report)
+            cap = self.bucket_caps_mb[0]
+            report: dict[str, Any] = {"strategy": "local", "label": "local"}
+            report["reason"] = "one process: local"
+            report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap}
+            return StrategyChoice(LocalOptions(), cap, report)
         parameters = list(model.parameters())
         if not parameters:
             raise ValueError("strategy=AutoOptions(...): the model has no parameters")

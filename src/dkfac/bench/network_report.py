@@ -178,7 +178,8 @@ def format_rate_tables(result: Mapping[str, Any]) -> str:
         "collectives (SGD (DeAR): grad_comm = its exposed reduce-scatter and all-gather waits); "
         "compute = K-FAC's factor_compute + inverse_compute + precondition;",
         "MB/step = payload bytes per iteration of the recorded collectives / 1e6 (DDP's own "
-        "gradient allreduce is not recorded: '-' for SGD (DDP), and not in the K-FAC rows);",
+        "gradient allreduce is not recorded: '-' for SGD (DDP), and not in the K-FAC rows; "
+        "K-FAC + DeAR rows count DeAR's gradients, and their grad_comm is K-FAC's own);",
         "f_flight = ms per iteration K-FAC's factor collectives were in flight (launch to "
         "completion, union); hidden = the share of it while the training thread was not "
         "waiting on them (under forward/backward; pre.comm_overlap()).",

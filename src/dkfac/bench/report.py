@@ -72,7 +72,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     columns: list[tuple[str, int]] = [
         ("model", model_width),
         ("P", 2),
-        ("config", 11),
+        ("config", max([11, *(len(row["label"]) for row in rows)])),
         ("(f,i)", 8),
         ("amort s/it", 10),
         ("median s/it", 11),
@@ -130,6 +130,12 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             "SGD (DeAR): DeAR averages the gradients instead of DDP, no K-FAC; g_comm = its "
             "exposed reduce-scatter and all-gather waits (dear.timings()), MB/step its gradients."
         )
+    if any(row.get("gradient_sync") == DEAR_SGD.key and row.get("strategy") for row in rows):
+        lines.append(
+            "K-FAC + DeAR: DeAR averages the gradients, gathered before preconditioning; g_comm "
+            "is K-FAC's own (as in the DDP rows), MB/step adds DeAR's gradients (DDP's are not "
+            "counted)."
+        )
     return "\n".join(lines)
 
 
@@ -145,6 +151,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
     env, settings = report["environment"], report["settings"]
     schedules = [tuple(s) for s in settings["schedules"]]
     dear = DEAR_SGD.key in settings["strategies"]
+    any_dear = dear or any(s.endswith(f"+{DEAR_SGD.key}") for s in settings["strategies"])
     baselines = ["SGD", "DeAR"] if dear else ["SGD"]
     short = ", ".join([*baselines, *(f"({f},{i})" for f, i in schedules if f == i == 1)])
     long = ", ".join(f"({f},{i})" for f, i in schedules if f > 1 or i > 1) or "none"
@@ -154,7 +161,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"{', '.join(MODEL_LABELS[m] for m in settings['models'])}; P in "
         f"{', '.join(map(str, settings['nprocs']))}; gloo, 1 thread/process; batch "
         f"{settings['batch_size_per_worker']} per worker; SGD(lr={LR}, momentum={MOMENTUM}) + "
-        f"{'DDP or DeAR' if dear else 'DDP'}; K-FAC {INVERSE_METHOD}; rounds "
+        f"{'DDP or DeAR' if any_dear else 'DDP'}; K-FAC {INVERSE_METHOD}; rounds "
         f"{settings['rounds']}, warm-up "
         f"{settings['warmup']}, timed iterations {settings['iters']} ({short}) / "
         f"{settings['iters_long']} ({long})",

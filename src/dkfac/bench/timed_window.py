@@ -228,11 +228,11 @@ def time_window(
         if dear is not None:
             dear.remove()
     phase_s = {name: value / iters for name, value in phase_sums.items()}
-    if dear is not None:
-        # DeAR's exposed gradient waits, under the name the K-FAC rows use for gradient traffic
-        # (added to K-FAC's own, when it runs with DeAR).
-        waits = sum(phase_s.get(name, 0.0) for name in DEAR_WAITS)
-        phase_s["grad_comm"] = phase_s.get("grad_comm", 0.0) + waits
+    if dear is not None and pre is None:
+        # SGD with DeAR: its exposed gradient waits, under the name the K-FAC rows use for
+        # gradient traffic. With K-FAC, grad_comm stays K-FAC's own, as in the DDP rows (whose
+        # gradient allreduce is not timed); DeAR's waits keep their own names.
+        phase_s["grad_comm"] = sum(phase_s.get(name, 0.0) for name in DEAR_WAITS)
     return {
         "wall_s": wall_s,
         "iter_s": iter_s,

@@ -59,6 +59,17 @@ def strategy_choice(pre: dkfac.KFACPreconditioner | None) -> dict[str, Any] | No
     return None if chosen is None else {key: chosen[key] for key in CHOICE_KEYS}
 
 
+def built_choice(pre: dkfac.KFACPreconditioner, label: str) -> dict[str, Any]:
+    """What ``pre`` runs, in :data:`CHOICE_KEYS` (a resumed run's kept choice, as built)."""
+    fraction = pre.config.grad_worker_fraction
+    return {
+        "strategy": pre.plan()["strategy"],
+        "grad_worker_fraction": 1.0 if fraction is None else fraction,
+        "bucket_cap_mb": pre.config.bucket_cap_mb,
+        "label": label,
+    }
+
+
 def save_run_checkpoint(
     out: Path,
     model: nn.Module,

@@ -6,6 +6,7 @@ initialization follows ``config.seed``), so that every rank starts from the same
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -30,10 +32,13 @@ from dkfac.cli.device import (
 )
 from dkfac.cli.gradient_sync import GradientSync
 from dkfac.cli.objective import label_cross_entropy
+from dkfac.cli.run_checkpoint import built_choice
 from dkfac.cli.sampling import EpochSampler
 from dkfac.data.registry import DatasetSpec, load_dataset
 from dkfac.models.registry import build_model
 from dkfac.strategies import option_keywords
+
+logger = logging.getLogger(__name__)
 
 
 def run_device(config: TrainConfig, slot: LocalSlot | None = None) -> torch.device:
@@ -228,7 +233,7 @@ def build_training_setup(
     sync = GradientSync(model, optimizer, config, world, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     pre = None
-    resumed_choice = resumed_strategy_choice(config) if resume else None
+    resumed_choice = resumed_strategy_choice(config, rank, world) if resume else None
     if resumed_choice is not None:  # keep what --strategy auto chose before the checkpoint
         pre = _build_preconditioner(
             config,
@@ -239,6 +244,8 @@ def build_training_setup(
             grad_worker_fraction=float(resumed_choice["grad_worker_fraction"]),
             bucket_cap_mb=float(resumed_choice["bucket_cap_mb"]),
         )
+        # What was built (recorded and saved again), not merely what was read.
+        resumed_choice = built_choice(pre, str(resumed_choice["label"]))
     elif config.uses_kfac:
         strategy: str | dkfac.AutoOptions = config.strategy
         if config.strategy == "auto":  # profiled on the first batch of the training split
@@ -272,17 +279,33 @@ def build_training_setup(
     )
 
 
-def resumed_strategy_choice(config: TrainConfig) -> dict[str, Any] | None:
+def resumed_strategy_choice(config: TrainConfig, rank: int, world: int) -> dict[str, Any] | None:
     """What ``--strategy auto`` chose, saved in the checkpoint this run resumes (or None).
 
-    A resumed run keeps that strategy, KAISA fraction and bucket cap instead of choosing
-    again: the machine's load when it resumes must not switch the strategy mid-run.
+    A resumed run on as many ranks keeps that strategy, KAISA fraction and bucket cap
+    instead of choosing again: the machine's load when it resumes must not switch the
+    strategy mid-run. On another number of ranks the choice (made for that world size)
+    is made again. Rank 0 reads the checkpoint and tells the others, so every rank builds
+    the same preconditioner even if their copies of ``--out`` differ.
     """
     if config.strategy != "auto" or not config.uses_kfac or not config.out:
         return None
-    saved = load_checkpoint(Path(config.out))
-    choice = None if saved is None else saved.get("strategy_choice")
-    return None if choice is None else dict(choice)
+    kept: list[dict[str, Any] | None] = [None]
+    if rank == 0:
+        saved = load_checkpoint(Path(config.out))
+        if saved is not None and saved.get("strategy_choice") is not None:
+            if saved["world_size"] == world:
+                kept[0] = dict(saved["strategy_choice"])
+            else:
+                logger.info(
+                    "--strategy auto chooses again: the checkpoint's choice was made for %d "
+                    "workers, this run has %d",
+                    saved["world_size"],
+                    world,
+                )
+    if world > 1:
+        dist.broadcast_object_list(kept, src=0)
+    return kept[0]
 
 
 def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
