@@ -186,41 +186,34 @@ def configurations(
         for strategy in STRATEGIES:
             if strategy not in strategies:
                 continue
-            if strategy == "kaisa":
-                for d in kaisa_fractions(world_size):
-                    configs.append(
-                        Configuration(
-                            f"kaisa_1of{d}_{f}_{i}",
-                            f"kaisa f=1/{d}",
-                            "kaisa",
-                            1.0 / d,
-                            f"1/{d}",
-                            f,
-                            i,
-                        )
-                    )
-            else:
-                configs.append(
-                    Configuration(f"{strategy}_{f}_{i}", strategy, strategy, 1.0, "1", f, i)
-                )
+            denominators = kaisa_fractions(world_size) if strategy == "kaisa" else [1]
+            for d in denominators:
+                name = f"kaisa_1of{d}" if strategy == "kaisa" else strategy
+                configs.append(_kfac_configuration(strategy, name, d, f, i))
         for strategy in STRATEGIES:  # KAISA at its memory-optimal 1/P only
             if f"{strategy}+{DEAR}" in strategies:
                 d = world_size if strategy == "kaisa" else 1
-                configs.append(
-                    Configuration(
-                        f"{strategy}_{DEAR}_{f}_{i}",
-                        f"{strategy} + DeAR" if d == 1 else f"kaisa f=1/{d} + DeAR",
-                        strategy,
-                        1.0 / d,
-                        f"1/{d}" if d > 1 else "1",
-                        f,
-                        i,
-                        gradient_sync=DEAR,
-                    )
-                )
+                configs.append(_kfac_configuration(strategy, f"{strategy}_{DEAR}", d, f, i, DEAR))
         if AUTO in strategies:
             configs.append(Configuration(f"{AUTO}_{f}_{i}", AUTO, AUTO, 1.0, "1", f, i))
     return configs
+
+
+def _kfac_configuration(
+    strategy: str, name: str, d: int, f: int, i: int, gradient_sync: str = "ddp"
+) -> Configuration:
+    """``strategy`` at schedule ``(f, i)`` (KAISA at fraction ``1/d``), key ``name_f_i``."""
+    label = f"kaisa f=1/{d}" if strategy == "kaisa" else strategy
+    return Configuration(
+        f"{name}_{f}_{i}",
+        label if gradient_sync == "ddp" else f"{label} + DeAR",
+        strategy,
+        1.0 / d,
+        f"1/{d}" if strategy == "kaisa" else "1",
+        f,
+        i,
+        gradient_sync=gradient_sync,
+    )
 
 
 def comma_separated(value: str) -> list[str]:
