@@ -13,6 +13,7 @@ Two nodes (run once per node, NODE_RANK 0 and 1)::
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     args = parser.parse_args(argv)
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    train(args)
+    # One GPU per process when the machine has one for every local process, else the CPU.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    on_gpus = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if on_gpus:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if on_gpus else "gloo")
+    train(args, torch.device("cuda", local_rank) if on_gpus else torch.device("cpu"))
     dist.barrier()  # nobody tears the groups down while a peer still talks to them
     # Frees what still holds a group (DDP and the preconditioner sit in reference cycles)
     # before destroying them: freed at interpreter exit instead, gloo can abort the process.
@@ -47,14 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, device: torch.device) -> None:
     """One rank's training; everything that holds a process group is released on return."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", rank % torch.cuda.device_count())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
     train, test = load_digits_tensors()
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)

@@ -433,13 +433,16 @@ def test_gpu_overhead_quick_run_on_the_cpu_writes_every_row(
     entry = report["models"]["resnet32"]
     assert list(entry["summary"]) == [
         "sgd",
-        "dkfac_eigen_1_1",
-        "dkfac_inverse_1_1",
-        "dkfac_eigen_10_100",
-        "dkfac_inverse_10_100",
+        *(
+            f"{label}_{method}_{schedule}"
+            for label in ("dkfac", "dkfac-bf16")
+            for schedule in ("1_1", "10_100")
+            for method in ("eigen", "inverse")
+        ),
     ]
     assert all(row["median_s"] > 0 for row in entry["summary"].values())
     assert entry["verdicts"]["every_step_eigen"]["met"] is None  # no kfac-pytorch to compare
+    assert entry["verdicts"]["amortised_inverse_bf16"]["target_pct"] == 10.0
     assert entry["eigh_probe"]["factors"] == 2 * 34  # ResNet-32: 33 convolutions and the head
 
 

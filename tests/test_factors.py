@@ -13,15 +13,9 @@ from torch import nn
 import dkfac.curvature.factors as factors_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
-from dkfac.curvature.factors import (
-    ShiftedGramPlans,
-    conv2d_patch_gram,
-    finite_flags,
-    gram_with_ones,
-    running_average,
-    running_averages,
-)
+from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram, gram_with_ones
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
+from dkfac.curvature.running_average import finite_flags, running_average, running_averages
 
 
 def brute_force_patch_gram(

@@ -17,6 +17,7 @@ import torch
 
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.curvature.factors import GramPrecision
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.validation import check_float, check_int, describe
@@ -133,6 +134,7 @@ class KFACConfig:
     skip_layers: Sequence[str] = ()
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
+    statistics_precision: str = "highest"
     inv_dtype: torch.dtype = torch.float32
     grad_worker_fraction: float | None = None
     bucket_cap_mb: float | None = None
@@ -192,6 +194,13 @@ class KFACConfig:
                     f"{name}={dtype!r} is not allowed: expected a floating dtype "
                     f"({', '.join(map(str, FLOAT_DTYPES))})"
                 )
+        if GramPrecision(self.statistics_precision).name == "bf16" and (
+            self.factor_dtype != torch.float32
+        ):
+            raise ValueError(
+                f"statistics_precision='bf16' is not allowed with factor_dtype="
+                f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
+            )
         if self.inv_dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"inv_dtype={self.inv_dtype!r} is not allowed: decompositions need "

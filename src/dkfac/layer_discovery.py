@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch import nn
 
+from dkfac.config import KFACConfig
 from dkfac.curvature.blocks import BlockFactory, UnsupportedLayerError, make_block
+from dkfac.curvature.factors import GramPrecision
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule
 
@@ -75,24 +75,24 @@ def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
 
 def discover_layers(
     model: nn.Module,
-    skip_patterns: Sequence[re.Pattern[str]],
-    factor_dtype: torch.dtype,
-    max_factor_dim: int | None = None,
+    config: KFACConfig,
     blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
 ) -> tuple[list[tuple[str, LayerCurvature]], list[SkippedModule]]:
     """Every module of ``model`` with parameters: a (path, curvature) pair, or a skipped entry.
 
     Args:
         model: the unwrapped model.
-        skip_patterns: a module whose path or class name matches one is skipped.
-        factor_dtype: dtype of the layers' statistics and running factors.
-        max_factor_dim: a layer with a larger factor side is skipped (None: no limit).
+        config: what the layers are built with: ``skip_patterns`` (a module whose path or
+            class name matches one is skipped), ``factor_dtype``, ``statistics_precision``
+            and ``max_factor_dim`` (a layer with a larger factor side is skipped).
         blocks: the user's blocks for more module types (:func:`make_block`).
 
     Raises:
         ValueError: a layer of a supported type cannot be handled, or no layer can be
             preconditioned.
     """
+    skip_patterns, factor_dtype = config.skip_patterns, config.factor_dtype
+    max_factor_dim, precision = config.max_factor_dim, GramPrecision(config.statistics_precision)
     layers: list[tuple[str, LayerCurvature]] = []
     skipped: list[SkippedModule] = []
     holders = parameter_holders(model)
@@ -129,6 +129,7 @@ def discover_layers(
             shared = ", ".join(repr(other) for other in others)
             skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
         else:
+            block.precision = precision
             layers.append((name, LayerCurvature(name or kind, block, factor_dtype)))
     if not layers:
         found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"

@@ -74,6 +74,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             enter ``G``. Call ``scaler.unscale_(optimizer)`` before ``pre.step()``. A step whose
             gradients are not finite (the scaler skips it) changes no factor or decomposition.
         factor_dtype: dtype of the statistics and running factors (also for fp16/bf16 models).
+        statistics_precision: ``"highest"`` (default): the statistics' products in
+            ``factor_dtype``; ``"bf16"``: operands rounded to bfloat16, products summed in
+            float32 (tensor cores; ``factor_dtype`` float32 only; README, "GPUs").
         inv_dtype: dtype of the decompositions, float32 or float64 (failures retried in float64).
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
@@ -135,6 +138,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         loss_reduction: str = "mean",
         grad_scaler: Any | None = None,
         factor_dtype: torch.dtype = torch.float32,
+        statistics_precision: str = "highest",
         inv_dtype: torch.dtype = torch.float32,
         grad_worker_fraction: float | None = None,
         bucket_cap_mb: float | None = None,
@@ -165,6 +169,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             skip_layers=skip_layers,
             loss_reduction=loss_reduction,
             factor_dtype=factor_dtype,
+            statistics_precision=statistics_precision,
             inv_dtype=inv_dtype,
             grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
@@ -179,9 +184,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
         self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
-        discovered, self._skipped = discover_layers(
-            self._model, self.config.skip_patterns, self.config.factor_dtype, max_factor_dim, blocks
-        )
+        discovered, self._skipped = discover_layers(self._model, self.config, blocks)
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
         self._strategy.setup(self._layers, accumulation_steps=accumulation_steps)

@@ -353,6 +353,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         raise ConfigError("--timeout must be positive")
     if args.bucket_cap_mb <= 0:
         raise ConfigError("--bucket-cap-mb must be positive")
+    schedules = parse_schedules(args.schedules)  # refused before the device is chosen (logged)
     # One device for every world size (a report mixing GPUs and CPUs compares neither). An
     # emulated cluster shapes TCP between CPU workers (NCCL would bypass the link) and a
     # dry run times nothing: both on the CPU.
@@ -375,7 +376,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
         iters_long=values["iters_long"],
         timeout=float(values["timeout"]),
         strategies=tuple(s for s in STRATEGY_CHOICES if s in strategies),
-        schedules=parse_schedules(args.schedules),
+        schedules=schedules,
         batch_size=args.batch_size,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,

@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram, gram_with_ones
+from dkfac.curvature.factors import (
+    HIGHEST,
+    GramPrecision,
+    ShiftedGramPlans,
+    conv2d_patch_gram,
+    gram_with_ones,
+)
 
 
 class UnsupportedLayerError(ValueError):
@@ -52,9 +58,14 @@ class KroneckerBlock(ABC):
         module: the module whose weight (and bias) is preconditioned.
         a_dim: side of ``A`` (input features, plus one for the bias).
         g_dim: side of ``G`` (output features).
+        precision: how the statistics' products are formed (``statistics_precision``, set
+            by the preconditioner): a block forms its operands with ``precision.operands``
+            and its products with ``precision.mm`` or the Gram helpers of
+            :mod:`dkfac.curvature.factors`.
     """
 
     kind: str = "?"
+    precision: GramPrecision = HIGHEST
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -125,15 +136,16 @@ class LinearBlock(KroneckerBlock):
 
     def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ a aᵀ`` with ``a = [x_row, 1]`` over all rows of ``x``."""
-        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        rows = self.precision.operands(x.reshape(-1, x.shape[-1]), dtype)
         examples = int(x.shape[0]) if x.dim() > 1 else 1
-        return FactorStatistic(gram_with_ones(rows, self.has_bias), rows.shape[0], examples)
+        total = gram_with_ones(rows, self.has_bias, self.precision)
+        return FactorStatistic(total, rows.shape[0], examples)
 
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over all rows of ``dy``."""
-        rows = dy.reshape(-1, dy.shape[-1]).to(dtype)
+        rows = self.precision.operands(dy.reshape(-1, dy.shape[-1]), dtype)
         examples = int(dy.shape[0]) if dy.dim() > 1 else 1
-        return FactorStatistic(rows.t() @ rows, rows.shape[0], examples)
+        return FactorStatistic(self.precision.mm(rows.t(), rows), rows.shape[0], examples)
 
 
 def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -197,7 +209,7 @@ class Conv2dBlock(KroneckerBlock):
         """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
         if x.dim() == 3:  # unbatched (C, H, W)
             x = x.unsqueeze(0)
-        x = x.to(dtype)
+        x = self.precision.operands(x, dtype)
         zero_padded = self.conv.padding_mode == "zeros"
         total, rows = conv2d_patch_gram(
             x if zero_padded else self.padded_input(x),
@@ -207,6 +219,7 @@ class Conv2dBlock(KroneckerBlock):
             pad=self.pad if zero_padded else (0, 0, 0, 0),
             with_ones=self.has_bias,
             plans=self.gram_plans,
+            precision=self.precision,
         )
         return FactorStatistic(total, rows, int(x.shape[0]))
 
@@ -215,8 +228,8 @@ class Conv2dBlock(KroneckerBlock):
         if dy.dim() == 3:
             dy = dy.unsqueeze(0)
         examples, channels = int(dy.shape[0]), int(dy.shape[1])
-        flat = dy.to(dtype).transpose(0, 1).reshape(channels, -1)
-        return FactorStatistic(flat @ flat.t(), flat.shape[1], examples)
+        flat = self.precision.operands(dy, dtype).transpose(0, 1).reshape(channels, -1)
+        return FactorStatistic(self.precision.mm(flat, flat.t()), flat.shape[1], examples)
 
 
 class Conv1dBlock(Conv2dBlock):

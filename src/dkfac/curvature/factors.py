@@ -1,4 +1,4 @@
-"""Factor arithmetic: Gram matrices of layer statistics and the running average.
+"""Gram matrices of layer statistics, and the precision of their products.
 
 These are the hot loops of K-FAC (an im2col Gram costs several forward passes of the layer),
 so they avoid copies and exploit symmetry where PyTorch lets them.
@@ -7,24 +7,77 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+#: What ``statistics_precision`` may be (:class:`GramPrecision`).
+STATISTICS_PRECISIONS = ("highest", "bf16")
 
-def gram_with_ones(rows: Tensor, with_ones: bool) -> Tensor:
+
+@dataclass(frozen=True)
+class GramPrecision:
+    """How the products of a factor's statistics are computed.
+
+    ``"highest"``: in the statistics' dtype (``factor_dtype``), as PyTorch's matrix product
+    computes it there. ``"bf16"``: the operands rounded to bfloat16 and their products summed
+    and returned in float32, which tensor cores run several times faster than float32 products
+    (on CUDA one ``mm`` with a float32 output; other devices form the same products of the
+    rounded operands in float32, slower, so that CPU tests check the same arithmetic). Each
+    entry of a factor then carries the relative error of bfloat16 operands (2⁻⁹ per product,
+    averaged down over the rows), far below the statistical noise of a mini-batch estimate,
+    but it is an approximation the user must ask for.
+
+    Attributes:
+        name: one of :data:`STATISTICS_PRECISIONS`.
+    """
+
+    name: str = "highest"
+
+    def __post_init__(self) -> None:
+        if self.name not in STATISTICS_PRECISIONS:
+            raise ValueError(
+                f"statistics_precision={self.name!r} is not allowed: expected one of "
+                f"{', '.join(map(repr, STATISTICS_PRECISIONS))}"
+            )
+
+    def operands(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``x`` as the products' operands: in ``dtype``, or rounded to bfloat16."""
+        return x.to(torch.bfloat16 if self.name == "bf16" else dtype)
+
+    def mm(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones."""
+        if self.name != "bf16":
+            return a @ b
+        if a.device.type == "cuda":
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return a.float() @ b.float()
+
+    def output_dtype(self, operands: torch.dtype) -> torch.dtype:
+        """Dtype of the products of operands of dtype ``operands``."""
+        return torch.float32 if self.name == "bf16" else operands
+
+    def sum_rows(self, rows: Tensor) -> Tensor:
+        """Column sums of ``rows`` in the products' output dtype."""
+        return rows.sum(dim=0, dtype=self.output_dtype(rows.dtype))
+
+
+#: Products in the statistics' own dtype (the default).
+HIGHEST = GramPrecision()
+
+
+def gram_with_ones(rows: Tensor, with_ones: bool, precision: GramPrecision = HIGHEST) -> Tensor:
     """``Σ_r [x_r, 1][x_r, 1]ᵀ`` for the rows ``x_r`` of a 2-D tensor.
 
     The appended constant is never materialised: its row of the Gram is the column sum and its
     corner the row count, so no ``(R, d+1)`` copy of the input is made.
     """
-    core = rows.t() @ rows
+    core = precision.mm(rows.t(), rows)
     if not with_ones:
         return core
-    return bordered_gram(core, rows.sum(dim=0), rows.shape[0])
+    return bordered_gram(core, precision.sum_rows(rows), rows.shape[0])
 
 
 def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
@@ -47,6 +100,7 @@ def conv2d_patch_gram(
     pad: tuple[int, int, int, int],
     with_ones: bool,
     plans: ShiftedGramPlans | None = None,
+    precision: GramPrecision = HIGHEST,
 ) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
@@ -59,6 +113,7 @@ def conv2d_patch_gram(
         with_ones: append a constant 1 to every patch (the bias input).
         plans: the layer's cache of stride-1 index plans; with it, a repeated input size reads
             nothing back from the device. ``None`` plans afresh on every call.
+        precision: how the products are formed (``x`` already holds their operands).
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
@@ -68,7 +123,7 @@ def conv2d_patch_gram(
         # A 1x1 convolution's patches are its input pixels: their Gram, no plan or blocks
         # (one copy of the input instead of a zeroed layout, a copy and block scatters).
         pixels = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-        return gram_with_ones(pixels, with_ones), pixels.shape[0]
+        return gram_with_ones(pixels, with_ones, precision), pixels.shape[0]
     # Inside torch.compile's tracing the index plan's data-dependent shapes would break the
     # graph: the im2col product (same Gram, other rounding) traces whole.
     if stride == (1, 1) and not torch.compiler.is_compiling():
@@ -78,8 +133,8 @@ def conv2d_patch_gram(
             if plans is None
             else plans.get(geometry, x.device)
         )
-        return _shifted_patch_gram(x, plan, with_ones)
-    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones)
+        return _shifted_patch_gram(x, plan, with_ones, precision)
+    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones, precision)
 
 
 def _strided_patch_gram(
@@ -89,6 +144,7 @@ def _strided_patch_gram(
     stride: tuple[int, int],
     pad: tuple[int, int, int, int],
     with_ones: bool,
+    precision: GramPrecision,
 ) -> tuple[Tensor, int]:
     """Patch Gram through an explicit im2col matrix, for any stride.
 
@@ -109,7 +165,7 @@ def _strided_patch_gram(
         (sn, stride[0] * sh, stride[1] * sw, dilation[0] * sh, dilation[1] * sw, sc),
     )
     flat = patches.reshape(-1, kh * kw * c)
-    gram = gram_with_ones(flat, with_ones)
+    gram = gram_with_ones(flat, with_ones, precision)
     size = c * kh * kw
     reordered = gram[:size, :size].view(kh, kw, c, kh, kw, c).permute(2, 0, 1, 5, 3, 4)
     if not with_ones:
@@ -264,7 +320,9 @@ class ShiftedGramPlans:
         return len(self._plans)
 
 
-def _shifted_patch_gram(x: Tensor, plan: ShiftedGramPlan, with_ones: bool) -> tuple[Tensor, int]:
+def _shifted_patch_gram(
+    x: Tensor, plan: ShiftedGramPlan, with_ones: bool, precision: GramPrecision
+) -> tuple[Tensor, int]:
     """Patch Gram of a stride-1 convolution without materialising im2col.
 
     Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
@@ -278,12 +336,13 @@ def _shifted_patch_gram(x: Tensor, plan: ShiftedGramPlan, with_ones: bool) -> tu
     nothing is read back from the device here.
     """
     n, c, h, w = x.shape
+    out_dtype = precision.output_dtype(x.dtype)
     kh, kw = plan.geometry.kernel
     h_out, w_out, hp, wp = plan.h_out, plan.w_out, plan.hp, plan.wp
     rows = n * h_out * w_out
     size = c * kh * kw
     if h_out <= 0 or w_out <= 0:
-        return x.new_zeros(size + with_ones, size + with_ones), 0
+        return x.new_zeros(size + with_ones, size + with_ones, dtype=out_dtype), 0
     span = n * hp * wp
     shifts = plan.shifts
     # Positions-major layout: a GEMM reads it transposed for free, and gathering positions
@@ -291,7 +350,7 @@ def _shifted_patch_gram(x: Tensor, plan: ShiftedGramPlan, with_ones: bool) -> tu
     flat = x.new_zeros(span + plan.max_offset, c)
     flat[:span].view(n, hp, wp, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
     base = flat[:span].t()
-    full = torch.stack([base @ flat[o : o + span] for o in plan.offset_list])  # (S, C, C)
+    full = torch.stack([precision.mm(base, flat[o : o + span]) for o in plan.offset_list])
 
     # Each border group's correction is one GEMM contracting over all its positions and
     # examples.
@@ -302,97 +361,21 @@ def _shifted_patch_gram(x: Tensor, plan: ShiftedGramPlan, with_ones: bool) -> tu
         shifted = flat[index[:, None] + plan.offsets].flatten(1)  # (B·N, S·C)
         bounds = [0, *itertools.accumulate(sizes)]
         per_group = torch.stack(
-            [at_border[i:j].t() @ shifted[i:j] for i, j in itertools.pairwise(bounds)]
+            [precision.mm(at_border[i:j].t(), shifted[i:j]) for i, j in itertools.pairwise(bounds)]
         )  # (G, C, S·C)
-        weights = plan.border_patterns.to(x.dtype)  # (U, G)
+        weights = plan.border_patterns.to(out_dtype)  # (U, G)
         corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
         values = full[:, None] - corrections.permute(2, 0, 1, 3)
     else:
         values = full[:, None].expand(len(shifts), kh * kw, c, c)
     chosen = values[plan.which, plan.first]
-    blocks = x.new_empty(kh * kw, kh * kw, c, c)
+    blocks = full.new_empty(kh * kw, kh * kw, c, c)
     blocks[plan.second, plan.first] = chosen.transpose(1, 2)
     blocks[plan.first, plan.second] = chosen
     gram = blocks.permute(2, 0, 3, 1).reshape(size, size)
     if not with_ones:
         return gram, rows
     # Bias row: the patch sums, i.e. channel sums over each offset's window.
-    inside = plan.inside.to(x.dtype)  # (kh·kw, h, w)
-    sums = torch.einsum("chw,uhw->cu", x.sum(0), inside).reshape(-1)
+    inside = plan.inside.to(out_dtype)  # (kh·kw, h, w)
+    sums = torch.einsum("chw,uhw->cu", x.sum(0, dtype=out_dtype), inside).reshape(-1)
     return bordered_gram(gram, sums, rows), rows
-
-
-def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
-    """``ε·running + (1−ε)·batch``; the first estimate is the batch itself.
-
-    A batch estimate with a NaN or Inf is not folded in (the running average keeps its value),
-    and a running average that is not finite yet counts as "no estimate": this is decided on the
-    device, with no host synchronisation. The average is ``lerp(running, batch, 1−ε)`` (one
-    pass; :func:`running_averages` folds many factors the same way, bit for bit).
-    """
-    batch_ok = torch.isfinite(batch).all()
-    if running is None:
-        return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
-    wide = torch.promote_types(running.dtype, batch.dtype)  # as ε·running + (1−ε)·batch did
-    updated = torch.lerp(running.to(wide), batch.to(wide), 1.0 - decay)
-    running_ok = torch.isfinite(running).all()
-    return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
-
-
-def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
-    """Device booleans, one per tensor (all on one device): is every entry finite?
-
-    One reading pass per tensor: its extremes are finite exactly when all its entries are
-    (minimum and maximum propagate NaN). On an accelerator the passes share one launch (the
-    infinity norm of every tensor); on the CPU, where a launch costs little, each tensor takes
-    ``aminmax``, which is vectorised where PyTorch's CPU infinity norm is not (about 20 times
-    faster on a small CNN's factors, where it was a tenth of the K-FAC step).
-    """
-    tensors = list(tensors)
-    if tensors and tensors[0].device.type != "cpu":
-        peaks = torch._foreach_norm(tensors, float("inf"))
-        return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
-    return torch.stack([_extremes_finite(tensor) for tensor in tensors])
-
-
-def _extremes_finite(tensor: Tensor) -> Tensor:
-    if tensor.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    low, high = torch.aminmax(tensor)
-    return torch.isfinite(low) & torch.isfinite(high)
-
-
-def running_averages(
-    runnings: Sequence[Tensor],
-    batches: Sequence[Tensor],
-    decay: float,
-    present: Tensor | None = None,
-) -> tuple[list[Tensor], Tensor]:
-    """:func:`running_average` of many running factors at once (each must exist).
-
-    The factor updates of a model are many matrices with a few elementwise passes each; here
-    they share their launches (finiteness of all batches and averages, the blend of all) and
-    each factor adds only its choice between blend, batch and old value, so a step that
-    updates factors costs the device little and the host a few operations per factor.
-
-    Args:
-        runnings: the running factors.
-        batches: the batch factors, one per running factor (same shape and dtype: mixed
-            pairs go through :func:`running_average`, which promotes).
-        decay: ``ε``.
-        present: device booleans, one per factor: whether it has a batch at all (a factor
-            without one keeps its value, decided on the device); None: all have one.
-
-    Returns:
-        The new running factors and the device booleans "batch ``i`` was finite".
-    """
-    batch_ok = finite_flags(batches)
-    usable = batch_ok if present is None else batch_ok & present
-    running_ok = finite_flags(runnings)
-    both = usable & running_ok
-    blended = torch._foreach_lerp(list(runnings), list(batches), 1.0 - decay)
-    result = [
-        torch.where(both[i], blend, torch.where(usable[i], batch, running))
-        for i, (blend, batch, running) in enumerate(zip(blended, batches, runnings, strict=True))
-    ]
-    return result, batch_ok

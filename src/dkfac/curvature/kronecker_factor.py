@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dkfac.curvature.factors import running_average, running_averages
 from dkfac.curvature.inverse import trace_mean
+from dkfac.curvature.running_average import running_average, running_averages
 from dkfac.curvature.statistics import FactorStatistics
 
 
@@ -95,7 +95,7 @@ def fold_batches(
     """``factor.fold(batch, decay)`` for each pair, with shared launches where possible.
 
     Once every factor has a running average on one device, the finiteness checks and blends
-    of all factors run together (:func:`~dkfac.curvature.factors.running_averages`); the
+    of all factors run together (:func:`~dkfac.curvature.running_average.running_averages`); the
     result is the same, bit for bit, as folding one factor at a time.
     """
     runnings = [factor.running for factor in factors]

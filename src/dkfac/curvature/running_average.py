@@ -1,0 +1,89 @@
+"""Running averages of Kronecker factors, decided on the device.
+
+A worker folds each batch factor into its running average ``ε·running + (1−ε)·batch``; a batch
+with a NaN or Inf is left out and a running average that is not finite yet counts as "no
+estimate", all without reading anything back from the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
+    """``ε·running + (1−ε)·batch``; the first estimate is the batch itself.
+
+    A batch estimate with a NaN or Inf is not folded in (the running average keeps its value),
+    and a running average that is not finite yet counts as "no estimate": this is decided on the
+    device, with no host synchronisation. The average is ``lerp(running, batch, 1−ε)`` (one
+    pass; :func:`running_averages` folds many factors the same way, bit for bit).
+    """
+    batch_ok = torch.isfinite(batch).all()
+    if running is None:
+        return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
+    wide = torch.promote_types(running.dtype, batch.dtype)  # as ε·running + (1−ε)·batch did
+    updated = torch.lerp(running.to(wide), batch.to(wide), 1.0 - decay)
+    running_ok = torch.isfinite(running).all()
+    return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """Device booleans, one per tensor (all on one device): is every entry finite?
+
+    One reading pass per tensor: its extremes are finite exactly when all its entries are
+    (minimum and maximum propagate NaN). On an accelerator the passes share one launch (the
+    infinity norm of every tensor); on the CPU, where a launch costs little, each tensor takes
+    ``aminmax``, which is vectorised where PyTorch's CPU infinity norm is not (about 20 times
+    faster on a small CNN's factors, where it was a tenth of the K-FAC step).
+    """
+    tensors = list(tensors)
+    if tensors and tensors[0].device.type != "cpu":
+        peaks = torch._foreach_norm(tensors, float("inf"))
+        return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
+    return torch.stack([_extremes_finite(tensor) for tensor in tensors])
+
+
+def _extremes_finite(tensor: Tensor) -> Tensor:
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    low, high = torch.aminmax(tensor)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def running_averages(
+    runnings: Sequence[Tensor],
+    batches: Sequence[Tensor],
+    decay: float,
+    present: Tensor | None = None,
+) -> tuple[list[Tensor], Tensor]:
+    """:func:`running_average` of many running factors at once (each must exist).
+
+    The factor updates of a model are many matrices with a few elementwise passes each; here
+    they share their launches (finiteness of all batches and averages, the blend of all) and
+    each factor adds only its choice between blend, batch and old value, so a step that
+    updates factors costs the device little and the host a few operations per factor.
+
+    Args:
+        runnings: the running factors.
+        batches: the batch factors, one per running factor (same shape and dtype: mixed
+            pairs go through :func:`running_average`, which promotes).
+        decay: ``ε``.
+        present: device booleans, one per factor: whether it has a batch at all (a factor
+            without one keeps its value, decided on the device); None: all have one.
+
+    Returns:
+        The new running factors and the device booleans "batch ``i`` was finite".
+    """
+    batch_ok = finite_flags(batches)
+    usable = batch_ok if present is None else batch_ok & present
+    running_ok = finite_flags(runnings)
+    both = usable & running_ok
+    blended = torch._foreach_lerp(list(runnings), list(batches), 1.0 - decay)
+    result = [
+        torch.where(both[i], blend, torch.where(usable[i], batch, running))
+        for i, (blend, batch, running) in enumerate(zip(blended, batches, runnings, strict=True))
+    ]
+    return result, batch_ok
