@@ -30,6 +30,7 @@ from dkfac.cli.config_files import load_config_file
 from dkfac.cli.config_resolution import resolve_config
 from dkfac.cli.device import (
     LocalSlot,
+    Precision,
     backend_for,
     local_slot,
     resolve_device,
@@ -45,7 +46,7 @@ from dkfac.cli.run_checkpoint import placement_layout, restore_checkpoint
 from dkfac.cli.run_metrics import RunResult
 from dkfac.cli.sampling import EpochSampler
 from dkfac.cli.train import run_training
-from dkfac.cli.training_setup import run_device
+from dkfac.cli.training_setup import _build_preconditioner, run_device
 
 # The module, not the `main` function that dkfac.cli re-exports under the same name.
 main_module = importlib.import_module("dkfac.cli.main")
@@ -983,3 +984,21 @@ def test_grad_accumulation_trains_as_the_batch_its_micro_batches_make(tmp_path: 
     for name in theirs:
         for side in ("A", "G"):
             torch.testing.assert_close(mine[name][side], theirs[name][side], rtol=1e-4, atol=1e-6)
+
+
+def test_statistics_precision_reaches_the_preconditioner_and_the_saved_config(
+    tmp_path: Path,
+) -> None:
+    argv = ["train", *QUICK, "--nproc", "1", "--epochs", "1", "--out", str(tmp_path)]
+    assert main([*argv, "--statistics-precision", "bf16"]) == 0
+    saved = load_config_file(str(tmp_path / "config.toml"))
+    assert saved["statistics_precision"] == "bf16"
+    # What the workers build from it (they run in their own processes).
+    config = TrainConfig().with_overrides(saved)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    pre = _build_preconditioner(
+        config, "local", model, scheduler, Precision("none", torch.device("cpu"))
+    )
+    assert pre.config.statistics_precision == "bf16"

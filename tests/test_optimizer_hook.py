@@ -7,6 +7,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -68,6 +69,47 @@ def test_an_attached_preconditioner_equals_the_manual_loop(schedule: bool) -> No
         opt.step()
     assert pre.steps == 5
     assert not all(torch.equal(a, p) for a, p in zip(attached, net.parameters(), strict=True))
+
+
+def test_an_attached_preconditioner_follows_the_accumulation_between_optimizer_steps() -> None:
+    """No ``accumulation_steps`` given and 3, 1, then 2 micro-batches per ``opt.step()`` (each
+    loss divided by their number, as a Trainer does). Oracle: the manual loop given one batch of
+    all of a step's examples (a mean loss: the pooled statistics and the averaged gradient are
+    that batch's), which the rest of the suite checks against float64 formulas."""
+    counts = [3, 1, 2]
+    micro = batches(sum(counts))
+    net, oracle = model(), model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.2, momentum=0.9)
+    exact: dict[str, Any] = {"kl_clip": 0.01, "factor_dtype": DT, "inv_dtype": DT}
+    pre = dkfac.KFACPreconditioner(net, optimizer=opt, **exact)
+    oracle_pre = dkfac.KFACPreconditioner(oracle, lr=0.2, **exact)
+    start = 0
+    for count in counts:
+        step = micro[start : start + count]
+        start += count
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "accumulation" warning: nothing was promised
+            for x, y in step:
+                (F.cross_entropy(net(x), y) / count).backward()
+            opt.step()
+        oracle_opt.zero_grad()
+        x, y = (torch.cat(parts) for parts in zip(*step, strict=True))
+        F.cross_entropy(oracle(x), y).backward()
+        oracle_pre.step()
+        oracle_opt.step()
+    assert pre.steps == 3
+    for mine, theirs in zip(net.parameters(), oracle.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
+    # A number given is a promise, checked as in the manual loop.
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.2)
+    dkfac.KFACPreconditioner(net, optimizer=opt, accumulation_steps=1)
+    for x, y in micro[:2]:
+        (F.cross_entropy(net(x), y) / 2).backward()
+    with pytest.warns(RuntimeWarning, match=r"saw 2 backward pass\(es\) .* accumulation_steps=1"):
+        opt.step()
 
 
 def test_gradient_scaler_step_runs_kfac_after_unscaling() -> None:

@@ -130,7 +130,7 @@ class KFACConfig:
     lr: Hyperparameter = 0.1
     factor_update_steps: IntHyperparameter = 1
     inv_update_steps: IntHyperparameter = 1
-    accumulation_steps: int = 1
+    accumulation_steps: int | None = None
     skip_layers: Sequence[str] = ()
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
@@ -206,7 +206,8 @@ class KFACConfig:
                 f"inv_dtype={self.inv_dtype!r} is not allowed: decompositions need "
                 "torch.float32 or torch.float64"
             )
-        check_int("accumulation_steps", self.accumulation_steps)
+        if self.accumulation_steps is not None:
+            check_int("accumulation_steps", self.accumulation_steps)
         self._check_adaptive()
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
@@ -296,7 +297,7 @@ class KFACConfig:
                 f"damping={describe(self.damping)} is not allowed with adaptive: expected a "
                 "number (the initial damping; adaptive K-FAC chooses it from then on)"
             )
-        if self.accumulation_steps != 1:
+        if self.accumulation_steps not in (None, 1):
             raise ValueError(
                 f"accumulation_steps={self.accumulation_steps!r} is not allowed with adaptive: "
                 "the quadratic model is measured on the one batch passed to step()"

@@ -28,10 +28,10 @@ class LayerUsage:
 
     Args:
         layers: every preconditioned layer, in the same order on every worker.
-        accumulation_steps: the backward passes expected per window.
+        accumulation_steps: the backward passes expected per window (None: any number).
     """
 
-    def __init__(self, layers: Sequence[LayerCurvature], accumulation_steps: int) -> None:
+    def __init__(self, layers: Sequence[LayerCurvature], accumulation_steps: int | None) -> None:
         self._layers = list(layers)
         self._accumulation_steps = accumulation_steps
         # Layers whose forward hook ran in the current window (whether or not this worker
@@ -82,7 +82,7 @@ class LayerUsage:
                 "model.eval() mode or under torch.no_grad() are ignored; factors not updated",
             )
             return
-        if max(calls) != self._accumulation_steps:
+        if self._accumulation_steps is not None and max(calls) != self._accumulation_steps:
             self._warn_once(
                 "accumulation",
                 f"K-FAC saw {max(calls)} backward pass(es) before step() but "

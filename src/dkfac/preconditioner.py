@@ -65,7 +65,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         inv_update_steps: steps between decompositions; a multiple of ``factor_update_steps``.
         accumulation_steps: backward passes per ``step()`` (gradient accumulation). Statistics
             of all micro-batches are pooled, so the result equals one large batch provided the
-            loss of each micro-batch is divided by ``accumulation_steps`` as usual.
+            loss of each micro-batch is divided by their number as usual. ``None`` (default):
+            attached to an ``optimizer``, whatever number of passes runs between its steps
+            (a Trainer's accumulation); else 1, and another number seen is warned about.
         skip_layers: regular expressions; a layer whose qualified name or class name matches
             one (``re.search``) is not preconditioned.
         loss_reduction: ``"mean"`` when the loss averages over the examples of the batch
@@ -133,7 +135,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         lr: Hyperparameter | None = None,
         factor_update_steps: IntHyperparameter = 1,
         inv_update_steps: IntHyperparameter = 1,
-        accumulation_steps: int = 1,
+        accumulation_steps: int | None = None,
         skip_layers: Sequence[str] = (),
         loss_reduction: str = "mean",
         grad_scaler: Any | None = None,
@@ -187,14 +189,17 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         discovered, self._skipped = discover_layers(self._model, self.config, blocks)
         self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
-        self._strategy.setup(self._layers, accumulation_steps=accumulation_steps)
+        # Attached without a number, the optimizer's steps delimit the windows: any number of
+        # passes (pipelined strategies then expect as many as the window before).
+        expected = accumulation_steps or (None if optimizer is not None else 1)
+        self._strategy.setup(self._layers, accumulation_steps=expected or 1)
         self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = False
         self._force_inverse = False
         self._skipped_steps = 0
         self._decomposition_steps = 0
-        self._usage = LayerUsage(self._layers, accumulation_steps)
+        self._usage = LayerUsage(self._layers, expected)
         self._adaptive = None
         if adaptive is not None and self._strategy.comm is None and _world_size() > 1:
             self._strategy.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dkfac.cli.device import AMP_MODES, DEVICES
+from dkfac.curvature.factors import STATISTICS_PRECISIONS
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
@@ -28,6 +29,7 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("strategy", STRATEGIES),
     ("grad_sync", GRAD_SYNCS),
     ("inverse_method", ("eigen", "inverse")),
+    ("statistics_precision", STATISTICS_PRECISIONS),
     ("device", DEVICES),
     ("amp", AMP_MODES),
 )
@@ -64,6 +66,8 @@ class TrainConfig:
     #: MiB per gradient bucket of DDP or DeAR, or "auto" (DeAR searches 1-64 MiB online).
     bucket_mb: str = "25"
     inverse_method: str = "eigen"
+    #: Products of the factor statistics: "highest" (float32) or "bf16" (tensor cores).
+    statistics_precision: str = "highest"
     damping: float = 0.003
     factor_decay: float = 0.95
     kl_clip: float = 0.001

@@ -73,6 +73,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "schedule": "constant, cosine or step (x0.1 at 1/2 and 3/4 of the epochs), after "
         "--warmup-epochs",
         "inverse_method": "eigen (exact damped inverse) or inverse (factored Tikhonov, Cholesky)",
+        "statistics_precision": "products of the factor statistics: highest (in float32) or "
+        "bf16 (operands rounded to bfloat16, summed in float32: tensor cores on a GPU)",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
         "run fails",
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "

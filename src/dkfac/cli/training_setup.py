@@ -348,6 +348,7 @@ def _build_preconditioner(
         wrapped,
         strategy=strategy,
         inverse_method=config.inverse_method,
+        statistics_precision=config.statistics_precision,
         damping=config.damping,
         factor_decay=config.factor_decay,
         kl_clip=config.kl_clip or None,
