@@ -16,8 +16,10 @@ from torch import nn
 
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
-from dkfac.curvature.blocks import make_block
+from dkfac.curvature.block_types import make_block
+from dkfac.curvature.blocks import FactorStatistic, LinearBlock
 from dkfac.curvature.factors import GramPrecision
+from test_layer_blocks import Conv1D
 
 BF16 = GramPrecision("bf16")
 DEVICES = ["cpu", on_cuda(str(CUDA_TEST_DEVICE))]
@@ -30,17 +32,21 @@ def rounded(t: torch.Tensor) -> torch.Tensor:
 
 def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The rows ``a`` of ``A``'s sum (im2col patches of a convolution, plus the bias 1)."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear | Conv1D):
         rows = x.reshape(-1, x.shape[-1])
     else:
         assert isinstance(module, nn.Conv1d | nn.Conv2d) and not isinstance(module.padding, str)
         image = x.unsqueeze(2) if isinstance(module, nn.Conv1d) else x
         pairs = (lambda v: (1, v[0])) if isinstance(module, nn.Conv1d) else (lambda v: tuple(v))
+        padding = (0, module.padding[0]) if isinstance(module, nn.Conv1d) else module.padding
+        if module.padding_mode != "zeros":  # padded here, as the convolution pads
+            widths = [width for width in reversed(padding) for _ in (0, 1)]
+            image, padding = F.pad(image, widths, mode=module.padding_mode), (0, 0)
         cols = F.unfold(
             image,
             pairs(module.kernel_size),
             dilation=pairs(module.dilation),
-            padding=(0, module.padding[0]) if isinstance(module, nn.Conv1d) else module.padding,
+            padding=padding,
             stride=pairs(module.stride),
         )
         rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
@@ -51,7 +57,7 @@ def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def output_rows(module: nn.Module, dy: torch.Tensor) -> torch.Tensor:
     """The rows of ``G``'s sum: every position of every example, channels last."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear | Conv1D):
         return dy.reshape(-1, dy.shape[-1])
     return dy.movedim(1, -1).reshape(-1, dy.shape[1])
 
@@ -63,17 +69,23 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "conv_strided_im2col": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 6)),
     "conv_1x1_pixels": (lambda: nn.Conv2d(3, 4, 1), (2, 3, 5, 4)),
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1, bias=False), (2, 3, 8)),
+    "conv_reflect_padding": (
+        lambda: nn.Conv2d(3, 4, (3, 2), padding=(1, 2), padding_mode="reflect"),
+        (2, 3, 5, 6),
+    ),
+    "transformers_conv1d": (lambda: Conv1D(5, 7), (2, 3, 7)),
 }
 
 
-def assert_bf16_gram(got: torch.Tensor, rows: torch.Tensor) -> None:
-    """``got`` is the Gram of ``rows`` rounded to bfloat16, in float32; not the exact one."""
+def assert_bf16_gram(got: torch.Tensor, rows: torch.Tensor, rounds: bool = True) -> None:
+    """``got`` is the Gram of ``rows`` rounded to bfloat16, in float32; not the exact one
+    where rounding changes ``rows`` (``rounds``)."""
     assert got.dtype == torch.float32
     expected = rounded(rows).t() @ rounded(rows)
     scale = float(expected.abs().max())
     torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=1e-5 * scale)
     exact = rows.double().t() @ rows.double()
-    assert float((got.double().cpu() - exact).abs().max()) > 1e-4 * scale
+    assert (float((got.double().cpu() - exact).abs().max()) > 1e-4 * scale) == rounds
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,6 +102,12 @@ def test_bf16_statistics_are_the_float32_sums_of_bf16_rounded_products(
     x = torch.randn(shape, device=device)
     a = block.a_statistic(x, torch.float32)
     assert_bf16_gram(a.total, input_rows(module, x.cpu().double()))
+    # Under autocast a layer sees float16/bfloat16 inputs: rounded from those.
+    for amp_dtype in (torch.float16, torch.bfloat16):
+        low = x.to(amp_dtype)
+        rows = input_rows(module, low.cpu().double())
+        got = block.a_statistic(low, torch.float32).total
+        assert_bf16_gram(got, rows, rounds=amp_dtype == torch.float16)
     dy = torch.randn(module(x).shape, device=device)
     g = block.g_statistic(dy, torch.float32)
     assert_bf16_gram(g.total, output_rows(module, dy.cpu().double()))
@@ -127,6 +145,32 @@ def test_the_preconditioner_forms_bf16_factors_from_the_layers_own_inputs(device
         a, g = factors[name]
         assert_bf16_gram(a * a_rows.shape[0], a_rows)
         assert_bf16_gram(g / 6, g_rows)
+
+
+def test_a_convolution_without_output_positions_gives_a_float32_zero_factor() -> None:
+    block = make_block(nn.Conv2d(2, 3, 5, bias=True))
+    assert block is not None
+    block.precision = BF16
+    statistic = block.a_statistic(torch.randn(1, 2, 3, 3), torch.float32)
+    assert statistic.rows == 0 and statistic.total.dtype == torch.float32
+    assert torch.equal(statistic.total, torch.zeros(51, 51))
+
+
+class HalfPrecisionBlock(LinearBlock):
+    """A user's block that returns its sums in bfloat16 (ignoring ``dtype``)."""
+
+    def a_statistic(self, x: torch.Tensor, dtype: torch.dtype) -> FactorStatistic:
+        statistic = super().a_statistic(x, dtype)
+        return statistic._replace(total=statistic.total.to(torch.bfloat16))
+
+
+def test_a_blocks_sums_in_another_dtype_become_factor_dtype() -> None:
+    model = nn.Linear(4, 3)
+    pre = dkfac.KFACPreconditioner(model, blocks={nn.Linear: HalfPrecisionBlock})
+    F.mse_loss(model(torch.randn(5, 4)), torch.randn(5, 3)).backward()
+    pre.step()
+    ((a, g),) = pre.factors().values()
+    assert a.dtype == g.dtype == torch.float32
 
 
 @pytest.mark.parametrize(

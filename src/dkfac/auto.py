@@ -223,6 +223,7 @@ class AutoOptions(StrategyChooser):
                 kfac_options={
                     "inverse_method": config.inverse_method,
                     "factor_dtype": config.factor_dtype,
+                    "statistics_precision": config.statistics_precision,
                     "skip_layers": config.skip_layers,
                 },
             )

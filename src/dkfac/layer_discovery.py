@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from dkfac.config import KFACConfig
-from dkfac.curvature.blocks import BlockFactory, UnsupportedLayerError, make_block
+from dkfac.curvature.block_types import BlockFactory, make_block
+from dkfac.curvature.blocks import UnsupportedLayerError
 from dkfac.curvature.factors import GramPrecision
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule

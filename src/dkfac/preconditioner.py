@@ -13,7 +13,7 @@ from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
-from dkfac.curvature.blocks import BlockFactory
+from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
 from dkfac.layer_usage import LayerUsage

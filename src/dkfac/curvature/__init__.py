@@ -3,15 +3,16 @@
 Nothing in this package talks to other processes; everything is testable in float64.
 """
 
+from dkfac.curvature.block_types import make_block
 from dkfac.curvature.blocks import (
     Conv2dBlock,
     FactorStatistic,
     KroneckerBlock,
     LinearBlock,
     UnsupportedLayerError,
-    make_block,
 )
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
+from dkfac.curvature.embedding import EmbeddingBlock
 from dkfac.curvature.inverse import (
     CholeskyFactor,
     EigenFactor,
@@ -34,6 +35,7 @@ __all__ = [
     "Conv2dBlock",
     "EigenFactor",
     "EigenInverse",
+    "EmbeddingBlock",
     "FactorDecomposition",
     "FactorRequest",
     "FactorStatistic",

@@ -23,7 +23,6 @@ is exact.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -91,6 +90,16 @@ class KroneckerBlock(ABC):
     @abstractmethod
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
+
+    def rows_follow(self, x: Tensor, batch: int) -> bool:
+        """Whether input ``x`` of a model pass of ``batch`` examples has their rows.
+
+        A block whose statistics would be wrong for an input shared by every example (its
+        output then broadcast, its gradient the examples' sum) says no, and the layer passes
+        its gradient through; the built-in dense layers accept any input (their ``dim 0`` is
+        the examples by convention, docs/math.md).
+        """
+        return True
 
     def parameters(self) -> list[Tensor]:
         """The preconditioned parameters (weight, then bias)."""
@@ -313,42 +322,3 @@ def is_transposed_linear(module: nn.Module) -> bool:
         and weight.dim() == 2
         and int(weight.shape[1]) == module.nf
     )
-
-
-#: A user's block for a module type: called with the module, returns its block.
-BlockFactory = Callable[[nn.Module], KroneckerBlock]
-
-
-def make_block(
-    module: nn.Module, custom: Mapping[type[nn.Module], BlockFactory] | None = None
-) -> KroneckerBlock | None:
-    """The block for ``module``, ``None`` when its type is not supported.
-
-    Args:
-        module: the module.
-        custom: blocks for more module types (``KFACPreconditioner(blocks=...)``), looked up
-            along the module's class hierarchy before the built-in ones.
-
-    Raises:
-        UnsupportedLayerError: the type is supported but this configuration is not.
-        TypeError: a custom factory returned something that is not a ``KroneckerBlock``.
-    """
-    for cls in type(module).__mro__ if custom else ():
-        factory = custom.get(cls)  # type: ignore[union-attr]  # custom is set here
-        if factory is not None:
-            block = factory(module)
-            if not isinstance(block, KroneckerBlock):
-                raise TypeError(
-                    f"the block factory for {cls.__name__} returned {type(block).__name__}, "
-                    "not a dkfac.curvature.KroneckerBlock"
-                )
-            return block
-    if isinstance(module, nn.Linear):
-        return LinearBlock(module)
-    if isinstance(module, nn.Conv2d):
-        return Conv2dBlock(module)
-    if isinstance(module, nn.Conv1d):
-        return Conv1dBlock(module)
-    if is_transposed_linear(module):
-        return TransposedLinearBlock(module)
-    return None

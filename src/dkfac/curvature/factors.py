@@ -15,6 +15,9 @@ from torch import Tensor
 
 #: What ``statistics_precision`` may be (:class:`GramPrecision`).
 STATISTICS_PRECISIONS = ("highest", "bf16")
+#: Whether CUDA's ``mm`` takes ``out_dtype`` (bfloat16 operands, float32 products; torch 2.8
+#: on): older versions form the same products by the emulation other devices use.
+CUDA_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,11 @@ class GramPrecision:
     computes it there. ``"bf16"``: the operands rounded to bfloat16 and their products summed
     and returned in float32, which tensor cores run several times faster than float32 products
     (on CUDA one ``mm`` with a float32 output; other devices form the same products of the
-    rounded operands in float32, slower, so that CPU tests check the same arithmetic). Each
-    entry of a factor then carries the relative error of bfloat16 operands (2⁻⁹ per product,
-    averaged down over the rows), far below the statistical noise of a mini-batch estimate,
-    but it is an approximation the user must ask for.
+    rounded operands in float32, slower, so that CPU tests check the same arithmetic). A
+    product of rounded operands is off by up to 2⁻⁸ relatively; a diagonal entry's error
+    averages down over the rows, an off-diagonal one of weakly correlated features stays near
+    10⁻³: far below a mini-batch estimate's sampling noise, but an approximation the user
+    must ask for.
 
     Attributes:
         name: one of :data:`STATISTICS_PRECISIONS`.
@@ -51,7 +55,7 @@ class GramPrecision:
         """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones."""
         if self.name != "bf16":
             return a @ b
-        if a.device.type == "cuda":
+        if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
             return torch.mm(a, b, out_dtype=torch.float32)
         return a.float() @ b.float()
 

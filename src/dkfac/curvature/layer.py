@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.curvature.blocks import KroneckerBlock
+from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
 from dkfac.curvature.inverse import (
     FACTOR_SIDES,
     KroneckerInverse,
@@ -110,10 +110,11 @@ class LayerCurvature:
         """Add the input statistics of one forward call made in forward pass ``pass_id``.
 
         Computed in ``factor_dtype`` even inside ``torch.autocast`` (which would run the Gram
-        products in bfloat16/float16).
+        products in bfloat16/float16); ``statistics_precision="bf16"`` rounds the operands on
+        purpose and still sums in float32.
         """
         with torch.autocast(x.device.type, enabled=False):
-            statistic = self.block.a_statistic(x.detach(), self.factor_dtype)
+            statistic = self._in_factor_dtype(self.block.a_statistic(x.detach(), self.factor_dtype))
         self.factors["a"].statistics.add(statistic, pass_id)
 
     def accumulate_g(self, dy: Tensor, pass_id: int, grad_scale: float | None = None) -> None:
@@ -126,9 +127,17 @@ class LayerCurvature:
             grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
         """
         with torch.autocast(dy.device.type, enabled=False):
-            statistic = self.block.g_statistic(dy.detach(), self.factor_dtype)
+            statistic = self._in_factor_dtype(
+                self.block.g_statistic(dy.detach(), self.factor_dtype)
+            )
         scale = 1.0 if grad_scale is None else 1.0 / (grad_scale * grad_scale)
         self.factors["g"].statistics.add(statistic, pass_id, scale)
+
+    def _in_factor_dtype(self, statistic: FactorStatistic) -> FactorStatistic:
+        """``statistic`` with its sum in ``factor_dtype`` (a user's block may return another)."""
+        if statistic.total.dtype == self.factor_dtype:
+            return statistic
+        return statistic._replace(total=statistic.total.to(self.factor_dtype))
 
     def statistics(self, side: str) -> FactorStatistics:
         """The window's statistics of factor ``side`` (``"a"`` or ``"g"``)."""

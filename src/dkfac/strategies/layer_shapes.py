@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from dkfac.curvature.blocks import make_block
+from dkfac.curvature.block_types import make_block
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def resnet50_layer_shapes(num_classes: int = 1000) -> list[LayerShape]:
 def layer_shapes_of(model: nn.Module) -> list[LayerShape]:
     """Shapes of the layers K-FAC supports in ``model``, in registration order.
 
-    Uses the preconditioner's own block rule (:func:`dkfac.curvature.blocks.make_block`);
+    Uses the preconditioner's own block rule (:func:`dkfac.curvature.block_types.make_block`);
     ``skip_layers`` and frozen parameters are not considered.
     """
     shapes = []

@@ -1,0 +1,185 @@
+"""``nn.Embedding`` blocks against their definition: a linear layer on one-hot tokens.
+
+Oracles: the float64 Gram of the one-hot rows (``A = diag(counts)/R``), and a whole K-FAC step
+of a model whose embedding is replaced by ``one_hot(x) @ Linear(V, d, bias=False)`` with the
+same weight, which the suite checks against float64 formulas; the embedding's preconditioned
+gradient must equal that linear layer's, transposed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dkfac
+from dkfac.curvature.block_types import make_block
+from dkfac.curvature.embedding import EmbeddingBlock
+
+DT = torch.float64
+VOCAB, DIM, CLASSES = 7, 4, 3
+EXACT: dict[str, Any] = {"factor_dtype": DT, "inv_dtype": DT, "kl_clip": None, "lr": 0.1}
+
+
+def tokens(seed: int, shape: tuple[int, ...] = (5, 6)) -> torch.Tensor:
+    """Token ids with some ids absent (never seen: ``A``'s entry 0)."""
+    return torch.randint(0, VOCAB - 2, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_input_statistic_is_the_gram_of_the_one_hot_rows() -> None:
+    block = make_block(nn.Embedding(VOCAB, DIM))
+    assert isinstance(block, EmbeddingBlock) and (block.a_dim, block.g_dim) == (VOCAB, DIM)
+    for x in (tokens(0), tokens(1, (9,)), torch.tensor(3)):
+        statistic = block.a_statistic(x, DT)
+        rows = F.one_hot(x.reshape(-1), VOCAB).to(DT)
+        assert torch.equal(statistic.total, rows.t() @ rows)
+        assert statistic.rows == x.numel()
+        assert statistic.examples == (x.shape[0] if x.dim() else 1)
+    dy = torch.randn(5, 6, DIM, dtype=DT)
+    g = block.g_statistic(dy, DT)
+    torch.testing.assert_close(g.total, dy.reshape(-1, DIM).t() @ dy.reshape(-1, DIM))
+    assert g.examples == 5
+
+
+class Tagger(nn.Module):
+    """Per-token classes from an embedding (or its one-hot linear twin) and a linear head."""
+
+    def __init__(self, one_hot: bool, padding_idx: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx).to(DT)
+        self.head = nn.Linear(DIM, CLASSES).to(DT)  # before the twin's layer draws numbers
+        self.one_hot = one_hot
+        if one_hot:  # the same map: onehot(x) @ W with W the embedding's weight
+            self.lookup = nn.Linear(VOCAB, DIM, bias=False).to(DT)
+            with torch.no_grad():
+                self.lookup.weight.copy_(self.embedding.weight.t())
+            del self.embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_hot:
+            return self.head(self.lookup(F.one_hot(x, VOCAB).to(DT)))
+        return self.head(self.embedding(x))
+
+    def lookup_grad(self) -> torch.Tensor:
+        """The embedding's gradient as ``(VOCAB, DIM)`` in both twins."""
+        if self.one_hot:
+            return self.lookup.weight.grad.t()
+        return self.embedding.weight.grad
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_an_embedding_is_preconditioned_as_a_linear_layer_on_one_hot_tokens(method: str) -> None:
+    grads = {}
+    for one_hot in (False, True):
+        model = Tagger(one_hot)
+        pre = dkfac.KFACPreconditioner(model, inverse_method=method, **EXACT)
+        assert len(pre.layers) == 2  # the embedding is preconditioned, not skipped
+        for seed in range(3):  # the running averages too
+            model.zero_grad()
+            x, y = tokens(seed), tokens(seed + 10) % CLASSES
+            F.cross_entropy(model(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
+            raw = model.lookup_grad().clone()
+            pre.step()
+        grads[one_hot] = (raw, model.lookup_grad().clone(), model.head.weight.grad.clone())
+    (raw, embedded, head), (raw_twin, linear, head_twin) = grads[False], grads[True]
+    torch.testing.assert_close(raw, raw_twin, rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(embedded, raw)  # preconditioning did something
+    torch.testing.assert_close(embedded, linear, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(head, head_twin, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_padding_and_unseen_tokens_keep_a_zero_gradient_row(method: str) -> None:
+    model = Tagger(one_hot=False, padding_idx=0)
+    pre = dkfac.KFACPreconditioner(model, inverse_method=method, **EXACT)
+    x = tokens(4)
+    x[:, :2] = 0  # padding in every sequence
+    F.cross_entropy(model(x).reshape(-1, CLASSES), torch.zeros(30, dtype=torch.long)).backward()
+    pre.step()
+    grad = model.embedding.weight.grad
+    unseen = [v for v in range(VOCAB) if not (x == v).any()]
+    assert unseen  # ids VOCAB - 2 and VOCAB - 1 never occur
+    for row in [0, *unseen]:
+        assert torch.equal(grad[row], torch.zeros(DIM, dtype=DT)), row
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (nn.Embedding(VOCAB, DIM, sparse=True), "sparse=True is not supported"),
+        (nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True), "scale_grad_by_freq=True"),
+    ],
+)
+def test_embeddings_kfac_cannot_precondition_exactly_are_refused(
+    module: nn.Embedding, message: str
+) -> None:
+    model = nn.Sequential(module, nn.Linear(DIM, 2))
+    with pytest.raises(ValueError, match=rf"layer '0' \(Embedding\): an embedding with {message}"):
+        dkfac.KFACPreconditioner(model)
+
+
+def test_a_vocabulary_above_max_factor_dim_and_a_tied_embedding_are_skipped() -> None:
+    pre = dkfac.KFACPreconditioner(
+        nn.Sequential(nn.Embedding(50, DIM), nn.Linear(DIM, 3)), max_factor_dim=40
+    )
+    assert [layer.name for layer in pre.layers] == ["1"]
+    assert "factor side 50 > max_factor_dim=40" in repr(pre)
+    tied = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), nn.Linear(VOCAB, 2))
+    tied[1].weight = tied[0].weight  # GPT-2's LM head and token embedding share one weight
+    pre = dkfac.KFACPreconditioner(tied)
+    assert [layer.name for layer in pre.layers] == ["2"]
+    assert "parameter shared with '1'" in repr(pre)
+
+
+class PositionTagger(nn.Module):
+    """Token plus position embeddings; positions looked up once (broadcast) or per sequence."""
+
+    def __init__(self, per_sequence: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(VOCAB, DIM)
+        self.positions = nn.Embedding(6, DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+        self.per_sequence = per_sequence
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1])
+        if self.per_sequence:
+            positions = positions.expand(x.shape[0], -1)
+        return self.head(self.tokens(x) + self.positions(positions))
+
+
+def test_a_position_embedding_broadcast_over_the_batch_passes_its_gradient_through() -> None:
+    # Looked up once as (T,), its gradient sums the sequences': no exact factor exists, so
+    # it is passed through with a warning naming it; looked up per sequence it is
+    # preconditioned like the token embedding.
+    x, y = tokens(5), tokens(6) % CLASSES
+    for per_sequence in (False, True):
+        model = PositionTagger(per_sequence)
+        pre = dkfac.KFACPreconditioner(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model.zero_grad()
+                F.cross_entropy(model(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
+                raw = model.positions.weight.grad.clone()
+                pre.step()
+                assert torch.equal(model.positions.weight.grad, raw) != per_sequence
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if per_sequence:
+            assert said == []
+        else:  # once, and not the message of a layer whose forward never runs
+            assert len(said) == 1, said
+            assert "passes layer 'positions' (Embedding) through" in said[0]
+            assert (
+                "input of shape (6,) does not hold one row per example of the batch of 5"
+                in (said[0])
+            )
+        assert {name for name, _ in pre.factors().items()} == (
+            {"tokens", "head", "positions"} if per_sequence else {"tokens", "head"}
+        )
