@@ -8,7 +8,6 @@ gradient must equal that linear layer's, transposed.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
@@ -22,6 +21,8 @@ from dkfac.curvature.embedding import EmbeddingBlock
 
 DT = torch.float64
 VOCAB, DIM, CLASSES = 7, 4, 3
+#: Embeddings are preconditioned on request.
+BLOCKS = {nn.Embedding: EmbeddingBlock}
 EXACT: dict[str, Any] = {"factor_dtype": DT, "inv_dtype": DT, "kl_clip": None, "lr": 0.1}
 
 
@@ -31,7 +32,8 @@ def tokens(seed: int, shape: tuple[int, ...] = (5, 6)) -> torch.Tensor:
 
 
 def test_the_input_statistic_is_the_gram_of_the_one_hot_rows() -> None:
-    block = make_block(nn.Embedding(VOCAB, DIM))
+    assert make_block(nn.Embedding(VOCAB, DIM)) is None  # skipped unless asked for
+    block = make_block(nn.Embedding(VOCAB, DIM), BLOCKS)
     assert isinstance(block, EmbeddingBlock) and (block.a_dim, block.g_dim) == (VOCAB, DIM)
     for x in (tokens(0), tokens(1, (9,)), torch.tensor(3)):
         statistic = block.a_statistic(x, DT)
@@ -77,7 +79,7 @@ def test_an_embedding_is_preconditioned_as_a_linear_layer_on_one_hot_tokens(meth
     grads = {}
     for one_hot in (False, True):
         model = Tagger(one_hot)
-        pre = dkfac.KFACPreconditioner(model, inverse_method=method, **EXACT)
+        pre = dkfac.KFACPreconditioner(model, inverse_method=method, blocks=BLOCKS, **EXACT)
         assert len(pre.layers) == 2  # the embedding is preconditioned, not skipped
         for seed in range(3):  # the running averages too
             model.zero_grad()
@@ -96,7 +98,7 @@ def test_an_embedding_is_preconditioned_as_a_linear_layer_on_one_hot_tokens(meth
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_padding_and_unseen_tokens_keep_a_zero_gradient_row(method: str) -> None:
     model = Tagger(one_hot=False, padding_idx=0)
-    pre = dkfac.KFACPreconditioner(model, inverse_method=method, **EXACT)
+    pre = dkfac.KFACPreconditioner(model, inverse_method=method, blocks=BLOCKS, **EXACT)
     x = tokens(4)
     x[:, :2] = 0  # padding in every sequence
     F.cross_entropy(model(x).reshape(-1, CLASSES), torch.zeros(30, dtype=torch.long)).backward()
@@ -108,78 +110,37 @@ def test_padding_and_unseen_tokens_keep_a_zero_gradient_row(method: str) -> None
         assert torch.equal(grad[row], torch.zeros(DIM, dtype=DT)), row
 
 
+class LearnedPositions(nn.Embedding):
+    """An embedding that derives the positions it looks up from its input (BART's kind)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.arange(ids.shape[-1]).expand_as(ids))
+
+
 @pytest.mark.parametrize(
     ("module", "message"),
     [
-        (nn.Embedding(VOCAB, DIM, sparse=True), "sparse=True is not supported"),
-        (nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True), "scale_grad_by_freq=True"),
+        (nn.Embedding(VOCAB, DIM, sparse=True), r"an embedding with sparse=True is not supported"),
+        (nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True), r"an embedding with scale_grad_by_fr"),
+        (LearnedPositions(VOCAB, DIM), r"LearnedPositions computes its own lookup"),
     ],
 )
 def test_embeddings_kfac_cannot_precondition_exactly_are_refused(
     module: nn.Embedding, message: str
 ) -> None:
     model = nn.Sequential(module, nn.Linear(DIM, 2))
-    with pytest.raises(ValueError, match=rf"layer '0' \(Embedding\): an embedding with {message}"):
-        dkfac.KFACPreconditioner(model)
+    with pytest.raises(ValueError, match=rf"layer '0' \({type(module).__name__}\): {message}"):
+        dkfac.KFACPreconditioner(model, blocks=BLOCKS)
 
 
 def test_a_vocabulary_above_max_factor_dim_and_a_tied_embedding_are_skipped() -> None:
     pre = dkfac.KFACPreconditioner(
-        nn.Sequential(nn.Embedding(50, DIM), nn.Linear(DIM, 3)), max_factor_dim=40
+        nn.Sequential(nn.Embedding(50, DIM), nn.Linear(DIM, 3)), max_factor_dim=40, blocks=BLOCKS
     )
     assert [layer.name for layer in pre.layers] == ["1"]
     assert "factor side 50 > max_factor_dim=40" in repr(pre)
     tied = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), nn.Linear(VOCAB, 2))
     tied[1].weight = tied[0].weight  # GPT-2's LM head and token embedding share one weight
-    pre = dkfac.KFACPreconditioner(tied)
+    pre = dkfac.KFACPreconditioner(tied, blocks=BLOCKS)
     assert [layer.name for layer in pre.layers] == ["2"]
     assert "parameter shared with '1'" in repr(pre)
-
-
-class PositionTagger(nn.Module):
-    """Token plus position embeddings; positions looked up once (broadcast) or per sequence."""
-
-    def __init__(self, per_sequence: bool) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.tokens = nn.Embedding(VOCAB, DIM)
-        self.positions = nn.Embedding(6, DIM)
-        self.head = nn.Linear(DIM, CLASSES)
-        self.per_sequence = per_sequence
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1])
-        if self.per_sequence:
-            positions = positions.expand(x.shape[0], -1)
-        return self.head(self.tokens(x) + self.positions(positions))
-
-
-def test_a_position_embedding_broadcast_over_the_batch_passes_its_gradient_through() -> None:
-    # Looked up once as (T,), its gradient sums the sequences': no exact factor exists, so
-    # it is passed through with a warning naming it; looked up per sequence it is
-    # preconditioned like the token embedding.
-    x, y = tokens(5), tokens(6) % CLASSES
-    for per_sequence in (False, True):
-        model = PositionTagger(per_sequence)
-        pre = dkfac.KFACPreconditioner(model)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                model.zero_grad()
-                F.cross_entropy(model(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
-                raw = model.positions.weight.grad.clone()
-                pre.step()
-                assert torch.equal(model.positions.weight.grad, raw) != per_sequence
-        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        if per_sequence:
-            assert said == []
-        else:  # once, and not the message of a layer whose forward never runs
-            assert len(said) == 1, said
-            assert "passes layer 'positions' (Embedding) through" in said[0]
-            assert (
-                "input of shape (6,) does not hold one row per example of the batch of 5"
-                in (said[0])
-            )
-        assert {name for name, _ in pre.factors().items()} == (
-            {"tokens", "head", "positions"} if per_sequence else {"tokens", "head"}
-        )

@@ -5,7 +5,8 @@
   autograd on a deep copy, one example at a time.
 * Every strategy against ``strategy="local"`` on the global batch (float64, 1e-10; DP-KFAC
   against local on each owner's shard), at P = 2 and 3, both inverse methods: a Linear called
-  twice, a conv in two branches, a 5-step weight-tied loop, each with regular windows and
+  twice, a conv in two branches, a 5-step weight-tied loop, an embedding (its diagonal ``A``
+  through every strategy's communication), each with regular windows and
   with more and fewer backward passes than ``accumulation_steps``.
 * A layer whose forward runs on a worker that gets no gradient for it: every strategy pools
   ``A`` over the workers whose forward ran and ``G`` over those with a gradient.
@@ -28,10 +29,12 @@ import dkfac
 from distributed_harness import run_workers
 from dkfac.comm import ClusterCostModel
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
+from dkfac.curvature import EmbeddingBlock
 from test_oracle_numerics import assert_close, conv_patches
 
 DT = torch.float64
-F64 = {"factor_dtype": DT, "inv_dtype": DT}
+#: Float64 factors, and embeddings preconditioned (they are on request).
+F64 = {"factor_dtype": DT, "inv_dtype": DT, "blocks": {nn.Embedding: EmbeddingBlock}}
 LOCAL_BATCH = 3
 COST = ClusterCostModel(AlphaBeta(alpha=1e-3, beta=1e-8), CubicCost(c0=0.0, c3=5e-9))
 
@@ -103,7 +106,21 @@ class CheckpointedLoop(TiedLoop):
         return self.head(h)
 
 
-MODELS = {"twice": LinearTwice, "branches": ConvBranches, "loop": TiedLoop}
+class TokenBag(nn.Module):
+    """An embedding of ids made from the inputs (ids repeat within and across examples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(8, 5)
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.flatten(1) * 2).floor().clamp(-4, 3).long() + 4
+        return self.head(torch.tanh(self.embed(ids)).mean(1))
+
+
+MODELS = {"twice": LinearTwice, "branches": ConvBranches, "loop": TiedLoop, "embedding": TokenBag}
 #: The same parameters and function as "loop", recomputed in backward.
 CHECKPOINTED = {
     "loop-checkpointed": lambda: CheckpointedLoop(reentrant=False),

@@ -78,12 +78,10 @@ class StatisticsCapture:
         # outside the model's forward are passes of their own.
         self._passes = 0
         self._pass_depth = 0
-        # Examples in the current pass (dim 0 of the model's first tensor input; None: unknown).
-        self._pass_batch: int | None = None
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
+            model.register_forward_pre_hook(self._pass_starts),
             model.register_forward_hook(self._pass_ends, always_call=True),
         ]
         self._handles += [
@@ -120,11 +118,10 @@ class StatisticsCapture:
         return self
 
     # -- passes -------------------------------------------------------------------------------
-    def _pass_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    def _pass_starts(self, module: nn.Module, inputs: Any) -> None:
         if module is self._model:  # not a deep copy's
             if self._pass_depth == 0:
                 self._passes += 1
-                self._pass_batch = leading_size(args, kwargs)
             self._pass_depth += 1
 
     def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -162,13 +159,6 @@ class StatisticsCapture:
             return
         # Recorded on every worker, capturing or not, so all workers agree on which layers are
         # used outside their forward (LayerUsage.find_silent).
-        batch = self._pass_batch if self._pass_depth > 0 else None
-        x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
-        if batch is not None and x is not None and not layer.block.rows_follow(x, batch):
-            # Its output is broadcast over the examples: never captured, so never reported as
-            # run, the layer passes its gradient through (LayerUsage.find_silent).
-            self._usage.broadcast_input(layer, tuple(x.shape), batch)
-            return
         training = module.training and torch.is_grad_enabled()
         self._usage.forward_ran(layer, training=training)
         if (
@@ -204,13 +194,3 @@ class StatisticsCapture:
         if self._window_scale is None:
             self._window_scale = loss_scale(self._grad_scaler)
         return self._window_scale
-
-
-def leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """Dim 0 of the first tensor among a call's arguments (a dict argument's values too)."""
-    candidates = [*args, *kwargs.values()]
-    candidates += [v for arg in args if isinstance(arg, dict) for v in arg.values()]
-    for value in candidates:
-        if isinstance(value, Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return None

@@ -45,8 +45,6 @@ class LayerUsage:
         # every layer is known, finding silent layers costs no communication.
         self._seen_forward: set[str] = set()
         self._silent: set[str] = set()
-        # Layers whose input is shared by the batch's examples (never captured, said once).
-        self._broadcast: set[str] = set()
         self._warned: set[str] = set()
 
     @property
@@ -58,18 +56,6 @@ class LayerUsage:
         """``layer``'s forward hook ran; ``training``: in training mode with gradients on."""
         self._forwarded.add(layer.name)
         self._trained_forward = self._trained_forward or training
-
-    def broadcast_input(self, layer: LayerCurvature, shape: tuple[int, ...], batch: int) -> None:
-        """Warn once that ``layer`` is passed through: its rows are not the batch's examples."""
-        self._broadcast.add(layer.name)
-        self._warn_once(
-            f"broadcast:{layer.name}",
-            f"K-FAC passes layer {layer.name!r} ({layer.block.kind}) through unpreconditioned: "
-            f"its input of shape {shape} does not hold one row per example of the batch of "
-            f"{batch}, so its output is broadcast over the examples and its gradient sums "
-            "theirs, from which no factor is exact (look positions up per example, e.g. "
-            "positions.expand(batch, -1), to precondition it)",
-        )
 
     def new_window(self) -> None:
         """Forget the current window's forward calls (a loaded state starts a new window)."""
@@ -136,7 +122,7 @@ class LayerUsage:
         )
         self._silent = {layer.name for layer in active if layer.name not in self._seen_forward}
         for layer in active:
-            if layer.name not in self._silent or layer.name in self._broadcast:
+            if layer.name not in self._silent:
                 continue
             kind = type(layer.block.module).__name__
             pattern = f"^{re.escape(layer.name)}$"

@@ -14,7 +14,6 @@ from dkfac.curvature.blocks import (
     TransposedLinearBlock,
     is_transposed_linear,
 )
-from dkfac.curvature.embedding import EmbeddingBlock
 
 #: A user's block for a module type: called with the module, returns its block.
 BlockFactory = Callable[[nn.Module], KroneckerBlock]
@@ -52,6 +51,4 @@ def make_block(
         return Conv1dBlock(module)
     if is_transposed_linear(module):
         return TransposedLinearBlock(module)
-    if isinstance(module, nn.Embedding):
-        return EmbeddingBlock(module)
     return None

@@ -91,16 +91,6 @@ class KroneckerBlock(ABC):
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
 
-    def rows_follow(self, x: Tensor, batch: int) -> bool:
-        """Whether input ``x`` of a model pass of ``batch`` examples has their rows.
-
-        A block whose statistics would be wrong for an input shared by every example (its
-        output then broadcast, its gradient the examples' sum) says no, and the layer passes
-        its gradient through; the built-in dense layers accept any input (their ``dim 0`` is
-        the examples by convention, docs/math.md).
-        """
-        return True
-
     def parameters(self) -> list[Tensor]:
         """The preconditioned parameters (weight, then bias)."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]

@@ -18,19 +18,34 @@ from dkfac.curvature.blocks import FactorStatistic, TransposedLinearBlock, Unsup
 class EmbeddingBlock(TransposedLinearBlock):
     """``nn.Embedding``: ``y = onehot(x) W``, ``W`` of ``(num_embeddings, embedding_dim)``.
 
+    Opt-in: ``KFACPreconditioner(model, blocks={nn.Embedding: EmbeddingBlock})``. Only for
+    embeddings whose ids hold one row per example along dim 0 (token ids ``(N, T)``,
+    positions expanded per sequence): one looked up once and broadcast over the batch (Hugging
+    Face's position ids ``(1, T)``) sees the examples' summed output gradient, from which no
+    exact ``G`` exists, and nothing at the layer can tell that case apart; leave such layers
+    out (``skip_layers``).
+
     ``A`` (``num_embeddings`` square) is held as a dense matrix that is diagonal, so every
     strategy moves, averages and decomposes it like any factor (its running average stays
     diagonal, and so do its decompositions); ``max_factor_dim`` bounds the vocabulary this
-    costs. A token that never occurred has ``A``'s entry 0: its row of the preconditioned
-    gradient is its (zero) gradient row divided by the damping, so ``padding_idx``'s row stays
-    untouched. Refused: ``sparse=True`` (a sparse gradient is not a matrix K-FAC can
-    precondition in place) and ``scale_grad_by_freq=True`` (the gradient is then not the sum
-    over the rows that the factors describe).
+    costs. A diagonal ``A`` preconditions each token's row on its own, so a row whose
+    gradient is zero (``padding_idx``, a token absent from the batch) stays zero. Refused:
+    subclasses with their own ``forward`` (their input is not the ids they look up),
+    ``sparse=True`` (a sparse gradient is not a matrix K-FAC can precondition in place) and
+    ``scale_grad_by_freq=True`` (the gradient is then not the sum over the rows that the
+    factors describe).
     """
 
     kind = "Embedding"
 
     def __init__(self, module: nn.Embedding) -> None:
+        if type(module).forward is not nn.Embedding.forward:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} computes its own lookup (its forward() is not "
+                "nn.Embedding's: a learned position embedding that derives positions from "
+                "its input, a scaled embedding); its ids are not its input, so its factors "
+                "cannot be formed from it; add its name to skip_layers"
+            )
         if module.sparse:
             raise UnsupportedLayerError(
                 "an embedding with sparse=True is not supported (its gradient is a sparse "
@@ -53,15 +68,6 @@ class EmbeddingBlock(TransposedLinearBlock):
         counts.index_add_(0, tokens, torch.ones(tokens.numel(), dtype=dtype, device=x.device))
         examples = int(x.shape[0]) if x.dim() >= 1 else 1
         return FactorStatistic(torch.diag(counts), tokens.numel(), examples)
-
-    def rows_follow(self, x: Tensor, batch: int) -> bool:
-        """Whether ``x`` holds ids of the pass's ``batch`` examples along dim 0.
-
-        A position embedding looked up once for every sequence (ids ``(T,)`` or ``(1, T)``,
-        as Hugging Face models pass them) does not: its output is broadcast over the batch,
-        so its gradient is the examples' sum and no ``G`` from it is the examples' factor.
-        """
-        return (int(x.shape[0]) if x.dim() else 1) == batch
 
     def describe(self) -> str:
         """The layer's class (its ``A`` is diagonal)."""

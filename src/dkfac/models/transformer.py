@@ -150,8 +150,8 @@ def _embed(
     length, seq_len = tokens.shape[1], position_embedding.num_embeddings
     if length > seq_len:
         raise ValueError(f"sequence length {length} exceeds seq_len={seq_len}")
-    # Looked up per sequence (not once and broadcast), so K-FAC sees one row per token of
-    # every example and preconditions the position embedding too.
+    # Looked up per sequence (not once and broadcast): one row per token of every example, as
+    # dkfac's EmbeddingBlock needs where embeddings are preconditioned (blocks=...).
     positions = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1)
     embedded: torch.Tensor = token_embedding(tokens) + position_embedding(positions)
     return embedded
