@@ -144,3 +144,15 @@ def test_a_vocabulary_above_max_factor_dim_and_a_tied_embedding_are_skipped() ->
     pre = dkfac.KFACPreconditioner(tied, blocks=BLOCKS)
     assert [layer.name for layer in pre.layers] == ["2"]
     assert "parameter shared with '1'" in repr(pre)
+
+
+def test_a_frozen_layer_kfac_could_not_precondition_is_skipped_not_refused() -> None:
+    frozen = nn.Embedding(VOCAB, DIM, sparse=True).requires_grad_(False)
+    grouped = nn.Conv1d(DIM, DIM, 1, groups=2).requires_grad_(False)
+    model = nn.Sequential(frozen, nn.Linear(DIM, DIM), grouped)
+    pre = dkfac.KFACPreconditioner(model, blocks=BLOCKS)
+    assert [layer.name for layer in pre.layers] == ["1"]
+    assert {s.name: s.reason for s in pre.skipped} == {
+        "0": "parameters do not require grad",
+        "2": "parameters do not require grad",
+    }

@@ -108,6 +108,9 @@ def discover_layers(
         try:
             block = make_block(module, blocks)
         except UnsupportedLayerError as error:
+            if not any(p.requires_grad for p in params):  # frozen: nothing to precondition
+                skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
+                continue
             raise ValueError(f"layer {name!r} ({kind}): {error}") from None
         if block is None:
             skipped.append(SkippedModule(name, kind, "unsupported type"))
