@@ -194,6 +194,13 @@ def test_a_resumed_auto_run_keeps_the_choice_its_checkpoint_saved(tmp_path) -> N
     assert events[1]["reason"] == f"resumed with what strategy=auto chose before: {kept['label']}"
     # The event says what the resumed run built (its preconditioner's strategy and options).
     assert {k: events[1][k] for k in kept} == kept
+    # Resumed from the same checkpoint again (the resumed run crashed before its next one):
+    # the resumption is recorded once, not once per attempt.
+    save_atomic({**saved, "strategy_choice": kept}, out)
+    assert main(["train", "--out", str(out), "--resume", "--nproc", "2"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    again = [(r["step"], r["strategy"]) for r in records if r.get("event") == "strategy"]
+    assert again == [(0, first["strategy"]), (2, kept["strategy"])]
     # The checkpoint the resumed run wrote keeps the choice for the next resume.
     final = load_checkpoint(out)
     assert final is not None and final["step"] == 4 and final["strategy_choice"] == kept

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 
 import dkfac.bench.command as bench_command
-from dkfac.bench.configs import PHASES
+from dkfac.bench.configs import (
+    PHASES,
+    SCHEDULES,
+    STRATEGY_CHOICES,
+    Configuration,
+    configurations,
+    kfac_configuration,
+)
 from dkfac.bench.launch import Launch
 from dkfac.bench.options import BenchOptions
 from dkfac.bench.report import format_summary
@@ -151,9 +158,16 @@ def _section_not_object(data: dict[str, Any]) -> None:
         (_set("pipelined_target", "strategies", ["spd", "dkfac"]), "not the baseline itself"),
         (_set("pipelined_target", "strategies", ["spd", "spd"]), "each once"),
         (_set("overhead_target", "config", "dkfac"), "config = 'dkfac': expected <strategy>_"),
-        (_set("overhead_target", "config", "dkfacx_1_1"), "config = 'dkfacx': unknown strategy"),
+        (
+            _set("overhead_target", "config", "dkfacx_1_1"),
+            "config = 'dkfacx_1_1': no K-FAC configuration at P=2 has this key; choose from "
+            "dkfac_1_1, kaisa_1of2_1_1, spd_1_1",
+        ),
+        # A row of another world size, or KAISA + DeAR without its fraction.
+        (_set("overhead_target", "config", "kaisa_1of4_1_1"), "'kaisa_1of4_1_1': no K-FAC"),
+        (_set("overhead_target", "config", "kaisa_dear_1_1"), "'kaisa_dear_1_1': no K-FAC"),
         (_set("reference", "overhead_s", 0.5), "overhead_s = 0.5: expected kfac_1_1 - sgd"),
-        (_set("overhead_target", "config", "sgdx_1_1"), "config = 'sgdx': unknown strategy"),
+        (_set("overhead_target", "config", "sgdx_1_1"), "config = 'sgdx_1_1': no K-FAC"),
         (_set("overhead_target", "model", "resnet99"), "model = 'resnet99': unknown model"),
         (_set("pipelined_target", "schedule", [10, 15]), "schedule = [10, 15]: needs two"),
         (_set("pipelined_target", "metric", "mean_s"), "metric = 'mean_s': choose from median_s"),
@@ -234,18 +248,12 @@ def test_bench_refuses_a_missing_or_bad_targets_file(
     assert not out.exists()  # refused before anything is launched or written
 
 
-def _entry(key: str, seconds: float) -> dict[str, Any]:
+def _entry(config: Configuration, seconds: float) -> dict[str, Any]:
     """A worker's summary entry, with what the table and the verdicts read."""
-    strategy = None if key in ("sgd", "dear") else key.split("_")[0]
-    kfac = strategy is not None
-    compared = key != "sgd"
-    labels = {"sgd": "SGD (DDP)", "dear": "SGD (DeAR)"}
+    kfac = config.kfac
+    compared = not config.reference
     return {
-        "label": strategy or labels[key],
-        "strategy": strategy,
-        "factor_update_steps": 1 if kfac else None,
-        "inv_update_steps": 1 if kfac else None,
-        "gradient_sync": "dear" if key == "dear" else "ddp",
+        **config.to_json(),
         "amortized_s": seconds,
         "median_s": seconds,
         "overhead_s": seconds - 0.25 if compared else None,
@@ -258,18 +266,20 @@ def _entry(key: str, seconds: float) -> dict[str, Any]:
 
 
 def _fake_run(
-    monkeypatch: pytest.MonkeyPatch, targets: BenchTargets | None, *, dear: bool = False
+    monkeypatch: pytest.MonkeyPatch,
+    targets: BenchTargets | None,
+    strategies: tuple[str, ...] = ("dkfac",),
 ) -> tuple[dict[str, Any], str]:
     """``run_bench`` of ResNet-20 at P=2 with a faked launch; the report and its summary.
 
-    With ``dear``, DeAR + SGD is measured too (0.125 s/iter: faster than DDP + SGD).
+    SGD takes 0.25 s/iter, DeAR + SGD (``dear``) 0.125 (faster than DDP + SGD), K-FAC 0.5.
     """
 
     def fake_launch(nprocs: int, options: BenchOptions, folder: Path) -> Launch:
-        entries = {"sgd": _entry("sgd", 0.25)}
-        if dear:
-            entries["dear"] = _entry("dear", 0.125)
-        entries["dkfac_1_1"] = _entry("dkfac", 0.5)
+        entries = {
+            config.key: _entry(config, {"sgd": 0.25, "dear": 0.125}.get(config.key, 0.5))
+            for config in configurations(nprocs, strategies, options.schedules)
+        }
         summary = {"resnet20": entries}
         return Launch(nprocs, ["torchrun"], 0, False, 1.0, [], {"summary": summary})
 
@@ -282,7 +292,7 @@ def _fake_run(
         iters=1,
         iters_long=1,
         timeout=1.0,
-        strategies=("dear", "dkfac") if dear else ("dkfac",),
+        strategies=strategies,
         schedules=((1, 1),),
         targets=targets,
     )
@@ -321,7 +331,7 @@ def test_a_run_with_targets_prints_the_target_lines(monkeypatch: pytest.MonkeyPa
 def test_dear_is_reported_against_sgd_and_leaves_the_targets_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    report, printed = _fake_run(monkeypatch, load_targets(TARGETS_FILE), dear=True)
+    report, printed = _fake_run(monkeypatch, load_targets(TARGETS_FILE), ("dear", "dkfac"))
     assert [row["key"] for row in report["summary"]] == ["sgd", "dear", "dkfac_1_1"]
     assert report["settings"]["strategies"] == ["dear", "dkfac"]
     assert report["settings"]["dear"]["bucket_cap_mb"] == "auto"
@@ -331,6 +341,38 @@ def test_dear_is_reported_against_sgd_and_leaves_the_targets_alone(
     # The targets read the K-FAC rows and the DDP + SGD reference, never DeAR's.
     assert report["target"]["measured_sgd_s_per_iter"] == 0.25
     assert report["target"]["measured_overhead_s"] == 0.25 and report["target"]["met"] is True
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key", "label"),
+    [
+        ("dkfac+dear", "dkfac_dear_1_1", "dkfac + DeAR"),
+        ("kaisa+dear", "kaisa_1of2_dear_1_1", "kaisa f=1/2 + DeAR"),
+        ("kaisa", "kaisa_1of2_1_1", "kaisa f=1/2"),
+    ],
+)
+def test_a_target_names_any_kfac_row_by_its_key(
+    strategy: str, key: str, label: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _targets_json()
+    data["overhead_target"]["config"] = key
+    path = tmp_path / "targets.json"
+    path.write_text(json.dumps(data))
+    report, printed = _fake_run(monkeypatch, load_targets(path), (strategy,))
+    assert [row["key"] for row in report["summary"]] == ["sgd", key]
+    assert report["target"]["config"] == key
+    assert report["target"]["measured_overhead_s"] == 0.25 and report["target"]["met"] is True
+    assert f"measured: {label} ResNet-20 P=2 (1,1) 0.500 s/iter, SGD 0.250 s/iter" in printed
+    # The rows with DeAR record its options in the settings, without the dear row too.
+    assert (report["settings"]["dear"] is None) == ("+dear" not in strategy)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_every_kfac_row_of_a_run_can_be_a_target(nprocs: int) -> None:
+    for config in configurations(nprocs, STRATEGY_CHOICES, SCHEDULES):
+        if config.kfac:
+            assert OverheadTarget("resnet20", nprocs, config.key, 0.5).config == config.key
+            assert kfac_configuration(config.key, nprocs) == config
 
 
 def test_the_benchmark_script_checks_the_repository_targets_by_default(

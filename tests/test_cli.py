@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
 import dkfac
+import dkfac.cli.checkpoint as checkpoint_module
 import dkfac.cli.commands as commands_module
 import dkfac.cli.execution as execution_module
 import dkfac.cli.launch as launch_module
@@ -43,7 +44,7 @@ from dkfac.cli.parser import build_parser
 from dkfac.cli.rank_logging import configure_logging
 from dkfac.cli.report import compare_table, write_plots
 from dkfac.cli.run_checkpoint import placement_layout, restore_checkpoint
-from dkfac.cli.run_metrics import RunResult
+from dkfac.cli.run_metrics import RunResult, truncate_metrics
 from dkfac.cli.sampling import EpochSampler
 from dkfac.cli.train import run_training
 from dkfac.cli.training_setup import _build_preconditioner, run_device
@@ -1002,3 +1003,47 @@ def test_statistics_precision_reaches_the_preconditioner_and_the_saved_config(
         config, "local", model, scheduler, Precision("none", torch.device("cpu"))
     )
     assert pre.config.statistics_precision == "bf16"
+
+
+def test_truncated_metrics_keep_what_preceded_the_checkpoint_and_no_earlier_resumption(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "metrics.jsonl"
+    written = [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 0.9},
+        {"event": "epoch", "step": 2},
+        {"event": "strategy", "step": 2, "resumed": True},  # a first resumption at step 2
+        {"step": 3, "loss": 0.8},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in written))
+    truncate_metrics(path, 3)  # a later checkpoint: the resumption at 2 happened before it
+    assert [json.loads(line) for line in path.read_text().splitlines()] == written
+    truncate_metrics(path, 2)  # the same checkpoint again: its earlier resumption goes too
+    assert [json.loads(line) for line in path.read_text().splitlines()] == written[:3]
+
+
+def test_a_resumed_run_reads_its_checkpoint_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["train", *QUICK, "--epochs", "2", "--steps-per-epoch", "2", "--strategy", "auto"]
+    argv += ["--nproc", "1", "--out", str(tmp_path)]
+    assert main([*argv, "--stop-after-steps", "2"]) == 0
+    reads: list[Path] = []
+    read = checkpoint_module._read_verified
+
+    def counting_read(path: Path) -> dict[str, Any]:
+        reads.append(path)
+        return read(path)
+
+    monkeypatch.setattr(checkpoint_module, "_read_verified", counting_read)
+    # --strategy auto builds its chooser in a process group: one of one rank, in this process.
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        result = run_training(resolve_config(build_parser().parse_args(argv)), resume=True)
+    finally:
+        torch.distributed.destroy_process_group()
+    # Read once (--strategy auto's kept choice and the restore share it), and it resumed.
+    assert reads == [tmp_path / "checkpoint.pt"] and len(result.epochs) == 2

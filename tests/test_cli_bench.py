@@ -354,15 +354,17 @@ def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
     }
     assert configs[2].to_json()["gradient_sync"] == SGD.to_json()["gradient_sync"] == "ddp"
     assert [c.key for c in configurations(4, strategies=("dear",))] == ["sgd", "dear"]
-    # A K-FAC strategy with DeAR averaging its gradients (KAISA at 1/P), after the DDP ones.
+    # A K-FAC strategy with DeAR averaging its gradients (KAISA at 1/P), after the DDP ones;
+    # its key is its DDP row's (KAISA's fraction included) with _dear before the schedule.
     with_dear = configurations(4, ("kaisa", "kaisa+dear", "pad+dear"), schedules=((1, 1),))
     assert [
         (c.key, c.label, c.strategy, c.grad_worker_fraction, c.gradient_sync)
         for c in with_dear[-2:]
     ] == [
-        ("kaisa_dear_1_1", "kaisa f=1/4 + DeAR", "kaisa", 0.25, "dear"),
+        ("kaisa_1of4_dear_1_1", "kaisa f=1/4 + DeAR", "kaisa", 0.25, "dear"),
         ("pad_dear_1_1", "pad + DeAR", "pad", 1.0, "dear"),
     ]
+    assert with_dear[1].key == "kaisa_1of4_1_1"  # the same KAISA row with DDP
     assert with_dear[-1].kfac and with_dear[-1].dear and not with_dear[-1].reference
     with pytest.raises(ConfigError, match="a dry run"):
         options_from_args(
@@ -395,6 +397,13 @@ def test_bench_takes_dear_among_the_strategies() -> None:
         build_parser().parse_args(["bench"]), models=BENCH_MODELS, nprocs=BENCH_NPROCS
     )
     assert default.settings()["dear"] is None and "dear" not in default.strategies
+    # K-FAC rows with DeAR run it with the same options: recorded without the dear row too.
+    kfac_only = options_from_args(
+        build_parser().parse_args(["bench", "--strategies", "dkfac,kaisa+dear"]),
+        models=BENCH_MODELS,
+        nprocs=BENCH_NPROCS,
+    )
+    assert kfac_only.settings()["dear"] == options.settings()["dear"]
 
 
 def test_a_dry_run_counts_the_kfac_strategies_only() -> None:

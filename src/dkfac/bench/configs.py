@@ -165,9 +165,11 @@ def configurations(
     :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``, then ``auto`` (:data:`AUTO`).
     ``dkfac``, ``spd``, ``pad``, ``dp`` and ``auto`` get one configuration each (key
     ``"{strategy}_{f}_{i}"``, label the strategy's name).
+    KAISA gets one per fraction ``1/d``, key ``"kaisa_1of{d}_{f}_{i}"`` (:func:`strategy_key`).
     ``dear`` has no schedule: one configuration, :data:`DEAR_SGD`; ``"{strategy}+dear"``
     (:data:`KFAC_WITH_DEAR`) is the strategy with DeAR averaging the gradients (KAISA at
-    ``1/P``), key ``"{strategy}_dear_{f}_{i}"``.
+    ``1/P``), key its DDP row's with ``_dear`` before the schedule, e.g. ``"dkfac_dear_1_1"``
+    or ``"kaisa_1of4_dear_1_1"``.
 
     Args:
         world_size: Number of workers ``P`` (it picks the KAISA fractions).
@@ -188,22 +190,27 @@ def configurations(
                 continue
             denominators = kaisa_fractions(world_size) if strategy == "kaisa" else [1]
             for d in denominators:
-                name = f"kaisa_1of{d}" if strategy == "kaisa" else strategy
-                configs.append(_kfac_configuration(strategy, name, d, f, i))
+                configs.append(_kfac_configuration(strategy, d, f, i))
         for strategy in STRATEGIES:  # KAISA at its memory-optimal 1/P only
             if f"{strategy}+{DEAR}" in strategies:
                 d = world_size if strategy == "kaisa" else 1
-                configs.append(_kfac_configuration(strategy, f"{strategy}_{DEAR}", d, f, i, DEAR))
+                configs.append(_kfac_configuration(strategy, d, f, i, DEAR))
         if AUTO in strategies:
             configs.append(Configuration(f"{AUTO}_{f}_{i}", AUTO, AUTO, 1.0, "1", f, i))
     return configs
 
 
+def strategy_key(strategy: str, denominator: int) -> str:
+    """A strategy's name in row keys: ``kaisa_1of{d}`` for KAISA at fraction ``1/d``."""
+    return f"kaisa_1of{denominator}" if strategy == "kaisa" else strategy
+
+
 def _kfac_configuration(
-    strategy: str, name: str, d: int, f: int, i: int, gradient_sync: str = "ddp"
+    strategy: str, d: int, f: int, i: int, gradient_sync: str = "ddp"
 ) -> Configuration:
-    """``strategy`` at schedule ``(f, i)`` (KAISA at fraction ``1/d``), key ``name_f_i``."""
+    """``strategy`` at ``(f, i)`` (KAISA at ``1/d``), keyed as :func:`configurations` says."""
     label = f"kaisa f=1/{d}" if strategy == "kaisa" else strategy
+    name = strategy_key(strategy, d) + ("" if gradient_sync == "ddp" else f"_{gradient_sync}")
     return Configuration(
         f"{name}_{f}_{i}",
         label if gradient_sync == "ddp" else f"{label} + DeAR",
@@ -214,6 +221,53 @@ def _kfac_configuration(
         i,
         gradient_sync=gradient_sync,
     )
+
+
+def kfac_configuration(key: str, world_size: int) -> Configuration:
+    """The K-FAC configuration that :func:`configurations` keys ``key`` at ``world_size``.
+
+    Args:
+        key: A row key, e.g. ``"dkfac_1_1"``, ``"kaisa_1of2_10_100"`` or ``"dkfac_dear_1_1"``.
+        world_size: Number of workers ``P`` (it picks the KAISA fractions).
+
+    Returns:
+        The configuration, of any strategy of :data:`STRATEGY_CHOICES` with K-FAC.
+
+    Raises:
+        ValueError: ``key`` does not end in a schedule ``_<f>_<i>``, or no K-FAC configuration
+            at ``world_size`` has it (the message lists those that do at its schedule).
+    """
+    parts = key.rsplit("_", 2)
+    if len(parts) < 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+        raise ValueError("expected <strategy>_<f>_<i>, e.g. dkfac_1_1")
+    schedule = (int(parts[1]), int(parts[2]))
+    kfac = [c for c in configurations(world_size, STRATEGY_CHOICES, (schedule,)) if c.kfac]
+    for config in kfac:
+        if config.key == key:
+            return config
+    raise ValueError(
+        f"no K-FAC configuration at P={world_size} has this key; choose from "
+        f"{', '.join(c.key for c in kfac)}"
+    )
+
+
+def uses_dear(strategies: Sequence[str]) -> bool:
+    """Whether any of ``strategies`` (``--strategies`` names) averages gradients with DeAR."""
+    return any(s == DEAR or s in KFAC_WITH_DEAR for s in strategies)
+
+
+def dear_settings(strategies: Sequence[str]) -> dict[str, Any] | None:
+    """The DeAR options of every row that runs DeAR, for a report; ``None`` if none does.
+
+    ``dear`` and each ``STRATEGY+dear`` alike search DeAR's bucket size with these options.
+    """
+    if not uses_dear(strategies):
+        return None
+    return {
+        "bucket_cap_mb": DEAR_BUCKET_CAP_MB,
+        "auto_range_mb": list(DEAR_AUTO_RANGE_MB),
+        "auto_trial_steps": DEAR_AUTO_TRIAL_STEPS,
+    }
 
 
 def comma_separated(value: str) -> list[str]:

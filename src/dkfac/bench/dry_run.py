@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dkfac.bench.configs import INVERSE_METHOD, environment
+from dkfac.bench.configs import INVERSE_METHOD, environment, strategy_key
 from dkfac.bench.targets import NO_TARGETS_LINE, DryRunTarget
 from dkfac.bench.verdicts import evaluate_dry_run_target, format_dry_run_target, format_times
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
@@ -186,7 +186,7 @@ def dry_run_report(
         )
         for label, strategy, fraction in dry_run_configurations(world_size, strategies):
             accounts = account_strategy(strategy, shapes, settings, grad_worker_fraction=fraction)
-            key = strategy if strategy != "kaisa" else f"kaisa_1of{round(1 / fraction)}"
+            key = strategy_key(strategy, round(1 / fraction))
             rows.append(
                 {
                     "dry_run": True,

@@ -17,10 +17,6 @@ from typing import Any
 import torch
 
 from dkfac.bench.configs import (
-    DEAR,
-    DEAR_AUTO_RANGE_MB,
-    DEAR_AUTO_TRIAL_STEPS,
-    DEAR_BUCKET_CAP_MB,
     INPUT_SHAPES,
     INVERSE_METHOD,
     KFAC_WITH_DEAR,
@@ -33,6 +29,7 @@ from dkfac.bench.configs import (
     STRATEGY_CHOICES,
     TOKEN_VOCABULARIES,
     comma_separated,
+    dear_settings,
     parse_schedules,
 )
 from dkfac.bench.dry_run import DRY_RUN_NPROCS, NOMINAL_COST_MODEL
@@ -148,13 +145,7 @@ class BenchOptions:
                 if model in TOKEN_VOCABULARIES
             },
             "num_classes": NUM_CLASSES,
-            "dear": {
-                "bucket_cap_mb": DEAR_BUCKET_CAP_MB,
-                "auto_range_mb": list(DEAR_AUTO_RANGE_MB),
-                "auto_trial_steps": DEAR_AUTO_TRIAL_STEPS,
-            }
-            if DEAR in self.strategies
-            else None,
+            "dear": dear_settings(self.strategies),
             "schedules": [list(s) for s in self.schedules],
             "gc_disabled_in_window": True,
             "mb": MB,

@@ -19,6 +19,7 @@ from dkfac.bench.configs import (
     MOMENTUM,
     PHASES,
     SGD,
+    uses_dear,
 )
 from dkfac.bench.dry_run import format_dry_run, write_dry_run_chart
 from dkfac.bench.targets import NO_TARGETS_LINE
@@ -151,7 +152,7 @@ def format_summary(report: Mapping[str, Any]) -> str:
     env, settings = report["environment"], report["settings"]
     schedules = [tuple(s) for s in settings["schedules"]]
     dear = DEAR_SGD.key in settings["strategies"]
-    any_dear = dear or any(s.endswith(f"+{DEAR_SGD.key}") for s in settings["strategies"])
+    any_dear = uses_dear(settings["strategies"])
     baselines = ["SGD", "DeAR"] if dear else ["SGD"]
     short = ", ".join([*baselines, *(f"({f},{i})" for f, i in schedules if f == i == 1)])
     long = ", ".join(f"({f},{i})" for f, i in schedules if f > 1 or i > 1) or "none"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dkfac.bench.configs import MODELS
+from dkfac.bench.configs import MODELS, kfac_configuration
 from dkfac.strategies.registry import strategy_names
 
 #: The per-iteration times a pipelined target may compare (a column of the summary rows).
@@ -155,7 +155,9 @@ class OverheadTarget:
     Attributes:
         model: A model of :data:`dkfac.bench.configs.MODELS`.
         nprocs: The world size.
-        config: The configuration key, e.g. ``dkfac_1_1`` (its strategy first).
+        config: The key of a K-FAC row measured at ``nprocs``, e.g. ``dkfac_1_1``,
+            ``kaisa_1of2_1_1`` or ``dkfac_dear_1_1``
+            (:func:`~dkfac.bench.configs.kfac_configuration`).
         max_overhead_s: The largest overhead in seconds per iteration that meets the target.
     """
 
@@ -168,10 +170,10 @@ class OverheadTarget:
         if self.model not in MODELS:
             raise _invalid("model", self.model, f"unknown model; choose from {', '.join(MODELS)}")
         _at_least("nprocs", self.nprocs, 1)
-        parts = self.config.split("_")
-        if len(parts) < 3 or not (parts[-2].isdigit() and parts[-1].isdigit()):
-            raise _invalid("config", self.config, "expected <strategy>_<f>_<i>, e.g. dkfac_1_1")
-        _known_strategy("config", "_".join(parts[:-2]))
+        try:  # the rows' own keys: a name split on "_" would miss kaisa_1of2_, _dear_
+            kfac_configuration(self.config, self.nprocs)
+        except ValueError as error:
+            raise _invalid("config", self.config, str(error)) from None
         _at_least("max_overhead_s", self.max_overhead_s, 0.0)
 
 

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dkfac.bench.configs import MODEL_LABELS, SGD
+from dkfac.bench.configs import MODEL_LABELS, SGD, kfac_configuration
 from dkfac.bench.targets import DryRunTarget, OverheadTarget, PipelinedTarget
 
 #: Phases compared by the pipelined target, plus ``other`` (the rest of the iteration).
@@ -87,9 +87,9 @@ def format_target(
 
     """
     lines = [reference_line]
-    *name, f, i = verdict["config"].split("_")
+    config = kfac_configuration(verdict["config"], verdict["nprocs"])
     model = MODEL_LABELS.get(verdict["model"], verdict["model"])
-    what = f"{' '.join(name)} {model} P={verdict['nprocs']} ({f},{i})"
+    what = f"{config.label} {model} P={verdict['nprocs']} {config.schedule}"
     measured = verdict["measured_overhead_s"]
     if measured is None:
         lines.append(f"measured: {what} was not run -> target not evaluated")

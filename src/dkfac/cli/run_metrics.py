@@ -61,13 +61,23 @@ def append_metrics(path: Path, record: dict[str, Any]) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics written after the checkpoint (a crashed run's tail)."""
+    """Drop metrics written after the checkpoint at ``step`` (a crashed run's tail).
+
+    That includes what an earlier resumption from this same checkpoint recorded at ``step``
+    itself (records marked ``"resumed": true``): resuming from one checkpoint twice records
+    its resumption once.
+    """
     if not path.is_file():
         return
+
+    def before_checkpoint(record: dict[str, Any]) -> bool:
+        at = record.get("step", 0)
+        return bool(at < step or (at == step and not record.get("resumed", False)))
+
     kept = [
         line
         for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
+        if line.strip() and before_checkpoint(json.loads(line))
     ]
     path.write_text("".join(line + "\n" for line in kept))
 

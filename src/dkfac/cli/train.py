@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.config import TrainConfig
 from dkfac.cli.device import Precision
 from dkfac.cli.objective import label_cross_entropy
@@ -170,7 +169,7 @@ class _RankRun:
         """
         if self.out is None:
             return 0, 0, 0
-        saved = load_checkpoint(self.out)
+        saved, self.setup.checkpoint = self.setup.checkpoint, None  # read once, in the setup
         if saved is None:
             return 0, 0, 0
         setup = self.setup
@@ -194,9 +193,8 @@ class _RankRun:
             if kept is not None:  # --strategy auto: the checkpoint's choice, not a new one
                 reason = f"resumed with what strategy=auto chose before: {kept['label']}"
                 logger.info("%s", reason)
-                self.metrics.write(
-                    {"event": "strategy", "step": self.step, **kept, "reason": reason}
-                )
+                record = {"event": "strategy", "step": self.step, **kept, "reason": reason}
+                self.metrics.write({**record, "resumed": True})
         return start_epoch, start_position, start_budget
 
     def train_epoch(self, epoch: int, *, position: int, budget: int, resuming: bool) -> None:

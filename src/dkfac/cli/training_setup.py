@@ -161,6 +161,8 @@ class TrainingSetup:
         pre: the K-FAC preconditioner (None for the plain optimizer).
         resumed_choice: ``--strategy auto``'s choice that a resumed checkpoint kept
             (:func:`resumed_strategy_choice`), or None.
+        checkpoint: the checkpoint a resumed run continues from, read once here (None: a new
+            run, or none saved yet); the run's resume takes it and drops the reference.
     """
 
     config: TrainConfig
@@ -178,6 +180,7 @@ class TrainingSetup:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     pre: dkfac.KFACPreconditioner | None
     resumed_choice: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def wrapped(self) -> nn.Module:
@@ -233,7 +236,8 @@ def build_training_setup(
     sync = GradientSync(model, optimizer, config, world, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     pre = None
-    resumed_choice = resumed_strategy_choice(config, rank, world) if resume else None
+    saved = load_checkpoint(Path(config.out)) if resume and config.out else None
+    resumed_choice = resumed_strategy_choice(config, saved, rank, world) if resume else None
     if resumed_choice is not None:  # keep what --strategy auto chose before the checkpoint
         pre = _build_preconditioner(
             config,
@@ -276,33 +280,34 @@ def build_training_setup(
         scheduler=scheduler,
         pre=pre,
         resumed_choice=resumed_choice,
+        checkpoint=saved,
     )
 
 
-def resumed_strategy_choice(config: TrainConfig, rank: int, world: int) -> dict[str, Any] | None:
-    """What ``--strategy auto`` chose, saved in the checkpoint this run resumes (or None).
+def resumed_strategy_choice(
+    config: TrainConfig, saved: dict[str, Any] | None, rank: int, world: int
+) -> dict[str, Any] | None:
+    """What ``--strategy auto`` chose, saved in ``saved``, the checkpoint this run resumes.
 
     A resumed run on as many ranks keeps that strategy, KAISA fraction and bucket cap
     instead of choosing again: the machine's load when it resumes must not switch the
     strategy mid-run. On another number of ranks the choice (made for that world size)
-    is made again. Rank 0 reads the checkpoint and tells the others, so every rank builds
-    the same preconditioner even if their copies of ``--out`` differ.
+    is made again. Rank 0's copy of the checkpoint decides and rank 0 tells the others, so
+    every rank builds the same preconditioner even if their copies of ``--out`` differ.
     """
     if config.strategy != "auto" or not config.uses_kfac or not config.out:
         return None
     kept: list[dict[str, Any] | None] = [None]
-    if rank == 0:
-        saved = load_checkpoint(Path(config.out))
-        if saved is not None and saved.get("strategy_choice") is not None:
-            if saved["world_size"] == world:
-                kept[0] = dict(saved["strategy_choice"])
-            else:
-                logger.info(
-                    "--strategy auto chooses again: the checkpoint's choice was made for %d "
-                    "workers, this run has %d",
-                    saved["world_size"],
-                    world,
-                )
+    if rank == 0 and saved is not None and saved.get("strategy_choice") is not None:
+        if saved["world_size"] == world:
+            kept[0] = dict(saved["strategy_choice"])
+        else:
+            logger.info(
+                "--strategy auto chooses again: the checkpoint's choice was made for %d "
+                "workers, this run has %d",
+                saved["world_size"],
+                world,
+            )
     if world > 1:
         dist.broadcast_object_list(kept, src=0)
     return kept[0]

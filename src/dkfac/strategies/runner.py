@@ -31,7 +31,7 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, tikhonov_shift
-from dkfac.curvature.kronecker_factor import fold_summed, fold_windows
+from dkfac.curvature.kronecker_factor import fold_batches, fold_summed, fold_windows
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
@@ -175,20 +175,21 @@ class PlacementRunner:
     ) -> None:
         """Hand over what the hooks did not, correct for late statistics, fold where kept."""
         assert self.pipeline is not None
-        for route in self.placement.factors:
+        routes = self.placement.factors
+        for route in routes:
             stats = layers[route.layer].statistics(route.side)
             if stats.has_statistics and not stats.handed_over:
                 self.hand_over(layers, route.layer, route.side, loss_reduction)
-        late = [
-            layers[route.layer].statistics(route.side).late(loss_reduction)
-            for route in self.placement.factors
-        ]
+        late = [layers[r.layer].statistics(r.side).late(loss_reduction) for r in routes]
         received = self.pipeline.finish(
             lambda slot: layers[slot.layer].zeros(slot.side), profile, late
         )
-        for route, factor in zip(self.placement.factors, received, strict=True):
-            if fold and factor.count > 0 and self.placement.holds_factor(route, self.rank):
-                layers[route.layer].factors[route.side].fold(factor.total / factor.count, decay)
+        kept = [  # folded in shared launches (a GPU is launch-bound one factor at a time)
+            (layers[r.layer].factors[r.side], f.total / f.count)
+            for r, f in zip(routes, received, strict=True)
+            if fold and f.count > 0 and self.placement.holds_factor(r, self.rank)
+        ]
+        fold_batches([held for held, _ in kept], [batch for _, batch in kept], decay)
 
     # -- decompositions ----------------------------------------------------------------------
     def decompose_and_share(
