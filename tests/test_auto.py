@@ -51,19 +51,33 @@ def profile() -> ComputeProfile:
     )
 
 
-def expected_choice(ddp_bucket_cap_mb: float = 25.0) -> tuple[str, float, float]:
+def expected_choice(
+    ddp_bucket_cap_mb: float = 25.0, dear_bucket_cap_mb: float | None = None
+) -> tuple[str, float, float]:
     """The fastest candidate by the simulator, computed here from the same inputs."""
     given = profile()
     given = ComputeProfile(**{**given.__dict__, "decomposition": {"eigen": SLOW.decomposition}})
     link = LinkModel.from_allreduce_fit(SLOW.collective, 2)
     cluster = SimulatedCluster(2, link, "gloo", ddp_bucket_cap_mb=ddp_bucket_cap_mb)
-    best = rank_candidates(given, cluster, candidates(SimulatedRun("dkfac"), 2))[0]
+    template = SimulatedRun("dkfac")
+    if dear_bucket_cap_mb is not None:
+        template = SimulatedRun(
+            "dkfac", gradient_sync="dear", dear_bucket_cap_mb=dear_bucket_cap_mb
+        )
+    best = rank_candidates(given, cluster, candidates(template, 2))[0]
     return best.candidate.run.strategy, best.candidate.run.grad_worker_fraction, best.iteration_s
 
 
-def chosen_with_a_given_profile(rank: int, world_size: int, ddp_cap_mb: float = 25.0) -> dict:
+def chosen_with_a_given_profile(
+    rank: int, world_size: int, ddp_cap_mb: float = 25.0, dear_cap_mb: float | str | None = None
+) -> dict:
     net = model()
-    options = dkfac.AutoOptions(profile=profile(), cost_model=SLOW, ddp_bucket_cap_mb=ddp_cap_mb)
+    options = dkfac.AutoOptions(
+        profile=profile(),
+        cost_model=SLOW,
+        ddp_bucket_cap_mb=ddp_cap_mb,
+        dear_bucket_cap_mb=dear_cap_mb,
+    )
     pre = dkfac.KFACPreconditioner(net, strategy=options)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
     F.cross_entropy(net(x), torch.arange(16) % 4).backward()
@@ -99,6 +113,25 @@ def test_auto_simulates_ddp_with_the_bucket_cap_it_is_given() -> None:
     assert seconds != pytest.approx(expected_choice()[2])  # the cap changes the prediction
     for out in run_workers(chosen_with_a_given_profile, 2, args=(1e-4,), timeout=90):
         assert out["plan"]["chosen"]["ranking"][0]["iteration_s"] == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(("given", "simulated"), [(1e-4, 1e-4), ("auto", 2.0)])
+def test_auto_simulates_dear_when_dear_averages_the_gradients(
+    given: float | str, simulated: float
+) -> None:
+    """DeAR's cap as given; its online search ("auto") at the middle of its range, 2 MiB.
+
+    Below one layer's gradient (1e-4 MiB) DeAR's buckets split and its traffic differs from
+    DDP's; at 2 MiB this model's gradients are one bucket, as long at P = 2 as DDP's.
+    """
+    strategy, _, seconds = expected_choice(dear_bucket_cap_mb=simulated)
+    if simulated < 1:
+        assert seconds != pytest.approx(expected_choice()[2])  # DeAR's traffic is not DDP's
+    for out in run_workers(chosen_with_a_given_profile, 2, args=(25.0, given), timeout=90):
+        chosen = out["plan"]["chosen"]
+        assert chosen["ranking"][0]["iteration_s"] == pytest.approx(seconds)
+        assert chosen["strategy"] == strategy and chosen["gradient_sync"] == "dear"
+        assert " dear " in chosen["label"]
 
 
 def chosen_with_a_measured_profile(rank: int, world_size: int) -> dict:
@@ -138,6 +171,8 @@ def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone() -> N
         ({"profile": profile(), "strategies": ("sgd",)}, "auto chooses among"),
         ({"profile": profile(), "bucket_caps_mb": ()}, "caps > 0"),
         ({"profile": profile(), "measure_steps": 0}, "measure_steps=0"),
+        ({"profile": profile(), "dear_bucket_cap_mb": 0.0}, "dear_bucket_cap_mb"),
+        ({"profile": profile(), "dear_bucket_cap_mb": "big"}, "dear_bucket_cap_mb"),
     ],
 )
 def test_auto_options_refuse_what_cannot_be_chosen_with(kwargs: dict, message: str) -> None:
@@ -313,9 +348,12 @@ def test_auto_options_refuse_a_fallback_it_may_not_choose() -> None:
         dkfac.AutoOptions(profile=profile(), strategies=("dkfac", "kaisa"), fallback="dp")
 
 
-def test_the_command_line_refuses_auto_with_dear_gradient_averaging(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    argv = ["train", "--model", "mlp", "--dataset", "digits", "--strategy", "auto"]
-    assert main([*argv, "--grad-sync", "dear", "--nproc", "2"]) != 0
-    assert "--strategy auto is not allowed with --grad-sync dear" in capsys.readouterr().err
+def test_the_command_line_chooses_with_dear_averaging_the_gradients(tmp_path) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--model", "mlp", "--dataset", "digits", "--batch-size", "32"]
+    argv += ["--steps-per-epoch", "3", "--epochs", "1", "--nproc", "2", "--strategy", "auto"]
+    assert main([*argv, "--grad-sync", "dear", "--bucket-mb", "auto", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (chosen,) = [r for r in records if r.get("event") == "strategy"]
+    assert " dear " in chosen["label"]  # simulated with DeAR's traffic
+    assert [r["event"] for r in records if "event" in r][-1] == "epoch"  # it trained

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,7 @@ from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.groups import require_distributed
 from dkfac.config import DEFAULT_BUCKET_CAP_MB, KFACConfig, check_float
+from dkfac.dear.bucket_search import DEFAULT_AUTO_RANGE_MB
 from dkfac.sim.choice import (
     AUTO_BUCKET_CAPS_MB,
     AUTO_STRATEGIES,
@@ -77,6 +79,12 @@ class AutoOptions(StrategyChooser):
         measure_steps: steps of the copy timed per kind when measuring (after one warm-up).
         ddp_bucket_cap_mb: the ``bucket_cap_mb`` of the ``DistributedDataParallel`` that
             averages the gradients (its buckets share the links with K-FAC's traffic).
+        dear_bucket_cap_mb: when :class:`dkfac.DeAR` averages the gradients instead of DDP,
+            its ``bucket_cap_mb``: every candidate is then simulated with DeAR's
+            reduce-scatters under the backward pass and its all-gathers before K-FAC's step
+            (``gather_gradients``). ``"auto"`` (DeAR searches its cap online) is simulated at
+            the geometric middle of DeAR's default search range, 2 MiB: the simulator cannot
+            choose DeAR's cap (nothing in it costs per bucket). ``None``: DDP.
         fallback: the strategy run when the calibration cannot predict (see the module;
             ``None``: the first of ``strategies``).
     """
@@ -91,6 +99,7 @@ class AutoOptions(StrategyChooser):
     cost_model: ClusterCostModel | CostModelCache | None = None
     measure_steps: int = 3
     ddp_bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    dear_bucket_cap_mb: float | str | None = None
     fallback: str | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +121,14 @@ class AutoOptions(StrategyChooser):
             low_open=True,
             allowed="a finite number of MiB > 0",
         )
+        if self.dear_bucket_cap_mb is not None and self.dear_bucket_cap_mb != "auto":
+            check_float(
+                "dear_bucket_cap_mb",
+                self.dear_bucket_cap_mb,
+                low=0.0,
+                low_open=True,
+                allowed='a finite number of MiB > 0, "auto" or None',
+            )
         if self.fallback is not None and self.fallback not in self.strategies:
             raise ValueError(
                 f"fallback={self.fallback!r}: expected one of the strategies "
@@ -173,6 +190,7 @@ class AutoOptions(StrategyChooser):
             inv_update_steps=config.inv_update_steps_at(0),
             inverse_method=method,
             comm_dtype=comm_dtype,
+            **self._gradient_sync(),
         )
         options = candidates(
             template, world_size, strategies=self.strategies, bucket_caps_mb=self.bucket_caps_mb
@@ -188,6 +206,16 @@ class AutoOptions(StrategyChooser):
         given = {"grad_worker_fraction": run.grad_worker_fraction, "cost_model": cost}
         chosen = resolve_options(run.strategy, **option_keywords(run.strategy, **given))
         return StrategyChoice(chosen, best.bucket_cap_mb, report)
+
+    def _gradient_sync(self) -> dict[str, Any]:
+        """How the simulated runs average their gradients (:class:`SimulatedRun`'s fields)."""
+        cap = self.dear_bucket_cap_mb
+        if cap is None:
+            return {"gradient_sync": "ddp"}
+        if cap == "auto":
+            low, high = DEFAULT_AUTO_RANGE_MB
+            cap = math.sqrt(low * high)
+        return {"gradient_sync": "dear", "dear_bucket_cap_mb": float(cap)}
 
     def _fallback(self, cost: ClusterCostModel, problems: Sequence[str]) -> StrategyChoice:
         """``fallback`` with the first bucket cap, and why nothing was predicted."""
@@ -317,6 +345,7 @@ def _report(
         "strategy": chosen.run.strategy,
         "grad_worker_fraction": chosen.run.grad_worker_fraction,
         "bucket_cap_mb": chosen.bucket_cap_mb,
+        "gradient_sync": chosen.run.gradient_sync,
         "label": chosen.label,
         "reason": reason,
         "ranking": [r.as_dict() for r in ranked],

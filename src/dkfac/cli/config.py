@@ -141,12 +141,6 @@ class TrainConfig:
                     "allowed: expected a number >= 0"
                 )
         self._parse_bucket()
-        if self.strategy == "auto" and self.grad_sync != "ddp":
-            raise ConfigError(
-                f"--strategy auto is not allowed with --grad-sync {self.grad_sync}: it predicts "
-                "each strategy's time with DDP averaging the gradients (use --grad-sync ddp, "
-                "or name a strategy)"
-            )
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"

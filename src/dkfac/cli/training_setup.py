@@ -258,11 +258,14 @@ def build_training_setup(
             )
             x, y = next(iter(first))  # its own generator: the global RNG is not drawn from
             example = (x.to(device), y.to(device))
+            # --bucket-mb is the cap of what averages the gradients: DDP's, or DeAR's.
             cap = config.bucket_cap_mb
-            assert isinstance(cap, float)  # "auto" is DeAR's, refused with --strategy auto
-            strategy = dkfac.AutoOptions(
-                example=example, loss_fn=label_cross_entropy, ddp_bucket_cap_mb=cap
+            caps: dict[str, Any] = (
+                {"dear_bucket_cap_mb": cap}
+                if config.grad_sync == "dear"
+                else {"ddp_bucket_cap_mb": float(cap)}
             )
+            strategy = dkfac.AutoOptions(example=example, loss_fn=label_cross_entropy, **caps)
         pre = _build_preconditioner(config, strategy, sync.model, scheduler, precision)
     return TrainingSetup(
         config=config,

@@ -51,6 +51,7 @@ from dkfac.dear.argument_checks import (
 )
 from dkfac.dear.bucket_pipeline import BucketPipeline
 from dkfac.dear.bucket_search import (
+    DEFAULT_AUTO_RANGE_MB,
     BucketSizeSearch,
     distinct_candidates,
     power_of_two_sizes,
@@ -123,7 +124,7 @@ class DeAR:
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         *,
         bucket_cap_mb: float | str = 25.0,
-        auto_range_mb: tuple[float, float] = (1 / 16, 64.0),
+        auto_range_mb: tuple[float, float] = DEFAULT_AUTO_RANGE_MB,
         auto_trial_steps: int = 5,
         broadcast_buffers: bool = True,
         process_group: ProcessGroup | None = None,

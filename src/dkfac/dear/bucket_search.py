@@ -19,6 +19,9 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+#: MiB searched by ``DeAR(bucket_cap_mb="auto")`` unless told otherwise: 64 KiB to 64 MiB.
+DEFAULT_AUTO_RANGE_MB: tuple[float, float] = (1 / 16, 64.0)
+
 
 def power_of_two_sizes(low_mb: float, high_mb: float) -> list[float]:
     """``low, 2·low, 4·low, ...`` up to ``high`` (``high`` itself included when off the grid).
