@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from dkfac.bench.command import run_bench, write_json
-from dkfac.bench.configs import AUTO, KFAC_WITH_DEAR, STRATEGY_CHOICES, comma_separated
+from dkfac.bench.configs import (
+    AUTO,
+    AUTO_WITH_DEAR,
+    KFAC_WITH_DEAR,
+    STRATEGY_CHOICES,
+    comma_separated,
+)
 from dkfac.bench.emulated_cluster import ClusterUnavailableError, unavailable_reason
 from dkfac.bench.link_shape import LinkShape
 from dkfac.bench.network_report import (
@@ -50,7 +56,9 @@ RATES = "20mbit,50mbit,400mbit"
 QUICK_RATE = "1gbit"
 MODELS = "resnet32,transformer"
 #: By default every choice but auto and K-FAC with DeAR (on request).
-STRATEGIES = ",".join(s for s in STRATEGY_CHOICES if s != AUTO and s not in KFAC_WITH_DEAR)
+STRATEGIES = ",".join(
+    s for s in STRATEGY_CHOICES if s not in (AUTO, AUTO_WITH_DEAR, *KFAC_WITH_DEAR)
+)
 SCHEDULES = "1:1,10:100"
 #: World size: two workers, two cores, one worker per core.
 NPROCS = "2"

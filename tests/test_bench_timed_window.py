@@ -2,7 +2,8 @@
 
 The window of a ``STRATEGY+dear`` row must precondition the averaged gradients, as DDP hands
 them to K-FAC: with different batches on the two ranks, the weights it trains must be those of
-the same strategy's DDP row, within float32 rounding.
+the same strategy's DDP row, within float32 rounding. The ``auto+dear`` row chooses among
+DeAR candidates.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _train_both(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     x = torch.randn(BATCH, FEATURES, generator=generator)
     y = torch.randint(0, NUM_CLASSES, (BATCH,), generator=generator)
     trained: dict[str, dict[str, Any]] = {}
-    for config in configurations(world_size, ("dkfac", "dkfac+dear"), ((1, 1),))[1:]:
+    for config in configurations(world_size, ("dkfac", "dkfac+dear", "auto+dear"), ((1, 1),))[1:]:
         window = timed_window.time_window(
             config, "tiny", x, y, warmup=2, iters=2, seed=SEED, bucket_cap_mb=25.0
         )
@@ -49,6 +50,7 @@ def _train_both(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
             "params": [p.detach().clone() for p in built[-1].parameters()],
             "final_loss": window["final_loss"],
             "warmup_steps": window["warmup_steps"],
+            "chosen": window["chosen"],
         }
     return trained
 
@@ -62,3 +64,8 @@ def test_kfac_with_dear_preconditions_the_gradients_ddp_averages() -> None:
                 got, want, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}"
             )
         assert dear["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
+        # The auto+dear row's AutoOptions chose for DeAR's averaging: a DeAR candidate (or,
+        # where a loaded machine's calibration cannot be fitted, its fallback, labelled so).
+        chosen = trained["auto_dear_1_1"]["chosen"]
+        assert chosen is not None and "dear" in chosen.split(), chosen
+        assert ddp["chosen"] is None

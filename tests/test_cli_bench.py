@@ -333,7 +333,8 @@ def test_configurations_include_spd_pad_and_dp() -> None:
 
 
 def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
-    assert ("dear", *STRATEGIES, *(f"{s}+dear" for s in STRATEGIES), "auto") == STRATEGY_CHOICES
+    with_dears = (*(f"{s}+dear" for s in STRATEGIES), "auto", "auto+dear")
+    assert ("dear", *STRATEGIES, *with_dears) == STRATEGY_CHOICES
     configs = configurations(2, strategies=("dkfac", "dear"), schedules=((1, 1), (10, 100)))
     assert [c.key for c in configs] == ["sgd", "dear", "dkfac_1_1", "dkfac_10_100"]
     dear = configs[1]
@@ -366,14 +367,19 @@ def test_dear_is_one_configuration_after_sgd_without_kfac_or_schedule() -> None:
     ]
     assert with_dear[1].key == "kaisa_1of4_1_1"  # the same KAISA row with DDP
     assert with_dear[-1].kfac and with_dear[-1].dear and not with_dear[-1].reference
-    with pytest.raises(ConfigError, match="a dry run"):
-        options_from_args(
-            build_parser().parse_args(
-                ["bench", "--layers", "resnet50", "--strategies", "dkfac+dear"]
-            ),
-            models=BENCH_MODELS,
-            nprocs=BENCH_NPROCS,
-        )
+    # strategy=auto choosing for DeAR's averaging: last, after auto with DDP.
+    autos = configurations(2, ("auto+dear", "auto"), schedules=((10, 100),))[1:]
+    assert [(c.key, c.label, c.strategy, c.gradient_sync) for c in autos] == [
+        ("auto_10_100", "auto", "auto", "ddp"),
+        ("auto_dear_10_100", "auto + DeAR", "auto", "dear"),
+    ]
+    for name in ("dkfac+dear", "auto+dear"):
+        with pytest.raises(ConfigError, match="a dry run"):
+            options_from_args(
+                build_parser().parse_args(["bench", "--layers", "resnet50", "--strategies", name]),
+                models=BENCH_MODELS,
+                nprocs=BENCH_NPROCS,
+            )
 
 
 def test_bench_takes_dear_among_the_strategies() -> None:

@@ -226,8 +226,10 @@ class AutoOptions(StrategyChooser):
         )
         logger.warning("%s", reason)
         cap = self.bucket_caps_mb[0]
-        report: dict[str, Any] = {"strategy": strategy, "label": strategy, "reason": reason}
-        report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap}
+        sync = self._gradient_sync()["gradient_sync"]
+        label = strategy if sync == "ddp" else f"{strategy} {sync}"  # as candidates' labels say
+        report: dict[str, Any] = {"strategy": strategy, "label": label, "reason": reason}
+        report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap, "gradient_sync": sync}
         chosen = resolve_options(strategy, **option_keywords(strategy, cost_model=cost))
         return StrategyChoice(chosen, cap, {**report, "ranking": []})
 

@@ -33,6 +33,7 @@ from dkfac.bench.models import NUM_CLASSES as NUM_CLASSES
 from dkfac.bench.models import TOKEN_VOCABULARIES as TOKEN_VOCABULARIES
 from dkfac.bench.models import mlp6 as mlp6
 from dkfac.cli.config import ConfigError
+from dkfac.dear.bucket_search import DEFAULT_AUTO_RANGE_MB
 from dkfac.strategies.registry import strategy_names
 
 LR = 0.1
@@ -49,12 +50,15 @@ AUTO = "auto"
 #: ``--strategies`` names of K-FAC strategies whose gradients DeAR averages instead of DDP
 #: (``"dkfac+dear"``...): it gathers them before preconditioning (``gather_gradients``).
 KFAC_WITH_DEAR: tuple[str, ...] = tuple(f"{strategy}+{DEAR}" for strategy in STRATEGIES)
+#: ``--strategies`` name of ``strategy=auto`` choosing for DeAR's gradient averaging (it
+#: simulates every candidate with DeAR's traffic: ``AutoOptions(dear_bucket_cap_mb=...)``).
+AUTO_WITH_DEAR = f"{AUTO}+{DEAR}"
 #: Everything ``--strategies`` accepts, in the order the configurations are measured.
-STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES, *KFAC_WITH_DEAR, AUTO)
+STRATEGY_CHOICES: tuple[str, ...] = (DEAR, *STRATEGIES, *KFAC_WITH_DEAR, AUTO, AUTO_WITH_DEAR)
 #: DeAR's bucket size: searched online (``"auto"``) over these MiB, this many timed steps per
 #: size, inside the warm-up; the window times the size it kept.
 DEAR_BUCKET_CAP_MB = "auto"
-DEAR_AUTO_RANGE_MB = (1 / 16, 64.0)  # DeAR's default
+DEAR_AUTO_RANGE_MB = DEFAULT_AUTO_RANGE_MB
 DEAR_AUTO_TRIAL_STEPS = 5
 #: DeAR's exposed waits (``dear.timings()``); their sum is its ``grad_comm`` in the tables.
 DEAR_WAITS: tuple[str, ...] = ("grad_reduce_scatter", "grad_all_gather")
@@ -162,7 +166,8 @@ def configurations(
     """SGD, then DeAR + SGD if chosen, then the chosen K-FAC strategies at every schedule.
 
     Per schedule, in the order of :data:`STRATEGIES`: ``dkfac``, the KAISA fractions of
-    :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``, then ``auto`` (:data:`AUTO`).
+    :func:`kaisa_fractions`, ``spd``, ``pad`` and ``dp``, then ``auto`` (:data:`AUTO`) and
+    ``auto+dear`` (:data:`AUTO_WITH_DEAR`, key ``"auto_dear_{f}_{i}"``).
     ``dkfac``, ``spd``, ``pad``, ``dp`` and ``auto`` get one configuration each (key
     ``"{strategy}_{f}_{i}"``, label the strategy's name).
     KAISA gets one per fraction ``1/d``, key ``"kaisa_1of{d}_{f}_{i}"`` (:func:`strategy_key`).
@@ -197,6 +202,9 @@ def configurations(
                 configs.append(_kfac_configuration(strategy, d, f, i, DEAR))
         if AUTO in strategies:
             configs.append(Configuration(f"{AUTO}_{f}_{i}", AUTO, AUTO, 1.0, "1", f, i))
+        if AUTO_WITH_DEAR in strategies:
+            label, key = f"{AUTO} + DeAR", f"{AUTO}_{DEAR}_{f}_{i}"
+            configs.append(Configuration(key, label, AUTO, 1.0, "1", f, i, DEAR))
     return configs
 
 
@@ -253,7 +261,7 @@ def kfac_configuration(key: str, world_size: int) -> Configuration:
 
 def uses_dear(strategies: Sequence[str]) -> bool:
     """Whether any of ``strategies`` (``--strategies`` names) averages gradients with DeAR."""
-    return any(s == DEAR or s in KFAC_WITH_DEAR for s in strategies)
+    return any(s in (DEAR, AUTO_WITH_DEAR) or s in KFAC_WITH_DEAR for s in strategies)
 
 
 def dear_settings(strategies: Sequence[str]) -> dict[str, Any] | None:

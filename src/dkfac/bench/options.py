@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dkfac.bench.configs import (
+    AUTO_WITH_DEAR,
     INPUT_SHAPES,
     INVERSE_METHOD,
     KFAC_WITH_DEAR,
@@ -332,7 +333,7 @@ def options_from_args(args: argparse.Namespace, *, models: str, nprocs: str) -> 
             "is always measured as the reference)"
         )
     if layers is not None and (
-        not set(strategies) & set(STRATEGIES) or set(strategies) & set(KFAC_WITH_DEAR)
+        not set(strategies) & set(STRATEGIES) or set(strategies) & {*KFAC_WITH_DEAR, AUTO_WITH_DEAR}
     ):
         raise ConfigError("--strategies: a dry run (--layers) counts K-FAC strategies only")
     for name, minimum in (("rounds", 1), ("warmup", 0), ("iters", 1), ("iters_long", 1)):

@@ -134,7 +134,13 @@ def time_window(
         pre = dkfac.KFACPreconditioner(
             model,
             strategy=(
-                dkfac.AutoOptions(example=(x, y), loss_fn=batch_loss) if auto else config.strategy
+                dkfac.AutoOptions(
+                    example=(x, y),
+                    loss_fn=batch_loss,
+                    dear_bucket_cap_mb=DEAR_BUCKET_CAP_MB if dear is not None else None,
+                )
+                if auto
+                else config.strategy
             ),
             inverse_method=INVERSE_METHOD,
             lr=LR,
