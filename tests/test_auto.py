@@ -244,6 +244,12 @@ def test_a_resumed_auto_run_keeps_the_choice_its_checkpoint_saved(tmp_path) -> N
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in records if r.get("event") == "strategy"]
     assert events[-1]["strategy"] == "local" and events[-1]["reason"] == "one process: local"
+    # Recorded where it resumed (step 4), once, and only the first run's choice at step 0.
+    assert [(e["step"], e.get("resumed", False)) for e in events] == [
+        (0, False),
+        (2, True),
+        (4, True),
+    ]
 
 
 def slower(given: ComputeProfile, factor: float) -> ComputeProfile:

@@ -84,7 +84,8 @@ class AutoOptions(StrategyChooser):
             reduce-scatters under the backward pass and its all-gathers before K-FAC's step
             (``gather_gradients``). ``"auto"`` (DeAR searches its cap online) is simulated at
             the geometric middle of DeAR's default search range, 2 MiB: the simulator cannot
-            choose DeAR's cap (nothing in it costs per bucket). ``None``: DDP.
+            choose DeAR's cap (it models no per-bucket work on the training thread, so it
+            predicts the smallest cap fastest). ``None``: DDP.
         fallback: the strategy run when the calibration cannot predict (see the module;
             ``None``: the first of ``strategies``).
     """
@@ -149,6 +150,7 @@ class AutoOptions(StrategyChooser):
             report: dict[str, Any] = {"strategy": "local", "label": "local"}
             report["reason"] = "one process: local"
             report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap}
+            report["gradient_sync"] = self._gradient_sync()["gradient_sync"]
             return StrategyChoice(LocalOptions(), cap, report)
         parameters = list(model.parameters())
         if not parameters:

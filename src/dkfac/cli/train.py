@@ -123,6 +123,12 @@ def run_training(
         run.metrics.close()
 
 
+def _auto_choice(setup: TrainingSetup) -> dict[str, Any] | None:
+    """What ``--strategy auto`` chose at construction and why (None: it did not choose)."""
+    chosen = setup.pre.plan().get("chosen") if setup.pre is not None else None
+    return None if chosen is None else {k: chosen[k] for k in ("strategy", "label", "reason")}
+
+
 class _RankRun:
     """One rank's run in progress: what it trains with, where it stands, what it records.
 
@@ -154,11 +160,11 @@ class _RankRun:
         self.metrics = MetricsLog(
             self.out if first else None, TensorBoardLog(board) if board else None
         )
-        chosen = setup.pre.plan().get("chosen") if setup.pre is not None else None
+        chosen = _auto_choice(setup)
         if chosen is not None and first:  # --strategy auto: say what and why
             logger.info("%s", chosen["reason"])
-            record = {k: chosen[k] for k in ("strategy", "label", "reason")}
-            self.metrics.write({"event": "strategy", "step": 0, **record})
+            if setup.checkpoint is None:  # a resumed run says it where it resumes
+                self.metrics.write({"event": "strategy", "step": 0, **chosen})
 
     def resume(self) -> tuple[int, int, int]:
         """Continue from the checkpoint in ``out`` when there is one.
@@ -189,11 +195,13 @@ class _RankRun:
         if setup.rank == 0:
             self.metrics.resumed_at(self.step)
             logger.info("resumed from step %d (epoch %d)", self.step, start_epoch + 1)
-            kept = setup.resumed_choice
+            kept, chosen = setup.resumed_choice, _auto_choice(setup)
             if kept is not None:  # --strategy auto: the checkpoint's choice, not a new one
                 reason = f"resumed with what strategy=auto chose before: {kept['label']}"
                 logger.info("%s", reason)
-                record = {"event": "strategy", "step": self.step, **kept, "reason": reason}
+                chosen = {**kept, "reason": reason}
+            if chosen is not None:  # kept, or chosen again on another number of ranks
+                record = {"event": "strategy", "step": self.step, **chosen}
                 self.metrics.write({**record, "resumed": True})
         return start_epoch, start_position, start_budget
 

@@ -10,7 +10,7 @@ import logging
 import math
 import multiprocessing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,7 @@ class TrainingSetup:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     pre: dkfac.KFACPreconditioner | None
     resumed_choice: dict[str, Any] | None = None
-    checkpoint: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def wrapped(self) -> nn.Module:
