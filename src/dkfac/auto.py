@@ -146,12 +146,8 @@ class AutoOptions(StrategyChooser):
         require_distributed("strategy=AutoOptions(...)")
         world_size = dist.get_world_size()
         if world_size == 1:
-            cap = self.bucket_caps_mb[0]
-            report: dict[str, Any] = {"strategy": "local", "label": "local"}
-            report["reason"] = "one process: local"
-            report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap}
-            report["gradient_sync"] = self._gradient_sync()["gradient_sync"]
-            return StrategyChoice(LocalOptions(), cap, report)
+            report = self._unranked("local", "one process: local")
+            return StrategyChoice(LocalOptions(), report["bucket_cap_mb"], report)
         parameters = list(model.parameters())
         if not parameters:
             raise ValueError("strategy=AutoOptions(...): the model has no parameters")
@@ -227,13 +223,26 @@ class AutoOptions(StrategyChooser):
             f"calibration cannot describe this cluster ({'; '.join(problems)})"
         )
         logger.warning("%s", reason)
-        cap = self.bucket_caps_mb[0]
+        report = self._unranked(strategy, reason)
+        chosen = resolve_options(strategy, **option_keywords(strategy, cost_model=cost))
+        return StrategyChoice(chosen, report["bucket_cap_mb"], report)
+
+    def _unranked(self, strategy: str, reason: str) -> dict[str, Any]:
+        """What ``pre.plan()["chosen"]`` shows of a choice made without a ranking.
+
+        One process, or the fallback: the strategy at fraction 1 with the first bucket cap.
+        """
         sync = self._gradient_sync()["gradient_sync"]
         label = strategy if sync == "ddp" else f"{strategy} {sync}"  # as candidates' labels say
-        report: dict[str, Any] = {"strategy": strategy, "label": label, "reason": reason}
-        report |= {"grad_worker_fraction": 1.0, "bucket_cap_mb": cap, "gradient_sync": sync}
-        chosen = resolve_options(strategy, **option_keywords(strategy, cost_model=cost))
-        return StrategyChoice(chosen, cap, {**report, "ranking": []})
+        return {
+            "strategy": strategy,
+            "label": label,
+            "reason": reason,
+            "grad_worker_fraction": 1.0,
+            "bucket_cap_mb": self.bucket_caps_mb[0],
+            "gradient_sync": sync,
+            "ranking": [],
+        }
 
     def _measure(
         self, model: nn.Module, config: KFACConfig, device: torch.device
