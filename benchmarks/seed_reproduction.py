@@ -9,6 +9,13 @@ SGD and every K-FAC strategy at P = 64, schedule (1, 1). The seeds' figures
 to 36% faster than D-KFAC, DP-KFAC 2.79-3.15x less communication and 1.14-1.47x less memory
 per second-order update than D-KFAC. Writes ``seed_reproduction.json`` to ``--out``.
 
+DP-KFAC's paper counts a whole worker: every byte a step sends (the gradients' allreduce
+included) and every byte a worker holds. The simulator's own ratios cover K-FAC's collectives
+and state only, so the script also derives whole-worker figures: a step's busiest uplink with
+the gradients, and the memory of the model's weights, gradients and momentum, the
+activations autograd saves for the backward pass (counted at one image on this machine's
+CPU, once per distinct storage, times the batch) and K-FAC's state.
+
 Usage::
 
     .venv/bin/python benchmarks/seed_reproduction.py
@@ -24,8 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dkfac.bench.link_shape import LinkShape
 from dkfac.comm.cost_model import CubicCost
+from dkfac.models.imagenet_resnet import resnet50
 from dkfac.sim.flops import DeviceRates, flop_profile, resnet50_work
 from dkfac.sim.network import LinkModel
 from dkfac.sim.run import SGD, SimulatedCluster, SimulatedRun
@@ -59,6 +69,37 @@ SEED = {
 STRATEGIES = ("sgd", "dkfac", "kaisa", "spd", "pad", "dp")
 BATCH = 32
 BATCH_NORM_BYTES = 4 * 53_120  # ResNet-50's BatchNorm weights and biases
+#: Copies of the weights a worker of SGD with momentum holds: weights, gradients, momentum.
+MODEL_STATE_COPIES = 3
+
+
+def saved_activation_bytes(model: torch.nn.Module, example: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for the backward pass of one forward of ``example``.
+
+    Counted once per storage (a ReLU's output that the next convolution saves again is one
+    tensor), parameters excluded (a convolution saves its weight, which the model holds anyway).
+    """
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(example).sum()
+    return sum(seen.values())
+
+
+def whole_worker_bytes(per_image_activations: int) -> dict[str, int]:
+    """ResNet-50's memory per worker besides K-FAC: weights, gradients, momentum, activations."""
+    parameters = sum(p.numel() for p in resnet50().parameters())
+    return {
+        "model_state": MODEL_STATE_COPIES * 4 * parameters,
+        "activations": per_image_activations * BATCH,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         accounts = account_strategy(strategy, profile.shapes, settings)
         memory[strategy] = max(a.factor_bytes + a.inverse_bytes for a in accounts)
         sent[strategy] = max(a.wire_bytes for a in accounts)
+    torch.manual_seed(0)
+    worker = whole_worker_bytes(saved_activation_bytes(resnet50(), torch.randn(1, 3, 224, 224)))
+    besides = sum(worker.values())
+    held = {**worker, "kfac_dkfac": memory["dkfac"], "kfac_dp": memory["dp"]}
     dkfac = by["dkfac"]
     derived = {
         "sgd_s": by[SGD]["iteration_s"],
@@ -116,14 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         "pad_gain": 1 - by["pad"]["iteration_s"] / dkfac["iteration_s"],
         "dp_comm_saving": sent["dkfac"] / sent["dp"],
         "dp_memory_saving": memory["dkfac"] / memory["dp"],
+        "dp_comm_saving_whole_step": (
+            dkfac["busiest_uplink_bytes"] / by["dp"]["busiest_uplink_bytes"]
+        ),
+        "dp_memory_saving_whole_worker": (besides + memory["dkfac"]) / (besides + memory["dp"]),
     }
     print()
     print(f"{'figure':28s} {'seed':>14s} {'simulated':>10s}")
     for name, value in derived.items():
-        seed = SEED.get(name, SEED.get("pad_gain_max") if name == "pad_gain" else None)
+        seed = SEED.get(name.removesuffix("_whole_step").removesuffix("_whole_worker"))
+        seed = SEED["pad_gain_max"] if name == "pad_gain" else seed
         text = "-" if seed is None else str(seed)
         print(f"{name:28s} {text:>14s} {value:10.3f}")
     print("\nD-KFAC's stages (s):", {k: round(v, 3) for k, v in dkfac["stages_s"].items()})
+    print("A worker's memory (MB):", {k: round(v / 1e6) for k, v in held.items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -131,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**vars(args), "batch_size": BATCH, "device": repr(V100)},
         "seed": SEED,
         "derived": derived,
+        "worker_bytes": held,
         "rows": rows,
         "profile": profile.to_dict(),
     }

@@ -17,6 +17,7 @@ from dkfac.bench.dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_r
 from dkfac.bench.targets import NO_TARGETS_LINE, load_targets
 from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
+from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.strategies import dp
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
 from dkfac.strategies.factor_placement import choose_share
@@ -75,6 +76,29 @@ def test_dkfac_and_dp_on_two_layers_at_p2_by_hand() -> None:
     summary = summarize_accounts(dp_accounts)
     assert summary["memory_bytes"]["max"] == 364 and summary["memory_bytes"]["mean"] == 244
     assert summary["wire_bytes"]["per_rank"] == [52, 52]
+
+
+def test_a_diagonal_factor_is_counted_as_its_vector_by_hand() -> None:
+    # An embedding's A (50 tokens) held as its diagonal, and a linear layer, at P = 2.
+    layers = [LayerShape("emb", DiagonalSide(50), 4), LayerShape("fc", 5, 3)]
+    settings = DryRunSettings(2)  # float32, eigen
+    accounts = account_strategy("dkfac", layers, settings)
+    # Owners by d_A³ + d_G³ with a diagonal side costing d: fc 125 + 27 -> 0, emb 50 + 64 -> 1.
+    assert [a.decomposition_work for a in accounts] == [152, 114]
+    for account in accounts:
+        assert account.comm == {
+            # 4 float64 counts (32 B); A of emb whole (50), then the triangles 10 + 15 + 6.
+            "factor_comm/allreduce": {"bytes": 32 + 4 * 81, "calls": 2, "wire_bytes": 32 + 324},
+            # fc from 0: Q_A 25 + λ_A 5 + Q_G 9 + λ_G 3 + flag = 43 values; emb from 1:
+            # λ_A 50 (no eigenvectors) + Q_G 16 + λ_G 4 + flag = 71.
+            "inverse_comm/broadcast": {
+                "bytes": 4 * (43 + 71),
+                "calls": 2,
+                "wire_bytes": 2 * 43 + 2 * 71,
+            },
+        }
+        # Factors 50 + 16 + 25 + 9 values; decompositions 70 + 42.
+        assert (account.factor_bytes, account.inverse_bytes) == (4 * 100, 4 * 112)
 
 
 def test_bucket_cap_splits_like_the_communicator() -> None:

@@ -134,13 +134,17 @@ def test_auto_simulates_dear_when_dear_averages_the_gradients(
         assert " dear " in chosen["label"]
 
 
-def chosen_with_a_measured_profile(rank: int, world_size: int) -> dict:
+def chosen_with_a_measured_profile(
+    rank: int, world_size: int, autocast: torch.dtype | None = None
+) -> dict:
     net = model()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
     y = torch.arange(16) % 4
     torch.manual_seed(123)
-    options = dkfac.AutoOptions(example=(x, y), loss_fn=F.cross_entropy, cost_model=SLOW)
+    options = dkfac.AutoOptions(
+        example=(x, y), loss_fn=F.cross_entropy, cost_model=SLOW, autocast=autocast
+    )
     pre = dkfac.KFACPreconditioner(net, strategy=options)
     drawn = torch.rand(3)
     after = net.state_dict()
@@ -151,14 +155,20 @@ def chosen_with_a_measured_profile(rank: int, world_size: int) -> dict:
     return {"unchanged": unchanged, "drawn": drawn, "grads": grads, "chosen": chosen}
 
 
-def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone() -> None:
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone(
+    autocast: torch.dtype | None,
+) -> None:
     torch.manual_seed(123)
     reference = torch.rand(3)
-    results = run_workers(chosen_with_a_measured_profile, 2, timeout=120)
+    results = run_workers(chosen_with_a_measured_profile, 2, args=(autocast,), timeout=120)
     for out in results:
         assert out["unchanged"] and all(g is None for g in out["grads"])
         assert torch.equal(out["drawn"], reference)  # the generator was not advanced
         assert out["chosen"]["profile"]["layers"] == 2
+        # Profiled under the training's autocast (measure_profile's test shows it runs so).
+        expected = None if autocast is None else "bfloat16"
+        assert out["chosen"]["profile"]["autocast"] == expected
         assert out["chosen"]["strategy"] in ("dkfac", "kaisa", "spd", "pad", "dp")
     assert results[0]["chosen"]["label"] == results[1]["chosen"]["label"]
 
@@ -173,6 +183,7 @@ def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone() -> N
         ({"profile": profile(), "measure_steps": 0}, "measure_steps=0"),
         ({"profile": profile(), "dear_bucket_cap_mb": 0.0}, "dear_bucket_cap_mb"),
         ({"profile": profile(), "dear_bucket_cap_mb": "big"}, "dear_bucket_cap_mb"),
+        ({"profile": profile(), "autocast": torch.float32}, r"autocast=torch\.float32"),
     ],
 )
 def test_auto_options_refuse_what_cannot_be_chosen_with(kwargs: dict, message: str) -> None:

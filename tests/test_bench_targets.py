@@ -33,7 +33,6 @@ from dkfac.bench.targets import (
 )
 from dkfac.bench.verdicts import evaluate_pipelined_target, evaluate_target
 from dkfac.cli.main import main
-from dkfac.strategies import strategy_names
 from script_loader import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,8 +151,11 @@ def _section_not_object(data: dict[str, Any]) -> None:
         (_set("dry_run_target", "communication", -2.79), "communication = -2.79: must be >= 0"),
         (_set("reference", "overhead_s", -1), "reference.overhead_s = -1.0: must be >= 0"),
         # An unknown strategy or model, or an impossible schedule or world size.
-        (_set("pipelined_target", "baseline", "dkfacx"), "baseline = 'dkfacx': unknown strategy"),
-        (_set("pipelined_target", "strategies", ["spd", "pd"]), "strategies = 'pd': unknown"),
+        (_set("pipelined_target", "baseline", "dkfacx"), "baseline = 'dkfacx': no K-FAC row"),
+        (_set("pipelined_target", "strategies", ["spd", "pd"]), "strategies = 'pd': no K-FAC"),
+        # KAISA without its fraction, or at one P = 4 does not run.
+        (_set("pipelined_target", "strategies", ["kaisa"]), "strategies = 'kaisa': no K-FAC"),
+        (_set("pipelined_target", "strategies", ["kaisa_1of8"]), "'kaisa_1of8': no K-FAC"),
         (_set("pipelined_target", "strategies", []), "strategies = []: needs at least one"),
         (_set("pipelined_target", "strategies", ["spd", "dkfac"]), "not the baseline itself"),
         (_set("pipelined_target", "strategies", ["spd", "spd"]), "each once"),
@@ -169,7 +171,10 @@ def _section_not_object(data: dict[str, Any]) -> None:
         (_set("reference", "overhead_s", 0.5), "overhead_s = 0.5: expected kfac_1_1 - sgd"),
         (_set("overhead_target", "config", "sgdx_1_1"), "config = 'sgdx_1_1': no K-FAC"),
         (_set("overhead_target", "model", "resnet99"), "model = 'resnet99': unknown model"),
-        (_set("pipelined_target", "schedule", [10, 15]), "schedule = [10, 15]: needs two"),
+        (_set("pipelined_target", "schedule", [10, 15]), "schedule = [10, 15]: needs steps >="),
+        (_set("pipelined_target", "schedule", [0, 0]), "schedule = [0, 0]: needs steps >= 1"),
+        (_set("overhead_target", "config", "dkfac_0_0"), "'dkfac_0_0': schedule (0,0) needs"),
+        (_set("overhead_target", "config", "dkfac_10_15"), "'dkfac_10_15': schedule (10,15)"),
         (_set("pipelined_target", "metric", "mean_s"), "metric = 'mean_s': choose from median_s"),
         (_set("dry_run_target", "nprocs", 1), "dry_run_target.nprocs = 1: must be >= 2"),
     ],
@@ -188,12 +193,13 @@ def test_load_targets_refuses_a_bad_file_naming_it_and_the_key(
     assert "\n" not in text
 
 
-def test_unknown_strategy_names_the_valid_ones(tmp_path: Path) -> None:
+def test_an_unknown_row_name_lists_the_valid_ones(tmp_path: Path) -> None:
     data = _targets_json()
     data["pipelined_target"]["baseline"] = "adam"
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=", ".join(strategy_names())):
+    names = "dkfac, kaisa_1of4, kaisa_1of2, spd, pad, dp, dkfac_dear, kaisa_1of4_dear, spd_dear"
+    with pytest.raises(ValueError, match=f"no K-FAC row at P=4; choose from {names}, "):
         load_targets(path)
 
 
@@ -224,7 +230,7 @@ def test_load_targets_refuses_a_file_it_cannot_read(tmp_path: Path) -> None:
 def test_the_targets_validate_when_built_directly() -> None:
     with pytest.raises(ValueError, match="max_overhead_s = -1"):
         OverheadTarget("resnet20", 2, "dkfac_1_1", -1.0)
-    with pytest.raises(ValueError, match="strategies = 'xyz': unknown strategy"):
+    with pytest.raises(ValueError, match="strategies = 'xyz': no K-FAC row at P=4"):
         PipelinedTarget(4, (1, 1), "dkfac", ("xyz",), "median_s", 0.1)
 
 

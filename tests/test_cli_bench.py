@@ -40,7 +40,7 @@ from dkfac.bench.configs import (
 from dkfac.bench.models import LM_SEQ_LEN, LM_VOCAB, batch_loss, model_batch
 from dkfac.bench.options import BenchOptions, options_from_args
 from dkfac.bench.report import format_table, write_chart
-from dkfac.bench.targets import load_targets
+from dkfac.bench.targets import PipelinedTarget, load_targets
 from dkfac.bench.verdicts import evaluate_pipelined_target, format_pipelined_target
 from dkfac.bench.window_reduction import reduce_window, summarize
 from dkfac.bench.worker import make_batch
@@ -775,6 +775,25 @@ def test_pipelined_target_all_met() -> None:
         ("resnet32", "spd"),
     ]
     assert "MET (2 of 2)" in format_pipelined_target(verdict).splitlines()[0]
+
+
+def test_a_pipelined_target_compares_kaisa_and_dear_rows_by_their_names() -> None:
+    target = PipelinedTarget(4, (1, 1), "kaisa_1of2", ("spd_dear", "kaisa_1of4"), "median_s", 0.1)
+    rows = [
+        _row("mlp6", 4, "kaisa_1of2_1_1", 1.25),
+        _row("mlp6", 4, "kaisa_1of4_1_1", 1.0),
+        _row("mlp6", 4, "spd_1_1", 0.25),  # spd without DeAR is not compared
+        _row("mlp6", 4, "spd_dear_1_1", 2.5),
+    ]
+    verdict = evaluate_pipelined_target(rows, target)
+    compared = {
+        c["strategy"]: (c["key"], c["baseline_key"], c["speedup"]) for c in verdict["comparisons"]
+    }
+    assert compared == {
+        "spd_dear": ("spd_dear_1_1", "kaisa_1of2_1_1", -0.5),
+        "kaisa_1of4": ("kaisa_1of4_1_1", "kaisa_1of2_1_1", 0.25),
+    }
+    assert verdict["met"] is False
 
 
 @pytest.mark.parametrize(

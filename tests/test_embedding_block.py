@@ -17,8 +17,12 @@ from torch import nn
 
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
+from distributed_harness import run_workers
 from dkfac.curvature.block_types import make_block
 from dkfac.curvature.embedding import EmbeddingBlock
+from dkfac.curvature.factor_side import DiagonalSide
+from dkfac.strategies.accounting import DryRunSettings, account_strategy
+from dkfac.strategies.layer_shapes import layer_shapes_of
 
 DT = torch.float64
 VOCAB, DIM, CLASSES = 7, 4, 3
@@ -36,10 +40,12 @@ def test_the_input_statistic_is_the_gram_of_the_one_hot_rows() -> None:
     assert make_block(nn.Embedding(VOCAB, DIM)) is None  # skipped unless asked for
     block = make_block(nn.Embedding(VOCAB, DIM), BLOCKS)
     assert isinstance(block, EmbeddingBlock) and (block.a_dim, block.g_dim) == (VOCAB, DIM)
+    assert isinstance(block.a_dim, DiagonalSide)  # A is held as its diagonal
     for x in (tokens(0), tokens(1, (9,)), torch.tensor(3)):
         statistic = block.a_statistic(x, DT)
         rows = F.one_hot(x.reshape(-1), VOCAB).to(DT)
-        assert torch.equal(statistic.total, rows.t() @ rows)
+        assert statistic.total.shape == (VOCAB,)
+        assert torch.equal(torch.diag(statistic.total), rows.t() @ rows)
         assert statistic.rows == x.numel()
         assert statistic.examples == (x.shape[0] if x.dim() else 1)
     dy = torch.randn(5, 6, DIM, dtype=DT)
@@ -143,11 +149,22 @@ def test_embeddings_kfac_cannot_precondition_exactly_are_refused(
         dkfac.KFACPreconditioner(model, blocks=BLOCKS)
 
 
-def test_a_vocabulary_above_max_factor_dim_and_a_tied_embedding_are_skipped() -> None:
+def test_a_vocabulary_above_max_factor_dim_is_kept_a_wide_embedding_and_a_tied_one_skipped() -> (
+    None
+):
+    # A is a vector of the vocabulary's size: max_factor_dim bounds only G.
     pre = dkfac.KFACPreconditioner(
         nn.Sequential(nn.Embedding(50, DIM), nn.Linear(DIM, 3)), max_factor_dim=40, blocks=BLOCKS
     )
-    assert [layer.name for layer in pre.layers] == ["1"]
+    assert [layer.name for layer in pre.layers] == ["0", "1"]
+    assert pre.layers[0].factors["a"].zeros(torch.device("cpu")).shape == (50,)
+    assert "diag(50)" in repr(pre)
+    pre = dkfac.KFACPreconditioner(
+        nn.Sequential(nn.Embedding(5, 50), nn.Linear(50, 3), nn.Linear(3, 2)),
+        max_factor_dim=40,
+        blocks=BLOCKS,
+    )
+    assert [layer.name for layer in pre.layers] == ["2"]
     assert "factor side 50 > max_factor_dim=40" in repr(pre)
     tied = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB), nn.Linear(VOCAB, 2))
     tied[1].weight = tied[0].weight  # GPT-2's LM head and token embedding share one weight
@@ -166,3 +183,47 @@ def test_a_frozen_layer_kfac_could_not_precondition_is_skipped_not_refused() -> 
         "0": "parameters do not require grad",
         "2": "parameters do not require grad",
     }
+
+
+def embedding_run(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[dict]:
+    """One (1,1) step of each config on this rank's tokens; its communication and factors."""
+    out = []
+    for config in configs:
+        model = Tagger(one_hot=False).float()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        pre = dkfac.KFACPreconditioner(ddp, blocks=BLOCKS, lr=0.1, **config)
+        x, y = tokens(rank), tokens(rank + 10) % CLASSES
+        F.cross_entropy(ddp(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
+        pre.step()
+        out.append({"comm": pre.comm_stats(), "factors": pre.factors()})
+        pre.remove()
+    return out
+
+
+def test_real_runs_send_the_bytes_the_dry_run_counts_for_a_diagonal_factor() -> None:
+    # The communicator and the dry run agree on a vector factor (sent whole, no eigenvectors).
+    configs: list[dict[str, Any]] = [
+        {"strategy": "dkfac", "inverse_method": "eigen"},
+        {"strategy": "dkfac", "inverse_method": "inverse"},
+        {"strategy": "kaisa", "grad_worker_fraction": 0.5},
+        {"strategy": "dp"},
+    ]
+    results = run_workers(embedding_run, 2, args=(configs,), timeout=120)
+    shapes = layer_shapes_of(Tagger(one_hot=False), BLOCKS)
+    assert shapes[0].a_dim == VOCAB and isinstance(shapes[0].a_dim, DiagonalSide)
+    for index, config in enumerate(configs):
+        method = config.get("inverse_method", "eigen")
+        settings = DryRunSettings(2, inverse_method=method)
+        fraction = config.get("grad_worker_fraction", 1.0)
+        accounts = account_strategy(
+            config["strategy"], shapes, settings, grad_worker_fraction=fraction
+        )
+        for rank in range(2):
+            # Less the first step's one-off check of which layers ran (not K-FAC's traffic).
+            comm = results[rank][index]["comm"]
+            kfac = {key: value for key, value in comm.items() if not key.startswith("layer_usage")}
+            assert kfac == accounts[rank].comm, (config, rank)
+        if config["strategy"] != "dp":  # an embedding's A arrives as its averaged counts
+            a, _ = results[0][index]["factors"]["embedding"]
+            counts = sum(torch.bincount(tokens(r).reshape(-1), minlength=VOCAB) for r in range(2))
+            torch.testing.assert_close(a, counts.float() / counts.sum(), rtol=1e-6, atol=0)

@@ -8,13 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dkfac.curvature.inverse import (
+from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
+    DiagonalEigenFactor,
+    DiagonalInverseFactor,
     EigenFactor,
     decompose_factor,
     factor_decomposition,
     factor_tensor_shapes,
 )
+from dkfac.curvature.factor_side import DiagonalSide
+from dkfac.curvature.inverse import combine_factors, tikhonov_shifts, trace_mean
 from dkfac.curvature.kronecker_factor import KroneckerFactor
 
 
@@ -66,3 +70,53 @@ def test_each_method_owns_its_layout_and_its_arithmetic() -> None:
     assert isinstance(received, CholeskyFactor) and received.side == "a"
     with pytest.raises(ValueError, match="needs the Tikhonov shift"):
         decompose_factor(matrix, "a", "inverse", torch.float64)
+
+
+def test_a_diagonal_factor_is_a_vector_with_elementwise_decompositions() -> None:
+    # Oracles: the dense decompositions of diag(v), in float64.
+    side = DiagonalSide(5)
+    assert factor_tensor_shapes("eigen", "a", side) == [("la", (5,), False)]
+    assert factor_tensor_shapes("inverse", "a", side) == [("a_inv", (5,), False)]
+    factor = KroneckerFactor("a", side, torch.float64)
+    assert factor.zeros(torch.device("cpu")).shape == (5,)
+    values = torch.tensor([3.0, 0.0, 1.5, 7.0, 0.25], dtype=torch.float64)
+    factor.fold(values, 0.9)
+    dense = torch.diag(values)
+    assert factor.trace_mean(torch.float64) == torch.trace(dense) / 5
+    eigen = decompose_factor(values, "a", "eigen", torch.float64)
+    assert isinstance(eigen, DiagonalEigenFactor) and bool(eigen.ok)
+    assert torch.equal(eigen.tensors["la"], values)  # in the factor's own order
+    shift = torch.tensor(0.5, dtype=torch.float64)
+    inverse = decompose_factor(values, "a", "inverse", torch.float64, shift)
+    assert isinstance(inverse, DiagonalInverseFactor) and bool(inverse.ok)
+    want = torch.linalg.inv(dense + 0.5 * torch.eye(5, dtype=torch.float64))
+    torch.testing.assert_close(torch.diag(inverse.tensors["a_inv"]), want, rtol=0, atol=1e-15)
+    received = factor_decomposition("eigen", "a", eigen.tensors, eigen.ok, diagonal=True)
+    assert isinstance(received, DiagonalEigenFactor)
+    # A damped entry that is not positive is no inverse.
+    bad = decompose_factor(values, "a", "inverse", torch.float64, torch.tensor(-0.25))
+    assert not bool(bad.ok)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_a_diagonal_a_preconditions_as_the_dense_diagonal_matrix(method: str) -> None:
+    # (A ⊗ G + γI)⁻¹ vec(∇) with A = diag(v) dense, against A held as v.
+    a = torch.tensor([2.0, 0.0, 0.5, 4.0], dtype=torch.float64)
+    g = spd(3, 4)
+    grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    damping = 0.1
+    results = []
+    for a_factor in (torch.diag(a), a):
+        means = (trace_mean(a_factor, torch.float64), trace_mean(g, torch.float64))
+        shifts = tikhonov_shifts(*means, damping) if method == "inverse" else (None, None)
+        parts = [
+            decompose_factor(a_factor, "a", method, torch.float64, shifts[0]),
+            decompose_factor(g, "g", method, torch.float64, shifts[1]),
+        ]
+        inverse = combine_factors(method, *parts)
+        results.append(inverse.precondition(grad, damping))
+    if method == "eigen":  # the exact damped Kronecker inverse, from its definition
+        curvature = torch.kron(torch.diag(a), g) + damping * torch.eye(12, dtype=torch.float64)
+        vec = torch.linalg.solve(curvature, grad.t().reshape(-1))  # column-major vec
+        torch.testing.assert_close(results[1], vec.reshape(4, 3).t(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-14)

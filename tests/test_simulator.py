@@ -359,6 +359,7 @@ def test_dkfac_simulate_prints_the_table_and_writes_json_and_chart(tmp_path, cap
         (["--schedules", "10:ten"], "'10:ten': expected FACTOR:INVERSE"),
         (["--world-sizes", "0-4"], "'0-4': a range LOW-HIGH needs 1 <= LOW <= HIGH"),
         (["--world-sizes", "2,four"], "'2,four': expected P,P,... or LOW-HIGH"),
+        (["--amp", "bf16"], "--amp applies to --profile-here only"),
     ],
 )
 def test_dkfac_simulate_refuses_bad_options_in_one_line(
@@ -414,6 +415,41 @@ def test_a_profile_measured_here_has_every_layer_in_order() -> None:
     assert all(layer.a_statistic_s >= 0 and layer.g_statistic_s >= 0 for layer in measured.layers)
     assert measured.batch_size == 16 and measured.problems() == []
     assert measured.decomposition["eigen"].c3 > 0
+
+
+class AutocastRecorder(nn.Linear):
+    """A linear layer that records the autocast dtype its forward ran under (None: off)."""
+
+    def __init__(self) -> None:
+        super().__init__(6, 5)
+        self.seen: list[torch.dtype | None] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on = torch.is_autocast_enabled("cpu")
+        self.seen.append(torch.get_autocast_dtype("cpu") if on else None)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_profile_measures_the_forward_under_the_autocast_it_is_given(
+    autocast: torch.dtype | None,
+) -> None:
+    model = AutocastRecorder()
+    batch = (torch.randn(8, 6), torch.randint(0, 5, (8,)))
+    loss = nn.functional.cross_entropy
+    measured = measure_profile(model, batch, loss, steps=2, warmup=1, autocast=autocast)
+    assert model.seen == [autocast] * 6  # every step, plain and with K-FAC
+    assert measured.notes["autocast"] == (None if autocast is None else "bfloat16")
+    with pytest.raises(ValueError, match=r"autocast=torch\.float32: expected"):
+        measure_profile(model, batch, loss, autocast=torch.float32)
+
+
+def test_dkfac_simulate_profiles_here_under_autocast(tmp_path, capsys) -> None:
+    argv = ["simulate", "--profile-here", "--model", "resnet20", "--batch-size", "4"]
+    argv += ["--world-sizes", "2", "--strategies", "sgd", "--out", str(tmp_path)]
+    saved = tmp_path / "profile.json"
+    assert main([*argv, "--amp", "bf16", "--save-profile", str(saved)]) == 0
+    assert ComputeProfile.load(saved).notes["autocast"] == "bfloat16"
 
 
 def test_on_a_gpu_every_profile_clock_reading_waits_for_the_device(

@@ -42,6 +42,7 @@ from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.groups import require_distributed
 from dkfac.config import DEFAULT_BUCKET_CAP_MB, KFACConfig, check_float
+from dkfac.curvature.factor_side import largest_dense_side
 from dkfac.dear.bucket_search import DEFAULT_AUTO_RANGE_MB
 from dkfac.sim.choice import (
     AUTO_BUCKET_CAPS_MB,
@@ -88,6 +89,9 @@ class AutoOptions(StrategyChooser):
             predicts the smallest cap fastest). ``None``: DDP.
         fallback: the strategy run when the calibration cannot predict (see the module;
             ``None``: the first of ``strategies``).
+        autocast: the dtype of the ``torch.autocast`` that training runs its forward pass
+            under (mixed precision: ``torch.bfloat16`` or ``torch.float16``): the copy is
+            profiled under it too. ``None``: no autocast.
     """
 
     name: ClassVar[str] = "auto"
@@ -102,6 +106,7 @@ class AutoOptions(StrategyChooser):
     ddp_bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     dear_bucket_cap_mb: float | str | None = None
     fallback: str | None = None
+    autocast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         measured = self.example is not None and self.loss_fn is not None
@@ -139,6 +144,10 @@ class AutoOptions(StrategyChooser):
             isinstance(self.measure_steps, int) and self.measure_steps >= 1
         ):
             raise ValueError(f"measure_steps={self.measure_steps!r}: expected an integer >= 1")
+        if self.autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"autocast={self.autocast!r}: expected torch.bfloat16, torch.float16 or None"
+            )
 
     def choose(self, model: nn.Module, config: Any) -> StrategyChoice:
         """The fastest predicted strategy for ``model`` on this cluster (collective)."""
@@ -165,7 +174,7 @@ class AutoOptions(StrategyChooser):
             raise ValueError(
                 "strategy=AutoOptions(...): the model has no layer K-FAC preconditions"
             )
-        largest = max(max(layer.a_dim, layer.g_dim) for layer in profile.layers)
+        largest = largest_dense_side(side for layer in profile.layers for side in layer.shape.dims)
         cost = self._cost_model(config, device, largest)
         problems = cost.problems()
         if problems:
@@ -267,6 +276,7 @@ class AutoOptions(StrategyChooser):
                     "statistics_precision": config.statistics_precision,
                     "skip_layers": config.skip_layers,
                 },
+                autocast=self.autocast,
             )
 
     def _cost_model(
@@ -368,5 +378,6 @@ def _report(
             "backward_s": profile.backward_s,
             "layers": len(profile.layers),
             "device": profile.device,
+            "autocast": profile.notes.get("autocast"),
         },
     }

@@ -10,6 +10,7 @@ from torch import nn
 from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockFactory, make_block
 from dkfac.curvature.blocks import UnsupportedLayerError
+from dkfac.curvature.factor_side import largest_dense_side
 from dkfac.curvature.factors import GramPrecision
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule
@@ -114,8 +115,10 @@ def discover_layers(
             raise ValueError(f"layer {name!r} ({kind}): {error}") from None
         if block is None:
             skipped.append(SkippedModule(name, kind, "unsupported type"))
-        elif max_factor_dim is not None and max(block.a_dim, block.g_dim) > max_factor_dim:
-            side = max(block.a_dim, block.g_dim)
+        elif (
+            max_factor_dim is not None
+            and (side := largest_dense_side((block.a_dim, block.g_dim))) > max_factor_dim
+        ):  # a diagonal factor (an embedding's A) holds one value per row: never too large
             size = side * side * factor_dtype.itemsize
             reason = (
                 f"factor side {side} > max_factor_dim={max_factor_dim} (one factor would "

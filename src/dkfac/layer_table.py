@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from dkfac.curvature.factor_side import is_diagonal
 from dkfac.curvature.layer import LayerCurvature
 
 
@@ -51,8 +52,8 @@ def format_layer_table(
                 (
                     layer.name,
                     block.describe(),
-                    f"{block.a_dim}x{block.a_dim}",
-                    f"{block.g_dim}x{block.g_dim}",
+                    _factor_size(block.a_dim),
+                    _factor_size(block.g_dim),
                     "passed through: used outside its forward"
                     if layer.name in silent
                     else "preconditioned",
@@ -88,3 +89,8 @@ def format_layer_table(
             f"{share['inv_update_steps']}, gradients {gradients:.3g} MB)"
         )
     return lines
+
+
+def _factor_size(dim: int) -> str:
+    """``"dxd"``, or ``"diag(d)"`` for a factor held as its diagonal."""
+    return f"diag({dim})" if is_diagonal(dim) else f"{dim}x{dim}"

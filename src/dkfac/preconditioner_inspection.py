@@ -35,7 +35,10 @@ class PreconditionerInspection:
     _skipped_steps: int
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{layer name: (A, G)}`` running factors held by this worker."""
+        """``{layer name: (A, G)}`` running factors held by this worker.
+
+        A factor held as its diagonal (an embedding's ``A``) is that diagonal, a vector.
+        """
         held = [layer for layer in self._layers if self._strategy.holds_factors(layer)]
         return {
             layer.name: (layer.factors["a"].value(), layer.factors["g"].value()) for layer in held

@@ -242,13 +242,17 @@ def kfac_configuration(key: str, world_size: int) -> Configuration:
         The configuration, of any strategy of :data:`STRATEGY_CHOICES` with K-FAC.
 
     Raises:
-        ValueError: ``key`` does not end in a schedule ``_<f>_<i>``, or no K-FAC configuration
-            at ``world_size`` has it (the message lists those that do at its schedule).
+        ValueError: ``key`` does not end in a schedule ``_<f>_<i>`` the bench can run
+            (:func:`schedule_problem`), or no K-FAC configuration at ``world_size`` has it (the
+            message lists those that do at its schedule).
     """
     parts = key.rsplit("_", 2)
     if len(parts) < 3 or not (parts[1].isdigit() and parts[2].isdigit()):
         raise ValueError("expected <strategy>_<f>_<i>, e.g. dkfac_1_1")
     schedule = (int(parts[1]), int(parts[2]))
+    problem = schedule_problem(*schedule)
+    if problem is not None:
+        raise ValueError(f"schedule ({schedule[0]},{schedule[1]}) {problem}")
     kfac = [c for c in configurations(world_size, STRATEGY_CHOICES, (schedule,)) if c.kfac]
     for config in kfac:
         if config.key == key:
@@ -332,6 +336,13 @@ def environment() -> dict[str, Any]:
     }
 
 
+def schedule_problem(factor_steps: int, inverse_steps: int) -> str | None:
+    """Why ``(factor_steps, inverse_steps)`` is no schedule, or ``None`` when it is one."""
+    if factor_steps < 1 or inverse_steps < 1 or inverse_steps % factor_steps:
+        return "needs steps >= 1 and inverse steps a multiple of the factor steps"
+    return None
+
+
 def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
     """``"f:i,f:i"`` as distinct ``(factor_steps, inverse_steps)`` pairs, checked.
 
@@ -347,11 +358,9 @@ def parse_schedules(value: str) -> tuple[tuple[int, int], ...]:
             raise ConfigError(
                 f"--schedules: {item!r} is not factor_steps:inverse_steps (e.g. 10:100)"
             ) from None
-        if f < 1 or i < 1 or i % f != 0:
-            raise ConfigError(
-                f"--schedules: {item!r} needs steps >= 1 and inverse steps a multiple of the "
-                "factor steps"
-            )
+        problem = schedule_problem(f, i)
+        if problem is not None:
+            raise ConfigError(f"--schedules: {item!r} {problem}")
         if (f, i) not in schedules:
             schedules.append((f, i))
     if not schedules:

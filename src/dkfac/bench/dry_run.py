@@ -29,6 +29,7 @@ from dkfac.bench.targets import NO_TARGETS_LINE, DryRunTarget
 from dkfac.bench.verdicts import evaluate_dry_run_target, format_dry_run_target, format_times
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel, CubicCost
 from dkfac.comm.wire import element_size, wire_bytes
+from dkfac.curvature.factor_side import diagonal_flags
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
 from dkfac.strategies.layer_shapes import LayerShape, resnet50_layer_shapes
 from dkfac.strategies.registry import strategy_names
@@ -224,7 +225,10 @@ def dry_run_report(
             "iters_long": None,
             "quick": False,
         },
-        "layers": [{"name": s.name, "a_dim": s.a_dim, "g_dim": s.g_dim} for s in shapes],
+        "layers": [
+            {"name": s.name, "a_dim": int(s.a_dim), "g_dim": int(s.g_dim), **diagonal_flags(s.dims)}
+            for s in shapes
+        ],
         "launches": [],
         "summary": rows,
         "ddp_gradient_allreduce": {

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dkfac.bench.configs import MODELS, kfac_configuration
-from dkfac.strategies.registry import strategy_names
+from dkfac.bench.configs import (
+    MODELS,
+    STRATEGY_CHOICES,
+    configurations,
+    kfac_configuration,
+    schedule_problem,
+)
 
 #: The per-iteration times a pipelined target may compare (a column of the summary rows).
 PIPELINED_METRICS: tuple[str, ...] = ("median_s",)
@@ -40,10 +45,13 @@ def _at_least(key: str, value: float, minimum: float) -> None:
         raise _invalid(key, value, f"must be >= {minimum:g}")
 
 
-def _known_strategy(key: str, name: str) -> None:
-    names = strategy_names()
+def _known_row(key: str, name: str, nprocs: int, schedule: tuple[int, int]) -> None:
+    """Refuse ``name`` unless the bench has a K-FAC row ``{name}_{f}_{i}`` at ``nprocs``."""
+    suffix = f"_{schedule[0]}_{schedule[1]}"
+    rows = configurations(nprocs, STRATEGY_CHOICES, (schedule,))
+    names = [row.key.removesuffix(suffix) for row in rows if row.kfac]
     if name not in names:
-        raise _invalid(key, name, f"unknown strategy; choose from {', '.join(names)}")
+        raise _invalid(key, name, f"no K-FAC row at P={nprocs}; choose from {', '.join(names)}")
 
 
 class _Section:
@@ -184,8 +192,11 @@ class PipelinedTarget:
     Attributes:
         nprocs: The world size compared.
         schedule: ``(factor_update_steps, inv_update_steps)`` compared.
-        baseline: The strategy compared against.
-        strategies: The strategies that must be faster.
+        baseline: The row compared against, named as its key without the schedule: a
+            strategy (``"dkfac"``), KAISA at a fraction (``"kaisa_1of2"``) or a strategy with
+            DeAR (``"spd_dear"``); its key at the schedule must be one of the bench's
+            (:func:`~dkfac.bench.configs.kfac_configuration`).
+        strategies: The rows that must be faster, named as ``baseline``.
         metric: The per-iteration time compared (one of :data:`PIPELINED_METRICS`).
         min_speedup: The smallest ``baseline / strategy - 1`` that meets the target.
         description: Free text: where the target comes from (never evaluated or reported).
@@ -201,17 +212,15 @@ class PipelinedTarget:
 
     def __post_init__(self) -> None:
         _at_least("nprocs", self.nprocs, 1)
-        if len(self.schedule) != 2 or min(self.schedule) < 1 or self.schedule[1] % self.schedule[0]:
-            raise _invalid(
-                "schedule",
-                list(self.schedule),
-                "needs two steps >= 1, the second a multiple of the first",
-            )
-        _known_strategy("baseline", self.baseline)
+        problem = "needs two steps" if len(self.schedule) != 2 else schedule_problem(*self.schedule)
+        if problem is not None:
+            raise _invalid("schedule", list(self.schedule), problem)
+        schedule = (self.schedule[0], self.schedule[1])
+        _known_row("baseline", self.baseline, self.nprocs, schedule)
         if not self.strategies:
             raise _invalid("strategies", [], "needs at least one strategy")
         for name in self.strategies:
-            _known_strategy("strategies", name)
+            _known_row("strategies", name, self.nprocs, schedule)
         if self.baseline in self.strategies or len(set(self.strategies)) < len(self.strategies):
             raise _invalid(
                 "strategies", list(self.strategies), "each once, and not the baseline itself"

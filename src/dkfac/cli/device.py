@@ -150,14 +150,16 @@ class Precision:
             torch.amp.GradScaler(device.type) if amp == "fp16" else None
         )
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward pass is autocast to (``None`` without ``--amp``)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp)
+
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
         """The forward pass's precision (a no-op context without ``--amp``)."""
-        if self.amp == "none":
-            yield
-            return
-        dtype = torch.bfloat16 if self.amp == "bf16" else torch.float16
-        with torch.autocast(self.device.type, dtype=dtype):
+        dtype = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -64,6 +64,13 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Any]) -> None:
         default=1,
         help="intra-op threads while profiling here (default: 1, as a benchmark worker)",
     )
+    parser.add_argument(
+        "--amp",
+        default="none",
+        choices=("none", "bf16"),
+        help="with --profile-here: the forward pass under torch.autocast in bfloat16, as "
+        "dkfac train --amp bf16 runs it (default: none)",
+    )
     parser.add_argument("--save-profile", help="write the measured profile to this JSON file")
     network = parser.add_mutually_exclusive_group()
     network.add_argument(
@@ -133,6 +140,10 @@ def _link(args: argparse.Namespace) -> tuple[LinkModel, str]:
 def _profile(args: argparse.Namespace) -> ComputeProfile:
     """The compute profile of ``--profile``, or measured here (``--profile-here``)."""
     if args.profile:
+        if args.amp != "none":
+            raise ConfigError(
+                "--amp applies to --profile-here only: a saved profile was measured as it was"
+            )
         try:
             return ComputeProfile.load(args.profile)
         except (OSError, ValueError) as error:
@@ -151,6 +162,7 @@ def _profile(args: argparse.Namespace) -> ComputeProfile:
         model_batch(args.model, args.batch_size, 0),
         batch_loss,
         device=f"{args.model} on this machine, {args.threads} thread(s)",
+        autocast=torch.bfloat16 if args.amp == "bf16" else None,
     )
     if args.save_profile:
         profile.save(args.save_profile)

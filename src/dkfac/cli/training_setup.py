@@ -265,7 +265,12 @@ def build_training_setup(
                 if config.grad_sync == "dear"
                 else {"ddp_bucket_cap_mb": float(cap)}
             )
-            strategy = dkfac.AutoOptions(example=example, loss_fn=label_cross_entropy, **caps)
+            strategy = dkfac.AutoOptions(
+                example=example,
+                loss_fn=label_cross_entropy,
+                autocast=precision.autocast_dtype,  # profiled as it trains
+                **caps,
+            )
         pre = _build_preconditioner(config, strategy, sync.model, scheduler, precision)
     return TrainingSetup(
         config=config,

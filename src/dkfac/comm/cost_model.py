@@ -20,7 +20,8 @@ import torch.distributed as dist
 from dkfac.comm.communicator import Communicator, ProcessGroup
 from dkfac.comm.line_fit import fit_line_nonnegative_intercept
 from dkfac.comm.recorder import StepRecorder
-from dkfac.curvature.inverse import decompose_factor
+from dkfac.curvature.factor_decomposition import decompose_factor
+from dkfac.curvature.factor_side import is_diagonal
 
 #: Below this coefficient of determination a fit does not explain the measured times well
 #: enough to plan with (planners fall back to sizes).
@@ -65,8 +66,12 @@ class CubicCost:
     r_squared: float = 1.0
 
     def seconds(self, d: int) -> float:
-        """Predicted decomposition time of a ``d × d`` matrix."""
-        return self.c0 + self.c3 * float(d) ** 3
+        """Predicted decomposition time of a ``d × d`` factor (a diagonal one's: ``c0``).
+
+        A factor held as its diagonal (:class:`~dkfac.curvature.factor_side.DiagonalSide`)
+        decomposes elementwise: its time is the fixed part alone.
+        """
+        return self.c0 if is_diagonal(d) else self.c0 + self.c3 * float(d) ** 3
 
     def problems(self) -> list[str]:
         """Why this model cannot be planned with (empty when it can)."""

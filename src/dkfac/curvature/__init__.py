@@ -13,16 +13,21 @@ from dkfac.curvature.blocks import (
 )
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.embedding import EmbeddingBlock
-from dkfac.curvature.inverse import (
+from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
+    DiagonalEigenFactor,
+    DiagonalInverseFactor,
     EigenFactor,
-    EigenInverse,
     FactorDecomposition,
+    decompose_factor,
+)
+from dkfac.curvature.factor_side import DiagonalSide
+from dkfac.curvature.inverse import (
+    EigenInverse,
     KroneckerInverse,
     TikhonovInverse,
     combine_factors,
     decompose,
-    decompose_factor,
     tikhonov_shifts,
     trace_mean,
 )
@@ -33,6 +38,9 @@ from dkfac.curvature.layer import LayerCurvature
 __all__ = [
     "CholeskyFactor",
     "Conv2dBlock",
+    "DiagonalEigenFactor",
+    "DiagonalInverseFactor",
+    "DiagonalSide",
     "EigenFactor",
     "EigenInverse",
     "EmbeddingBlock",

@@ -15,12 +15,8 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import (
-    EigenFactor,
-    FactorDecomposition,
-    decompose_factor,
-    tikhonov_shift,
-)
+from dkfac.curvature.factor_decomposition import EigenFactor, FactorDecomposition, decompose_factor
+from dkfac.curvature.inverse import tikhonov_shift
 from dkfac.curvature.layer import LayerCurvature
 
 logger = logging.getLogger(__name__)
@@ -172,7 +168,7 @@ def _first_attempts(
     for index, request in enumerate(requests):
         factor = _factor(request)
         key = (factor.shape[0], factor.device)
-        if batch and method == "eigen" and factor.shape[0] > 1:
+        if batch and method == "eigen" and factor.dim() == 2 and factor.shape[0] > 1:
             groups.setdefault(key, []).append(index)
         else:
             results[index] = _try_decompose(request, method, dtype)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.curvature.blocks import FactorStatistic, TransposedLinearBlock, UnsupportedLayerError
+from dkfac.curvature.factor_side import DiagonalSide
 
 
 class EmbeddingBlock(TransposedLinearBlock):
@@ -25,11 +26,13 @@ class EmbeddingBlock(TransposedLinearBlock):
     exact ``G`` exists, and nothing at the layer can tell that case apart; leave such layers
     out (``skip_layers``).
 
-    ``A`` (``num_embeddings`` square) is held as a dense matrix that is diagonal, so every
-    strategy moves, averages and decomposes it like any factor (its running average stays
-    diagonal, and so do its decompositions); ``max_factor_dim`` bounds the vocabulary this
-    costs. A diagonal ``A`` preconditions each token's row on its own, so a row whose
-    gradient is zero (``padding_idx``, a token absent from the batch) stays zero. Refused:
+    ``A`` is held as its diagonal, a ``num_embeddings``-vector (its side is a
+    :class:`~dkfac.curvature.factor_side.DiagonalSide`): every strategy averages and sends the
+    vector, and decomposes it elementwise (its eigenvectors are the identity), so a
+    vocabulary of 50,000 tokens costs 50,000 numbers, not a 10 GB matrix, and
+    ``max_factor_dim`` bounds only ``G``. A diagonal ``A`` preconditions each token's row on its
+    own, so a row whose gradient is zero (``padding_idx``, a token absent from the batch)
+    stays zero. Refused:
     subclasses with their own ``forward`` (their input is not the ids they look up),
     ``sparse=True`` (a sparse gradient is not a matrix K-FAC can precondition in place) and
     ``scale_grad_by_freq=True`` (the gradient is then not the sum over the rows that the
@@ -58,16 +61,17 @@ class EmbeddingBlock(TransposedLinearBlock):
                 "to skip_layers"
             )
         super().__init__(module)
+        self.a_dim = DiagonalSide(module.num_embeddings)
 
     def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
-        """``diag(c)``: how often each index occurs in ``x`` (one row per index)."""
+        """``c``, the diagonal of ``Σ a aᵀ``: how often each index occurs in ``x``."""
         tokens = x.reshape(-1)
         # Counted by index_add, not bincount: bincount sizes its output from the largest index,
         # which a GPU would have to read back.
         counts = torch.zeros(self.a_dim, dtype=dtype, device=x.device)
         counts.index_add_(0, tokens, torch.ones(tokens.numel(), dtype=dtype, device=x.device))
         examples = int(x.shape[0]) if x.dim() >= 1 else 1
-        return FactorStatistic(torch.diag(counts), tokens.numel(), examples)
+        return FactorStatistic(counts, tokens.numel(), examples)
 
     def describe(self) -> str:
         """The layer's class (its ``A`` is diagonal)."""

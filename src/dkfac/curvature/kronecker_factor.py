@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dkfac.curvature.factor_side import factor_shape
 from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.running_average import running_average, running_averages
 from dkfac.curvature.statistics import FactorStatistics
@@ -24,7 +25,8 @@ class KroneckerFactor:
 
     Args:
         side: ``"a"`` or ``"g"``.
-        dim: the factor's side length ``d``.
+        dim: the factor's side length ``d`` (a :class:`~dkfac.curvature.factor_side.DiagonalSide`
+            for a factor held as its diagonal, a ``d``-vector).
         dtype: the layer's factor dtype (of its zero factor; statistics are computed in it).
 
     Attributes:
@@ -59,7 +61,7 @@ class KroneckerFactor:
 
     def zeros(self, device: torch.device) -> Tensor:
         """A zero factor (what a worker without statistics contributes to a sum)."""
-        return torch.zeros(self.dim, self.dim, dtype=self.dtype, device=device)
+        return torch.zeros(factor_shape(self.dim), dtype=self.dtype, device=device)
 
     def value(self) -> Tensor:
         """The running average, which must exist."""

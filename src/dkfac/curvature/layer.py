@@ -17,12 +17,9 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
-from dkfac.curvature.inverse import (
-    FACTOR_SIDES,
-    KroneckerInverse,
-    factor_tensor_shapes,
-    inverse_from_tensors,
-)
+from dkfac.curvature.factor_decomposition import factor_tensor_shapes
+from dkfac.curvature.factor_side import factor_shape
+from dkfac.curvature.inverse import FACTOR_SIDES, KroneckerInverse, inverse_from_tensors
 from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -221,12 +218,12 @@ class LayerCurvature:
         ``inverse_method`` with exactly that method's tensors and shapes.
         """
         for side, factor in self.factors.items():
-            key, dim = side.upper(), factor.dim
+            key, shape = side.upper(), factor_shape(factor.dim)
             tensor = entry[key]
-            if tensor is not None and tuple(tensor.shape) != (dim, dim):
+            if tensor is not None and tuple(tensor.shape) != shape:
                 raise ValueError(
                     f"state_dict factor {key} of layer {self.name!r} has shape "
-                    f"{tuple(tensor.shape)}, expected {(dim, dim)}"
+                    f"{tuple(tensor.shape)}, expected {shape}"
                 )
         saved = entry.get("inverse")
         if saved is None:

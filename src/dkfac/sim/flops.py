@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dkfac.comm.cost_model import CubicCost
+from dkfac.curvature.factor_side import diagonal_flags, factor_values, preconditioning_work
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.strategies.layer_shapes import LayerShape, resnet50_layer_shapes
 
@@ -111,19 +112,20 @@ def flop_profile(
         layers.append(
             LayerProfile(
                 name=item.shape.name,
-                a_dim=a,
-                g_dim=g,
+                a_dim=int(a),
+                g_dim=int(g),
                 output_s=output_s[index],
                 output_grad_s=output_grad_s[index],
                 grad_ready_s=grad_ready_s[index],
                 a_statistic_s=_statistic_s(rows, a, rates),
                 g_statistic_s=_statistic_s(rows, g, rates),
-                precondition_s=products * (g * g * a + g * a * a) / rates.gemm_flops_per_s,
+                precondition_s=products * preconditioning_work(a, g) / rates.gemm_flops_per_s,
                 grad_bytes=FLOAT32_BYTES * a * g,
+                **diagonal_flags((a, g)),
             )
         )
     parameters = sum(layer.grad_bytes for layer in layers) + other_grad_bytes
-    factor_bytes = FLOAT32_BYTES * sum(a * a + g * g for a, g in (w.shape.dims for w in work))
+    factor_bytes = FLOAT32_BYTES * sum(factor_values(side) for w in work for side in w.shape.dims)
     return ComputeProfile(
         device=f"{rates.name} (from FLOP counts and sustained rates)",
         batch_size=batch_size,

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dkfac.comm.cost_model import CubicCost
+from dkfac.curvature.factor_side import marked
 from dkfac.strategies.layer_shapes import LayerShape
 
 #: Decomposition methods a profile can time (the preconditioner's ``inverse_method``).
@@ -55,6 +56,9 @@ class LayerProfile:
         g_statistic_s: computing its ``G`` statistic (in the backward hook, likewise).
         precondition_s: preconditioning its gradient with its decompositions.
         grad_bytes: bytes of its parameters' gradients (weight and bias).
+        a_diagonal: its ``A`` is held as its diagonal (an embedding's;
+            :mod:`dkfac.curvature.factor_side`).
+        g_diagonal: its ``G`` is.
     """
 
     name: str
@@ -67,11 +71,14 @@ class LayerProfile:
     g_statistic_s: float
     precondition_s: float
     grad_bytes: int
+    a_diagonal: bool = False
+    g_diagonal: bool = False
 
     @property
     def shape(self) -> LayerShape:
-        """The layer's factor dimensions, as the planners take them."""
-        return LayerShape(self.name, self.a_dim, self.g_dim)
+        """The layer's factor dimensions, as the planners take them (diagonal sides marked)."""
+        a_dim, g_dim = marked(self.a_dim, self.a_diagonal), marked(self.g_dim, self.g_diagonal)
+        return LayerShape(self.name, a_dim, g_dim)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,8 @@ class ComputeProfile:
                 problems.append(f"layer {layer.name!r}: a gradient is ready after backward ends")
             if min(layer.a_dim, layer.g_dim, layer.grad_bytes) < 1:
                 problems.append(f"layer {layer.name!r}: dimensions and bytes must be >= 1")
+            if not all(isinstance(flag, bool) for flag in (layer.a_diagonal, layer.g_diagonal)):
+                problems.append(f"layer {layer.name!r}: a_diagonal and g_diagonal must be bool")
         return problems
 
     @property

@@ -29,6 +29,11 @@ from torch import Tensor, nn
 
 from dkfac.comm.cost_model import calibrate_decomposition, decomposition_dims
 from dkfac.comm.wire import FusionBucket
+from dkfac.curvature.factor_side import (
+    diagonal_flags,
+    largest_dense_side,
+    preconditioning_work,
+)
 from dkfac.preconditioner import KFACPreconditioner
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 
@@ -118,10 +123,16 @@ def _timed_steps(
     steps: int,
     warmup: int,
     pre: KFACPreconditioner | None = None,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, list[Any]]:
-    """Run ``warmup + steps`` training steps; per measured step, every time of interest."""
+    """Run ``warmup + steps`` training steps; per measured step, every time of interest.
+
+    The forward pass and the loss run under ``torch.autocast`` in ``autocast`` (if given),
+    as a mixed-precision training loop runs them.
+    """
     inputs, targets = batch
     clock = stamps.clock
+    device_type = inputs.device.type
     times: dict[str, list[Any]] = {
         key: [] for key in ("forward", "backward", "optimizer", "a", "g", "grad", "step", "phases")
     }
@@ -129,7 +140,8 @@ def _timed_steps(
         optimizer.zero_grad(set_to_none=True)
         start = clock()
         stamps.begin(start)
-        loss = loss_fn(model(inputs), targets)
+        with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+            loss = loss_fn(model(inputs), targets)
         forward_end = clock()
         stamps.origin = forward_end
         loss.backward()  # type: ignore[no-untyped-call]
@@ -206,6 +218,7 @@ def measure_profile(
     warmup: int = 2,
     methods: Sequence[str] = ("eigen",),
     kfac_options: dict[str, Any] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> ComputeProfile:
     """Time ``model`` training on ``batch`` plain and with K-FAC; the profile of one worker.
 
@@ -218,25 +231,29 @@ def measure_profile(
         warmup: steps run first and not measured.
         methods: decomposition methods to time.
         kfac_options: other keyword arguments of :class:`~dkfac.KFACPreconditioner`.
+        autocast: the dtype of ``torch.autocast`` the forward pass and loss run under, as in
+            mixed-precision training (``torch.bfloat16``, ``torch.float16``); ``None``: none.
     """
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast={autocast!r}: expected torch.bfloat16, torch.float16 or None")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     options: dict[str, Any] = {"strategy": "local", "factor_update_steps": 1, "inv_update_steps": 1}
     options.update(kfac_options or {})
     pre = KFACPreconditioner(model, **options)
     names = [layer.name for layer in pre.layers]
     dims = [(layer.block.a_dim, layer.block.g_dim) for layer in pre.layers]
-    modules = dict(model.named_modules())
-    layer_modules = [modules[name] for name in names]
+    # The blocks' own modules: a model that is itself one layer has no name to look up.
+    layer_modules = [layer.block.module for layer in pre.layers]
     pre.remove()  # the plain run first, without K-FAC's hooks
     on = next(model.parameters()).device
     clock = device_clock(on)
     stamps = _Stamps(layer_modules, names, clock)
-    plain = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup)
+    plain = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, None, autocast)
     stamps.remove()
     pre = KFACPreconditioner(model, **options)
     # After K-FAC's hooks, so each stamp follows their work.
     stamps = _Stamps(layer_modules, names, clock)
-    kfac = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, pre)
+    kfac = _timed_steps(model, batch, loss_fn, optimizer, stamps, steps, warmup, pre, autocast)
     stamps.remove()
     pre.remove()
 
@@ -244,7 +261,7 @@ def measure_profile(
     decomposing = statistics.median(p.get("inverse_compute", 0.0) for p in kfac["phases"])
     rest = statistics.median(kfac["step"])
     # Preconditioning a layer costs about d_G²·d_A + d_G·d_A² (two products with its bases).
-    weights = [g * g * a + g * a * a for a, g in dims]
+    weights = [preconditioning_work(a, g) for a, g in dims]
     grad_bytes = [
         sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         for module in layer_modules
@@ -263,8 +280,8 @@ def measure_profile(
     layers = tuple(
         LayerProfile(
             name=name,
-            a_dim=a,
-            g_dim=g,
+            a_dim=int(a),
+            g_dim=int(g),
             output_s=output[i],
             output_grad_s=output_grad[i],
             grad_ready_s=grad_ready[i],
@@ -272,10 +289,11 @@ def measure_profile(
             g_statistic_s=g_statistic[i],
             precondition_s=precondition * weights[i] / sum(weights),
             grad_bytes=grad_bytes[i],
+            **diagonal_flags((a, g)),
         )
         for i, (name, (a, g)) in enumerate(zip(names, dims, strict=True))
     )
-    largest = max(max(pair) for pair in dims)
+    largest = largest_dense_side(side for pair in dims for side in pair)
     decomposition = {
         method: calibrate_decomposition(decomposition_dims(largest), method=method, device=on)
         for method in methods
@@ -291,5 +309,10 @@ def measure_profile(
         layers=layers,
         other_grad_bytes=all_bytes - sum(grad_bytes),
         pack_bytes_per_s=measure_packing(device=on),
-        notes={"steps": steps, "warmup": warmup, "torch_threads": torch.get_num_threads()},
+        notes={
+            "steps": steps,
+            "warmup": warmup,
+            "torch_threads": torch.get_num_threads(),
+            "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+        },
     )

@@ -42,6 +42,7 @@ from dkfac.comm.cost_model import ClusterCostModel
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
 from dkfac.comm.wire import element_size
+from dkfac.curvature.factor_side import factor_shape, factor_values
 from dkfac.strategies import distributed_strategy
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.decomposition_payload import payload_shapes
@@ -241,7 +242,7 @@ def issue_update(
     cpu, meta = torch.device("cpu"), torch.device("meta")
 
     def factor_sum(dim: int) -> Tensor:
-        return _shape_only((dim, dim), settings.factor_dtype)
+        return _shape_only(factor_shape(dim), settings.factor_dtype)
 
     if factors and hooks is not None and runner.pipeline is not None:
         hooks(runner.pipeline)
@@ -312,7 +313,7 @@ def account_strategy(
                 comm=recorder.comm_stats(),
                 decomposition_work=placement.decomposition_work(rank),
                 factor_bytes=sum(
-                    route.dim**2 * element_size(settings.factor_dtype)
+                    factor_values(route.dim) * element_size(settings.factor_dtype)
                     for route in placement.factors
                     if placement.holds_factor(route, rank)
                 ),

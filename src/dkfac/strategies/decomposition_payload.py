@@ -1,12 +1,12 @@
 """How decompositions travel: one payload per layer or factor, fused per source, one flag each.
 
-A payload is the tensors of some factors' decompositions in the order their class lays them out
-(:meth:`~dkfac.curvature.inverse.FactorDecomposition.layout`; zeros on ranks that receive),
-then a one-value validity flag: a
-decomposition that failed on its owner arrives marked invalid, and every rank keeps its last
-good one alike. KAISA sends a layer's two factors in one payload (inside a grid row),
-SPD-KFAC and PAD-KFAC send each factor on its own (to every worker); the runner
-(:mod:`dkfac.strategies.runner`) broadcasts them as the placement's shares say.
+A payload is the tensors of some factors' decompositions in the order their class lays them
+out (:meth:`~dkfac.curvature.factor_decomposition.FactorDecomposition.layout`; zeros on ranks
+that receive), then a one-value validity flag: a decomposition that failed on its owner
+arrives marked invalid, and every rank keeps its last good one alike. KAISA sends a layer's
+two factors in one payload (inside a grid row), SPD-KFAC and PAD-KFAC send each factor on its
+own (to every worker); the runner (:mod:`dkfac.strategies.runner`) broadcasts them as the
+placement's shares say.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import (
+from dkfac.curvature.factor_decomposition import (
     FactorDecomposition,
     factor_decomposition,
     factor_tensor_shapes,
 )
+from dkfac.curvature.factor_side import is_diagonal
 from dkfac.strategies.plan import DecompositionShare, FactorKey, Placement
 
 #: The factors a payload carries: ``(side, dim)`` each, e.g. ``[("a", d_A), ("g", d_G)]``.
@@ -107,7 +108,8 @@ class DecompositionPayload:
         dim = dict(self.factors)[side]
         named = self.named()
         tensors = {name: named[name] for name, _, _ in factor_tensor_shapes(self.method, side, dim)}
-        return factor_decomposition(self.method, side, tensors, self.flag > 0)
+        diagonal = is_diagonal(dim)
+        return factor_decomposition(self.method, side, tensors, self.flag > 0, diagonal=diagonal)
 
     @property
     def flag(self) -> Tensor:

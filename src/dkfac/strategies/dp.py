@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.factor_side import decomposition_work, preconditioning_work
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.placement import longest_processing_time
 from dkfac.strategies.plan import Placement, gradient_shares, layer_owner_routes
@@ -27,7 +28,8 @@ from dkfac.strategies.plan import Placement, gradient_shares, layer_owner_routes
 
 def predicted_layer_cost(a_dim: int, g_dim: int) -> float:
     """Relative cost of owning a layer: both decompositions plus preconditioning (see docs)."""
-    return float(a_dim**3 + g_dim**3 + g_dim * a_dim * (g_dim + a_dim))
+    decompositions = decomposition_work(a_dim) + decomposition_work(g_dim)
+    return decompositions + preconditioning_work(a_dim, g_dim)
 
 
 def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[int]:

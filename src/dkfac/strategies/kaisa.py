@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.factor_side import decomposition_work
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.placement import longest_processing_time
 from dkfac.strategies.plan import (
@@ -40,7 +41,8 @@ def plan_layer_owners(dims: Sequence[tuple[int, int]], world_size: int) -> list[
         dims: ``(d_A, d_G)`` of each layer, in registration order.
         world_size: number of workers.
     """
-    return longest_processing_time([float(a**3 + g**3) for a, g in dims], world_size)
+    costs = [decomposition_work(a) + decomposition_work(g) for a, g in dims]
+    return longest_processing_time(costs, world_size)
 
 
 def grid(world_size: int, grad_workers: int) -> tuple[list[list[int]], list[list[int]]]:

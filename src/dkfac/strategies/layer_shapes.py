@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
-from dkfac.curvature.block_types import make_block
+from dkfac.curvature.block_types import BlockFactory, make_block
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,21 @@ def resnet50_layer_shapes(num_classes: int = 1000) -> list[LayerShape]:
     return layers
 
 
-def layer_shapes_of(model: nn.Module) -> list[LayerShape]:
+def layer_shapes_of(
+    model: nn.Module, blocks: Mapping[type[nn.Module], BlockFactory] | None = None
+) -> list[LayerShape]:
     """Shapes of the layers K-FAC supports in ``model``, in registration order.
 
-    Uses the preconditioner's own block rule (:func:`dkfac.curvature.block_types.make_block`);
-    ``skip_layers`` and frozen parameters are not considered.
+    Uses the preconditioner's own block rule (:func:`dkfac.curvature.block_types.make_block`,
+    with the preconditioner's ``blocks=``); ``skip_layers`` and frozen parameters are not
+    considered. A side held as its diagonal stays a
+    :class:`~dkfac.curvature.factor_side.DiagonalSide`.
     """
     shapes = []
     for name, module in model.named_modules():
         if not list(module.parameters(recurse=False)):
             continue
-        block = make_block(module)
+        block = make_block(module, blocks)
         if block is not None:
             shapes.append(LayerShape(name or type(module).__name__, block.a_dim, block.g_dim))
     return shapes

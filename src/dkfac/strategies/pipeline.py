@@ -33,7 +33,7 @@ from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
-from dkfac.comm.wire import packed_values
+from dkfac.curvature.factor_side import packed_factor_values, sent_symmetric
 from dkfac.curvature.statistics import SummedFactor
 
 
@@ -46,8 +46,8 @@ class FactorSlot:
     dim: int
 
     def packed_bytes(self, element_size: int) -> int:
-        """Bytes of the factor's upper triangle on the wire."""
-        return packed_values((self.dim, self.dim), symmetric=True) * element_size
+        """Bytes of the factor on the wire (its upper triangle; a diagonal one whole)."""
+        return packed_factor_values(self.dim) * element_size
 
 
 def ready_order_of(dims: Sequence[tuple[int, int]]) -> list[FactorSlot]:
@@ -136,14 +136,14 @@ class FactorPipeline:
                     handle = self.comm.allreduce(
                         tensors,  # type: ignore[arg-type]
                         phase="factor_comm",
-                        symmetric=[True] * len(bucket),
+                        symmetric=sent_symmetric(tensors),  # type: ignore[arg-type]
                     )
                 else:
                     handle = self.comm.reduce(
                         tensors,  # type: ignore[arg-type]
                         destination,
                         phase="factor_comm",
-                        symmetric=[True] * len(bucket),
+                        symmetric=sent_symmetric(tensors),  # type: ignore[arg-type]
                     )
             self._handles.append(handle)
             self._next += 1
@@ -221,7 +221,7 @@ class FactorPipeline:
             for destination in destinations:
                 slots = [i for i in flagged if destination_of[i] == destination]
                 tensors = [corrections[i] for i in slots]
-                symmetric = [True] * len(slots)
+                symmetric = sent_symmetric(tensors)
                 if destination is None:
                     handle = self.comm.allreduce(tensors, phase="factor_comm", symmetric=symmetric)
                 else:

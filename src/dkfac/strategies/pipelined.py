@@ -24,6 +24,7 @@ from dkfac.comm.fusion import (
     predict_timeline,
 )
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.factor_side import decomposition_work, largest_dense_side
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.factor_placement import (
@@ -96,7 +97,9 @@ class PipelinedStrategy(Strategy):
         if self.cost is None:
             cache = self._cost_cache or CostModelCache()
             device = layers[0].block.weight.device
-            largest = max(max(layer.block.a_dim, layer.block.g_dim) for layer in layers)
+            largest = largest_dense_side(
+                side for layer in layers for side in (layer.block.a_dim, layer.block.g_dim)
+            )
             self.cost = cache.get(
                 self.inverse_method, self.inv_dtype, device, self.comm.group, largest_dim=largest
             )
@@ -190,7 +193,7 @@ class PipelinedStrategy(Strategy):
             slots=slots,
             wire=wire,
             decomposition_s=[
-                float(slot.dim) ** 3 if size_based else cost.decomposition.seconds(slot.dim)
+                decomposition_work(slot.dim) if size_based else cost.decomposition.seconds(slot.dim)
                 for slot in slots
             ],
             cost=cost,

@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import Literal
 
 from dkfac.comm.wire import group_by_source
+from dkfac.curvature.factor_side import decomposition_work, is_diagonal
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.strategies.plan_report import FactorRow
 
@@ -261,8 +262,12 @@ class Placement:
 
     # -- accounting ------------------------------------------------------------------------
     def decomposition_work(self, rank: int) -> int:
-        """``Σ d³`` over the factors ``rank`` decomposes."""
-        return sum(route.dim**3 for route in self.factors if self.decomposes(route, rank))
+        """``Σ d³`` over the factors ``rank`` decomposes (``d`` for a diagonal one)."""
+        return sum(
+            int(decomposition_work(route.dim))
+            for route in self.factors
+            if self.decomposes(route, rank)
+        )
 
     def describe(self, names: Sequence[str]) -> list[FactorRow]:
         """``plan()["factors"]``: per factor its layer name, dim, destination and decomposer."""
@@ -270,7 +275,8 @@ class Placement:
             {
                 "layer": names[route.layer],
                 "factor": route.side.upper(),
-                "dim": route.dim,
+                "dim": int(route.dim),
+                "diagonal": is_diagonal(route.dim),
                 "reduced_to": _reduced_to(self.exchange, route.reduced_to),
                 "decomposed_by": "all"
                 if route.decomposed_by == EVERY_WORKER

@@ -14,12 +14,15 @@ class _FactorRowKeys(TypedDict):
     layer: str
     factor: str
     dim: int
+    diagonal: bool
     reduced_to: int | str
     decomposed_by: int | str
 
 
 class FactorRow(_FactorRowKeys, total=False):
     """One factor: its layer, ``"A"``/``"G"``, dim, where it is reduced, who decomposes it.
+
+    ``diagonal``: the factor is held as its diagonal (a ``dim``-vector; an embedding's ``A``).
 
     ``reduced_to`` and ``decomposed_by`` are a rank, ``"all"``, or ``"none (owner's shard
     only)"`` (DP-KFAC). SPD/PAD add the bytes it sends, its fusion bucket, its predicted

@@ -11,10 +11,9 @@ module does, on one rank, the three phases of any placement:
 * gradients: precondition the layers whose inverse this rank holds, broadcast the results in
   the planned shares.
 
-The collectives are issued by the methods :meth:`send_factor_sums`, :meth:`share_traces`,
+The collectives are issued by :meth:`send_factor_sums`, :meth:`share_traces`,
 :meth:`share_decompositions` and :meth:`share_gradients`, which the dry run calls on a
-:class:`~dkfac.comm.recording.RecordingCommunicator` with shape-only tensors: what a plan
-sends is said here once.
+:class:`~dkfac.comm.recording.RecordingCommunicator` (shape-only tensors): said here once.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
+from dkfac.curvature.factor_side import sent_symmetric
 from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, tikhonov_shift
 from dkfac.curvature.kronecker_factor import fold_batches, fold_summed, fold_windows
 from dkfac.curvature.layer import LayerCurvature
@@ -154,7 +154,7 @@ class PlacementRunner:
         comm = self._comm()
         with self.recorder.phase("factor_comm"):
             count_handle = comm.allreduce([counts], phase="factor_comm", exact=True)
-            comm.allreduce(totals, phase="factor_comm", symmetric=[True] * len(totals)).wait()
+            comm.allreduce(totals, phase="factor_comm", symmetric=sent_symmetric(totals)).wait()
             count_handle.wait()
 
     def hand_over(

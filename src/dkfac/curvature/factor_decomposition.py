@@ -1,0 +1,227 @@
+"""Each Kronecker factor's own decomposition, the tensors it consists of and their layout.
+
+:class:`EigenFactor` (``F = Q Λ Qᵀ``) and :class:`CholeskyFactor` (``(F + shift·I)⁻¹``) for a
+dense factor; :class:`DiagonalEigenFactor` and :class:`DiagonalInverseFactor` for one held as
+its diagonal (:mod:`dkfac.curvature.factor_side`), where both are elementwise. Each class owns
+the names, shapes and symmetry of its tensors, i.e. what travels between workers and what
+``state_dict`` holds; :mod:`dkfac.curvature.inverse` combines a layer's two into its inverse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.factor_side import is_diagonal
+
+#: One tensor of a factor's decomposition: its name, shape and whether it is a symmetric matrix
+#: (then only its upper triangle travels).
+TensorSpec = tuple[str, tuple[int, ...], bool]
+
+
+class FactorDecomposition(ABC):
+    """The decomposition of one Kronecker factor; each method owns its tensors' layout.
+
+    Args:
+        side: ``"a"`` or ``"g"``.
+        tensors: named as :meth:`layout` says.
+        ok: device boolean: finite, and the factorisation succeeded.
+    """
+
+    #: The ``inverse_method`` this class implements.
+    method: ClassVar[str]
+
+    def __init__(self, side: str, tensors: dict[str, Tensor], ok: Tensor) -> None:
+        self.side = side
+        self.tensors = tensors
+        self.ok = ok
+
+    @staticmethod
+    @abstractmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """``(name, shape, symmetric)`` of the tensors of a ``d × d`` factor, in wire order.
+
+        The first is a ``d × d`` matrix; the others are ``d``-vectors. The names are the
+        keys of ``state_dict`` and of the layer's :meth:`KroneckerInverse.tensors`.
+        """
+
+
+class EigenFactor(FactorDecomposition):
+    """``F = Q Λ Qᵀ``: eigenvectors ``q<side>`` (``d × d``) and eigenvalues ``l<side>``."""
+
+    method = "eigen"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """Eigenvectors (not symmetric), then eigenvalues."""
+        return [(f"q{side}", (dim, dim), False), (f"l{side}", (dim,), False)]
+
+    @classmethod
+    def compute(cls, matrix: Tensor, side: str, dtype: torch.dtype) -> EigenFactor:
+        """Eigendecomposition in ``dtype``; round-off negative eigenvalues clamped to zero.
+
+        The clamp keeps ``λ_G λ_A + γ >= γ > 0``; eigenvectors are stored row-major like any
+        received copy, so every worker's GEMMs take the same path and round identically.
+
+        Raises:
+            torch.linalg.LinAlgError: the eigensolver did not converge.
+        """
+        eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(dtype))
+        return cls._from_solution(side, eigenvalues, eigenvectors)
+
+    @classmethod
+    def compute_many(
+        cls, matrices: Sequence[Tensor], sides: Sequence[str], dtype: torch.dtype
+    ) -> list[EigenFactor]:
+        """:meth:`compute` of equal-size factors in one batched ``eigh`` call.
+
+        On a GPU one call waits for the device once (``eigh`` reads its error flags on the
+        host) instead of once per factor, and factors of up to 32 rows take the batched
+        Jacobi solver. Each result is an eigendecomposition of its factor in ``dtype``, equal
+        to :meth:`compute`'s to round-off (a batched solver may order its arithmetic
+        differently, and on the CPU a matrix's result depends on where it sits in the batch).
+
+        Raises:
+            torch.linalg.LinAlgError: the eigensolver did not converge for some factor.
+        """
+        eigenvalues, eigenvectors = torch.linalg.eigh(torch.stack([m.to(dtype) for m in matrices]))
+        return [
+            cls._from_solution(side, values, vectors)
+            for side, values, vectors in zip(sides, eigenvalues, eigenvectors, strict=True)
+        ]
+
+    @classmethod
+    def _from_solution(cls, side: str, eigenvalues: Tensor, eigenvectors: Tensor) -> EigenFactor:
+        (q_name, _, _), (l_name, _, _) = cls.layout(side, eigenvalues.shape[0])
+        ok = torch.isfinite(eigenvectors).all() & torch.isfinite(eigenvalues).all()
+        tensors = {q_name: eigenvectors.contiguous(), l_name: eigenvalues.clamp_min(0.0)}
+        return cls(side, tensors, ok)
+
+
+class CholeskyFactor(FactorDecomposition):
+    """``(F + shift·I)⁻¹`` through Cholesky: one symmetric matrix ``<side>_inv``."""
+
+    method = "inverse"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """The damped inverse (symmetric)."""
+        return [(f"{side}_inv", (dim, dim), True)]
+
+    @classmethod
+    def compute(
+        cls, matrix: Tensor, side: str, dtype: torch.dtype, shift: Tensor
+    ) -> CholeskyFactor:
+        """``(F + shift·I)⁻¹`` in ``dtype`` (``shift`` from :func:`tikhonov_shifts`)."""
+        damped = matrix.to(dtype) + torch.diag_embed(shift.to(dtype).expand(matrix.shape[0]))
+        factor, info = torch.linalg.cholesky_ex(damped)
+        inverse = torch.cholesky_inverse(factor)
+        ((name, _, _),) = cls.layout(side, matrix.shape[0])
+        ok = torch.isfinite(inverse).all() & (info == 0)
+        return cls(side, {name: inverse.contiguous()}, ok)
+
+
+class DiagonalEigenFactor(FactorDecomposition):
+    """A diagonal factor's eigendecomposition: its eigenvalues ``l<side>`` are its diagonal.
+
+    The eigenvectors are the identity and are not stored; the eigenvalues stay in the
+    factor's own order (index ``i`` is token ``i``), so a row is preconditioned by its own
+    entry only.
+    """
+
+    method = "eigen"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """The eigenvalues."""
+        return [(f"l{side}", (dim,), False)]
+
+    @classmethod
+    def compute(cls, diagonal: Tensor, side: str, dtype: torch.dtype) -> DiagonalEigenFactor:
+        """The diagonal in ``dtype``; negative round-off clamped to zero, as in EigenFactor."""
+        values = diagonal.to(dtype)
+        return cls(side, {f"l{side}": values.clamp_min(0.0)}, torch.isfinite(values).all())
+
+
+class DiagonalInverseFactor(FactorDecomposition):
+    """``(F + shift·I)⁻¹`` of a diagonal factor: the reciprocals ``<side>_inv`` of its entries."""
+
+    method = "inverse"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """The damped inverse's diagonal."""
+        return [(f"{side}_inv", (dim,), False)]
+
+    @classmethod
+    def compute(
+        cls, diagonal: Tensor, side: str, dtype: torch.dtype, shift: Tensor
+    ) -> DiagonalInverseFactor:
+        """``1 / (d_i + shift)`` in ``dtype``; not ok unless every damped entry is positive."""
+        damped = diagonal.to(dtype) + shift.to(dtype)
+        inverse = damped.reciprocal()
+        ok = torch.isfinite(inverse).all() & (damped > 0).all()
+        return cls(side, {f"{side}_inv": inverse}, ok)
+
+
+#: The factor decomposition of each ``inverse_method``: of a dense factor, of a diagonal one.
+FACTOR_DECOMPOSITIONS: Mapping[str, tuple[type[FactorDecomposition], type[FactorDecomposition]]]
+FACTOR_DECOMPOSITIONS = MappingProxyType(
+    {
+        "eigen": (EigenFactor, DiagonalEigenFactor),
+        "inverse": (CholeskyFactor, DiagonalInverseFactor),
+    }
+)
+
+
+def _decomposition_class(method: str, diagonal: bool) -> type[FactorDecomposition]:
+    dense, diagonal_class = FACTOR_DECOMPOSITIONS[method]
+    return diagonal_class if diagonal else dense
+
+
+def factor_tensor_shapes(method: str, side: str, dim: int) -> list[TensorSpec]:
+    """``(name, shape, symmetric)`` of the tensors of one factor's decomposition, in order.
+
+    Args:
+        method: ``"eigen"`` or ``"inverse"``.
+        side: ``"a"`` or ``"g"``.
+        dim: the factor's side length ``d`` (a
+            :class:`~dkfac.curvature.factor_side.DiagonalSide` for a diagonal factor).
+    """
+    return _decomposition_class(method, is_diagonal(dim)).layout(side, int(dim))
+
+
+def factor_decomposition(
+    method: str, side: str, tensors: dict[str, Tensor], ok: Tensor, *, diagonal: bool = False
+) -> FactorDecomposition:
+    """A received (or loaded) decomposition of factor ``side`` as its method's class."""
+    return _decomposition_class(method, diagonal)(side, tensors, ok)
+
+
+def decompose_factor(
+    matrix: Tensor, side: str, method: str, dtype: torch.dtype, shift: Tensor | None = None
+) -> FactorDecomposition:
+    """Decompose one factor in ``dtype``: :class:`EigenFactor` or :class:`CholeskyFactor`.
+
+    A vector is a diagonal factor: :class:`DiagonalEigenFactor` or
+    :class:`DiagonalInverseFactor`.
+
+    Raises:
+        ValueError: ``"inverse"`` without the Tikhonov ``shift``.
+        torch.linalg.LinAlgError: the eigensolver did not converge.
+    """
+    diagonal = matrix.dim() == 1
+    if method == "eigen":
+        if diagonal:
+            return DiagonalEigenFactor.compute(matrix, side, dtype)
+        return EigenFactor.compute(matrix, side, dtype)
+    if shift is None:
+        raise ValueError("decompose_factor(method='inverse') needs the Tikhonov shift")
+    if diagonal:
+        return DiagonalInverseFactor.compute(matrix, side, dtype, shift)
+    return CholeskyFactor.compute(matrix, side, dtype, shift)
