@@ -54,7 +54,10 @@ def main() -> None:
     model = BertForSequenceClassification(config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pre = dkfac.KFACPreconditioner(model, optimizer=opt, damping=0.03)
-    print(pre)  # which layers K-FAC preconditions (embeddings are skipped, with the reason)
+    # Which layers K-FAC preconditions: the Linear layers and the word and token-type
+    # embeddings; BERT's position embedding, looked up once and broadcast over the batch, is
+    # found at the first step and passes its gradient through (a warning says so).
+    print(pre)
     with tempfile.TemporaryDirectory() as out:
         arguments = TrainingArguments(
             output_dir=out,

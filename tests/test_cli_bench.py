@@ -557,7 +557,7 @@ def test_the_transformer_lm_has_factors_of_the_asked_widths_and_takes_a_token_ba
     assert abs(float(batch_loss(logits, y)) - math.log(LM_VOCAB)) < 0.5
     pre = dkfac.KFACPreconditioner(net, strategy="local")
     try:
-        assert len(pre.layers) == 4 * 6 + 1
+        assert len(pre.layers) == 4 * 6 + 1 + 2  # and the token and position embeddings
     finally:
         pre.remove()
 

@@ -8,6 +8,7 @@ gradient must equal that linear layer's, transposed.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ def tokens(seed: int, shape: tuple[int, ...] = (5, 6)) -> torch.Tensor:
 
 
 def test_the_input_statistic_is_the_gram_of_the_one_hot_rows() -> None:
-    assert make_block(nn.Embedding(VOCAB, DIM)) is None  # skipped unless asked for
+    assert isinstance(make_block(nn.Embedding(VOCAB, DIM)), EmbeddingBlock)  # by default
     block = make_block(nn.Embedding(VOCAB, DIM), BLOCKS)
     assert isinstance(block, EmbeddingBlock) and (block.a_dim, block.g_dim) == (VOCAB, DIM)
     assert isinstance(block.a_dim, DiagonalSide)  # A is held as its diagonal
@@ -147,6 +148,13 @@ def test_embeddings_kfac_cannot_precondition_exactly_are_refused(
     model = nn.Sequential(module, nn.Linear(DIM, 2))
     with pytest.raises(ValueError, match=rf"layer '0' \({type(module).__name__}\): {message}"):
         dkfac.KFACPreconditioner(model, blocks=BLOCKS)
+    if isinstance(module, LearnedPositions):  # not asked for: another layer type, skipped
+        pre = dkfac.KFACPreconditioner(model)
+        assert {s.name: s.reason for s in pre.skipped} == {"0": "unsupported type"}
+    else:  # not asked for: kept to its plain gradient, with the reason
+        pre = dkfac.KFACPreconditioner(model)
+        (entry,) = pre.skipped
+        assert entry.name == "0" and re.search(f"not preconditioned: {message}", entry.reason)
 
 
 def test_a_vocabulary_above_max_factor_dim_is_kept_a_wide_embedding_and_a_tied_one_skipped() -> (
@@ -227,3 +235,13 @@ def test_real_runs_send_the_bytes_the_dry_run_counts_for_a_diagonal_factor() -> 
             a, _ = results[0][index]["factors"]["embedding"]
             counts = sum(torch.bincount(tokens(r).reshape(-1), minlength=VOCAB) for r in range(2))
             torch.testing.assert_close(a, counts.float() / counts.sum(), rtol=1e-6, atol=0)
+
+
+def test_a_state_saved_without_embeddings_says_how_to_load_it() -> None:
+    # A state from before embeddings were preconditioned by default has no entry for them.
+    old = dkfac.KFACPreconditioner(Tagger(one_hot=False), skip_layers=("Embedding",), **EXACT)
+    state = old.state_dict()
+    with pytest.raises(ValueError, match=r"missing \['embedding'\].*skip_layers=\('Embedding',\)"):
+        dkfac.KFACPreconditioner(Tagger(one_hot=False), **EXACT).load_state_dict(state)
+    again = dkfac.KFACPreconditioner(Tagger(one_hot=False), skip_layers=("Embedding",), **EXACT)
+    again.load_state_dict(state)

@@ -12,6 +12,7 @@ from torch import nn
 from dkfac.bench.link_shape import LinkShape
 from dkfac.cli.main import main
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
+from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.sim.choice import candidates, kaisa_fractions, rank_candidates
 from dkfac.sim.flops import DeviceRates, LayerWork, flop_profile, resnet50_work
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
@@ -22,7 +23,7 @@ from dkfac.sim.profiling import device_clock, measure_profile
 from dkfac.sim.run import SimulatedCluster, SimulatedRun
 from dkfac.sim.timeline import settings_of, simulate
 from dkfac.sim.validation import compare_rows
-from dkfac.strategies.accounting import plan_strategy
+from dkfac.strategies.accounting import account_strategy, plan_strategy
 from dkfac.strategies.layer_shapes import LayerShape
 
 MB = 1e6
@@ -85,6 +86,33 @@ def profile(**changes: object) -> ComputeProfile:
     }
     values.update(changes)
     return ComputeProfile(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd"])
+def test_a_diagonal_factor_travels_in_the_simulator_as_the_strategies_send_it(
+    strategy: str,
+) -> None:
+    # An embedding's A of 50 tokens, held as its diagonal. On a step that only updates
+    # factors, the busiest uplink sends DDP's gradients and the factor allreduce the dry run
+    # counts (its bytes are checked against real runs in tests/test_embedding_block.py): 50
+    # values for the diagonal, not a 50 x 50 triangle.
+    embedding = LayerProfile("emb", 50, 4, 0.01, 0.15, 0.16, 0.0, 0.0, 0.001, 800, True)
+    given = profile(layers=(embedding, *profile().layers))
+    assert given.shapes[0].dims == (50, 4) and isinstance(given.shapes[0].a_dim, DiagonalSide)
+    assert ComputeProfile.from_dict(json.loads(json.dumps(given.to_dict()))) == given
+    cluster = SimulatedCluster(2, LinkModel(1e6, 1e-4), backend="gloo")
+    run = SimulatedRun(strategy, factor_update_steps=1, inv_update_steps=2)
+
+    def factor_step_bytes(layers: ComputeProfile) -> float:
+        steps = {step.kind: step for step in simulate(layers, cluster, run).steps}
+        return steps["factor"].wire_bytes
+
+    sgd = simulate(given, cluster, SimulatedRun("sgd")).steps[0].wire_bytes
+    (account, _) = account_strategy(strategy, given.shapes, settings_of(given, cluster, run))
+    factors = account.comm["factor_comm/allreduce"]["wire_bytes"]
+    assert factor_step_bytes(given) == sgd + factors
+    dense = profile(layers=(dataclasses.replace(embedding, a_diagonal=False), *profile().layers))
+    assert factor_step_bytes(dense) == sgd + factors + 4 * (50 * 51 // 2 - 50)
 
 
 def test_a_profile_round_trips_through_json_and_bad_ones_are_refused(tmp_path) -> None:

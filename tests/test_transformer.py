@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dkfac
@@ -32,20 +33,24 @@ def test_transformer_is_permutation_aware_through_positions() -> None:
     assert not torch.allclose(model(tokens), model(tokens.flip(1)))
 
 
-def test_kfac_preconditions_every_linear_and_skips_the_rest() -> None:
+def test_kfac_preconditions_every_linear_and_embedding_and_skips_the_rest() -> None:
     torch.manual_seed(0)
     model = TransformerClassifier(vocab_size=13, num_classes=4, d_model=16, heads=2, layers=2)
     pre = dkfac.KFACPreconditioner(model, lr=0.05, damping=0.01)
     linear_names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert len(linear_names) == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per block + head
-    assert {layer.name for layer in pre.layers} == linear_names
+    embeddings = {"token_embedding", "position_embedding"}
+    assert {layer.name for layer in pre.layers} == linear_names | embeddings
     skipped = {s.name: s.kind for s in pre.skipped}
     assert skipped == {
-        name: type(m).__name__
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Embedding, nn.LayerNorm))
+        name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.LayerNorm)
     }
-    assert {"Embedding", "LayerNorm"} == set(skipped.values())
+    assert {"LayerNorm"} == set(skipped.values())
+    # Positions looked up per sequence, not broadcast: both embeddings stay preconditioned.
+    tokens = torch.randint(0, 13, (4, 8), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(tokens), torch.arange(4) % 4).backward()
+    pre.step()
+    assert "broadcast" not in repr(pre)
     pre.remove()
 
 
@@ -161,14 +166,15 @@ def test_transformer_lm_is_causal_and_the_classifier_is_not() -> None:
         assert not torch.allclose(block(x)[:, :6], block(y)[:, :6])  # bidirectional
 
 
-def test_kfac_preconditions_every_linear_of_the_lm() -> None:
+def test_kfac_preconditions_every_linear_and_embedding_of_the_lm() -> None:
     torch.manual_seed(0)
     model = TransformerLM(vocab_size=9, d_model=8, heads=2, layers=2, seq_len=6)
     pre = dkfac.KFACPreconditioner(model, lr=0.05, damping=0.01)
     try:
         linear_names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         assert len(linear_names) == 2 * 6 + 1
-        assert {layer.name for layer in pre.layers} == linear_names
+        embeddings = {"token_embedding", "position_embedding"}
+        assert {layer.name for layer in pre.layers} == linear_names | embeddings
         tokens = torch.randint(0, 9, (4, 7))
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 9), tokens[:, 1:].reshape(-1))

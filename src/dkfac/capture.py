@@ -81,7 +81,7 @@ class StatisticsCapture:
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._pass_starts),
+            model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
         ]
         self._handles += [
@@ -118,10 +118,15 @@ class StatisticsCapture:
         return self
 
     # -- passes -------------------------------------------------------------------------------
-    def _pass_starts(self, module: nn.Module, inputs: Any) -> None:
+    def _pass_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if module is self._model:  # not a deep copy's
             if self._pass_depth == 0:
                 self._passes += 1
+                if self.capturing:  # the batch's examples: the first tensor input's dim 0
+                    inputs = (*args, *kwargs.values())
+                    first = next((x for x in inputs if isinstance(x, Tensor) and x.dim()), None)
+                    if first is not None:
+                        self._usage.pass_started(self._passes, int(first.shape[0]))
             self._pass_depth += 1
 
     def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -160,18 +165,20 @@ class StatisticsCapture:
         # Recorded on every worker, capturing or not, so all workers agree on which layers are
         # used outside their forward (LayerUsage.find_silent).
         training = module.training and torch.is_grad_enabled()
-        self._usage.forward_ran(layer, training=training)
+        x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        pass_id = self._current_pass() if training and x is not None else None
+        rows = int(x.shape[0]) if x is not None and x.dim() > 0 else 1
+        self._usage.forward_ran(layer, training=training, pass_id=pass_id, rows=rows)
         if (
-            not training
+            pass_id is None
+            or x is None
             or not self._strategy.captures(layer)
-            or not inputs
-            or not isinstance(inputs[0], Tensor)
             or not isinstance(output, Tensor)
+            or self._usage.is_broadcast(layer.name)  # no exact factor: passed through
         ):
             return
-        pass_id = self._current_pass()
         with self._recorder.phase("factor_compute"):
-            layer.accumulate_a(inputs[0], pass_id)
+            layer.accumulate_a(x, pass_id)
         self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from dkfac.config import KFACConfig
-from dkfac.curvature.block_types import BlockFactory, make_block
+from dkfac.curvature.block_types import BlockFactory, asked_for, make_block
 from dkfac.curvature.blocks import UnsupportedLayerError
 from dkfac.curvature.factor_side import largest_dense_side
 from dkfac.curvature.factors import GramPrecision
@@ -111,6 +111,11 @@ def discover_layers(
         except UnsupportedLayerError as error:
             if not any(p.requires_grad for p in params):  # frozen: nothing to precondition
                 skipped.append(SkippedModule(name, kind, "parameters do not require grad"))
+                continue
+            if isinstance(module, nn.Embedding) and not asked_for(module, blocks):
+                # Preconditioned by default, not on request: an embedding K-FAC cannot
+                # handle exactly (sparse=True, ...) keeps its plain gradient.
+                skipped.append(SkippedModule(name, kind, f"not preconditioned: {error}"))
                 continue
             raise ValueError(f"layer {name!r} ({kind}): {error}") from None
         if block is None:

@@ -27,6 +27,7 @@ def format_layer_table(
     skipped: Sequence[SkippedModule],
     plan: Mapping[str, Any],
     silent: Collection[str] = (),
+    broadcast: Collection[str] = (),
 ) -> list[str]:
     """One line per module with parameters, in module order, plus the fusion summary.
 
@@ -37,6 +38,8 @@ def format_layer_table(
         plan: the strategy's ``plan()`` (owners per factor, buckets).
         silent: names of layers found used outside their ``forward()``: they have gradients
             but no statistics, and pass their gradients through unpreconditioned.
+        broadcast: names of layers found looked up once and broadcast over the batch:
+            passed through likewise.
     """
     owners: dict[str, dict[str, str]] = {}
     for factor in plan["factors"]:
@@ -54,9 +57,7 @@ def format_layer_table(
                     block.describe(),
                     _factor_size(block.a_dim),
                     _factor_size(block.g_dim),
-                    "passed through: used outside its forward"
-                    if layer.name in silent
-                    else "preconditioned",
+                    _status(layer.name, silent, broadcast),
                     owner.get("A", "")
                     if owner.get("A") == owner.get("G")
                     else f"A:{owner.get('A')} G:{owner.get('G')}",
@@ -94,3 +95,12 @@ def format_layer_table(
 def _factor_size(dim: int) -> str:
     """``"dxd"``, or ``"diag(d)"`` for a factor held as its diagonal."""
     return f"diag({dim})" if is_diagonal(dim) else f"{dim}x{dim}"
+
+
+def _status(name: str, silent: Collection[str], broadcast: Collection[str]) -> str:
+    """A preconditioned layer's status, or why its gradient passes through."""
+    if name in silent:
+        return "passed through: used outside its forward"
+    if name in broadcast:
+        return "passed through: looked up once and broadcast over the batch"
+    return "preconditioned"

@@ -338,8 +338,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             every = config.check_replicas_every
             if every and self._decomposition_steps % every == 0:
                 self._strategy.check_replicas(self._layers)
-        silent = self._usage.silent
-        active = [layer for layer in active if layer.name not in silent]
+        passed = self._usage.passed_through
+        active = [layer for layer in active if layer.name not in passed]
         if active:
             grads = [layer.block.grad_matrix() for layer in active]
             directions = self._strategy.precondition(active, grads, self._damping_at(k))

@@ -111,5 +111,6 @@ class PreconditionerInspection:
             self._skipped,
             self._strategy.plan(),
             silent=self._usage.silent,
+            broadcast=self._usage.broadcast,
         )
         return "\n".join([header, *lines])

@@ -48,8 +48,18 @@ def restore_state(state: Any, layers: Sequence[LayerCurvature], inverse_method: 
     names = {layer.name for layer in layers}
     if set(saved) != names:
         missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
+        embeddings = any(
+            layer.name in missing and layer.block.kind == "Embedding" for layer in layers
+        )
+        hint = (
+            " (a state saved before nn.Embedding was preconditioned by default loads with "
+            "skip_layers=('Embedding',))"
+            if embeddings
+            else ""
+        )
         raise ValueError(
-            f"state_dict layers do not match the model: missing {missing}, unexpected {unexpected}"
+            f"state_dict layers do not match the model: missing {missing}, unexpected "
+            f"{unexpected}{hint}"
         )
     for layer in layers:
         layer.check_state(saved[layer.name], inverse_method)

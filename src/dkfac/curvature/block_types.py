@@ -14,9 +14,17 @@ from dkfac.curvature.blocks import (
     TransposedLinearBlock,
     is_transposed_linear,
 )
+from dkfac.curvature.embedding import EmbeddingBlock
 
 #: A user's block for a module type: called with the module, returns its block.
 BlockFactory = Callable[[nn.Module], KroneckerBlock]
+
+
+def asked_for(module: nn.Module, custom: Mapping[type[nn.Module], BlockFactory] | None) -> bool:
+    """Whether ``custom`` (``blocks=``) names a block for ``module``'s type or a base of it."""
+    if not custom:
+        return False
+    return any(cls in custom for cls in type(module).__mro__)
 
 
 def make_block(
@@ -51,4 +59,8 @@ def make_block(
         return Conv1dBlock(module)
     if is_transposed_linear(module):
         return TransposedLinearBlock(module)
+    # A subclass with its own forward() looks up something other than its input (BART's
+    # learned positions): not an embedding of its input, so not supported by default.
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        return EmbeddingBlock(module)
     return None

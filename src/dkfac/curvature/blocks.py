@@ -65,6 +65,10 @@ class KroneckerBlock(ABC):
 
     kind: str = "?"
     precision: GramPrecision = HIGHEST
+    #: The factors are exact only when the input holds one row per example along dim 0 (an
+    #: embedding's ids): a call whose input was made once and broadcast over the batch is
+    #: detected and passed through (:class:`~dkfac.layer_usage.LayerUsage`).
+    needs_examples_in_dim0: bool = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

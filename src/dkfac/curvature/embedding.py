@@ -19,12 +19,15 @@ from dkfac.curvature.factor_side import DiagonalSide
 class EmbeddingBlock(TransposedLinearBlock):
     """``nn.Embedding``: ``y = onehot(x) W``, ``W`` of ``(num_embeddings, embedding_dim)``.
 
-    Opt-in: ``KFACPreconditioner(model, blocks={nn.Embedding: EmbeddingBlock})``. Only for
-    embeddings whose ids hold one row per example along dim 0 (token ids ``(N, T)``,
-    positions expanded per sequence): one looked up once and broadcast over the batch (Hugging
-    Face's position ids ``(1, T)``) sees the examples' summed output gradient, from which no
-    exact ``G`` exists, and nothing at the layer can tell that case apart; leave such layers
-    out (``skip_layers``).
+    Built for every ``nn.Embedding`` (not for subclasses with their own ``forward``, unless
+    asked for with ``blocks={MyEmbedding: EmbeddingBlock}``, which refuses them). Exact only
+    for ids holding one row per example along dim 0 (token ids ``(N, T)``, positions expanded
+    per sequence): one looked up once and broadcast over the batch (Hugging Face's position
+    ids ``(1, T)``) sees the examples' summed output gradient, from which no exact ``G`` exists.
+    Such a layer is found at the first factor update whose passes can tell (its dim 0 differs
+    from the other layers', :class:`~dkfac.layer_usage.LayerUsage`) and passes its gradient
+    through, with a warning; ids ``(T,)`` with ``T`` equal to the batch size cannot be told
+    apart (skip such a layer by name).
 
     ``A`` is held as its diagonal, a ``num_embeddings``-vector (its side is a
     :class:`~dkfac.curvature.factor_side.DiagonalSide`): every strategy averages and sends the
@@ -40,6 +43,7 @@ class EmbeddingBlock(TransposedLinearBlock):
     """
 
     kind = "Embedding"
+    needs_examples_in_dim0 = True
 
     def __init__(self, module: nn.Embedding) -> None:
         if type(module).forward is not nn.Embedding.forward:

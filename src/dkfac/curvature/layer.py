@@ -177,6 +177,13 @@ class LayerCurvature:
         for factor in self.factors.values():
             factor.statistics.clear()
 
+    def forget(self) -> None:
+        """Drop the statistics, running factors and decomposition (as if never updated)."""
+        self.clear_statistics()
+        for factor in self.factors.values():
+            factor.running = None
+        self.inverse = None
+
     def fold_factor(self, side: str, batch: Tensor, decay: float) -> None:
         """Fold one batch factor into its running average; a non-finite batch is dropped."""
         self.factors[side].fold(batch, decay)

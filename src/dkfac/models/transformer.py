@@ -151,7 +151,7 @@ def _embed(
     if length > seq_len:
         raise ValueError(f"sequence length {length} exceeds seq_len={seq_len}")
     # Looked up per sequence (not once and broadcast): one row per token of every example, as
-    # dkfac's EmbeddingBlock needs where embeddings are preconditioned (blocks=...).
+    # dkfac's EmbeddingBlock needs (a broadcast lookup is detected and passed through).
     positions = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1)
     embedded: torch.Tensor = token_embedding(tokens) + position_embedding(positions)
     return embedded

@@ -24,7 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dkfac.comm.cost_model import CubicCost
-from dkfac.curvature.factor_side import diagonal_flags, factor_values, preconditioning_work
+from dkfac.curvature.factor_side import (
+    diagonal_flags,
+    factor_values,
+    is_diagonal,
+    preconditioning_work,
+)
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.strategies.layer_shapes import LayerShape, resnet50_layer_shapes
 
@@ -144,9 +149,13 @@ def flop_profile(
 
 
 def _statistic_s(rows: int, dim: int, rates: DeviceRates) -> float:
-    """One factor statistic: the ``rows × dim`` operand read and written, and its Gram GEMM."""
+    """One factor statistic: the ``rows × dim`` operand read and written, and its Gram GEMM.
+
+    A diagonal factor (an embedding's counts) needs no product.
+    """
     copy = 2 * FLOAT32_BYTES * rows * dim / rates.memory_bytes_per_s
-    return copy + 2.0 * rows * dim * dim / rates.gemm_flops_per_s
+    gram = 0.0 if is_diagonal(dim) else 2.0 * rows * dim * dim / rates.gemm_flops_per_s
+    return copy + gram
 
 
 def resnet50_work(num_classes: int = 1000, image_size: int = 224) -> list[LayerWork]:

@@ -34,6 +34,7 @@ from dkfac.comm.direct_reduce import reduces_by_sending
 from dkfac.comm.lanes import Lanes
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import IssuedCollective, RecordingCommunicator
+from dkfac.curvature.factor_side import factor_shape, factor_values
 from dkfac.sim.gradient_sync import gradient_sync
 from dkfac.sim.link_schedule import LinkSchedule, ScheduledCollective, Stage
 from dkfac.sim.passes import WorkerPasses, worker_passes
@@ -134,7 +135,7 @@ def _hand_over(
     def hooks(pipeline: FactorPipeline) -> None:
         for slot in sorted(pipeline.slots, key=lambda s: ready[(s.layer, s.side)]):
             comm.clock = ready[(slot.layer, slot.side)]
-            total = torch.zeros((), dtype=dtype).expand(slot.dim, slot.dim)
+            total = torch.zeros((), dtype=dtype).expand(factor_shape(slot.dim))
             pipeline.ready(slot.layer, slot.side, total, 1)
 
     return hooks
@@ -334,16 +335,16 @@ class _RankCompute:
         self.profile = profile
         self.placement = placement
         self.cost = profile.decomposition_cost(method)
-        self._all_d2 = sum(route.dim**2 for route in placement.factors)
+        self._all_values = sum(factor_values(route.dim) for route in placement.factors)
 
     def fold(self, rank: int) -> float:
         """Folding the factors ``rank`` keeps into their running averages."""
         kept = sum(
-            route.dim**2
+            factor_values(route.dim)
             for route in self.placement.factors
             if self.placement.holds_factor(route, rank)
         )
-        return self.profile.factor_update_s * kept / self._all_d2
+        return self.profile.factor_update_s * kept / self._all_values
 
     def decompose(self, rank: int) -> float:
         """Decomposing the factors ``rank`` decomposes."""
