@@ -4,7 +4,7 @@ An embedding's factors are exact only when its ids hold one row per example alon
 Hugging Face models look position embeddings up once, with ids ``(1, T)`` (or ``(T,)``), and
 broadcast them over the batch: the layer's output gradient is then the examples' sum, from
 which no exact factor exists. dkfac finds such a layer at the first factor update whose passes
-can tell (its dim 0 differs from the other layers') and passes its gradient through.
+can tell (its ids' dim 0 differs from the model input's) and passes its gradient through.
 
 Oracles: the same run with the layer skipped by name (``skip_layers``), which must give the
 same parameters, and the plain gradient (passed through) for the layer itself.
@@ -22,6 +22,7 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
+from dkfac.broadcast_check import PER_EXAMPLE_WINDOWS, UNDECIDED_WINDOWS
 
 DT = torch.float64
 VOCAB, DIM, CLASSES, T = 9, 4, 3, 6
@@ -64,7 +65,7 @@ def batch(seed: int, n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
 def train(
     mode: str, sizes: list[int], **options: Any
 ) -> tuple[list[torch.Tensor], list[str], dkfac.KFACPreconditioner]:
-    """Steps of SGD under K-FAC, one batch of each size: parameters, broadcast warnings."""
+    """Steps of SGD under K-FAC, one batch of each size: parameters, K-FAC's warnings."""
     model = PositionalTagger(mode).to(DT)
     pre = dkfac.KFACPreconditioner(model, **EXACT, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -76,7 +77,7 @@ def train(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pre.step()
-        messages += [str(w.message) for w in caught if "broadcast over the batch" in str(w.message)]
+        messages += [str(w.message) for w in caught if "K-FAC" in str(w.message)]
         opt.step()
     return [p.detach().clone() for p in model.parameters()], messages, pre
 
@@ -137,21 +138,69 @@ def test_layers_that_see_other_rows_do_not_make_an_embedding_look_broadcast() ->
     assert BROADCAST not in repr(pre) and pre.layers[0].inverse is not None
 
 
-def test_a_broadcast_layer_keeps_no_factors_and_restores_as_plain() -> None:
+def restored_step(options: dict[str, Any]) -> tuple[list[torch.Tensor], dkfac.KFACPreconditioner]:
+    """Three (1,1) steps, then the state loaded with (2,2) and one more step at step 3.
+
+    Step 3 is no factor update: nothing is decided there, so what was saved must hold.
+    """
+    _, _, pre = train("batch1", [5, 5, 5], **options)
+    model = PositionalTagger("batch1").to(DT)
+    restored = dkfac.KFACPreconditioner(
+        model, **EXACT, **options, factor_update_steps=2, inv_update_steps=2
+    )
+    restored.load_state_dict(pre.state_dict())
+    x, y = batch(7)
+    F.cross_entropy(model(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
+    restored.step()
+    return [p.grad.clone() for p in model.parameters()], restored
+
+
+def test_a_broadcast_layer_keeps_no_factors_and_its_decision_is_restored() -> None:
     _, _, pre = train("batch1", [5, 5])
     positions = next(layer for layer in pre.layers if layer.name == "positions")
     assert positions.factor("a") is None and positions.inverse is None
-    state = pre.state_dict()
-    model = PositionalTagger("batch1").to(DT)
-    restored = dkfac.KFACPreconditioner(model, **EXACT, factor_update_steps=2, inv_update_steps=2)
-    restored.load_state_dict(state)
-    x, y = batch(7)
-    F.cross_entropy(model(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
-    plain = model.positions.weight.grad.clone()
+    assert pre.state_dict()["layer_usage"]["broadcast_check"]["broadcast"] == ["positions"]
+    # Restored, it passes through at once: the KL clipping of the other layers is the
+    # skipped layer's run's (its plain gradient would otherwise enter the clip's sum).
+    grads, restored = restored_step({})
+    skipped, _ = restored_step({"skip_layers": ["^positions$"]})
+    assert BROADCAST in repr(restored)
+    for got, want in zip(grads, skipped, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
+def test_the_check_decides_each_embedding_and_then_stops_asking() -> None:
+    # Per-example lookups are trusted after PER_EXAMPLE_WINDOWS windows that could tell; a
+    # broadcast one at the first window that shows it.
+    _, _, pre = train("batch1", [5] * PER_EXAMPLE_WINDOWS)
+    assert pre._usage.broadcast == {"positions"} and pre._usage.per_example == {"tokens"}
+    _, _, pre = train("expanded", [5] * (PER_EXAMPLE_WINDOWS - 1))
+    assert pre._usage.per_example == set()  # not yet
+    _, _, pre = train("expanded", [5] * PER_EXAMPLE_WINDOWS)
+    assert pre._usage.per_example == {"tokens", "positions"} and pre._usage.broadcast == set()
+
+
+class DictTagger(PositionalTagger):
+    """The batch arrives as a dict (as a Trainer passes it), positions broadcast."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(batch["input_ids"])
+
+
+def test_the_batch_is_found_inside_a_dict_and_silence_is_reported() -> None:
+    model = DictTagger("batch1").to(DT)
+    pre = dkfac.KFACPreconditioner(model, **EXACT)
+    x, y = batch(0)
+    F.cross_entropy(model({"input_ids": x}).reshape(-1, CLASSES), y.reshape(-1)).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        restored.step()  # found again at its first factor update, never preconditioned
-    assert torch.equal(model.positions.weight.grad, plain)
+        pre.step()
+    assert BROADCAST in repr(pre)
+    # One example in every pass tells nothing: after UNDECIDED_WINDOWS windows it says so.
+    _, messages, _ = train("batch1", [1] * UNDECIDED_WINDOWS)
+    assert [m for m in messages if "cannot tell whether layer 'positions'" in m]
+    _, messages, _ = train("batch1", [1] * (UNDECIDED_WINDOWS - 1))
+    assert messages == []
 
 
 def test_one_example_everywhere_tells_nothing_until_a_larger_batch_does() -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_usage import LayerUsage
@@ -122,11 +123,9 @@ class StatisticsCapture:
         if module is self._model:  # not a deep copy's
             if self._pass_depth == 0:
                 self._passes += 1
-                if self.capturing:  # the batch's examples: the first tensor input's dim 0
-                    inputs = (*args, *kwargs.values())
-                    first = next((x for x in inputs if isinstance(x, Tensor) and x.dim()), None)
-                    if first is not None:
-                        self._usage.pass_started(self._passes, int(first.shape[0]))
+                rows = batch_rows(args, kwargs) if self.capturing else None
+                if rows is not None:  # the batch's examples, for the broadcast check
+                    self._usage.pass_started(self._passes, rows)
             self._pass_depth += 1
 
     def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -162,8 +161,9 @@ class StatisticsCapture:
         layer = self._layers[index]
         if self._removed or not self.capturing or module is not layer.block.module:
             return
-        # Recorded on every worker, capturing or not, so all workers agree on which layers are
-        # used outside their forward (LayerUsage.find_silent).
+        # Recorded in a capture window on every worker, whether it captures this layer or not,
+        # so all workers agree on which layers are used outside their forward and which are
+        # broadcast (LayerUsage.find_silent).
         training = module.training and torch.is_grad_enabled()
         x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         pass_id = self._current_pass() if training and x is not None else None

@@ -2,12 +2,9 @@
 
 Some layers have a gradient but never statistics: their parent uses their weight outside their
 ``forward()`` (``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj.weight``). Such a
-layer passes its gradient through. So does a layer whose block needs one input row per
-example (:attr:`~dkfac.curvature.blocks.KroneckerBlock.needs_examples_in_dim0`, an embedding)
-when it is looked up once and broadcast over the batch: Hugging Face's position ids ``(1, T)``
-give it one "example" in a pass where the other layers see ``N``, and its output gradient is
-the examples' sum, from which no exact factor exists. Both are agreed over the workers, so
-every worker decides alike; the checks warn once per kind of trouble.
+layer passes its gradient through. So does an embedding looked up once and broadcast over the
+batch (:mod:`dkfac.broadcast_check`). Both are agreed over the workers, so every worker
+decides alike; the checks warn once per kind of trouble.
 """
 
 from __future__ import annotations
@@ -15,10 +12,12 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from dkfac.broadcast_check import BroadcastCheck
 from dkfac.curvature.layer import LayerCurvature
 
 logger = logging.getLogger(__name__)
@@ -50,15 +49,7 @@ class LayerUsage:
         self._seen_forward: set[str] = set()
         self._silent: set[str] = set()
         self._warned: set[str] = set()
-        # Per forward pass of the window: the model's examples (its first tensor input's
-        # dim 0), and each training call's input dim 0 of the layers that need one row per
-        # example.
-        self._model_rows: dict[int, int] = {}
-        self._examples: dict[int, dict[str, int]] = {}
-        # Layers that need one row per example, once decided: broadcast lookups, or not.
-        self._broadcast: set[str] = set()
-        self._per_example: set[str] = set()
-        self._checked = {layer.name for layer in layers if layer.block.needs_examples_in_dim0}
+        self._broadcast_check = BroadcastCheck(layers, self._warn_once)
 
     @property
     def silent(self) -> frozenset[str]:
@@ -68,20 +59,25 @@ class LayerUsage:
     @property
     def broadcast(self) -> frozenset[str]:
         """Layers looked up once and broadcast over the batch: passed through, not captured."""
-        return frozenset(self._broadcast)
+        return frozenset(self._broadcast_check.broadcast)
+
+    @property
+    def per_example(self) -> frozenset[str]:
+        """Checked layers found to get one row per example (no more evidence is gathered)."""
+        return frozenset(self._broadcast_check.per_example)
 
     def is_broadcast(self, name: str) -> bool:
         """Whether layer ``name`` was found broadcast (checked in the hooks: no copy)."""
-        return name in self._broadcast
+        return name in self._broadcast_check.broadcast
 
     @property
     def passed_through(self) -> frozenset[str]:
         """Every layer whose gradient passes through unpreconditioned."""
-        return frozenset(self._silent | self._broadcast)
+        return frozenset(self._silent | self._broadcast_check.broadcast)
 
     def pass_started(self, pass_id: int, rows: int) -> None:
         """The model's forward pass ``pass_id`` started on a batch of ``rows`` examples."""
-        self._model_rows[pass_id] = rows
+        self._broadcast_check.pass_started(pass_id, rows)
 
     def forward_ran(
         self, layer: LayerCurvature, *, training: bool, pass_id: int | None = None, rows: int = 0
@@ -93,15 +89,13 @@ class LayerUsage:
         """
         self._forwarded.add(layer.name)
         self._trained_forward = self._trained_forward or training
-        if training and pass_id is not None and layer.name in self._checked:
-            seen = self._examples.setdefault(pass_id, {})
-            seen[layer.name] = min(seen.get(layer.name, rows), rows)
+        if training and pass_id is not None:
+            self._broadcast_check.layer_ran(layer.name, pass_id, rows)
 
     def new_window(self) -> None:
         """Forget the current window's forward calls (a loaded state starts a new window)."""
         self._forwarded.clear()
-        self._examples.clear()
-        self._model_rows.clear()
+        self._broadcast_check.clear_window()
         self._trained_forward = False
 
     def check_statistics(self, captured: Sequence[LayerCurvature]) -> None:
@@ -141,9 +135,10 @@ class LayerUsage:
         statistics can exist for it; it passes its gradient through until a later factor
         window sees its forward. The decision is the same on every worker: whether a layer's
         forward ran is OR-ed over the workers (one small collective, only while some layer's
-        forward has never run anywhere), so a layer that only some ranks use in a step is
-        preconditioned everywhere. When no hook ran on any worker (no forward since the last
-        factor update), nothing is decided.
+        forward has never run anywhere or some embedding is not decided by
+        :mod:`dkfac.broadcast_check`, whose evidence travels in it), so a layer that only some
+        ranks use in a step is preconditioned everywhere. When no hook ran on any worker (no
+        forward since the last factor update), nothing is decided.
 
         Args:
             active: the layers that have a gradient this step.
@@ -151,18 +146,16 @@ class LayerUsage:
             device: where the agreement's tensor lives.
         """
         unknown = [layer for layer in self._layers if layer.name not in self._seen_forward]
-        decided = self._broadcast | self._per_example
-        undecided = [layer for layer in self._layers if layer.name in self._checked - decided]
+        undecided = self._broadcast_check.undecided()
         local = [bool(self._forwarded)] + [layer.name in self._forwarded for layer in unknown]
-        local += [flag for layer in undecided for flag in self._broadcast_evidence(layer.name)]
+        local += self._broadcast_check.evidence(undecided)
         self._forwarded.clear()
-        self._examples.clear()
-        self._model_rows.clear()
+        self._broadcast_check.clear_window()
         if not unknown and not undecided:
             self._silent = set()
             return
         ran = any_worker(local, device)
-        self._decide_broadcast(undecided, ran[1 + len(unknown) :])
+        self._broadcast_check.decide(undecided, ran[1 + len(unknown) :])
         if not ran[0]:
             return
         self._seen_forward.update(
@@ -183,46 +176,37 @@ class LayerUsage:
                 f"skip_layers (e.g. skip_layers=[{pattern!r}]) to say so explicitly",
             )
 
-    def _broadcast_evidence(self, name: str) -> tuple[bool, bool]:
-        """Whether this window can tell, and whether it shows ``name`` broadcast.
+    def state(self) -> dict[str, Any]:
+        """What was decided (for ``state_dict``): seen, silent and broadcast layers."""
+        return {
+            "seen_forward": sorted(self._seen_forward),
+            "silent": sorted(self._silent),
+            "broadcast_check": self._broadcast_check.state(),
+        }
 
-        In a forward pass of the model on ``N`` examples (its first tensor input's dim 0),
-        ``name`` looked up once and broadcast has another dim 0 (1 for ids ``(1, T)``, ``T``
-        for ids ``(T,)``). A pass tells when the dims differ, or when ``N > 1`` (over one
-        example a broadcast sums one gradient: exact). Calls outside the model's forward
-        tell nothing.
-        """
-        informative = broadcast = False
-        for pass_id, seen in self._examples.items():
-            examples = self._model_rows.get(pass_id)
-            if name not in seen or examples is None:
-                continue
-            mismatch = seen[name] != examples
-            informative = informative or mismatch or examples > 1
-            broadcast = broadcast or mismatch
-        return informative, broadcast
-
-    def _decide_broadcast(self, undecided: Sequence[LayerCurvature], flags: Sequence[bool]) -> None:
-        """Record the agreed evidence: each layer decided once some worker could tell."""
-        for layer, informative, broadcast in zip(undecided, flags[0::2], flags[1::2], strict=True):
-            if not informative:
-                continue
-            if not broadcast:
-                self._per_example.add(layer.name)
-                continue
-            self._broadcast.add(layer.name)
-            layer.forget()  # what it captured before it could be told is not a factor
-            kind = type(layer.block.module).__name__
-            self._warn_once(
-                f"broadcast:{layer.name}",
-                f"K-FAC layer {layer.name!r} ({kind}) saw another number of examples (dim 0 of "
-                "its input) than the model's forward pass had: it was looked up once and "
-                "broadcast over the batch (e.g. Hugging Face's position ids of shape (1, T)), "
-                "so its output "
-                "gradient is the examples' sum and no exact factor exists. Its gradient passes "
-                "through unpreconditioned and unclipped; add it to skip_layers (e.g. "
-                f"skip_layers=[{f'^{re.escape(layer.name)}$'!r}]) to say so explicitly",
+    def check_state(self, state: Mapping[str, Any] | None) -> None:
+        """Raise ``ValueError`` unless :meth:`load` can take ``state`` (it names our layers)."""
+        state = state or {}
+        names = {layer.name for layer in self._layers}
+        named = {*state.get("seen_forward", ()), *state.get("silent", ())}
+        if not named <= names:
+            raise ValueError(
+                f"state_dict layer_usage names unknown layers: {sorted(named - names)}"
             )
+        self._broadcast_check.check(state.get("broadcast_check"))
+
+    def load(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state` (``None``: a state saved before it existed); a new window.
+
+        Raises:
+            ValueError: as :meth:`check_state`.
+        """
+        self.check_state(state)
+        state = state or {}
+        self._broadcast_check.load(state.get("broadcast_check"))
+        self._seen_forward = set(state.get("seen_forward", ()))
+        self._silent = set(state.get("silent", ()))
+        self.new_window()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

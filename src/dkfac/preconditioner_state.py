@@ -31,6 +31,7 @@ class PreconditionerState:
     def state_dict(self) -> dict[str, Any]:
         """Steps, running factors and decompositions: enough to continue bitwise identically."""
         state = pack_state(self._steps, self.config.inverse_method, self._layers)
+        state["layer_usage"] = self._usage.state()
         if self._adaptive is not None:
             state["adaptive"] = self._adaptive.state()
         return state
@@ -47,10 +48,11 @@ class PreconditionerState:
             self._adaptive.check_state(
                 state.get("adaptive") if isinstance(state, dict) else None, blocks
             )
+        self._usage.check_state(state.get("layer_usage") if isinstance(state, dict) else None)
         self._steps = restore_state(state, self._layers, self.config.inverse_method)
         if self._adaptive is not None:
             self._adaptive.load(state["adaptive"], blocks)
-        self._usage.new_window()
+        self._usage.load(state.get("layer_usage"))  # which layers pass through, decided
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer
         # must be the same on every rank (it decides a collective decomposition step).

@@ -24,8 +24,8 @@ class EmbeddingBlock(TransposedLinearBlock):
     for ids holding one row per example along dim 0 (token ids ``(N, T)``, positions expanded
     per sequence): one looked up once and broadcast over the batch (Hugging Face's position
     ids ``(1, T)``) sees the examples' summed output gradient, from which no exact ``G`` exists.
-    Such a layer is found at the first factor update whose passes can tell (its dim 0 differs
-    from the other layers', :class:`~dkfac.layer_usage.LayerUsage`) and passes its gradient
+    Such a layer is found at the first factor update whose passes can tell (its ids' dim 0
+    differs from the model input's, :mod:`dkfac.broadcast_check`) and passes its gradient
     through, with a warning; ids ``(T,)`` with ``T`` equal to the batch size cannot be told
     apart (skip such a layer by name).
 
