@@ -7,7 +7,8 @@ SGD and every K-FAC strategy at P = 64, schedule (1, 1). The seeds' figures
 (``../shared/ALGORITHMS.md``, issue 14) are printed next to the predictions: D-KFAC's iteration
 (SGD 0.199 s, D-KFAC 0.882 s, of which factor communication 0.300 s), SPD 10-35% and PAD up
 to 36% faster than D-KFAC, DP-KFAC 2.79-3.15x less communication and 1.14-1.47x less memory
-per second-order update than D-KFAC. Writes ``seed_reproduction.json`` to ``--out``.
+per second-order update than D-KFAC. Writes ``seed_reproduction.json`` to ``--out``, and the
+V100-like profile as ``profile_resnet50_v100_<method>.json`` (``dkfac simulate --profile``).
 
 DP-KFAC's paper counts a whole worker: every byte a step sends (the gradients' allreduce
 included) and every byte a worker holds. The simulator's own ratios cover K-FAC's collectives
@@ -187,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         "profile": profile.to_dict(),
     }
     (out / "seed_reproduction.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    # The V100-like profile on its own, for dkfac simulate --profile (other networks, P).
+    profile_path = out / f"profile_resnet50_v100_{args.method}.json"
+    profile.save(profile_path)
     print(f"\nresults: {out / 'seed_reproduction.json'}")
+    print(f"profile: {profile_path} (dkfac simulate --profile)")
     return 0
 
 

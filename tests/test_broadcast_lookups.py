@@ -211,11 +211,11 @@ def test_one_example_everywhere_tells_nothing_until_a_larger_batch_does() -> Non
     assert len(messages) == 1 and BROADCAST in repr(pre)
 
 
-def ranks_run(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+def ranks_run(rank: int, world_size: int, strategy: str, method: str) -> dict[str, Any]:
     """Rank 0 sees one example (it cannot tell), rank 1 five: the ranks must agree."""
     model = PositionalTagger("batch1").to(DT)
     ddp = nn.parallel.DistributedDataParallel(model)
-    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, **EXACT)
+    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, inverse_method=method, **EXACT)
     x, y = batch(rank, 1 if rank == 0 else 5)
     before = model.positions.weight.detach().clone()
     F.cross_entropy(ddp(x).reshape(-1, CLASSES), y.reshape(-1)).backward()
@@ -236,9 +236,12 @@ def plain_gradient(rank: int) -> torch.Tensor:
     return model.positions.weight.grad.clone()
 
 
-@pytest.mark.parametrize("strategy", ["dkfac", "kaisa", "spd", "dp"])
-def test_the_ranks_agree_when_only_one_can_tell(strategy: str) -> None:
-    results = run_workers(ranks_run, 2, args=(strategy,), timeout=120)
+@pytest.mark.parametrize(
+    ("strategy", "method"),
+    [("dkfac", "eigen"), ("kaisa", "eigen"), ("spd", "eigen"), ("pad", "inverse"), ("dp", "eigen")],
+)
+def test_the_ranks_agree_when_only_one_can_tell(strategy: str, method: str) -> None:
+    results = run_workers(ranks_run, 2, args=(strategy, method), timeout=120)
     averaged = (plain_gradient(0) + plain_gradient(1)) / 2  # what DDP hands K-FAC
     for out in results:
         assert BROADCAST in out["repr"]
