@@ -9,6 +9,7 @@ numerics the oracle tests check).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -195,9 +196,8 @@ class GatedProjection(Projection):
     """A subclass: found through the class hierarchy of the ``blocks`` lookup."""
 
 
-def test_blocks_add_a_users_layer_type_as_the_worked_example_in_the_readme() -> None:
-    from dkfac.curvature import LinearBlock
-
+def equals_linear_bit_for_bit(**options: object) -> None:
+    """The user's layers, given ``LinearBlock`` by ``options``, precondition as ``nn.Linear``."""
     torch.manual_seed(4)
     mine = nn.Sequential(Projection(4, 6), nn.Tanh(), GatedProjection(6, 3)).to(DT)
     linear = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
@@ -205,19 +205,15 @@ def test_blocks_add_a_users_layer_type_as_the_worked_example_in_the_readme() -> 
         for a, b in ((mine[0], linear[0]), (mine[2], linear[2])):
             b.weight.copy_(a.weight)
             b.bias.copy_(a.bias)
-    # Without blocks= the user's layer is skipped as an unsupported type.
-    plain = dkfac.KFACPreconditioner(nn.Sequential(Projection(4, 2), nn.Linear(2, 2)))
-    assert [layer.name for layer in plain.layers] == ["1"]
     generator = torch.Generator().manual_seed(5)
     x, t = (
         torch.randn(8, 4, dtype=DT, generator=generator),
         torch.randint(0, 3, (8,), generator=generator),
     )
+    common = {"kl_clip": None, "factor_dtype": DT, "inv_dtype": DT}
     pres = [
-        dkfac.KFACPreconditioner(
-            mine, blocks={Projection: LinearBlock}, kl_clip=None, factor_dtype=DT, inv_dtype=DT
-        ),
-        dkfac.KFACPreconditioner(linear, kl_clip=None, factor_dtype=DT, inv_dtype=DT),
+        dkfac.KFACPreconditioner(mine, **options, **common),  # type: ignore[arg-type]
+        dkfac.KFACPreconditioner(linear, **common),  # type: ignore[arg-type]
     ]
     assert [layer.name for layer in pres[0].layers] == ["0", "2"]
     for model, pre in zip((mine, linear), pres, strict=True):
@@ -225,6 +221,96 @@ def test_blocks_add_a_users_layer_type_as_the_worked_example_in_the_readme() -> 
         pre.step()
     for a, b in zip(mine.parameters(), linear.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def layer_names(model: nn.Module, **options: object) -> list[str]:
+    return [layer.name for layer in dkfac.KFACPreconditioner(model, **options).layers]  # type: ignore[arg-type]
+
+
+def test_blocks_add_a_users_layer_type_as_the_worked_example_in_the_readme() -> None:
+    from dkfac.curvature import LinearBlock
+
+    # Without blocks= the user's layer is skipped as an unsupported type.
+    assert layer_names(nn.Sequential(Projection(4, 2), nn.Linear(2, 2))) == ["1"]
+    equals_linear_bit_for_bit(blocks={Projection: LinearBlock})
+
+
+def test_register_block_adds_a_layer_type_for_every_preconditioner_until_removed() -> None:
+    from dkfac.curvature import LinearBlock
+
+    model = nn.Sequential(Projection(4, 2), nn.Linear(2, 2))
+    registration = dkfac.register_block(Projection, LinearBlock)
+    try:
+        assert layer_names(model) == ["0", "1"]
+        equals_linear_bit_for_bit()  # GatedProjection too: through the class hierarchy
+    finally:
+        registration.remove()
+    assert layer_names(model) == ["1"]
+    registration.remove()  # a second remove() does nothing
+    with dkfac.register_block(Projection, LinearBlock):
+        assert layer_names(model) == ["0", "1"]
+    assert layer_names(model) == ["1"]
+    assert "__dkfac_block_factory__" not in vars(Projection)
+
+
+def test_blocks_come_before_registered_types_and_the_nearest_registration_wins() -> None:
+    from dkfac.curvature import LinearBlock
+
+    made: list[str] = []
+
+    def factory(tag: str) -> Callable[[nn.Module], LinearBlock]:
+        def make(module: nn.Module) -> LinearBlock:
+            made.append(tag)
+            return LinearBlock(module)  # type: ignore[arg-type]  # Projection has Linear's fields
+
+        return make
+
+    model = nn.Sequential(Projection(4, 3), GatedProjection(3, 2))
+    with (
+        dkfac.register_block(Projection, factory("registered base")),
+        dkfac.register_block(GatedProjection, factory("registered subclass")),
+    ):
+        layer_names(model)
+        assert made == ["registered base", "registered subclass"]
+        made.clear()
+        layer_names(model, blocks={Projection: factory("blocks=")})
+        assert made == ["blocks=", "blocks="]  # blocks= first, even for the subclass
+        made.clear()
+        with dkfac.register_block(nn.Linear, factory("over the built-in")):
+            layer_names(nn.Sequential(nn.Linear(2, 2)))
+        assert made == ["over the built-in"]
+    assert layer_names(nn.Sequential(nn.Linear(2, 2))) == ["0"]  # the built-in block again
+
+
+def test_a_registered_embedding_type_is_refused_when_it_cannot_be_handled() -> None:
+    from dkfac.curvature import EmbeddingBlock
+
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    assert layer_names(model) == ["1"]  # by default: skipped with its reason
+    with (
+        dkfac.register_block(nn.Embedding, EmbeddingBlock),
+        pytest.raises(ValueError, match="layer '0' \\(Embedding\\)"),
+    ):
+        layer_names(model)  # asked for: refused, not skipped
+
+
+def test_bad_registrations_are_refused() -> None:
+    from dkfac.curvature import LinearBlock
+
+    with pytest.raises(ValueError, match=r"expected a subclass of torch\.nn\.Module"):
+        dkfac.register_block(int, LinearBlock)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="expected a callable factory"):
+        dkfac.register_block(Projection, "LinearBlock")  # type: ignore[arg-type]
+    with (
+        dkfac.register_block(Projection, LinearBlock),
+        pytest.raises(ValueError, match="Projection already has the block factory"),
+    ):
+        dkfac.register_block(Projection, LinearBlock)
+    with (
+        dkfac.register_block(Projection, lambda m: m),  # type: ignore[arg-type, return-value]
+        pytest.raises(TypeError, match="returned Projection, not a dkfac"),
+    ):
+        layer_names(nn.Sequential(Projection(4, 2)))
 
 
 def test_bad_blocks_are_refused() -> None:

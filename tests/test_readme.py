@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -20,6 +21,7 @@ def test_quickstart_runs_and_learns() -> None:
     lines = code.group(1).strip().splitlines()
     assert len(lines) <= 12, "the quickstart must stay short"
     namespace: dict[str, object] = {}
+    torch.manual_seed(0)  # the README's code draws its initial weights unseeded
     exec(compile(code.group(1), str(README), "exec"), namespace)
     pre, model, x, y = (namespace[k] for k in ("pre", "model", "x", "y"))
     assert pre.steps == 28
@@ -49,6 +51,9 @@ def test_the_adaptive_example_runs_after_the_quickstart_and_learns() -> None:
     codes = [re.search(r"```python\n(.*?)```", block, re.S) for block in blocks]
     assert all(code is not None for code in codes)
     namespace: dict[str, object] = {}
+    # The README's code draws its initial weights unseeded; seeded here so that the check is
+    # one fixed run (over 20 seeds the second pass ends at 84-97% accuracy, 19 of 20 > 90%).
+    torch.manual_seed(0)
     for index, code in enumerate(codes):
         assert code is not None
         exec(compile(code.group(1), str(README), "exec"), namespace)

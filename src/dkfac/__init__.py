@@ -12,6 +12,7 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 from dkfac.adaptive import AdaptiveOptions, AdaptiveReport
 from dkfac.auto import AutoOptions
 from dkfac.config import KFACConfig
+from dkfac.curvature.block_types import BlockRegistration, register_block
 from dkfac.curvature.layer import LayerHealth
 from dkfac.dear.averaging import DeAR
 from dkfac.health import Health
@@ -25,6 +26,7 @@ __all__ = [
     "AdaptiveOptions",
     "AdaptiveReport",
     "AutoOptions",
+    "BlockRegistration",
     "DeAR",
     "Health",
     "KFACConfig",
@@ -33,4 +35,5 @@ __all__ = [
     "PlanReport",
     "SkippedModule",
     "__version__",
+    "register_block",
 ]

@@ -3,7 +3,7 @@
 Nothing in this package talks to other processes; everything is testable in float64.
 """
 
-from dkfac.curvature.block_types import make_block
+from dkfac.curvature.block_types import BlockRegistration, make_block, register_block
 from dkfac.curvature.blocks import (
     Conv2dBlock,
     FactorStatistic,
@@ -36,6 +36,7 @@ from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.layer import LayerCurvature
 
 __all__ = [
+    "BlockRegistration",
     "CholeskyFactor",
     "Conv2dBlock",
     "DiagonalEigenFactor",
@@ -60,6 +61,7 @@ __all__ = [
     "decompose_factors",
     "kl_clip_scale",
     "make_block",
+    "register_block",
     "tikhonov_shifts",
     "trace_mean",
 ]
