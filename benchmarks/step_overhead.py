@@ -10,6 +10,11 @@ process and measures how much a K-FAC step adds to an SGD iteration:
   inverse periods (the default of 100 iterations holds exactly one decomposition and ten
   factor updates), so the amortized cost contains the rare expensive steps in the right
   proportion;
+* ``--compile`` adds each configuration again with the model under ``torch.compile`` (the
+  default Inductor backend; TorchDynamo's caches reset for each, so every compiled model gets
+  its own graphs, compiled in its warm-up); a compiled K-FAC configuration's overhead is taken
+  against compiled SGD, and its TorchDynamo graph breaks and frames that fell back to eager
+  are recorded (dkfac's hooks compile into the model's graph: none expected);
 * the configurations run interleaved in rounds (the order rotates from round to round), so a
   slow phase of the machine hits all of them; the overhead of a K-FAC configuration is
   computed within a round against that round's SGD and then reduced by the median over rounds.
@@ -18,6 +23,7 @@ Usage::
 
     .venv/bin/python benchmarks/step_overhead.py            # full run (a few minutes)
     .venv/bin/python benchmarks/step_overhead.py --quick    # smoke test
+    .venv/bin/python benchmarks/step_overhead.py --compile  # eager and compiled side by side
 
 The printed table and a JSON file with every raw per-iteration time are the output.
 """
@@ -42,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 import dkfac
 from dkfac.bench.configs import git_commit
@@ -77,6 +84,23 @@ class Configuration:
     inverse_method: str | None = None
     factor_update_steps: int = 1
     inv_update_steps: int = 1
+    compiled: bool = False
+
+    @property
+    def baseline(self) -> str:
+        """Key of the SGD configuration its overhead is taken against (compiled or not)."""
+        return SGD_COMPILED.key if self.compiled else SGD.key
+
+    def compiled_twin(self) -> Configuration:
+        """The same configuration with the model under ``torch.compile``."""
+        return Configuration(
+            f"{self.key}_compiled",
+            f"{self.label} compiled",
+            self.inverse_method,
+            self.factor_update_steps,
+            self.inv_update_steps,
+            compiled=True,
+        )
 
     @property
     def kfac(self) -> bool:
@@ -90,6 +114,7 @@ class Configuration:
 
 
 SGD = Configuration("sgd", "SGD")
+SGD_COMPILED = Configuration("sgd_compiled", "SGD compiled", compiled=True)
 CONFIGURATIONS: tuple[Configuration, ...] = (
     SGD,
     Configuration("kfac_eigen_1_1", "K-FAC eigen (1,1)", "eigen", 1, 1),
@@ -114,6 +139,7 @@ class Window:
     inverse_updates: int | None
     whole_periods: bool
     final_loss: float
+    dynamo_trouble: dict[str, Any] | None = None
 
     @property
     def amortized_s(self) -> float:
@@ -140,6 +166,7 @@ class Window:
             "inverse_updates_in_window": self.inverse_updates,
             "whole_periods": self.whole_periods,
             "final_loss": self.final_loss,
+            "dynamo_trouble": self.dynamo_trouble,
             "iter_s": self.iter_s,
             "fwd_bwd_s": self.fwd_bwd_s,
             "pre_step_s": self.pre_step_s,
@@ -172,6 +199,10 @@ def time_configuration(
     model = resnet20(num_classes=NUM_CLASSES)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if config.compiled:
+        torch._dynamo.reset()  # its own graphs (and recompile budget) for this fresh model
+        counters.clear()
+        model = torch.compile(model)  # type: ignore[assignment]
     pre: dkfac.KFACPreconditioner | None = None
     if config.inverse_method is not None:
         pre = dkfac.KFACPreconditioner(
@@ -231,6 +262,14 @@ def time_configuration(
         factor_updates = count_schedule_hits(config.factor_update_steps, warmup, iters)
         inverse_updates = count_schedule_hits(config.inv_update_steps, warmup, iters)
         whole_periods = iters % config.inv_update_steps == 0
+    trouble = None
+    if config.compiled:
+        trouble = {
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "unimplemented": sum(counters["unimplemented"].values()),
+            "frames_not_ok": counters["frames"]["total"] - counters["frames"]["ok"],
+            "unique_graphs": counters["stats"]["unique_graphs"],
+        }
     return Window(
         iters=iters,
         warmup=warmup,
@@ -243,6 +282,7 @@ def time_configuration(
         inverse_updates=inverse_updates,
         whole_periods=whole_periods,
         final_loss=final_loss,
+        dynamo_trouble=trouble,
     )
 
 
@@ -291,10 +331,12 @@ def summarize(
             "opt_step_s": statistics.median(statistics.fmean(w.opt_step_s) for w in windows),
             "overhead_pct": None,
             "overhead_pct_per_round": None,
+            "dynamo_trouble": [w.dynamo_trouble for w in windows] if config.compiled else None,
         }
-        if config.kfac and all(SGD.key in r for r in rounds):
+        if config.kfac and all(config.baseline in r for r in rounds):
             per_round = [
-                100.0 * (r[config.key].amortized_s / r[SGD.key].amortized_s - 1.0) for r in rounds
+                100.0 * (r[config.key].amortized_s / r[config.baseline].amortized_s - 1.0)
+                for r in rounds
             ]
             entry["overhead_pct_per_round"] = per_round
             entry["overhead_pct"] = statistics.median(per_round)
@@ -350,7 +392,8 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     )
     lines.append(
         "overhead = amortized K-FAC / amortized SGD of the same round - 1 (median over "
-        "rounds); split columns = mean ms per iteration."
+        "rounds; a compiled configuration against compiled SGD); split columns = mean ms per "
+        "iteration."
     )
     return "\n".join(lines)
 
@@ -415,6 +458,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--json", type=Path, default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})"
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 round, few iterations")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also every configuration with the model under torch.compile (Inductor)",
+    )
     args = parser.parse_args(argv)
     defaults = (
         {"rounds": 1, "warmup": 1, "iters": 20, "iters_short": 4}
@@ -441,6 +489,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run all rounds and return the JSON-ready report."""
     x, y = make_batch(args.batch_size, args.seed)
     configs = list(CONFIGURATIONS)
+    if args.compile:
+        configs += [config.compiled_twin() for config in CONFIGURATIONS]
     rounds: list[dict[str, Window]] = []
     orders: list[list[str]] = []
     for index in range(args.rounds):
@@ -466,16 +516,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(configs, rounds)
     verdicts = evaluate_targets(summary)
     raw_rounds = []
+    by_key = {config.key: config for config in configs}
     for index, windows in enumerate(rounds):
-        sgd_amortized = windows[SGD.key].amortized_s
         raw_rounds.append(
             {
                 "round": index,
                 "order": orders[index],
                 "overhead_pct": {
-                    key: 100.0 * (w.amortized_s / sgd_amortized - 1.0)
+                    key: 100.0 * (w.amortized_s / windows[by_key[key].baseline].amortized_s - 1.0)
                     for key, w in windows.items()
-                    if key != SGD.key
+                    if by_key[key].kfac
                 },
                 "windows": {key: w.to_json() for key, w in windows.items()},
             }
@@ -497,6 +547,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lr": LR,
             "momentum": MOMENTUM,
             "quick": args.quick,
+            "compile": args.compile,
             "gc_disabled_in_window": True,
             "fwd_bwd_includes_zero_grad": True,
         },
@@ -507,6 +558,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "inverse_method": c.inverse_method,
                 "factor_update_steps": c.factor_update_steps if c.kfac else None,
                 "inv_update_steps": c.inv_update_steps if c.kfac else None,
+                "compiled": c.compiled,
             }
             for c in configs
         ],
@@ -540,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(format_table(report["summary"]))
+    for entry in report["summary"].values():
+        if entry["dynamo_trouble"] is not None:
+            print(f"{entry['label']}: TorchDynamo per round: {entry['dynamo_trouble']}")
     print()
     like_for_like = args.threads == 1 and args.batch_size == 32
     print(format_targets(report["targets"], report["summary"], like_for_like=like_for_like))

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import dkfac
@@ -30,6 +31,7 @@ from distributed_harness import run_workers
 from dkfac.comm import ClusterCostModel
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from dkfac.curvature import EmbeddingBlock
+from dynamo_trouble import dynamo_trouble
 from test_oracle_numerics import assert_close, conv_patches
 
 DT = torch.float64
@@ -242,6 +244,10 @@ def distributed_run(
         model = build_model(config["model"])
         # DDP needs a static graph to see a parameter used in several reentrant backwards.
         static = config["model"].endswith("reentrant")
+        if config.get("compiled"):  # inside DDP: DDP's own forward breaks a graph around it
+            torch._dynamo.reset()
+            counters.clear()
+            model = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
         ddp = nn.parallel.DistributedDataParallel(model, static_graph=static)
         pre = dkfac.KFACPreconditioner(
             ddp,
@@ -257,6 +263,7 @@ def distributed_run(
                 "params": [p.detach().clone() for p in model.parameters()],
                 "factors": held_factors(pre),
                 "plan": pre.plan(),
+                "dynamo_trouble": dynamo_trouble(),
             }
         )
         pre.remove()
@@ -279,6 +286,32 @@ def test_every_strategy_equals_local_on_the_global_batch_with_shared_layers(
 ) -> None:
     configs = shared_configs(world_size)
     results = run_workers(distributed_run, world_size, args=(configs,), timeout=280)
+    assert_each_equals_local(configs, results, world_size)
+
+
+def test_compiled_models_equal_local_on_the_global_batch_without_graph_breaks() -> None:
+    """``DDP(torch.compile(model))`` (aot_eager) at P = 2: the compiled hooks' statistics, added
+    at ``step()`` (docs/architecture.md), give every strategy the eager ``local`` run's factors
+    and parameters; TorchDynamo breaks no graph in dkfac's hooks."""
+    configs = [
+        {"strategy": "dkfac", "method": "eigen", "model": "twice", "schedule": "regular"},
+        {"strategy": "kaisa", "method": "inverse", "model": "embedding", "schedule": "regular"},
+        {"strategy": "spd", "method": "eigen", "model": "twice", "schedule": "mismatched"},
+        {"strategy": "pad", "method": "eigen", "model": "branches", "schedule": "regular"},
+        {"strategy": "dp", "method": "eigen", "model": "loop", "schedule": "regular"},
+    ]
+    configs = [{**config, "compiled": True} for config in configs]
+    results = run_workers(distributed_run, 2, args=(configs,), timeout=200)
+    assert_each_equals_local(configs, results, 2)
+    for rank in range(2):
+        for config, result in zip(configs, results[rank], strict=True):
+            assert result["dynamo_trouble"] == {}, (config, rank)
+
+
+def assert_each_equals_local(
+    configs: list[dict[str, Any]], results: list[list[dict[str, Any]]], world_size: int
+) -> None:
+    """Each config's parameters and factors on every rank equal ``local``'s (DP: on a shard)."""
     for index, config in enumerate(configs):
         label = f"{config} P={world_size}"
         if config["strategy"] == "dp":

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
 from dkfac.strategies import Strategy
@@ -51,6 +52,8 @@ class StatisticsCapture:
         loss_reduction: ``"mean"`` or ``"sum"``, passed on to the strategy.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out of ``G``, or None.
         capturing: whether the first window captures.
+        compiled: the model runs under ``torch.compile``: make the buffers of
+            :class:`~dkfac.deferred_statistics.DeferredStatistics` now.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class StatisticsCapture:
         loss_reduction: str,
         grad_scaler: Any | None,
         capturing: bool,
+        compiled: bool = False,
     ) -> None:
         self.capturing = capturing
         self._model = model
@@ -75,12 +79,18 @@ class StatisticsCapture:
         self._grad_scaler = grad_scaler
         self._removed = False
         self._window_scale: float | None = None
-        # Forward passes of the model: a layer's examples count once per pass. Calls made
-        # outside the model's forward are passes of their own.
-        self._passes = 0
-        self._pass_depth = 0
+        # Forward passes of the model in this window ("number": a layer's examples count once
+        # per pass; calls made outside the model's forward are passes of their own) and the
+        # nesting of the model's forward ("depth"). Items of a dict, not attributes: TorchDynamo
+        # (torch 2.13) drops attribute stores traced after a hook is registered on a tensor of
+        # the graph (the compiled hooks register one per layer), dict stores it keeps.
+        self._pass = {"number": 0, "depth": 0}
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
+        # Statistics of compiled forward passes, added to the layers at the window's step().
+        self._deferred = DeferredStatistics(self._layers)
+        if compiled:
+            self._deferred.prepare()
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
@@ -99,9 +109,23 @@ class StatisticsCapture:
         finally:
             self.capturing = capturing
 
+    def fold_deferred(self) -> None:
+        """Add what compiled forward passes captured in this window to the layers."""
+
+        def heard(layer: LayerCurvature, side: str) -> None:
+            self._strategy.statistic_added(layer, side, self._loss_reduction)
+
+        self._deferred.fold(self._loss_scale(), heard)
+
     def end_window(self) -> None:
-        """The factor window ended: the loss scale is read again in the next one."""
+        """The factor window ended: the loss scale is read again, passes count from 1 again.
+
+        Pass numbers only tell the passes of one window apart; starting each window from the
+        same number keeps what compiled hooks see the same from window to window.
+        """
         self._window_scale = None
+        self._pass["number"] = 0
+        self._recomputing = None
 
     def remove(self) -> None:
         """Detach every hook; hooks still referenced elsewhere do nothing from now on."""
@@ -121,16 +145,16 @@ class StatisticsCapture:
     # -- passes -------------------------------------------------------------------------------
     def _pass_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if module is self._model:  # not a deep copy's
-            if self._pass_depth == 0:
-                self._passes += 1
-                rows = batch_rows(args, kwargs) if self.capturing else None
+            if self._pass["depth"] == 0 and self.capturing:
+                self._pass["number"] += 1
+                rows = batch_rows(args, kwargs)
                 if rows is not None:  # the batch's examples, for the broadcast check
-                    self._usage.pass_started(self._passes, rows)
-            self._pass_depth += 1
+                    self._usage.pass_started(self._pass["number"], rows)
+            self._pass["depth"] += 1
 
     def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if module is self._model and self._pass_depth > 0:
-            self._pass_depth -= 1
+        if module is self._model and self._pass["depth"] > 0:
+            self._pass["depth"] -= 1
 
     def _current_pass(self) -> int:
         """The model's forward pass in progress; outside one, a new pass for this call.
@@ -141,16 +165,16 @@ class StatisticsCapture:
         only capture of the segment (its first forward ran without gradients); counted a pass
         per call, a layer used in several segments would count its examples once per use.
         """
-        if self._pass_depth > 0:
-            return self._passes
+        if self._pass["depth"] > 0:
+            return self._pass["number"]
         backward = current_backward_id()
         if backward is not None:
             if self._recomputing is None or self._recomputing[0] != backward:
-                self._passes += 1
-                self._recomputing = (backward, self._passes)
+                self._pass["number"] += 1
+                self._recomputing = (backward, self._pass["number"])
             return self._recomputing[1]
-        self._passes += 1
-        return self._passes
+        self._pass["number"] += 1
+        return self._pass["number"]
 
     # -- statistics ---------------------------------------------------------------------------
     def _forward_hook(
@@ -176,6 +200,18 @@ class StatisticsCapture:
             or not isinstance(output, Tensor)
             or self._usage.is_broadcast(layer.name)  # no exact factor: passed through
         ):
+            return
+        if torch.compiler.is_compiling():
+            # Traced into the model's graph: tensor work only, the bookkeeping at step().
+            if not self._deferred.used:
+                raise RuntimeError(
+                    "K-FAC's hooks are being compiled, but the preconditioner was built for an "
+                    "eager model: build it from the compiled model (torch.compile(model) or "
+                    "model.compile() first)"
+                )
+            self._deferred.add_a(index, pass_id, x)
+            if output.requires_grad:
+                self._deferred.watch_g(index, pass_id, output)
             return
         with self._recorder.phase("factor_compute"):
             layer.accumulate_a(x, pass_id)

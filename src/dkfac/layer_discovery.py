@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from torch import nn
 
@@ -28,17 +28,42 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     Raises:
         ValueError: a sharded model (:func:`refuse_sharded_parameters`).
     """
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    while True:
-        compiled = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(model, wrappers):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(compiled, nn.Module):
-            model = compiled
-        else:
-            break
+    model = list(_wrapped(model))[-1]
     refuse_sharded_parameters(model)
     return model
+
+
+def _wrapped(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each module it wraps (DDP, DataParallel, torch.compile), outer first."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while True:
+        yield model
+        compiled = getattr(model, "_orig_mod", None)
+        if isinstance(model, wrappers):
+            model = model.module
+        elif _is_optimized_module(model) and isinstance(compiled, nn.Module):
+            model = compiled
+        else:
+            return
+
+
+def _is_optimized_module(model: nn.Module) -> bool:
+    """Whether ``model`` is what ``torch.compile(module)`` returns."""
+    return type(model).__name__ == "OptimizedModule"
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs under ``torch.compile``.
+
+    Wrapped by it (at any depth of DDP wrappers), or any of its modules compiled in place
+    (``module.compile()``).
+    """
+    wrapped = list(_wrapped(model))
+    if any(_is_optimized_module(module) for module in wrapped):
+        return True
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None for module in wrapped[-1].modules()
+    )
 
 
 def refuse_sharded_parameters(model: nn.Module) -> None:

@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
@@ -15,11 +14,15 @@ from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.layer_discovery import check_layers_unchanged, discover_layers, unwrap_model
+from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
-from dkfac.preconditioner_arguments import check_blocks, refuse_conflicting_arguments
+from dkfac.preconditioner_arguments import (
+    check_blocks,
+    refuse_conflicting_arguments,
+    refuse_unagreed_adaptive,
+)
 from dkfac.preconditioner_inspection import PreconditionerInspection
 from dkfac.preconditioner_state import PreconditionerState
 from dkfac.strategies import StrategyOptions
@@ -201,13 +204,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
         self._adaptive = None
-        if adaptive is not None and self._strategy.comm is None and _world_size() > 1:
-            self._strategy.close()
-            raise ValueError(
-                f"adaptive is not allowed with strategy={self._strategy.name!r} on "
-                f"{_world_size()} processes: each would choose its own step and damping; use "
-                "a distributed strategy (e.g. 'dkfac'), which agrees them"
-            )
+        refuse_unagreed_adaptive(adaptive, self._strategy)
         if adaptive is not None:
             self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
         self._hook = None
@@ -227,6 +224,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             loss_reduction=loss_reduction,
             grad_scaler=grad_scaler,
             capturing=self._is_factor_step(0),
+            compiled=is_compiled(model),
         )
 
     # -- schedule -----------------------------------------------------------------------------
@@ -312,6 +310,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         capture_next = self._is_factor_step(k + 1)
         skipped = False
         if factor_step:
+            self._capture.fold_deferred()
             self._usage.check_statistics(
                 [layer for layer in self._layers if self._strategy.captures(layer)]
             )
@@ -393,8 +392,3 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
 def _arguments(inputs: Any) -> tuple[Any, ...]:
     """The model's positional arguments: a tuple as given, anything else as the only one."""
     return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
-def _world_size() -> int:
-    """Processes of the default group (1 without ``torch.distributed``)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
+
+from dkfac.strategies import Strategy
 
 
 def refuse_conflicting_arguments(
@@ -30,6 +33,25 @@ def refuse_conflicting_arguments(
         raise ValueError(
             "optimizer is not allowed with adaptive: adaptive K-FAC's step needs the batch "
             "(call pre.step(inputs, targets) before optimizer.step())"
+        )
+
+
+def refuse_unagreed_adaptive(adaptive: Any | None, strategy: Strategy) -> None:
+    """Refuse adaptive K-FAC on several processes with a strategy that does not communicate.
+
+    Each process would choose its own step and damping. ``strategy`` is closed first (it may
+    have made a process group).
+
+    Raises:
+        ValueError: naming the strategy and the number of processes.
+    """
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if adaptive is not None and strategy.comm is None and processes > 1:
+        strategy.close()
+        raise ValueError(
+            f"adaptive is not allowed with strategy={strategy.name!r} on {processes} processes: "
+            "each would choose its own step and damping; use a distributed strategy (e.g. "
+            "'dkfac'), which agrees them"
         )
 
 

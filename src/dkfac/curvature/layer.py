@@ -104,15 +104,8 @@ class LayerCurvature:
 
     # -- statistics ---------------------------------------------------------------------
     def accumulate_a(self, x: Tensor, pass_id: int) -> None:
-        """Add the input statistics of one forward call made in forward pass ``pass_id``.
-
-        Computed in ``factor_dtype`` even inside ``torch.autocast`` (which would run the Gram
-        products in bfloat16/float16); ``statistics_precision="bf16"`` rounds the operands on
-        purpose and still sums in float32.
-        """
-        with torch.autocast(x.device.type, enabled=False):
-            statistic = self._in_factor_dtype(self.block.a_statistic(x.detach(), self.factor_dtype))
-        self.factors["a"].statistics.add(statistic, pass_id)
+        """Add the input statistics of one forward call made in forward pass ``pass_id``."""
+        self.add_statistic("a", self.a_statistic(x), pass_id)
 
     def accumulate_g(self, dy: Tensor, pass_id: int, grad_scale: float | None = None) -> None:
         """Add the output-gradient statistics of one backward call.
@@ -123,12 +116,36 @@ class LayerCurvature:
                 many times the layer ran in it.
             grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
         """
-        with torch.autocast(dy.device.type, enabled=False):
-            statistic = self._in_factor_dtype(
-                self.block.g_statistic(dy.detach(), self.factor_dtype)
-            )
-        scale = 1.0 if grad_scale is None else 1.0 / (grad_scale * grad_scale)
-        self.factors["g"].statistics.add(statistic, pass_id, scale)
+        self.add_statistic("g", self.g_statistic(dy), pass_id, grad_scale)
+
+    def a_statistic(self, x: Tensor) -> FactorStatistic:
+        """The input statistic of one forward call, its sum in ``factor_dtype``.
+
+        Computed in ``factor_dtype`` even inside ``torch.autocast`` (which would run the Gram
+        products in bfloat16/float16); ``statistics_precision="bf16"`` rounds the operands on
+        purpose and still sums in float32. ``x`` may be a ``meta`` tensor (counts only).
+        """
+        with torch.autocast(self.block.weight.device.type, enabled=False):
+            return self._in_factor_dtype(self.block.a_statistic(x.detach(), self.factor_dtype))
+
+    def g_statistic(self, dy: Tensor) -> FactorStatistic:
+        """The output-gradient statistic of one backward call (as :meth:`a_statistic`)."""
+        with torch.autocast(self.block.weight.device.type, enabled=False):
+            return self._in_factor_dtype(self.block.g_statistic(dy.detach(), self.factor_dtype))
+
+    def add_statistic(
+        self,
+        side: str,
+        statistic: FactorStatistic,
+        pass_id: int,
+        grad_scale: float | None = None,
+    ) -> None:
+        """Add one call's statistic of factor ``side``, made in forward pass ``pass_id``.
+
+        ``grad_scale``: a ``GradScaler``'s loss scale that ``G``'s output gradients carried.
+        """
+        scale = 1.0 if grad_scale is None or side == "a" else 1.0 / (grad_scale * grad_scale)
+        self.factors[side].statistics.add(statistic, pass_id, scale)
 
     def _in_factor_dtype(self, statistic: FactorStatistic) -> FactorStatistic:
         """``statistic`` with its sum in ``factor_dtype`` (a user's block may return another)."""

@@ -1,0 +1,135 @@
+"""Factor statistics captured inside a compiled graph, added to the layers at ``step()``.
+
+Under ``torch.compile`` TorchDynamo traces dkfac's hooks into the model's graph. A hook that
+changes Python state in the backward pass cannot be traced (the output-gradient hook of the
+eager path adds to a layer's :class:`~dkfac.curvature.statistics.FactorStatistics` and tells
+the strategy), and state the forward hook reads that grows from step to step (a pass counter,
+a running sum) makes TorchDynamo recompile. So, while compiling, the hooks only do tensor
+work: each call's ``Σ a aᵀ`` and (from its output-gradient hook) ``Σ dy dyᵀ`` are added into
+one buffer per layer and factor, made before the window on the eager side, and the forward
+hook records the call (layer, pass, the input's and output's shapes). At the window's
+``step()``, :meth:`DeferredStatistics.fold` adds each buffer to its layer as the eager hooks
+would have, with each call's rows and examples from its block (on ``meta`` tensors of the
+recorded shapes: every block counts them as it does for real tensors), and tells the strategy.
+What the hooks do in one window is then the same every window, and the graph is reused.
+
+A pipelined strategy hears of the statistics at ``step()`` instead of during the backward pass:
+the same factors, without the overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.blocks import FactorStatistic
+from dkfac.curvature.layer import LayerCurvature
+
+#: ``on_statistic(layer, side)``: the strategy hears of one added statistic.
+StatisticListener = Callable[[LayerCurvature, str], None]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One captured call: its layer, factor side, forward pass and the tensor it came from."""
+
+    index: int
+    side: str
+    pass_id: int
+    shape: torch.Size
+
+
+class DeferredStatistics:
+    """Per layer, the window's ``A`` and ``G`` sums of calls captured while compiling.
+
+    Args:
+        layers: the preconditioned layers (indexed as the capture hooks index them).
+    """
+
+    def __init__(self, layers: Sequence[LayerCurvature]) -> None:
+        self._layers = list(layers)
+        self._sums: dict[tuple[int, str], Tensor] = {}
+        # Backward calls that reached each layer's G buffer (counted by the hook itself).
+        self._backward_calls: dict[int, Tensor] = {}
+        self._calls: list[_Call] = []
+
+    @property
+    def used(self) -> bool:
+        """Whether a compiled forward has captured anything (buffers exist from then on)."""
+        return bool(self._sums)
+
+    def prepare(self) -> None:
+        """Make the zeroed buffers of every layer, on the eager side, before a window."""
+        for index, layer in enumerate(self._layers):
+            for side in ("a", "g"):
+                self._sums[index, side] = layer.zeros(side)
+            device = layer.block.weight.device
+            self._backward_calls[index] = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add_a(self, index: int, pass_id: int, x: Tensor) -> None:
+        """While compiling: add ``Σ a aᵀ`` of one forward call of layer ``index``."""
+        self._sums[index, "a"].add_(self._layers[index].a_statistic(x).total)
+        self._calls.append(_Call(index, "a", pass_id, x.shape))
+
+    def watch_g(self, index: int, pass_id: int, output: Tensor) -> None:
+        """While compiling: add ``Σ dy dyᵀ`` of ``output``'s gradient when it comes."""
+        layer, total = self._layers[index], self._sums[index, "g"]
+        calls = self._backward_calls[index]
+
+        def add_g(grad: Tensor) -> None:
+            # Tensor work on buffers made outside the graph only: TorchDynamo traces this
+            # into the backward graph.
+            total.add_(layer.g_statistic(grad).total)
+            calls.add_(1)
+
+        output.register_hook(add_g)  # type: ignore[no-untyped-call]
+        self._calls.append(_Call(index, "g", pass_id, output.shape))
+
+    def fold(self, grad_scale: float | None, on_statistic: StatisticListener) -> None:
+        """Add the window's sums to the layers, as the eager hooks would have; zero the buffers.
+
+        Args:
+            grad_scale: the ``GradScaler``'s loss scale of the window (``G`` is divided by its
+                square), or ``None``.
+            on_statistic: called once per added statistic, as the eager hooks call the strategy.
+
+        Raises:
+            RuntimeError: an output gradient reached a layer for some of its recorded calls but
+                not all (their rows and examples cannot be told apart).
+        """
+        if not self._calls:
+            return
+        calls, self._calls = self._calls, []
+        recorded_g = {call.index: 0 for call in calls if call.side == "g"}
+        for call in calls:
+            if call.side == "g":
+                recorded_g[call.index] += 1
+        reached = {index: int(self._backward_calls[index]) for index in recorded_g}
+        for index, expected in recorded_g.items():
+            if reached[index] not in (0, expected):
+                name = self._layers[index].name
+                raise RuntimeError(
+                    f"K-FAC layer {name!r} under torch.compile: its output gradient came for "
+                    f"{reached[index]} of its {expected} calls in this window; which calls it "
+                    "came for cannot be told in a compiled graph, so G has no exact count"
+                )
+        first: set[tuple[int, str]] = set()
+        for call in calls:
+            if call.side == "g" and reached[call.index] == 0:
+                continue  # no backward reached it: no G, as with the eager hooks
+            layer = self._layers[call.index]
+            key = (call.index, call.side)
+            # Each call's rows and examples, as its block counts them, on a tensor of no data.
+            shaped = torch.empty(call.shape, device="meta")
+            counted = layer.a_statistic(shaped) if call.side == "a" else layer.g_statistic(shaped)
+            # The window's whole sum rides on the layer's first call, zeros on the others.
+            total = self._sums[key].clone() if key not in first else torch.zeros(())
+            first.add(key)
+            statistic = FactorStatistic(total, counted.rows, counted.examples)
+            layer.add_statistic(call.side, statistic, call.pass_id, grad_scale)
+            on_statistic(layer, call.side)
+        for buffer in (*self._sums.values(), *self._backward_calls.values()):
+            buffer.zero_()
