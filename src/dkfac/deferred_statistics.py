@@ -9,9 +9,14 @@ work: each call's ``Σ a aᵀ`` and (from its output-gradient hook) ``Σ dy dy�
 one buffer per layer and factor, made before the window on the eager side, and the forward
 hook records the call (layer, pass, the input's and output's shapes). At the window's
 ``step()``, :meth:`DeferredStatistics.fold` adds each buffer to its layer as the eager hooks
-would have, with each call's rows and examples from its block (on ``meta`` tensors of the
-recorded shapes: every block counts them as it does for real tensors), and tells the strategy.
+would have, with each call's rows and examples from its block, and tells the strategy.
 What the hooks do in one window is then the same every window, and the graph is reused.
+
+A block counts rows and examples from the shape alone, but only computing its statistic says
+what they are: the first time a layer records a shape, :meth:`DeferredStatistics.fold` computes
+the statistic of zeros of that shape on the eager side, once, and keeps the counts. That
+eager call also makes what the block prepares outside a graph (a convolution's stride-1 index
+plan), so from the next window on the compiled hooks use it too (one recompilation).
 
 A pipelined strategy hears of the statistics at ``step()`` instead of during the backward pass:
 the same factors, without the overlap.
@@ -40,6 +45,7 @@ class _Call:
     side: str
     pass_id: int
     shape: torch.Size
+    dtype: torch.dtype
 
 
 class DeferredStatistics:
@@ -55,6 +61,8 @@ class DeferredStatistics:
         # Backward calls that reached each layer's G buffer (counted by the hook itself).
         self._backward_calls: dict[int, Tensor] = {}
         self._calls: list[_Call] = []
+        # (layer, side, shape, dtype) -> (rows, examples) of one call, as its block counts them.
+        self._counts: dict[tuple[int, str, torch.Size, torch.dtype], tuple[int, int]] = {}
 
     @property
     def used(self) -> bool:
@@ -72,7 +80,7 @@ class DeferredStatistics:
     def add_a(self, index: int, pass_id: int, x: Tensor) -> None:
         """While compiling: add ``Σ a aᵀ`` of one forward call of layer ``index``."""
         self._sums[index, "a"].add_(self._layers[index].a_statistic(x).total)
-        self._calls.append(_Call(index, "a", pass_id, x.shape))
+        self._calls.append(_Call(index, "a", pass_id, x.shape, x.dtype))
 
     def watch_g(self, index: int, pass_id: int, output: Tensor) -> None:
         """While compiling: add ``Σ dy dyᵀ`` of ``output``'s gradient when it comes."""
@@ -86,7 +94,7 @@ class DeferredStatistics:
             calls.add_(1)
 
         output.register_hook(add_g)  # type: ignore[no-untyped-call]
-        self._calls.append(_Call(index, "g", pass_id, output.shape))
+        self._calls.append(_Call(index, "g", pass_id, output.shape, output.dtype))
 
     def fold(self, grad_scale: float | None, on_statistic: StatisticListener) -> None:
         """Add the window's sums to the layers, as the eager hooks would have; zero the buffers.
@@ -122,14 +130,24 @@ class DeferredStatistics:
                 continue  # no backward reached it: no G, as with the eager hooks
             layer = self._layers[call.index]
             key = (call.index, call.side)
-            # Each call's rows and examples, as its block counts them, on a tensor of no data.
-            shaped = torch.empty(call.shape, device="meta")
-            counted = layer.a_statistic(shaped) if call.side == "a" else layer.g_statistic(shaped)
+            rows, examples = self._counted(call)
             # The window's whole sum rides on the layer's first call, zeros on the others.
             total = self._sums[key].clone() if key not in first else torch.zeros(())
             first.add(key)
-            statistic = FactorStatistic(total, counted.rows, counted.examples)
+            statistic = FactorStatistic(total, rows, examples)
             layer.add_statistic(call.side, statistic, call.pass_id, grad_scale)
             on_statistic(layer, call.side)
         for buffer in (*self._sums.values(), *self._backward_calls.values()):
             buffer.zero_()
+
+    def _counted(self, call: _Call) -> tuple[int, int]:
+        """Rows and examples of one call, from its block's statistic of zeros (kept)."""
+        key = (call.index, call.side, call.shape, call.dtype)
+        counts = self._counts.get(key)
+        if counts is None:
+            layer = self._layers[call.index]
+            device = layer.block.weight.device
+            zeros = torch.zeros(call.shape, dtype=call.dtype, device=device)
+            made = layer.a_statistic(zeros) if call.side == "a" else layer.g_statistic(zeros)
+            counts = self._counts[key] = (made.rows, made.examples)
+        return counts

@@ -128,16 +128,21 @@ def conv2d_patch_gram(
         # (one copy of the input instead of a zeroed layout, a copy and block scatters).
         pixels = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
         return gram_with_ones(pixels, with_ones, precision), pixels.shape[0]
-    # Inside torch.compile's tracing the index plan's data-dependent shapes would break the
-    # graph: the im2col product (same Gram, other rounding) traces whole.
-    if stride == (1, 1) and not torch.compiler.is_compiling():
+    if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
-        plan = (
-            plan_shifted_gram(geometry, x.device)
-            if plans is None
-            else plans.get(geometry, x.device)
-        )
-        return _shifted_patch_gram(x, plan, with_ones, precision)
+        if not torch.compiler.is_compiling():
+            plan = (
+                plan_shifted_gram(geometry, x.device)
+                if plans is None
+                else plans.get(geometry, x.device)
+            )
+            return _shifted_patch_gram(x, plan, with_ones, precision)
+        # Inside torch.compile's tracing, making a plan (unique, nonzero: data-dependent
+        # shapes) would break the graph; one made before, outside it, traces whole. Without
+        # one, the im2col product (same Gram, other rounding) does.
+        cached = None if plans is None else plans.cached(geometry, x.device)
+        if cached is not None:
+            return _shifted_patch_gram(x, cached, with_ones, precision)
     return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones, precision)
 
 
@@ -319,6 +324,10 @@ class ShiftedGramPlans:
                 del self._plans[next(iter(self._plans))]
         self._plans[key] = plan  # most recently used last
         return plan
+
+    def cached(self, geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan | None:
+        """The plan for ``geometry`` on ``device`` if one was made, else ``None`` (makes none)."""
+        return self._plans.get((geometry, device))
 
     def __len__(self) -> int:
         return len(self._plans)

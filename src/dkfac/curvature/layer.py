@@ -123,7 +123,7 @@ class LayerCurvature:
 
         Computed in ``factor_dtype`` even inside ``torch.autocast`` (which would run the Gram
         products in bfloat16/float16); ``statistics_precision="bf16"`` rounds the operands on
-        purpose and still sums in float32. ``x`` may be a ``meta`` tensor (counts only).
+        purpose and still sums in float32.
         """
         with torch.autocast(self.block.weight.device.type, enabled=False):
             return self._in_factor_dtype(self.block.a_statistic(x.detach(), self.factor_dtype))
