@@ -247,6 +247,10 @@ def test_register_block_adds_a_layer_type_for_every_preconditioner_until_removed
         registration.remove()
     assert layer_names(model) == ["1"]
     registration.remove()  # a second remove() does nothing
+    newer = dkfac.register_block(Projection, LinearBlock)  # the same factory again
+    registration.remove()  # the old handle leaves the newer registration alone
+    assert layer_names(model) == ["0", "1"]
+    newer.remove()
     with dkfac.register_block(Projection, LinearBlock):
         assert layer_names(model) == ["0", "1"]
     assert layer_names(model) == ["1"]

@@ -1013,8 +1013,9 @@ def aot_eager(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("conv", [False, True])
 def test_a_compiled_model_has_eager_names_and_steps_as_eager_in_one_graph(conv: bool) -> None:
     """Compiled (aot_eager: no C++ toolchain) against eager. Linear layers: bit for bit.
-    Convolutions: the compiled hooks build the patch Gram by im2col (the eager stride-1 path's
-    index plan has data-dependent shapes), equal to round-off, so that case runs in float64
+    Convolutions: the first compiled window builds the patch Gram by im2col (making the
+    stride-1 index plan needs data-dependent shapes), the later ones with the plan made at the
+    first hand-over; equal to round-off, so that case runs in float64
     throughout (float32 factors' round-off, amplified by the damped inverse, reaches 1e-4).
     dkfac's hooks compile into the model's graph: no graph break, no frame run eagerly, and
     the graph of the first step serves every later one (no recompilation)."""
@@ -1049,6 +1050,79 @@ def test_compiled_intervals_and_accumulation_equal_eager_with_one_graph_per_kind
     compiled_and_eager_steps(True, aot_eager, steps=6, **options)
     assert dynamo_trouble() == {}
     assert counters["stats"]["unique_graphs"] == 5
+
+
+class DetachedSecondUse(nn.Module):
+    """``shared`` runs twice per pass; no gradient comes back through its second use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(50, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(1)
+        return self.shared(flat) + 0.0 * self.shared(2 * flat).detach()
+
+
+def test_compiled_grad_scaler_restored_state_and_removal_step_as_eager() -> None:
+    """A GradScaler's scale divided out of compiled G; a state loaded in the middle of a
+    compiled window drops that window's statistics, as eager does; after remove() the
+    compiled model trains with its plain gradients and dkfac keeps nothing."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(eager)
+    compiled = aot_eager(model)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    pres = [
+        dkfac.KFACPreconditioner(net, grad_scaler=scaler)
+        for net, scaler in zip((compiled, eager), scalers, strict=True)
+    ]
+    saved = [copy.deepcopy(pre.state_dict()) for pre in pres]
+    for step in range(3):
+        x, y = batch(step, dtype=torch.float32)
+        for net, pre, scaler, state in zip((compiled, eager), pres, scalers, saved, strict=True):
+            net.zero_grad()
+            scaler.scale(F.cross_entropy(net(x), y)).backward()
+            if step == 1:  # a restored state: this window's statistics are not the state's
+                pre.load_state_dict(state)
+                net.zero_grad()
+                scaler.scale(F.cross_entropy(net(x), y)).backward()
+            for p in net.parameters():
+                p.grad /= scaler.get_scale()
+            pre.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+    for mine, theirs in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    for pre in pres:
+        pre.remove()
+    x, y = batch(9, dtype=torch.float32)
+    for net in (compiled, eager):
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+    for mine, theirs in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+    assert pres[0]._capture._deferred._calls == [] and not pres[0]._capture._deferred._sums
+    assert dynamo_trouble() == {}
+
+
+def test_compiled_hooks_refuse_a_window_whose_gradient_missed_some_calls_then_recover() -> None:
+    """Eager K-FAC takes the one call with a gradient; a compiled graph cannot tell which
+    call it was, so the step is refused, and the next window starts clean."""
+    torch._dynamo.reset()
+    model = DetachedSecondUse()
+    compiled = aot_eager(model)
+    pre = dkfac.KFACPreconditioner(compiled)
+    x, y = batch(0, dtype=torch.float32)
+    F.cross_entropy(compiled(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"output gradient came for 1 of its 2 calls"):
+        pre.step()
+    assert not any(buffer.any() for buffer in pre._capture._deferred._sums.values())
+    assert pre._capture._deferred._calls == []
 
 
 def test_a_model_compiled_in_place_is_seen_and_one_compiled_later_still_steps_as_eager() -> None:

@@ -90,7 +90,9 @@ class StatisticsCapture:
         # Statistics of compiled forward passes, added to the layers at the window's step().
         self._deferred = DeferredStatistics(self._layers)
         if compiled:
-            self._deferred.prepare()
+            self._deferred.prepare(
+                [index for index, layer in enumerate(self._layers) if strategy.captures(layer)]
+            )
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
@@ -115,7 +117,12 @@ class StatisticsCapture:
         def heard(layer: LayerCurvature, side: str) -> None:
             self._strategy.statistic_added(layer, side, self._loss_reduction)
 
-        self._deferred.fold(self._loss_scale(), heard)
+        self._deferred.fold(self._loss_scale, heard)
+
+    def discard_window(self) -> None:
+        """Forget what compiled passes captured in this window (a state was restored)."""
+        self._deferred.discard()
+        self.end_window()
 
     def end_window(self) -> None:
         """The factor window ended: the loss scale is read again, passes count from 1 again.
@@ -133,6 +140,7 @@ class StatisticsCapture:
             handle.remove()
         self._handles.clear()
         self._removed = True
+        self._deferred.release()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StatisticsCapture:
         """The same object: a deep-copied model's hooks (EMA, snapshots) are inert.
@@ -203,7 +211,7 @@ class StatisticsCapture:
             return
         if torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
-            if not self._deferred.used:
+            if not self._deferred.prepared:
                 raise RuntimeError(
                     "K-FAC's hooks are being compiled, but the preconditioner was built for an "
                     "eager model: build it from the compiled model (torch.compile(model) or "

@@ -24,7 +24,7 @@ the same factors, without the overlap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,10 @@ from dkfac.curvature.layer import LayerCurvature
 
 #: ``on_statistic(layer, side)``: the strategy hears of one added statistic.
 StatisticListener = Callable[[LayerCurvature, str], None]
+#: Recorded shapes whose counts are kept before the cache starts over.
+MAX_COUNTED_SHAPES = 1024
+#: The ``GradScaler``'s loss scale of the window (read only when there is something to fold).
+LossScale = Callable[[], float | None]
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,18 @@ class DeferredStatistics:
         self._calls: list[_Call] = []
         # (layer, side, shape, dtype) -> (rows, examples) of one call, as its block counts them.
         self._counts: dict[tuple[int, str, torch.Size, torch.dtype], tuple[int, int]] = {}
+        self.prepared = False
 
-    @property
-    def used(self) -> bool:
-        """Whether a compiled forward has captured anything (buffers exist from then on)."""
-        return bool(self._sums)
+    def prepare(self, captured: Collection[int]) -> None:
+        """Make the zeroed buffers of the layers this worker captures (by index), eagerly.
 
-    def prepare(self) -> None:
-        """Make the zeroed buffers of every layer, on the eager side, before a window."""
+        On the layers' devices as they are now: a model moved to another device afterwards
+        needs a new preconditioner.
+        """
+        self.prepared = True
         for index, layer in enumerate(self._layers):
+            if index not in captured:
+                continue
             for side in ("a", "g"):
                 self._sums[index, side] = layer.zeros(side)
             device = layer.block.weight.device
@@ -96,12 +103,22 @@ class DeferredStatistics:
         output.register_hook(add_g)  # type: ignore[no-untyped-call]
         self._calls.append(_Call(index, "g", pass_id, output.shape, output.dtype))
 
-    def fold(self, grad_scale: float | None, on_statistic: StatisticListener) -> None:
+    def discard(self) -> None:
+        """Forget the window's calls and zero the buffers (a restored state, a removal)."""
+        self._calls = []
+        for buffer in (*self._sums.values(), *self._backward_calls.values()):
+            buffer.zero_()
+
+    def release(self) -> None:
+        """Drop the buffers (the hooks are gone)."""
+        self._calls, self._sums, self._backward_calls = [], {}, {}
+
+    def fold(self, grad_scale: LossScale, on_statistic: StatisticListener) -> None:
         """Add the window's sums to the layers, as the eager hooks would have; zero the buffers.
 
         Args:
-            grad_scale: the ``GradScaler``'s loss scale of the window (``G`` is divided by its
-                square), or ``None``.
+            grad_scale: returns the ``GradScaler``'s loss scale of the window (``G`` is divided
+                by its square) or ``None``; called only when there is something to fold.
             on_statistic: called once per added statistic, as the eager hooks call the strategy.
 
         Raises:
@@ -110,12 +127,23 @@ class DeferredStatistics:
         """
         if not self._calls:
             return
-        calls, self._calls = self._calls, []
-        recorded_g = {call.index: 0 for call in calls if call.side == "g"}
+        try:
+            self._fold(self._calls, grad_scale(), on_statistic)
+        finally:
+            self.discard()
+
+    def _fold(
+        self, calls: Sequence[_Call], grad_scale: float | None, on_statistic: StatisticListener
+    ) -> None:
+        recorded_g: dict[int, int] = {}
         for call in calls:
             if call.side == "g":
-                recorded_g[call.index] += 1
-        reached = {index: int(self._backward_calls[index]) for index in recorded_g}
+                recorded_g[call.index] = recorded_g.get(call.index, 0) + 1
+        indices = list(recorded_g)
+        counted = (
+            torch.stack([self._backward_calls[i] for i in indices]).tolist() if indices else []
+        )  # one read from the device for every layer
+        reached = dict(zip(indices, counted, strict=True))
         for index, expected in recorded_g.items():
             if reached[index] not in (0, expected):
                 name = self._layers[index].name
@@ -131,20 +159,22 @@ class DeferredStatistics:
             layer = self._layers[call.index]
             key = (call.index, call.side)
             rows, examples = self._counted(call)
-            # The window's whole sum rides on the layer's first call, zeros on the others.
-            total = self._sums[key].clone() if key not in first else torch.zeros(())
+            # The window's whole sum rides on the layer's first call, zeros of its shape on
+            # the others (a pipelined strategy may send one of them as a late addition).
+            total = self._sums[key]
+            total = total.clone() if key not in first else torch.zeros_like(total)
             first.add(key)
             statistic = FactorStatistic(total, rows, examples)
             layer.add_statistic(call.side, statistic, call.pass_id, grad_scale)
             on_statistic(layer, call.side)
-        for buffer in (*self._sums.values(), *self._backward_calls.values()):
-            buffer.zero_()
 
     def _counted(self, call: _Call) -> tuple[int, int]:
         """Rows and examples of one call, from its block's statistic of zeros (kept)."""
         key = (call.index, call.side, call.shape, call.dtype)
         counts = self._counts.get(key)
         if counts is None:
+            if len(self._counts) >= MAX_COUNTED_SHAPES:  # shapes that vary without end
+                self._counts.clear()
             layer = self._layers[call.index]
             device = layer.block.weight.device
             zeros = torch.zeros(call.shape, dtype=call.dtype, device=device)

@@ -55,14 +55,16 @@ def _is_optimized_module(model: nn.Module) -> bool:
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` runs under ``torch.compile``.
 
-    Wrapped by it (at any depth of DDP wrappers), or any of its modules compiled in place
-    (``module.compile()``).
+    Wrapped by it (at any depth of DDP wrappers), or any of its modules compiled (in place,
+    ``module.compile()``, or replaced by ``torch.compile(module)``). Not seen: a training
+    function compiled around an eager model.
     """
     wrapped = list(_wrapped(model))
     if any(_is_optimized_module(module) for module in wrapped):
         return True
     return any(
-        getattr(module, "_compiled_call_impl", None) is not None for module in wrapped[-1].modules()
+        _is_optimized_module(module) or getattr(module, "_compiled_call_impl", None) is not None
+        for module in wrapped[-1].modules()
     )
 
 

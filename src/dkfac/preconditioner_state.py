@@ -53,6 +53,7 @@ class PreconditionerState:
         if self._adaptive is not None:
             self._adaptive.load(state["adaptive"], blocks)
         self._usage.load(state.get("layer_usage"))  # which layers pass through, decided
+        self._capture.discard_window()  # the restored step starts a window of its own
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer
         # must be the same on every rank (it decides a collective decomposition step).

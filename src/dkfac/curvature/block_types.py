@@ -21,7 +21,7 @@ from dkfac.curvature.embedding import EmbeddingBlock
 BlockFactory = Callable[[nn.Module], KroneckerBlock]
 
 
-#: The class attribute holding a type's registered factory. The registration lives on the type
+#: The class attribute holding a type's registration. The registration lives on the type
 #: itself (set by :func:`register_block`), not in a table of dkfac's: no module-level state,
 #: and it goes away with the class.
 REGISTERED_FACTORY = "__dkfac_block_factory__"
@@ -42,8 +42,8 @@ class BlockRegistration:
         self.factory = factory
 
     def remove(self) -> None:
-        """Remove the registration (nothing to do if it was already removed)."""
-        if vars(self.module_type).get(REGISTERED_FACTORY) is self.factory:
+        """Remove this registration (nothing to do if it was already removed)."""
+        if vars(self.module_type).get(REGISTERED_FACTORY) is self:  # not a later one's
             delattr(self.module_type, REGISTERED_FACTORY)
 
     def __enter__(self) -> BlockRegistration:
@@ -66,7 +66,8 @@ def register_block(module_type: type[nn.Module], factory: BlockFactory) -> Block
 
     For every preconditioner built afterwards, in this process: a preconditioner's own
     ``blocks=`` mapping comes first, then registered types (the nearest along the module's
-    class hierarchy), then the built-in blocks. Register where the layer's class is defined (at
+    class hierarchy), then the built-in blocks; so a registered base class (``nn.Module``)
+    takes even ``nn.Linear`` off its built-in block. Register where the layer's class is defined (at
     import), so that every worker process registers it too.
 
     Args:
@@ -93,11 +94,12 @@ def register_block(module_type: type[nn.Module], factory: BlockFactory) -> Block
     existing = vars(module_type).get(REGISTERED_FACTORY)
     if existing is not None:
         raise ValueError(
-            f"{module_type.__qualname__} already has the block factory {existing!r}: call "
-            "remove() on the handle register_block returned for it first"
+            f"{module_type.__qualname__} already has the block factory {existing.factory!r}: "
+            "call remove() on the handle register_block returned for it first"
         )
-    setattr(module_type, REGISTERED_FACTORY, factory)
-    return BlockRegistration(module_type, factory)
+    registration = BlockRegistration(module_type, factory)
+    setattr(module_type, REGISTERED_FACTORY, registration)
+    return registration
 
 
 def _factory(
@@ -110,9 +112,9 @@ def _factory(
         if factory is not None:
             return cls, factory
     for cls in hierarchy:
-        registered: BlockFactory | None = vars(cls).get(REGISTERED_FACTORY)
+        registered: BlockRegistration | None = vars(cls).get(REGISTERED_FACTORY)
         if registered is not None:
-            return cls, registered
+            return cls, registered.factory
     return None
 
 
