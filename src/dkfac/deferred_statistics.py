@@ -24,6 +24,7 @@ the same factors, without the overlap.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -135,10 +136,7 @@ class DeferredStatistics:
     def _fold(
         self, calls: Sequence[_Call], grad_scale: float | None, on_statistic: StatisticListener
     ) -> None:
-        recorded_g: dict[int, int] = {}
-        for call in calls:
-            if call.side == "g":
-                recorded_g[call.index] = recorded_g.get(call.index, 0) + 1
+        recorded_g = Counter(call.index for call in calls if call.side == "g")
         indices = list(recorded_g)
         counted = (
             torch.stack([self._backward_calls[i] for i in indices]).tolist() if indices else []
@@ -160,7 +158,8 @@ class DeferredStatistics:
             key = (call.index, call.side)
             rows, examples = self._counted(call)
             # The window's whole sum rides on the layer's first call, zeros of its shape on
-            # the others (a pipelined strategy may send one of them as a late addition).
+            # the others: a tensor each, since a pipelined strategy may send one as a late
+            # addition, reduced in place while the fold goes on.
             total = self._sums[key]
             total = total.clone() if key not in first else torch.zeros_like(total)
             first.add(key)
