@@ -18,6 +18,7 @@ Usage::
 
     .venv/bin/python benchmarks/time_to_target.py                       # everything
     .venv/bin/python benchmarks/time_to_target.py --workloads digits --seeds 1 --world-sizes 1
+    .venv/bin/python benchmarks/time_to_target.py --workloads digits --batch-size 1344  # full batch
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _parse() -> argparse.Namespace:
         'KFACPreconditioner keywords, "name"} (default: SGD lr 0.1, the library\'s defaults)',
     )
     parser.add_argument("--strategy", default="dkfac", help="K-FAC strategy at P > 1")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch of every workload run, for every method (default: each workload's)",
+    )
     parser.add_argument("--out", default="runs/time_to_target", help="output folder")
     return parser.parse_args()
 
@@ -66,8 +73,17 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _run(workload: str, method: Method, seed: int, world: int, strategy: str) -> dict[str, Any]:
-    trace = run_method(workload, method, seed, world_size=world, strategy=strategy)
+def _run(
+    workload: str, method: Method, seed: int, world: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    trace = run_method(
+        workload,
+        method,
+        seed,
+        world_size=world,
+        strategy=args.strategy,
+        batch_size=args.batch_size,
+    )
     reached = "not reached" if trace["reached_s"] is None else f"{trace['reached_s']:.2f} s"
     if trace["diverged"]:
         reached = "diverged"
@@ -82,14 +98,14 @@ def _tuned(
     runs, scores = [], []
     for lr in grid:
         method = Method(optimizer, lr)
-        traces = [_run(workload, method, s, world, args.strategy) for s in range(args.grid_seeds)]
+        traces = [_run(workload, method, s, world, args) for s in range(args.grid_seeds)]
         runs += traces
         scores.append(max(grid_score(t, higher) for t in traces))
     best = min(range(len(grid)), key=lambda k: (scores[k], k))
     return Method(optimizer, grid[best]), runs
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path, batch_size: int | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +115,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2))
     axes = [axes] if len(workloads) == 1 else list(axes)
     for ax, name in zip(axes, workloads, strict=True):
-        workload = load_workload(name)
+        workload = load_workload(name, batch_size)
         for row in (r for r in rows if r["workload"] == name):
             trace = row["traces"][0]  # the first seed's curve
             seconds = [p[0] for p in trace["points"]]
@@ -107,7 +123,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
             style = "-" if row["world_size"] == 1 else "--"
             ax.plot(seconds, values, style, label=f"{row['method']} P={row['world_size']}")
         ax.axhline(workload.target, color="grey", linewidth=0.8)
-        ax.set_title(f"{name}: target {workload.metric} {workload.target:g}")
+        ax.set_title(
+            f"{name} (batch {workload.batch_size}): target {workload.metric} {workload.target:g}"
+        )
         ax.set_xlabel("training seconds")
         ax.set_ylabel(workload.metric)
         ax.legend(fontsize=7)
@@ -144,9 +162,7 @@ def main() -> int:
             print(f"{workload}, P={world}: {args.seeds} seeds each", flush=True)
             group = []
             for method in (sgd, adamw, *kfac_methods):
-                traces = [
-                    _run(workload, method, s, world, args.strategy) for s in range(args.seeds)
-                ]
+                traces = [_run(workload, method, s, world, args) for s in range(args.seeds)]
                 group.append(
                     {
                         "workload": workload,
@@ -178,8 +194,9 @@ def main() -> int:
                 "metric": workload.metric,
                 "target": workload.target,
                 "budget_s": workload.budget_s,
+                "batch_size": workload.batch_size,
             }
-            for workload in map(load_workload, args.workloads.split(","))
+            for workload in (load_workload(n, args.batch_size) for n in args.workloads.split(","))
         },
         "kfac": kfacs,
         "grids": grids,
@@ -187,7 +204,7 @@ def main() -> int:
         "table": table,
     }
     (out / "time_to_target.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    _plot(rows, out / "time_to_target.png")
+    _plot(rows, out / "time_to_target.png", args.batch_size)
     print(f"JSON: {out / 'time_to_target.json'}\nchart: {out / 'time_to_target.png'}")
     return 0
 

@@ -415,6 +415,10 @@ def test_compare_on_other_ranks_returns_without_reporting(
         ),
         (["train", "--grad-accumulation", "0"], "--grad-accumulation 0 is not allowed"),
         (
+            ["train", "--statistics-fraction", "1.5"],
+            "--statistics-fraction 1.5 is not allowed: expected a number in (0, 1]",
+        ),
+        (
             ["train", "--nproc", "2", "--batch-size", "200", "--grad-accumulation", "4"],
             "x 4 micro-batches (at most --batch-size 168)",
         ),
@@ -987,13 +991,16 @@ def test_grad_accumulation_trains_as_the_batch_its_micro_batches_make(tmp_path: 
             torch.testing.assert_close(mine[name][side], theirs[name][side], rtol=1e-4, atol=1e-6)
 
 
-def test_statistics_precision_reaches_the_preconditioner_and_the_saved_config(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("name", "value"), [("statistics_precision", "bf16"), ("statistics_fraction", 0.25)]
+)
+def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
+    tmp_path: Path, name: str, value: object
 ) -> None:
     argv = ["train", *QUICK, "--nproc", "1", "--epochs", "1", "--out", str(tmp_path)]
-    assert main([*argv, "--statistics-precision", "bf16"]) == 0
+    assert main([*argv, f"--{name.replace('_', '-')}", str(value)]) == 0
     saved = load_config_file(str(tmp_path / "config.toml"))
-    assert saved["statistics_precision"] == "bf16"
+    assert saved[name] == value
     # What the workers build from it (they run in their own processes).
     config = TrainConfig().with_overrides(saved)
     model = nn.Linear(3, 2)
@@ -1002,7 +1009,7 @@ def test_statistics_precision_reaches_the_preconditioner_and_the_saved_config(
     pre = _build_preconditioner(
         config, "local", model, scheduler, Precision("none", torch.device("cpu"))
     )
-    assert pre.config.statistics_precision == "bf16"
+    assert getattr(pre.config, name) == value
 
 
 def test_truncated_metrics_keep_what_preceded_the_checkpoint_and_no_earlier_resumption(

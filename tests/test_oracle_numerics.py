@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,17 @@ def assert_close(
     assert err <= rtol * max(scale, 1e-300), (
         f"{what}: max abs error {err:.3e} vs scale {scale:.3e} (rel {err / max(scale, 1e-300):.3e})"
     )
+
+
+def assert_factors(
+    pre: dkfac.KFACPreconditioner, expected: dict[str, Any], label: str = ""
+) -> None:
+    """``pre``'s factors are the oracle's ``{layer name: (A, G)}``, every one of them."""
+    held = pre.factors()
+    assert set(held) == set(expected)
+    for name, (a, g) in expected.items():
+        assert_close(held[name][0], a, what=f"{label}A of {name}")
+        assert_close(held[name][1], g, what=f"{label}G of {name}")
 
 
 def vec(m: torch.Tensor) -> torch.Tensor:
@@ -278,11 +290,7 @@ def test_linear_2d_batch_factors(bias: bool) -> None:
     pre = make_pre(model, factor_decay=0.5)
     batch_loss(model(x), t).backward()
     pre.step()
-    facs = pre.factors()
-    assert set(facs) == set(expected)
-    for name, (a, g) in expected.items():
-        assert_close(facs[name][0], a, what=f"A of {name}")
-        assert_close(facs[name][1], g, what=f"G of {name}")
+    assert_factors(pre, expected)
 
 
 def test_linear_2d_g_equals_per_example_bias_gradients() -> None:
@@ -411,11 +419,7 @@ def test_conv2d_batch_factors(conv_kw, shape) -> None:
     pre = make_pre(model)
     batch_loss(model(x), t).backward()
     pre.step()
-    facs = pre.factors()
-    assert set(facs) == set(expected)
-    for name, (a, g) in expected.items():
-        assert_close(facs[name][0], a, what=f"A of {name}")
-        assert_close(facs[name][1], g, what=f"G of {name}")
+    assert_factors(pre, expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,16 +638,33 @@ def test_loss_reduction_sum(method: str) -> None:
     # with l_n the per-example loss, g̃_n = dl_n/dy_n both for L = Σl_n ("sum") and for
     # L = (1/N)Σl_n scaled by N ("mean"): the oracle factors are the same
     expected_f = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
-    pre = make_pre(model, inverse_method=method, damping=0.02, loss_reduction="sum")
-    batch_loss(model(x), t, reduction="sum").backward()
-    grads = {n: grad_matrix(model[int(n)]) for n in expected_f}
+    assert_one_step(model, x, t, expected_f, method=method, reduction="sum")
+
+
+def assert_one_step(
+    model: nn.Sequential,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    expected: dict[str, Any],
+    *,
+    method: str = "eigen",
+    reduction: str = "mean",
+    damping: float = 0.02,
+    **options: Any,
+) -> None:
+    """One K-FAC step on ``(x, t)``: the oracle's factors, and the damped solve of each layer's
+    batch gradient with them as its direction."""
+    pre = make_pre(
+        model, inverse_method=method, damping=damping, loss_reduction=reduction, **options
+    )
+    batch_loss(model(x), t, reduction=reduction).backward()
+    grads = {n: grad_matrix(model[int(n)]) for n in expected}
     pre.step()
+    assert_factors(pre, expected)
     direction = eigen_direction if method == "eigen" else inverse_direction
-    for n, (a, g) in expected_f.items():
-        assert_close(pre.factors()[n][0], a, what=f"A {n}")
-        assert_close(pre.factors()[n][1], g, what=f"G {n}")
-        v = direction(a, g, grads[n], 0.02)
-        assert_close(grad_matrix(model[int(n)]), v, rtol=1e-9, what=f"V {n}")
+    for n, (a, g) in expected.items():
+        v = direction(a, g, grads[n], damping)
+        assert_close(grad_matrix(model[int(n)]), v, rtol=1e-9, what=f"direction of {n}")
 
 
 def test_sum_and_mean_reduction_give_same_factors() -> None:

@@ -192,6 +192,21 @@ def test_every_workload_loads_with_a_target_its_first_measurement_misses() -> No
         load_workload("mnist")
 
 
+def test_a_workload_takes_another_batch_for_every_method_and_refuses_one_it_cannot_draw() -> None:
+    own = load_workload("digits")
+    full = load_workload("digits", 1344)
+    assert (own.batch_size, full.batch_size) == (64, 1344)
+    assert full.target == own.target and torch.equal(full.train[0], own.train[0])
+    assert load_workload("digits", None).batch_size == 64
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="expected a positive int"):
+            load_workload("digits", bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="training split has 1347 examples"):
+        load_workload("digits", 1348)
+    with pytest.raises(ValueError, match="does not split over 2 workers"):
+        run_method("digits", Method("sgd", 0.1), seed=0, world_size=2, batch_size=1347)
+
+
 @pytest.mark.parametrize("kfac", [False, True])
 def test_two_workers_train_as_one_process_on_the_global_batch(kfac: bool) -> None:
     # A budget this large keeps every window at eval_every steps, so both runs measure at the

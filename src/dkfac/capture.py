@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.statistics import kept_examples, kept_g_weight
 from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
@@ -52,6 +53,8 @@ class StatisticsCapture:
         loss_reduction: ``"mean"`` or ``"sum"``, passed on to the strategy.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale is divided out of ``G``, or None.
         capturing: whether the first window captures.
+        statistics_fraction: the share of each call's examples (its first, along dim 0) whose
+            statistics are taken (:func:`~dkfac.curvature.statistics.kept_examples`).
         compiled: the model runs under ``torch.compile``: make the buffers of
             :class:`~dkfac.deferred_statistics.DeferredStatistics` now.
     """
@@ -67,9 +70,11 @@ class StatisticsCapture:
         loss_reduction: str,
         grad_scaler: Any | None,
         capturing: bool,
+        statistics_fraction: float = 1.0,
         compiled: bool = False,
     ) -> None:
         self.capturing = capturing
+        self._fraction = statistics_fraction
         self._model = model
         self._layers = list(layers)
         self._strategy = strategy
@@ -221,18 +226,28 @@ class StatisticsCapture:
             if output.requires_grad:
                 self._deferred.watch_g(index, pass_id, output)
             return
+        kept = kept_examples(rows, self._fraction)
+        if kept < rows and (output.dim() == 0 or output.shape[0] != rows):
+            raise RuntimeError(
+                f"statistics_fraction={self._fraction} needs layer {layer.name!r} to keep its "
+                f"examples along dim 0 (input {tuple(x.shape)}, output {tuple(output.shape)})"
+            )
         with self._recorder.phase("factor_compute"):
-            layer.accumulate_a(x, pass_id)
+            layer.accumulate_a(x if kept == rows else x[:kept], pass_id)
         self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
-            hook = functools.partial(self._output_grad_hook, layer, pass_id)
+            hook = functools.partial(self._output_grad_hook, layer, pass_id, rows, kept)
             output.register_hook(hook)  # type: ignore[no-untyped-call]
 
-    def _output_grad_hook(self, layer: LayerCurvature, pass_id: int, grad: Tensor) -> None:
+    def _output_grad_hook(
+        self, layer: LayerCurvature, pass_id: int, rows: int, kept: int, grad: Tensor
+    ) -> None:
         if not self._removed:
+            weight = kept_g_weight(rows, kept, self._loss_reduction)
             with self._recorder.phase("factor_compute"):
-                layer.accumulate_g(grad, pass_id, self._loss_scale())
+                part = grad if kept == rows else grad[:kept]
+                layer.accumulate_g(part, pass_id, self._loss_scale(), weight)
             self._strategy.statistic_added(layer, "g", self._loss_reduction)
 
     def _loss_scale(self) -> float | None:

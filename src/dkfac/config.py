@@ -135,6 +135,7 @@ class KFACConfig:
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
     statistics_precision: str = "highest"
+    statistics_fraction: float = 1.0
     inv_dtype: torch.dtype = torch.float32
     grad_worker_fraction: float | None = None
     bucket_cap_mb: float | None = None
@@ -201,6 +202,14 @@ class KFACConfig:
                 f"statistics_precision='bf16' is not allowed with factor_dtype="
                 f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
             )
+        check_float(
+            "statistics_fraction",
+            self.statistics_fraction,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            allowed="a number in (0, 1]: the share of each call's examples the factors use",
+        )
         if self.inv_dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"inv_dtype={self.inv_dtype!r} is not allowed: decompositions need "

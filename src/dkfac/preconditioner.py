@@ -20,6 +20,8 @@ from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
 from dkfac.preconditioner_arguments import (
     check_blocks,
+    model_arguments,
+    refuse_compiled_subset,
     refuse_conflicting_arguments,
     refuse_unagreed_adaptive,
 )
@@ -82,6 +84,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         statistics_precision: ``"highest"`` (default): the statistics' products in
             ``factor_dtype``; ``"bf16"``: operands rounded to bfloat16, products summed in
             float32 (tensor cores; ``factor_dtype`` float32 only; README, "GPUs").
+        statistics_fraction: in (0, 1]: the factors are estimated from the first
+            ``⌈f·N⌉`` examples of each call (dim 0) instead of all ``N`` (docs/math.md,
+            "Statistics from part of the batch"); not with a compiled model.
         inv_dtype: dtype of the decompositions, float32 or float64 (failures retried in float64).
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
@@ -144,6 +149,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         grad_scaler: Any | None = None,
         factor_dtype: torch.dtype = torch.float32,
         statistics_precision: str = "highest",
+        statistics_fraction: float = 1.0,
         inv_dtype: torch.dtype = torch.float32,
         grad_worker_fraction: float | None = None,
         bucket_cap_mb: float | None = None,
@@ -158,6 +164,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
+        refuse_compiled_subset(is_compiled(model), statistics_fraction)
         check_blocks(blocks)
         if lr is None:  # the optimizer's rate, once the hook below exists
             lr = 0.1 if optimizer is None else (lambda step: self._hook_lr(step))
@@ -175,6 +182,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             loss_reduction=loss_reduction,
             factor_dtype=factor_dtype,
             statistics_precision=statistics_precision,
+            statistics_fraction=statistics_fraction,
             inv_dtype=inv_dtype,
             grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
@@ -224,6 +232,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             loss_reduction=loss_reduction,
             grad_scaler=grad_scaler,
             capturing=self._is_factor_step(0),
+            statistics_fraction=self.config.statistics_fraction,
             compiled=is_compiled(model),
         )
 
@@ -282,7 +291,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
-            batch = None if inputs is None else (_arguments(inputs), targets)
+            batch = None if inputs is None else (model_arguments(inputs), targets)
             self._step(batch)
 
     def _hook_lr(self, step: int) -> float:
@@ -387,8 +396,3 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._removed = True
         for layer in self._layers:
             layer.clear_statistics()
-
-
-def _arguments(inputs: Any) -> tuple[Any, ...]:
-    """The model's positional arguments: a tuple as given, anything else as the only one."""
-    return inputs if isinstance(inputs, tuple) else (inputs,)

@@ -36,6 +36,28 @@ def refuse_conflicting_arguments(
         )
 
 
+def refuse_compiled_subset(compiled: bool, statistics_fraction: object) -> None:
+    """Refuse factors from part of each batch for a model run under ``torch.compile``.
+
+    The compiled hooks add every call's whole statistic inside the graph
+    (:mod:`dkfac.deferred_statistics`); a part of it is not implemented there.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if compiled and statistics_fraction != 1.0:
+        raise ValueError(
+            f"statistics_fraction={statistics_fraction!r} is not allowed with a compiled model: "
+            "its statistics are gathered inside the compiled graph, from whole batches only "
+            "(use 1.0, or build the preconditioner for the eager model)"
+        )
+
+
+def model_arguments(inputs: Any) -> tuple[Any, ...]:
+    """The model's positional arguments: a tuple as given, anything else as the only one."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
 def refuse_unagreed_adaptive(adaptive: Any | None, strategy: Strategy) -> None:
     """Refuse adaptive K-FAC on several processes with a strategy that does not communicate.
 

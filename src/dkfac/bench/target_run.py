@@ -217,11 +217,17 @@ def train_to_target(
 
 
 def _worker(
-    workload_name: str, method: Method, seed: int, budget_s: float | None, strategy: str
+    workload_name: str,
+    method: Method,
+    seed: int,
+    budget_s: float | None,
+    strategy: str,
+    batch_size: int | None,
 ) -> Any:
     # One process in a process group of one runs strategy="local" on purpose.
     warnings.filterwarnings("ignore", "strategy='local' in a process group")
-    trace = train_to_target(load_workload(workload_name), method, seed, budget_s, strategy=strategy)
+    workload = load_workload(workload_name, batch_size)
+    trace = train_to_target(workload, method, seed, budget_s, strategy=strategy)
     return trace.as_dict()
 
 
@@ -233,9 +239,16 @@ def run_method(
     *,
     world_size: int = 1,
     strategy: str = "dkfac",
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """One run on ``world_size`` fresh processes, one intra-op thread each; rank 0's trace."""
-    args = (workload_name, method, seed, budget_s, strategy)
-    limit = load_workload(workload_name).budget_s if budget_s is None else budget_s
+    """One run on ``world_size`` fresh processes, one intra-op thread each; rank 0's trace.
+
+    ``batch_size`` replaces the workload's global batch (``None``: its own).
+    """
+    workload = load_workload(workload_name, batch_size)  # a bad batch fails here, not in workers
+    if workload.batch_size % world_size:
+        raise ValueError(f"batch {workload.batch_size} does not split over {world_size} workers")
+    args = (workload_name, method, seed, budget_s, strategy, batch_size)
+    limit = workload.budget_s if budget_s is None else budget_s
     results = spawn_workers(_worker, world_size, 1, args, timeout=limit * 4 + 300)
     return dict(results[0])

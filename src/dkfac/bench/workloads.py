@@ -15,13 +15,16 @@ workload                  model and data                                   targe
 ========================  ===============================================  ====================
 
 Every workload is built from its name alone (each worker process of a distributed run builds
-its own copy): :func:`load_workload`.
+its own copy): :func:`load_workload`. Its global batch may be changed (``batch_size=``), the
+same for every method, to measure how the methods' rankings move with the batch: second-order
+methods are expected to need fewer steps than first-order ones the larger it is (Zhang et al.,
+2019, "Which algorithmic choices matter at which batch sizes?").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +109,33 @@ def _tensors(dataset: torch.utils.data.TensorDataset) -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def load_workload(name: str) -> Workload:
-    """The workload called ``name`` (see the module)."""
+def load_workload(name: str, batch_size: int | None = None) -> Workload:
+    """The workload called ``name`` (see the module).
+
+    Args:
+        name: one of :data:`WORKLOADS`.
+        batch_size: its global batch instead of the workload's own (``None``); at most the
+            training examples (a batch is drawn without replacement from one permutation).
+
+    Raises:
+        ValueError: an unknown name, or a batch that is not a positive number of examples the
+            training split has.
+    """
+    workload = _named_workload(name)
+    if batch_size is None:
+        return workload
+    examples = len(workload.train[0])
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
+    if batch_size > examples:
+        raise ValueError(
+            f"batch_size={batch_size} for workload {name!r}: its training split has "
+            f"{examples} examples"
+        )
+    return replace(workload, batch_size=batch_size)
+
+
+def _named_workload(name: str) -> Workload:
     if name == "digits":
         train, test = load_digits_tensors()
         return Workload(

@@ -68,6 +68,8 @@ class TrainConfig:
     inverse_method: str = "eigen"
     #: Products of the factor statistics: "highest" (float32) or "bf16" (tensor cores).
     statistics_precision: str = "highest"
+    #: Share of each batch (its first examples) the factors are estimated from.
+    statistics_fraction: float = 1.0
     damping: float = 0.003
     factor_decay: float = 0.95
     kl_clip: float = 0.001
@@ -141,6 +143,11 @@ class TrainConfig:
                     "allowed: expected a number >= 0"
                 )
         self._parse_bucket()
+        if not 0 < self.statistics_fraction <= 1:
+            raise ConfigError(
+                f"--statistics-fraction {self.statistics_fraction!r} is not allowed: expected "
+                "a number in (0, 1]"
+            )
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"

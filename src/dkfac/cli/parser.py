@@ -75,6 +75,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "inverse_method": "eigen (exact damped inverse) or inverse (factored Tikhonov, Cholesky)",
         "statistics_precision": "products of the factor statistics: highest (in float32) or "
         "bf16 (operands rounded to bfloat16, summed in float32: tensor cores on a GPU)",
+        "statistics_fraction": "estimate the K-FAC factors from this share of each batch (its "
+        "first examples; 1: all of it): less factor work per step at large batches",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
         "run fails",
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "

@@ -362,6 +362,7 @@ def _build_preconditioner(
         strategy=strategy,
         inverse_method=config.inverse_method,
         statistics_precision=config.statistics_precision,
+        statistics_fraction=config.statistics_fraction,
         damping=config.damping,
         factor_decay=config.factor_decay,
         kl_clip=config.kl_clip or None,

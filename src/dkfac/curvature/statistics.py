@@ -15,6 +15,11 @@ its count (docs/math.md, "Layers used several times"):
 The sums that add up across workers (:class:`SummedFactor`) are ``(Σ a aᵀ, R)`` for ``A`` and
 ``(N²·Σ dy dyᵀ, N)`` (mean loss) or ``(Σ dy dyᵀ, N)`` (sum loss) for ``G``.
 
+With ``statistics_fraction`` ``f < 1`` a call's statistics come from its first ``k = ⌈f·N⌉``
+examples only (:func:`kept_examples`); ``A`` and ``G`` are then counted in those ``k``, and
+for a mean loss each kept ``dy dyᵀ`` is weighted by ``(N/k)²`` (:func:`kept_g_weight`: ``dy``
+carries ``1/N`` of the whole batch), so both factors estimate the whole call's.
+
 Pipelined strategies send a factor from the hook that completes it, before ``step()``. When
 a statistic arrives after that (the layer ran once more than the window had shown so far),
 :meth:`FactorStatistics.late` gives exactly what must be added to the sum already sent.
@@ -22,11 +27,35 @@ a statistic arrives after that (the layer ran once more than the window had show
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic
+
+
+def kept_examples(examples: int, fraction: float) -> int:
+    """How many of a call's ``examples`` (its first, along dim 0) feed the statistics.
+
+    ``⌈fraction · examples⌉``, at least one; all of them at ``fraction`` 1.
+    """
+    if fraction >= 1.0:
+        return examples
+    # Rounded before the ceiling: 0.1 * 30 is 3.0000000000000004 in floating point.
+    return max(1, math.ceil(round(fraction * examples, 9)))
+
+
+def kept_g_weight(examples: int, kept: int, loss_reduction: str) -> float:
+    """The weight of the kept examples' ``Σ dy dyᵀ`` for ``G`` to estimate the whole call's.
+
+    A mean loss gives every ``dy`` a factor ``1/N`` of the whole batch, and ``G`` scales its
+    sum by the square of the examples counted (``k`` here): ``(N/k)²`` restores ``N²``. A
+    summed loss needs no weight (``G = Σ dy dyᵀ / k`` already estimates ``Σ dy dyᵀ / N``).
+    """
+    if loss_reduction != "mean" or kept == examples:
+        return 1.0
+    return (examples / kept) ** 2
 
 
 @dataclass(frozen=True)

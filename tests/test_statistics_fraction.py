@@ -1,0 +1,186 @@
+"""Factors estimated from part of each batch (``statistics_fraction``) against float64 oracles.
+
+The oracle is :func:`test_oracle_numerics.oracle_layer_factors` (explicit patches, per-example
+output gradients from ``torch.func``) applied to the examples the fraction keeps: the first
+``⌈f·N⌉`` of each call. The gradient itself stays the whole batch's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dkfac
+from distributed_harness import run_workers
+from dkfac.curvature.statistics import kept_examples, kept_g_weight
+from test_oracle_numerics import (
+    DT,
+    assert_close,
+    assert_factors,
+    assert_one_step,
+    batch_loss,
+    conv_batch,
+    grad_matrix,
+    kfac_layers,
+    make_pre,
+    oracle_layer_factors,
+    sgd_,
+    small_conv_model,
+)
+
+
+def test_kept_examples_and_the_weight_of_their_output_gradients() -> None:
+    assert [kept_examples(n, 0.3) for n in (1, 8, 10, 30)] == [1, 3, 3, 9]
+    assert kept_examples(30, 0.1) == 3  # 0.1 * 30 is 3.0000000000000004 in floating point
+    assert kept_examples(7, 1.0) == 7 and kept_examples(7, 1e-9) == 1
+    assert kept_g_weight(8, 3, "mean") == pytest.approx((8 / 3) ** 2)
+    assert kept_g_weight(8, 3, "sum") == 1.0 and kept_g_weight(8, 8, "mean") == 1.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_factors_come_from_the_kept_examples_and_precondition_the_whole_gradient(
+    reduction: str,
+) -> None:
+    torch.manual_seed(21)
+    gen = torch.Generator().manual_seed(21)
+    model = small_conv_model()
+    x, t = conv_batch(8, gen)  # fraction 0.3 keeps the first 3 examples of 8
+    expected = {str(i): oracle_layer_factors(model, i, x[:3], t[:3]) for i in kfac_layers(model)}
+    assert_one_step(model, x, t, expected, reduction=reduction, statistics_fraction=0.3)
+
+
+def test_accumulated_micro_batches_each_keep_their_first_examples() -> None:
+    torch.manual_seed(22)
+    gen = torch.Generator().manual_seed(22)
+    model = small_conv_model()
+    (x1, t1), (x2, t2) = conv_batch(8, gen), conv_batch(8, gen)
+    kept_x, kept_t = torch.cat([x1[:3], x2[:3]]), torch.cat([t1[:3], t2[:3]])
+    expected = {str(i): oracle_layer_factors(model, i, kept_x, kept_t) for i in kfac_layers(model)}
+    pre = make_pre(model, accumulation_steps=2, statistics_fraction=0.3)
+    for x, t in ((x1, t1), (x2, t2)):
+        (batch_loss(model(x), t) / 2).backward()
+    pre.step()
+    assert_factors(pre, expected)
+
+
+def test_a_transformer_shaped_input_keeps_whole_sequences() -> None:
+    # (N, T, d): the first k examples with all their positions; the oracle's rows likewise.
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    x, t = torch.randn(6, 7, 5, dtype=DT), torch.randn(6, 7, 3, dtype=DT)
+    expected = {str(i): oracle_layer_factors(model, i, x[:2], t[:2]) for i in (0, 2)}
+    pre = make_pre(model, statistics_fraction=1 / 3)
+    batch_loss(model(x), t).backward()
+    pre.step()
+    assert_factors(pre, expected)
+
+
+def test_fraction_one_is_the_whole_batch_bit_for_bit() -> None:
+    torch.manual_seed(24)
+    gen = torch.Generator().manual_seed(24)
+    model = small_conv_model()
+    twin = copy.deepcopy(model)
+    x, t = conv_batch(8, gen)
+    whole, one = make_pre(model), make_pre(twin, statistics_fraction=1.0)
+    for net, pre in ((model, whole), (twin, one)):
+        batch_loss(net(x), t).backward()
+        pre.step()
+    for name, (a, g) in whole.factors().items():
+        assert torch.equal(one.factors()[name][0], a) and torch.equal(one.factors()[name][1], g)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan"), "half"])
+def test_a_fraction_outside_zero_to_one_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="statistics_fraction"):
+        dkfac.KFACPreconditioner(nn.Linear(3, 2), statistics_fraction=bad)  # type: ignore[arg-type]
+
+
+def test_a_compiled_model_is_refused() -> None:
+    compiled = torch.compile(nn.Sequential(nn.Linear(3, 2)), backend="eager")
+    with pytest.raises(ValueError, match="not allowed with a compiled model"):
+        dkfac.KFACPreconditioner(compiled, statistics_fraction=0.5)
+
+
+def test_a_layer_whose_output_does_not_keep_the_examples_along_dim_0_is_refused() -> None:
+    layer = nn.Linear(4, 3)
+    pre = dkfac.KFACPreconditioner(layer, statistics_fraction=0.5)
+    with pytest.raises(RuntimeError, match="keep its examples along dim 0"):
+        layer(torch.randn(4))  # one unbatched example: dim 0 holds features
+    pre.remove()
+
+
+STRATEGIES = [("dkfac", "eigen"), ("kaisa", "eigen"), ("spd", "eigen"), ("pad", "inverse")]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return conv_batch(16, torch.Generator().manual_seed(100 + step))
+
+
+def _directions(model: nn.Sequential) -> list[torch.Tensor]:
+    return [grad_matrix(model[i]) for i in kfac_layers(model)]
+
+
+def ranks_train(rank: int, world_size: int) -> dict[str, Any]:
+    """Every strategy, fraction 0.3, two steps on this rank's half of each global batch."""
+    out: dict[str, Any] = {}
+    for strategy, method in [*STRATEGIES, ("dp", "eigen")]:
+        torch.manual_seed(25)
+        model = small_conv_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        pre = make_pre(
+            ddp, strategy=strategy, inverse_method=method, damping=0.02, statistics_fraction=0.3
+        )
+        out[strategy] = []
+        for step in range(2):
+            x, t = _batch(step)
+            mine = slice(rank * 8, rank * 8 + 8)
+            batch_loss(ddp(x[mine]), t[mine]).backward()
+            pre.step()
+            out[strategy].append(_directions(model) if strategy != "dp" else pre.factors())
+            sgd_(model)
+        pre.remove()
+    return out
+
+
+def test_every_strategy_on_two_workers_keeps_each_workers_first_examples() -> None:
+    got = run_workers(ranks_train, 2, timeout=180)
+    # The one-process equivalent: the two halves as two accumulated micro-batches, each
+    # keeping its own first 3 examples (itself checked against the oracle above).
+    for strategy, method in STRATEGIES:
+        torch.manual_seed(25)
+        model = small_conv_model()
+        pre = make_pre(
+            model,
+            inverse_method=method,
+            damping=0.02,
+            accumulation_steps=2,
+            statistics_fraction=0.3,
+        )
+        for step in range(2):
+            x, t = _batch(step)
+            for half in (slice(0, 8), slice(8, 16)):
+                (batch_loss(model(x[half]), t[half]) / 2).backward()
+            pre.step()
+            for rank in (0, 1):
+                for index, (mine, want) in enumerate(
+                    zip(got[rank][strategy][step], _directions(model), strict=True)
+                ):
+                    what = f"{strategy}, rank {rank}, step {step}, layer {index}"
+                    assert_close(mine, want, rtol=1e-9, what=what)
+            sgd_(model)
+    # DP-KFAC: a layer's owner builds its factors from its own shard, here its first 3.
+    torch.manual_seed(25)
+    model, (x, t) = small_conv_model(), _batch(0)
+    held = 0
+    for rank in (0, 1):
+        shard_x, shard_t = x[rank * 8 : rank * 8 + 3], t[rank * 8 : rank * 8 + 3]
+        for name, (a, g) in got[rank]["dp"][0].items():
+            want_a, want_g = oracle_layer_factors(model, int(name), shard_x, shard_t)
+            assert_close(a, want_a, what=f"dp A of {name} on rank {rank}")
+            assert_close(g, want_g, what=f"dp G of {name} on rank {rank}")
+            held += 1
+    assert held == len(kfac_layers(model))
