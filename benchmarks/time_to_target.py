@@ -7,7 +7,8 @@ character-level Transformer on the standard library's sources) and each world si
    the rate that reaches the target soonest (else comes closest) is kept. The grid is
    reported in the JSON.
 2. **Runs**: the kept SGD and AdamW, and dkfac with its defaults (one configuration for every
-   workload: ``--kfac``), on ``--seeds`` seeds numbered after the grid's.
+   workload: ``--kfac``), on ``--seeds`` seeds numbered after the grid's, every method's run
+   of a seed before the next seed's (drift of the machine's speed shifts all methods alike).
 
 Every run has its own processes (one intra-op thread each) and stops at the target or the
 workload's time budget (:mod:`dkfac.bench.target_run`). Output: a table (median seconds to
@@ -160,19 +161,27 @@ def main() -> int:
             adamw, adamw_grid = _tuned(workload, "adamw", _floats(args.adamw_grid), args, world)
             grids.append({"workload": workload, "world_size": world, "runs": sgd_grid + adamw_grid})
             print(f"{workload}, P={world}: {args.seeds} seeds each", flush=True)
-            group = []
-            for method in (sgd, adamw, *kfac_methods):
-                traces = [_run(workload, method, s, world, args) for s in range(args.seeds)]
-                group.append(
-                    {
-                        "workload": workload,
-                        "world_size": world,
-                        "method": method.label,
-                        "kfac": method.kfac,
-                        "summary": summarize(traces),
-                        "traces": traces,
-                    }
-                )
+            methods = (sgd, adamw, *kfac_methods)
+            # Seeds after the grid's (a baseline's grid run chose its rate on its seed), and
+            # methods interleaved within each seed: a machine that slows down or speeds up
+            # during the run (this one's step times move by 30% between runs) then shifts
+            # every method alike instead of the methods that happened to run last.
+            finals = range(args.grid_seeds, args.grid_seeds + args.seeds)
+            traces: dict[str, list[dict[str, Any]]] = {method.label: [] for method in methods}
+            for seed in finals:
+                for method in methods:
+                    traces[method.label].append(_run(workload, method, seed, world, args))
+            group = [
+                {
+                    "workload": workload,
+                    "world_size": world,
+                    "method": method.label,
+                    "kfac": method.kfac,
+                    "summary": summarize(traces[method.label]),
+                    "traces": traces[method.label],
+                }
+                for method in methods
+            ]
             medians = [r["summary"]["median_s"] for r in group if not r["kfac"]]
             best = min((m for m in medians if m is not None), default=None)
             for row in group:

@@ -155,6 +155,26 @@ def chosen_with_a_measured_profile(
     return {"unchanged": unchanged, "drawn": drawn, "grads": grads, "chosen": chosen}
 
 
+def test_auto_profiles_the_statistics_with_the_preconditioners_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The measured statistics must cost what the run's will: the same fraction and precision.
+    seen: dict[str, Any] = {}
+
+    def measured(*args: Any, kfac_options: dict[str, Any], **kwargs: Any) -> None:
+        seen.update(kfac_options)
+        raise RuntimeError("stop after the options are seen")
+
+    monkeypatch.setattr("dkfac.auto.measure_profile", measured)
+    options = dkfac.AutoOptions(
+        example=(torch.randn(4, 8), torch.arange(4)), loss_fn=F.cross_entropy
+    )
+    config = dkfac.config.KFACConfig(statistics_fraction=0.25, statistics_precision="bf16")
+    with pytest.raises(RuntimeError, match="stop after"):
+        options._measure(model(), config, torch.device("cpu"))
+    assert seen["statistics_fraction"] == 0.25 and seen["statistics_precision"] == "bf16"
+
+
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_auto_profiles_a_copy_and_leaves_the_model_and_random_state_alone(
     autocast: torch.dtype | None,

@@ -22,6 +22,7 @@ from dkfac.data.builtin import load_digits_tensors
 from dkfac.data.registry import load_dataset
 from dkfac.data.stdlib_text import OTHER_BYTE, STDLIB_TEXT_MODULES, load_stdlib_text
 from dkfac.models import DeepAutoencoder, TransformerLM, build_model
+from script_loader import load_benchmark
 
 
 def test_pysource_windows_are_the_library_files_bytes_shifted_by_one() -> None:
@@ -220,3 +221,30 @@ def test_two_workers_train_as_one_process_on_the_global_batch(kfac: bool) -> Non
     assert [p[1] for p in two["points"]] == [p[1] for p in one["points"]]
     for (_, _, got), (_, _, want) in zip(two["points"], one["points"], strict=True):
         assert got == pytest.approx(want, abs=1 / 450 + 1e-9)
+
+
+def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = load_benchmark("time_to_target", monkeypatch)
+    calls: list[tuple[str, int, int | None]] = []
+
+    def run(workload: str, method: Method, seed: int, **kwargs: Any) -> dict[str, Any]:
+        calls.append((method.label, seed, kwargs["batch_size"]))
+        point = [1.0 + method.lr, 10, 0.98]
+        return {"points": [[0.0, 0, 0.1], point], "reached_s": point[0], "reached_step": 10,
+                "diverged": False, "train_s": point[0]}  # fmt: skip
+
+    monkeypatch.setattr(script, "run_method", run)
+    monkeypatch.setattr(script, "_plot", lambda *args: None)
+    argv = ["time_to_target.py", "--workloads", "digits", "--world-sizes", "1", "--seeds", "2"]
+    argv += ["--sgd-grid", "0.1,0.3", "--adamw-grid", "0.01", "--batch-size", "1344"]
+    monkeypatch.setattr("sys.argv", [*argv, "--out", str(tmp_path)])
+    assert script.main() == 0
+    grid = [(label, seed) for label, seed, _ in calls[:3]]
+    assert grid == [("sgd lr=0.1", 0), ("sgd lr=0.3", 0), ("adamw lr=0.01", 0)]
+    finals = [seed for _, seed, _ in calls[3:]]
+    assert finals == [1, 1, 1, 2, 2, 2]  # every method on a seed before the next seed
+    assert {batch for _, _, batch in calls} == {1344}
+    record = json.loads((tmp_path / "time_to_target.json").read_text())
+    assert record["workloads"]["digits"]["batch_size"] == 1344
