@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -66,8 +67,24 @@ def _parse() -> argparse.Namespace:
         default=None,
         help="global batch of every workload run, for every method (default: each workload's)",
     )
+    parser.add_argument(
+        "--malloc-keep",
+        action="store_true",
+        help="run every worker with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
+        "MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_): large activations are then not page-faulted "
+        "in again every step; the same for every method",
+    )
     parser.add_argument("--out", default="runs/time_to_target", help="output folder")
     return parser.parse_args()
+
+
+#: glibc's allocator told to reuse freed memory instead of returning it to the system
+#: (``--malloc-keep``); read by each worker process at its start.
+MALLOC_KEEP = {
+    "MALLOC_MMAP_THRESHOLD_": "2000000000",
+    "MALLOC_TRIM_THRESHOLD_": "2000000000",
+    "MALLOC_TOP_PAD_": "100000000",
+}
 
 
 def _floats(text: str) -> list[float]:
@@ -149,6 +166,8 @@ def main() -> int:
         )
         for kfac in kfacs
     ]
+    if args.malloc_keep:
+        os.environ.update(MALLOC_KEEP)  # the spawned workers inherit it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -198,6 +217,7 @@ def main() -> int:
         "python": sys.version,
         "platform": platform.platform(),
         "seconds": time.time() - started,
+        "malloc": MALLOC_KEEP if args.malloc_keep else "the system's defaults",
         "workloads": {
             workload.name: {
                 "metric": workload.metric,

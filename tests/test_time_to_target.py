@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -239,8 +240,11 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     monkeypatch.setattr(script, "_plot", lambda *args: None)
     argv = ["time_to_target.py", "--workloads", "digits", "--world-sizes", "1", "--seeds", "2"]
     argv += ["--sgd-grid", "0.1,0.3", "--adamw-grid", "0.01", "--batch-size", "1344"]
-    monkeypatch.setattr("sys.argv", [*argv, "--out", str(tmp_path)])
+    for name in script.MALLOC_KEEP:
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    monkeypatch.setattr("sys.argv", [*argv, "--malloc-keep", "--out", str(tmp_path)])
     assert script.main() == 0
+    assert all(os.environ[name] == value for name, value in script.MALLOC_KEEP.items())
     grid = [(label, seed) for label, seed, _ in calls[:3]]
     assert grid == [("sgd lr=0.1", 0), ("sgd lr=0.3", 0), ("adamw lr=0.01", 0)]
     finals = [seed for _, seed, _ in calls[3:]]
@@ -248,3 +252,4 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     assert {batch for _, _, batch in calls} == {1344}
     record = json.loads((tmp_path / "time_to_target.json").read_text())
     assert record["workloads"]["digits"]["batch_size"] == 1344
+    assert record["malloc"] == script.MALLOC_KEEP
