@@ -166,6 +166,11 @@ def main() -> int:
         )
         for kfac in kfacs
     ]
+    labels = [method.label for method in kfac_methods]
+    if len(set(labels)) < len(labels):
+        raise SystemExit(
+            f'--kfac configurations need distinct names (give each a "name"): {labels}'
+        )
     if args.malloc_keep:
         os.environ.update(MALLOC_KEEP)  # the spawned workers inherit it
     out = Path(args.out)

@@ -16,7 +16,8 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.curvature.statistics import kept_examples, kept_g_weight
+from dkfac.curvature.blocks import FactorStatistic, LinearBlock
+from dkfac.curvature.statistics import kept_examples, whole_call_estimate
 from test_oracle_numerics import (
     DT,
     assert_close,
@@ -33,12 +34,16 @@ from test_oracle_numerics import (
 )
 
 
-def test_kept_examples_and_the_weight_of_their_output_gradients() -> None:
+def test_kept_examples_and_the_estimate_of_the_whole_call() -> None:
     assert [kept_examples(n, 0.3) for n in (1, 8, 10, 30)] == [1, 3, 3, 9]
     assert kept_examples(30, 0.1) == 3  # 0.1 * 30 is 3.0000000000000004 in floating point
     assert kept_examples(7, 1.0) == 7 and kept_examples(7, 1e-9) == 1
-    assert kept_g_weight(8, 3, "mean") == pytest.approx((8 / 3) ** 2)
-    assert kept_g_weight(8, 3, "sum") == 1.0 and kept_g_weight(8, 8, "mean") == 1.0
+    part = FactorStatistic(torch.ones(2, 2), rows=3 * 5, examples=3)  # 5 rows per example
+    whole, weight = whole_call_estimate(part, examples=8, kept=3)
+    assert (whole.rows, whole.examples, weight) == (8 * 5, 8, 8 / 3)
+    assert whole_call_estimate(part, examples=3, kept=3) == (part, 1.0)
+    with pytest.raises(RuntimeError, match="same rows per example"):
+        whole_call_estimate(part._replace(rows=16), examples=8, kept=3)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -65,6 +70,43 @@ def test_accumulated_micro_batches_each_keep_their_first_examples() -> None:
         (batch_loss(model(x), t) / 2).backward()
     pre.step()
     assert_factors(pre, expected)
+
+
+def test_uneven_micro_batches_each_stand_for_their_whole_batch() -> None:
+    # 8 and 3 examples at f = 0.3 keep 3 and 1. Each kept sum, weighted by N_i/k_i, estimates
+    # its micro-batch's; with a summed loss (dy = g̃) the factors are then the rows- and
+    # examples-weighted means of the oracle's factors of the kept parts.
+    torch.manual_seed(26)
+    gen = torch.Generator().manual_seed(26)
+    model = small_conv_model()
+    (x1, t1), (x2, t2) = conv_batch(8, gen), conv_batch(3, gen)
+    parts = [(x1[:3], t1[:3], 8), (x2[:1], t2[:1], 3)]
+    expected = {}
+    for i in kfac_layers(model):
+        factors = [(oracle_layer_factors(model, i, x, t), n) for x, t, n in parts]
+        a = sum(n * a for (a, _), n in factors) / 11  # rows per example alike: weights N_i
+        g = sum(n * g for (_, g), n in factors) / 11
+        expected[str(i)] = (a, g)
+    pre = make_pre(model, accumulation_steps=2, loss_reduction="sum", statistics_fraction=0.3)
+    for x, t in ((x1, t1), (x2, t2)):
+        batch_loss(model(x), t, "sum").backward()
+    pre.step()
+    assert_factors(pre, expected)
+
+
+def test_an_embeddings_diagonal_a_counts_every_token() -> None:
+    # A of an embedding is token counts: from part of a call, a token only in the other part
+    # would count 0 while its row has a gradient. Its A comes from the whole call, G from part.
+    torch.manual_seed(27)
+    embedding = nn.Embedding(6, 3).to(DT)
+    model = nn.Sequential(embedding, nn.Flatten(), nn.Linear(12, 2)).to(DT)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1], [2, 2, 3, 3], [5, 4, 3, 2]])
+    t = torch.randn(4, 2, dtype=DT)
+    pre = make_pre(model, statistics_fraction=0.5)
+    batch_loss(model(ids), t).backward()
+    pre.step()
+    counts = torch.bincount(ids.flatten(), minlength=6).to(DT) / ids.numel()
+    assert_close(pre.factors()["0"][0], counts, what="diagonal A of the embedding")
 
 
 def test_a_transformer_shaped_input_keeps_whole_sequences() -> None:
@@ -105,11 +147,75 @@ def test_a_compiled_model_is_refused() -> None:
         dkfac.KFACPreconditioner(compiled, statistics_fraction=0.5)
 
 
+class Transposing(nn.Linear):
+    """A user's layer whose output holds the examples along dim 1 (registered as a Linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).t()
+
+
 def test_a_layer_whose_output_does_not_keep_the_examples_along_dim_0_is_refused() -> None:
-    layer = nn.Linear(4, 3)
-    pre = dkfac.KFACPreconditioner(layer, statistics_fraction=0.5)
+    layer = Transposing(4, 3)
+    pre = dkfac.KFACPreconditioner(
+        layer, statistics_fraction=0.5, blocks={Transposing: LinearBlock}
+    )
     with pytest.raises(RuntimeError, match="keep its examples along dim 0"):
-        layer(torch.randn(4))  # one unbatched example: dim 0 holds features
+        layer(torch.randn(5, 4))
+    pre.remove()
+
+
+def test_an_unbatched_call_is_one_example_and_kept_whole() -> None:
+    # Linear(4, 4) on a vector: dim 0 holds features, not examples; nothing is cut.
+    torch.manual_seed(28)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    twin = copy.deepcopy(model)
+    x, t = torch.randn(4, dtype=DT), torch.randn(2, dtype=DT)
+    part, whole = make_pre(model, statistics_fraction=0.5), make_pre(twin)
+    for net, pre in ((model, part), (twin, whole)):
+        (0.5 * (net(x) - t).pow(2).sum()).backward()
+        pre.step()
+    for name, (a, g) in whole.factors().items():
+        assert torch.equal(part.factors()[name][0], a) and torch.equal(part.factors()[name][1], g)
+
+
+def ranks_refuse(rank: int, world_size: int) -> bool:
+    """DP-KFAC: one owner captures the layer, but every rank must refuse its forward."""
+    layer = Transposing(4, 3)
+    ddp = nn.parallel.DistributedDataParallel(layer)
+    pre = dkfac.KFACPreconditioner(
+        ddp, strategy="dp", statistics_fraction=0.5, blocks={Transposing: LinearBlock}
+    )
+    try:
+        ddp(torch.randn(5, 4)).sum().backward()
+    except RuntimeError as error:
+        refused = "keep its examples along dim 0" in str(error)
+    else:
+        refused = False
+    pre.remove()
+    return refused
+
+
+def test_every_rank_refuses_not_only_the_layers_owner() -> None:
+    assert run_workers(ranks_refuse, 2, timeout=60) == [True, True]
+
+
+class SequenceFirst(nn.Module):
+    """Runs its Linear on ``(T, N, d)``, as ``batch_first=False`` Transformer layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.transpose(0, 1)).transpose(0, 1)
+
+
+def test_a_sequence_first_layer_is_warned_about() -> None:
+    model = SequenceFirst()
+    pre = dkfac.KFACPreconditioner(model, statistics_fraction=0.5)
+    with pytest.warns(UserWarning, match="sequence-first layer"):
+        model(torch.randn(4, 6, 3)).sum().backward()
+    pre.step()
     pre.remove()
 
 

@@ -253,3 +253,15 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     record = json.loads((tmp_path / "time_to_target.json").read_text())
     assert record["workloads"]["digits"]["batch_size"] == 1344
     assert record["malloc"] == script.MALLOC_KEEP
+
+
+def test_the_benchmark_refuses_two_configurations_of_one_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Their runs would be pooled under one label: both rows the same mixed median.
+    script = load_benchmark("time_to_target", monkeypatch)
+    same = '{"optimizer": "sgd", "lr": 0.1, "options": {"damping": 0.1}}'
+    other = '{"optimizer": "sgd", "lr": 0.1, "options": {"damping": 0.3}}'
+    monkeypatch.setattr("sys.argv", ["time_to_target.py", "--kfac", same, "--kfac", other])
+    with pytest.raises(SystemExit, match="distinct names"):
+        script.main()

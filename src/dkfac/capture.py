@@ -9,6 +9,7 @@ when it happens: the backward of several passes may come later, all at once.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.curvature.statistics import kept_examples, kept_g_weight
+from dkfac.curvature.statistics import kept_examples, whole_call_estimate
 from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
@@ -90,6 +91,8 @@ class StatisticsCapture:
         # (torch 2.13) drops attribute stores traced after a hook is registered on a tensor of
         # the graph (the compiled hooks register one per layer), dict stores it keeps.
         self._pass = {"number": 0, "depth": 0}
+        self._batch: dict[str, int | None] = {"examples": None}  # the pass's (a dict: as above)
+        self._warned: set[str] = set()  # layers warned about sequence-first statistics
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
         # Statistics of compiled forward passes, added to the layers at the window's step().
@@ -161,7 +164,8 @@ class StatisticsCapture:
             if self._pass["depth"] == 0 and self.capturing:
                 self._pass["number"] += 1
                 rows = batch_rows(args, kwargs)
-                if rows is not None:  # the batch's examples, for the broadcast check
+                self._batch["examples"] = rows  # the batch's examples (None: not known)
+                if rows is not None:  # for the broadcast check
                     self._usage.pass_started(self._pass["number"], rows)
             self._pass["depth"] += 1
 
@@ -206,6 +210,11 @@ class StatisticsCapture:
         pass_id = self._current_pass() if training and x is not None else None
         rows = int(x.shape[0]) if x is not None and x.dim() > 0 else 1
         self._usage.forward_ran(layer, training=training, pass_id=pass_id, rows=rows)
+        # Decided on every worker, before it learns whether it captures this layer: a refusal
+        # raised on the owner alone (DP-KFAC) would leave the others waiting in a collective.
+        examples, kept = 1, 1
+        if pass_id is not None and x is not None and isinstance(output, Tensor):
+            examples, kept = self._kept_examples(layer, x, output)
         if (
             pass_id is None
             or x is None
@@ -226,28 +235,58 @@ class StatisticsCapture:
             if output.requires_grad:
                 self._deferred.watch_g(index, pass_id, output)
             return
-        kept = kept_examples(rows, self._fraction)
-        if kept < rows and (output.dim() == 0 or output.shape[0] != rows):
+        with self._recorder.phase("factor_compute"):
+            if kept == examples or not layer.block.a_from_part:
+                layer.accumulate_a(x, pass_id)
+            else:
+                part, weight = whole_call_estimate(layer.a_statistic(x[:kept]), examples, kept)
+                layer.add_statistic("a", part, pass_id, None, weight)
+        self._strategy.statistic_added(layer, "a", self._loss_reduction)
+        if output.requires_grad:
+            # The pass is bound now: the backward of several passes may come later at once.
+            hook = functools.partial(self._output_grad_hook, layer, pass_id, examples, kept)
+            output.register_hook(hook)  # type: ignore[no-untyped-call]
+
+    def _kept_examples(self, layer: LayerCurvature, x: Tensor, output: Tensor) -> tuple[int, int]:
+        """The call's examples and how many of them (the first) feed its statistics.
+
+        Raises:
+            RuntimeError: part of a call is to be kept, but its output does not hold the
+                examples along dim 0 as its input does.
+        """
+        examples = layer.block.examples(x)
+        kept = kept_examples(examples, self._fraction)
+        if kept == examples:
+            return examples, kept
+        if output.dim() == 0 or output.shape[0] != examples:
             raise RuntimeError(
                 f"statistics_fraction={self._fraction} needs layer {layer.name!r} to keep its "
                 f"examples along dim 0 (input {tuple(x.shape)}, output {tuple(output.shape)})"
             )
-        with self._recorder.phase("factor_compute"):
-            layer.accumulate_a(x if kept == rows else x[:kept], pass_id)
-        self._strategy.statistic_added(layer, "a", self._loss_reduction)
-        if output.requires_grad:
-            # The pass is bound now: the backward of several passes may come later at once.
-            hook = functools.partial(self._output_grad_hook, layer, pass_id, rows, kept)
-            output.register_hook(hook)  # type: ignore[no-untyped-call]
+        batch = self._batch["examples"]
+        if batch is not None and examples != batch and layer.name not in self._warned:
+            self._warned.add(layer.name)
+            warnings.warn(
+                f"statistics_fraction={self._fraction}: layer {layer.name!r} holds {examples} "
+                f"along dim 0 where the model's batch has {batch} examples; its factors come "
+                f"from its first {kept} along dim 0 (a sequence-first layer: the first positions "
+                "of every sequence, not a random part of the batch)",
+                stacklevel=2,
+            )
+        return examples, kept
 
     def _output_grad_hook(
-        self, layer: LayerCurvature, pass_id: int, rows: int, kept: int, grad: Tensor
+        self, layer: LayerCurvature, pass_id: int, examples: int, kept: int, grad: Tensor
     ) -> None:
         if not self._removed:
-            weight = kept_g_weight(rows, kept, self._loss_reduction)
             with self._recorder.phase("factor_compute"):
-                part = grad if kept == rows else grad[:kept]
-                layer.accumulate_g(part, pass_id, self._loss_scale(), weight)
+                if kept == examples:
+                    layer.accumulate_g(grad, pass_id, self._loss_scale())
+                else:
+                    part, weight = whole_call_estimate(
+                        layer.g_statistic(grad[:kept]), examples, kept
+                    )
+                    layer.add_statistic("g", part, pass_id, self._loss_scale(), weight)
             self._strategy.statistic_added(layer, "g", self._loss_reduction)
 
     def _loss_scale(self) -> float | None:

@@ -65,6 +65,10 @@ class KroneckerBlock(ABC):
 
     kind: str = "?"
     precision: GramPrecision = HIGHEST
+    #: Dims of one batched input (``examples`` counts dim 0 of such an input, else one).
+    batched_dims: int = 2
+    #: Whether ``A`` may be estimated from part of a call (``statistics_fraction``).
+    a_from_part: bool = True
     #: The factors are exact only when the input holds one row per example along dim 0 (an
     #: embedding's ids): a call whose input was made once and broadcast over the batch is
     #: detected and passed through (:class:`~dkfac.layer_usage.LayerUsage`).
@@ -94,6 +98,10 @@ class KroneckerBlock(ABC):
     @abstractmethod
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
+
+    def examples(self, x: Tensor) -> int:
+        """Examples in one call's input: its dim 0 when batched, else one."""
+        return int(x.shape[0]) if x.dim() >= self.batched_dims else 1
 
     def parameters(self) -> list[Tensor]:
         """The preconditioned parameters (weight, then bias)."""
@@ -182,6 +190,7 @@ class Conv2dBlock(KroneckerBlock):
     """
 
     kind = "Conv2d"
+    batched_dims = 4
 
     def __init__(self, module: nn.Conv2d) -> None:
         refuse_grouped(module)
@@ -243,6 +252,7 @@ class Conv1dBlock(Conv2dBlock):
     """
 
     kind = "Conv1d"
+    batched_dims = 3
 
     def __init__(self, module: nn.Conv1d) -> None:
         refuse_grouped(module)

@@ -43,6 +43,11 @@ class EmbeddingBlock(TransposedLinearBlock):
     """
 
     kind = "Embedding"
+    # Ids of any shape, examples along dim 0 (a 1-D input holds one token per example).
+    batched_dims = 1
+    # A is counts, cheap to take from every token; from part of a call, a token of the other
+    # part would count 0 while its row has a gradient (preconditioned by about 1/damping).
+    a_from_part = False
     needs_examples_in_dim0 = True
 
     def __init__(self, module: nn.Embedding) -> None:

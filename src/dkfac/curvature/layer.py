@@ -107,9 +107,7 @@ class LayerCurvature:
         """Add the input statistics of one forward call made in forward pass ``pass_id``."""
         self.add_statistic("a", self.a_statistic(x), pass_id)
 
-    def accumulate_g(
-        self, dy: Tensor, pass_id: int, grad_scale: float | None = None, weight: float = 1.0
-    ) -> None:
+    def accumulate_g(self, dy: Tensor, pass_id: int, grad_scale: float | None = None) -> None:
         """Add the output-gradient statistics of one backward call.
 
         Args:
@@ -117,10 +115,8 @@ class LayerCurvature:
             pass_id: the forward pass that made the output: its examples count once however
                 many times the layer ran in it.
             grad_scale: the loss scale of a ``GradScaler`` (``dy`` is divided by it).
-            weight: what the call's ``Σ dy dyᵀ`` is multiplied by (a part of a batch standing
-                for all of it: :func:`~dkfac.curvature.statistics.kept_g_weight`).
         """
-        self.add_statistic("g", self.g_statistic(dy), pass_id, grad_scale, weight)
+        self.add_statistic("g", self.g_statistic(dy), pass_id, grad_scale)
 
     def a_statistic(self, x: Tensor) -> FactorStatistic:
         """The input statistic of one forward call, its sum in ``factor_dtype``.
@@ -148,7 +144,8 @@ class LayerCurvature:
         """Add one call's statistic of factor ``side``, made in forward pass ``pass_id``.
 
         ``grad_scale``: a ``GradScaler``'s loss scale that ``G``'s output gradients carried;
-        ``weight``: a multiplier of the statistic's sum (see :meth:`accumulate_g`).
+        ``weight``: a multiplier of the statistic's sum (part of a call standing for all of
+        it: :func:`~dkfac.curvature.statistics.whole_call_estimate`).
         """
         scale = 1.0 if grad_scale is None or side == "a" else 1.0 / (grad_scale * grad_scale)
         self.factors[side].statistics.add(statistic, pass_id, scale * weight)

@@ -16,9 +16,9 @@ The sums that add up across workers (:class:`SummedFactor`) are ``(Σ a aᵀ, R)
 ``(N²·Σ dy dyᵀ, N)`` (mean loss) or ``(Σ dy dyᵀ, N)`` (sum loss) for ``G``.
 
 With ``statistics_fraction`` ``f < 1`` a call's statistics come from its first ``k = ⌈f·N⌉``
-examples only (:func:`kept_examples`); ``A`` and ``G`` are then counted in those ``k``, and
-for a mean loss each kept ``dy dyᵀ`` is weighted by ``(N/k)²`` (:func:`kept_g_weight`: ``dy``
-carries ``1/N`` of the whole batch), so both factors estimate the whole call's.
+examples only (:func:`kept_examples`); their sums are weighted by ``N/k`` and counted as the
+whole call (:func:`whole_call_estimate`), so each call's sum estimates the whole call's and the
+bookkeeping below is the whole batch's.
 
 Pipelined strategies send a factor from the hook that completes it, before ``step()``. When
 a statistic arrives after that (the layer ran once more than the window had shown so far),
@@ -46,16 +46,28 @@ def kept_examples(examples: int, fraction: float) -> int:
     return max(1, math.ceil(round(fraction * examples, 9)))
 
 
-def kept_g_weight(examples: int, kept: int, loss_reduction: str) -> float:
-    """The weight of the kept examples' ``Σ dy dyᵀ`` for ``G`` to estimate the whole call's.
+def whole_call_estimate(
+    statistic: FactorStatistic, examples: int, kept: int
+) -> tuple[FactorStatistic, float]:
+    """A statistic of a call's first ``kept`` examples as the estimate of all ``examples``.
 
-    A mean loss gives every ``dy`` a factor ``1/N`` of the whole batch, and ``G`` scales its
-    sum by the square of the examples counted (``k`` here): ``(N/k)²`` restores ``N²``. A
-    summed loss needs no weight (``G = Σ dy dyᵀ / k`` already estimates ``Σ dy dyᵀ / N``).
+    Returns the statistic with the whole call's counts (its rows times ``examples / kept``,
+    ``examples``) and the weight of its sum, ``examples / kept``: each call's sum then
+    estimates the whole call's without bias, whatever share of it was kept, and every count
+    (a window's examples, a pass's, a worker's) is what the whole batch gives.
+
+    Raises:
+        RuntimeError: the kept part's rows are not a whole number of rows per example.
     """
-    if loss_reduction != "mean" or kept == examples:
-        return 1.0
-    return (examples / kept) ** 2
+    if kept == examples:
+        return statistic, 1.0
+    rows, remainder = divmod(statistic.rows * examples, kept)
+    if remainder or statistic.examples != kept:
+        raise RuntimeError(
+            f"statistics_fraction: {statistic.rows} rows of {statistic.examples} examples "
+            f"from the first {kept} of {examples}: a layer needs the same rows per example"
+        )
+    return statistic._replace(rows=rows, examples=examples), examples / kept
 
 
 @dataclass(frozen=True)
