@@ -58,38 +58,30 @@ def test_factors_come_from_the_kept_examples_and_precondition_the_whole_gradient
     assert_one_step(model, x, t, expected, reduction=reduction, statistics_fraction=0.3)
 
 
-def test_accumulated_micro_batches_each_keep_their_first_examples() -> None:
+@pytest.mark.parametrize(("sizes", "reduction"), [((8, 8), "mean"), ((8, 3), "sum")])
+def test_accumulated_micro_batches_each_stand_for_their_whole_batch(
+    sizes: tuple[int, int], reduction: str
+) -> None:
+    # At f = 0.3 a micro-batch of 8 keeps 3, one of 3 keeps 1. Each kept sum, weighted by
+    # N_i/k_i, estimates its micro-batch's, so the factors are the N_i-weighted means of the
+    # oracle's factors of the kept parts (rows per example alike). Equal micro-batches with a
+    # mean loss: the oracle on all kept examples at once; uneven ones with a summed loss (a
+    # mean over micro-batches of unequal size is not the mean over their examples).
     torch.manual_seed(22)
     gen = torch.Generator().manual_seed(22)
     model = small_conv_model()
-    (x1, t1), (x2, t2) = conv_batch(8, gen), conv_batch(8, gen)
-    kept_x, kept_t = torch.cat([x1[:3], x2[:3]]), torch.cat([t1[:3], t2[:3]])
-    expected = {str(i): oracle_layer_factors(model, i, kept_x, kept_t) for i in kfac_layers(model)}
-    pre = make_pre(model, accumulation_steps=2, statistics_fraction=0.3)
-    for x, t in ((x1, t1), (x2, t2)):
-        (batch_loss(model(x), t) / 2).backward()
-    pre.step()
-    assert_factors(pre, expected)
-
-
-def test_uneven_micro_batches_each_stand_for_their_whole_batch() -> None:
-    # 8 and 3 examples at f = 0.3 keep 3 and 1. Each kept sum, weighted by N_i/k_i, estimates
-    # its micro-batch's; with a summed loss (dy = g̃) the factors are then the rows- and
-    # examples-weighted means of the oracle's factors of the kept parts.
-    torch.manual_seed(26)
-    gen = torch.Generator().manual_seed(26)
-    model = small_conv_model()
-    (x1, t1), (x2, t2) = conv_batch(8, gen), conv_batch(3, gen)
-    parts = [(x1[:3], t1[:3], 8), (x2[:1], t2[:1], 3)]
+    batches = [conv_batch(n, gen) for n in sizes]
+    kept = [(x[: kept_examples(len(x), 0.3)], t[: kept_examples(len(x), 0.3)]) for x, t in batches]
     expected = {}
     for i in kfac_layers(model):
-        factors = [(oracle_layer_factors(model, i, x, t), n) for x, t, n in parts]
-        a = sum(n * a for (a, _), n in factors) / 11  # rows per example alike: weights N_i
-        g = sum(n * g for (_, g), n in factors) / 11
+        factors = [oracle_layer_factors(model, i, x, t) for x, t in kept]
+        a = sum(n * a for (a, _), n in zip(factors, sizes, strict=True)) / sum(sizes)
+        g = sum(n * g for (_, g), n in zip(factors, sizes, strict=True)) / sum(sizes)
         expected[str(i)] = (a, g)
-    pre = make_pre(model, accumulation_steps=2, loss_reduction="sum", statistics_fraction=0.3)
-    for x, t in ((x1, t1), (x2, t2)):
-        batch_loss(model(x), t, "sum").backward()
+    pre = make_pre(model, accumulation_steps=2, loss_reduction=reduction, statistics_fraction=0.3)
+    for x, t in batches:
+        scale = 2 if reduction == "mean" else 1
+        (batch_loss(model(x), t, reduction) / scale).backward()
     pre.step()
     assert_factors(pre, expected)
 
@@ -119,20 +111,6 @@ def test_a_transformer_shaped_input_keeps_whole_sequences() -> None:
     batch_loss(model(x), t).backward()
     pre.step()
     assert_factors(pre, expected)
-
-
-def test_fraction_one_is_the_whole_batch_bit_for_bit() -> None:
-    torch.manual_seed(24)
-    gen = torch.Generator().manual_seed(24)
-    model = small_conv_model()
-    twin = copy.deepcopy(model)
-    x, t = conv_batch(8, gen)
-    whole, one = make_pre(model), make_pre(twin, statistics_fraction=1.0)
-    for net, pre in ((model, whole), (twin, one)):
-        batch_loss(net(x), t).backward()
-        pre.step()
-    for name, (a, g) in whole.factors().items():
-        assert torch.equal(one.factors()[name][0], a) and torch.equal(one.factors()[name][1], g)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan"), "half"])

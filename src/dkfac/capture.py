@@ -213,7 +213,12 @@ class StatisticsCapture:
         # Decided on every worker, before it learns whether it captures this layer: a refusal
         # raised on the owner alone (DP-KFAC) would leave the others waiting in a collective.
         examples, kept = 1, 1
-        if pass_id is not None and x is not None and isinstance(output, Tensor):
+        if (
+            self._fraction < 1
+            and pass_id is not None
+            and x is not None
+            and isinstance(output, Tensor)
+        ):
             examples, kept = self._kept_examples(layer, x, output)
         if (
             pass_id is None
