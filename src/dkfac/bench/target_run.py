@@ -161,8 +161,7 @@ def train_to_target(
     budget = workload.budget_s if budget_s is None else budget_s
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if workload.batch_size % world:
-        raise ValueError(f"batch {workload.batch_size} does not split over {world} workers")
+    _check_split(workload, world)
     torch.manual_seed(seed)
     model = workload.build()
     trained: nn.Module = nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -216,6 +215,12 @@ def train_to_target(
     return trace
 
 
+def _check_split(workload: Workload, world: int) -> None:
+    """Refuse a global batch that ``world`` workers cannot share equally."""
+    if workload.batch_size % world:
+        raise ValueError(f"batch {workload.batch_size} does not split over {world} workers")
+
+
 def _worker(
     workload_name: str,
     method: Method,
@@ -246,8 +251,7 @@ def run_method(
     ``batch_size`` replaces the workload's global batch (``None``: its own).
     """
     workload = load_workload(workload_name, batch_size)  # a bad batch fails here, not in workers
-    if workload.batch_size % world_size:
-        raise ValueError(f"batch {workload.batch_size} does not split over {world_size} workers")
+    _check_split(workload, world_size)
     args = (workload_name, method, seed, budget_s, strategy, batch_size)
     limit = workload.budget_s if budget_s is None else budget_s
     results = spawn_workers(_worker, world_size, 1, args, timeout=limit * 4 + 300)
