@@ -86,6 +86,7 @@ def test_decomposition_is_timed_up_to_the_largest_factor_and_fitted_exactly(
 ) -> None:
     assert cost_model.decomposition_dims(577) == [32, 64, 128, 256, 512, 577]
     assert cost_model.decomposition_dims() == [32, 64, 128, 256]
+    assert cost_model.decomposition_dims(6) == [32, 64, 128]  # never only noise-sized ones
     clock = FakeClock()
     timed: list[int] = []
 

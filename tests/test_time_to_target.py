@@ -22,7 +22,7 @@ from dkfac.cli.objective import label_cross_entropy
 from dkfac.data.builtin import load_digits_tensors
 from dkfac.data.registry import load_dataset
 from dkfac.data.stdlib_text import OTHER_BYTE, STDLIB_TEXT_MODULES, load_stdlib_text
-from dkfac.models import DeepAutoencoder, TransformerLM, build_model
+from dkfac.models import DeepAutoencoder, TransformerLM, build_model, sparse_init_
 from script_loader import load_benchmark
 
 
@@ -110,6 +110,39 @@ def test_the_deep_autoencoder_has_martens_and_grosses_shape() -> None:
     assert sum(isinstance(m, nn.Sigmoid) for m in model.modules()) == 6  # not after code, output
     assert isinstance(model.encoder[-1], nn.Linear) and isinstance(model.decoder[-1], nn.Linear)
     assert model(torch.rand(5, 1, 8, 8)).shape == (5, 64)
+
+
+def test_the_sparse_initialisation_gives_each_unit_its_own_few_normal_weights() -> None:
+    torch.manual_seed(0)
+    model = DeepAutoencoder(64)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for layer in linears:
+        nonzero = (layer.weight != 0).sum(1)
+        assert torch.equal(nonzero, torch.full_like(nonzero, min(15, layer.in_features)))
+        assert torch.equal(layer.bias, torch.zeros_like(layer.bias))
+    # The chosen inputs differ from unit to unit, and the values are N(0, 1) (the 1000-wide
+    # first layer holds 15,000 of them: mean and spread within a few standard errors).
+    chosen = linears[0].weight != 0
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in chosen}) > 900
+    values = linears[0].weight.detach()[chosen].double()
+    assert abs(float(values.mean())) < 0.04 and abs(float(values.std()) - 1) < 0.03
+    # The same seed, the same weights; PyTorch's own initialisation on request.
+    torch.manual_seed(0)
+    again = DeepAutoencoder(64)
+    pairs = zip(model.parameters(), again.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    default = DeepAutoencoder(64, init="default")
+    assert bool((default.encoder[0].weight != 0).all())
+
+
+def test_the_sparse_initialisation_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="init='xavier'"):
+        DeepAutoencoder(64, init="xavier")
+    with pytest.raises(ValueError, match="nonzero=0"):
+        sparse_init_(nn.Linear(3, 2), nonzero=0)
+    small = nn.Linear(3, 2)
+    sparse_init_(small, nonzero=15, generator=torch.Generator().manual_seed(1))
+    assert bool((small.weight != 0).all())  # fewer inputs than 15: every weight drawn
 
 
 def _regression(target: float, lr_scale: float = 1.0) -> Workload:

@@ -208,9 +208,12 @@ def decomposition_dims(largest: int | None = None, smallest: int = 32) -> list[i
     """Sizes to time decompositions at: powers of two from ``smallest``, then ``largest``.
 
     The fit is made up to the model's largest factor, so the biggest decompositions (the
-    ones that matter for placement) are measured, not extrapolated from small ones.
+    ones that matter for placement) are measured, not extrapolated from small ones; and at
+    least up to 128, where the cubic term is well above the clock's noise (a model whose
+    factors are all tiny would otherwise fit microseconds of noise at 8, 16 and 32, and its
+    profile be refused for a poor fit).
     """
-    top = max(largest or 256, smallest)
+    top = max(largest or 256, smallest, 128)
     dims = [smallest]
     while dims[-1] * 2 < top:
         dims.append(dims[-1] * 2)

@@ -1,6 +1,6 @@
 """Reference models: CIFAR ResNets, small networks and Transformers for tests and demos."""
 
-from dkfac.models.autoencoder import DeepAutoencoder
+from dkfac.models.autoencoder import DeepAutoencoder, sparse_init_
 from dkfac.models.registry import MODEL_NAMES, build_model
 from dkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
 from dkfac.models.small import MLP, SmallCNN
@@ -19,4 +19,5 @@ __all__ = [
     "resnet20",
     "resnet32",
     "resnet56",
+    "sparse_init_",
 ]
