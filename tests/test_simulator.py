@@ -624,6 +624,12 @@ def test_a_flop_profile_shares_the_passes_by_multiply_adds() -> None:
     assert derived.decomposition_cost("eigen") == CubicCost(1e-3, 1e-9)
     with pytest.raises(ValueError, match="positive"):
         DeviceRates("none", 0.0, 1e9, 1e8, CubicCost(0, 1e-9), CubicCost(0, 1e-9))
+    # Statistics from half of the batch (1 of 2 examples): 10 patch rows, the passes unchanged.
+    half = flop_profile(work, rates, batch_size=2, statistics_fraction=0.5).layers[0]
+    assert half.a_statistic_s == pytest.approx(2 * 4 * 10 * 9 / 1e8 + 2 * 10 * 81 / 1e9)
+    assert half.output_s == first.output_s
+    with pytest.raises(ValueError, match="statistics_fraction=0"):
+        flop_profile(work, rates, batch_size=2, statistics_fraction=0)
 
 
 def test_resnet50_work_has_imagenet_multiply_adds_and_resolutions() -> None:

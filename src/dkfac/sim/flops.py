@@ -8,7 +8,8 @@ the device cannot be measured (a V100 for the seed papers' clusters), they are d
   does twice the forward's multiply-adds), shared among the layers by their multiply-adds;
 * a factor statistic is a GEMM, ``2·rows·d²`` FLOPs at the device's GEMM rate, plus reading
   and writing its ``rows × d`` operand (a convolution's unfolded patches) at its memory rate,
-  ``rows = batch · positions``;
+  ``rows = kept · positions`` with ``kept`` the examples the statistics are taken from (the
+  whole batch, or its share under ``statistics_fraction``);
 * preconditioning a layer is ``2·(g²a + g·a²)`` FLOPs with inverses, twice that with
   eigendecompositions (into the eigenbases and back);
 * folding the factors, the optimizer and packing are memory-bound copies;
@@ -30,6 +31,7 @@ from dkfac.curvature.factor_side import (
     is_diagonal,
     preconditioning_work,
 )
+from dkfac.curvature.statistics import kept_examples
 from dkfac.sim.profile import ComputeProfile, LayerProfile
 from dkfac.strategies.layer_shapes import LayerShape, resnet50_layer_shapes
 
@@ -87,14 +89,27 @@ def flop_profile(
     *,
     other_grad_bytes: int = 0,
     inverse_method: str = "eigen",
+    statistics_fraction: float = 1.0,
 ) -> ComputeProfile:
     """The profile of one worker at ``batch_size`` on ``rates``' device (see the module).
 
+    Args:
+        work: the preconditioned layers, in forward order.
+        rates: the device's sustained rates.
+        batch_size: one worker's batch.
+        other_grad_bytes: gradient bytes of parameters no layer of ``work`` holds.
+        inverse_method: ``"eigen"`` or ``"inverse"`` (the preconditioning's products).
+        statistics_fraction: the share of each batch the factor statistics are taken from,
+            as :class:`~dkfac.KFACPreconditioner`'s (``⌈fraction · batch⌉`` examples).
+
     Raises:
-        ValueError: no layers, or a layer without multiply-adds.
+        ValueError: no layers, a layer without multiply-adds, or a fraction outside (0, 1].
     """
     if not work or min(w.forward_flops(batch_size) for w in work) <= 0:
         raise ValueError("a FLOP profile needs layers with positive multiply-adds")
+    if not 0 < statistics_fraction <= 1:
+        raise ValueError(f"statistics_fraction={statistics_fraction!r}: expected (0, 1]")
+    kept = kept_examples(batch_size, statistics_fraction)
     products = {"eigen": 4.0, "inverse": 2.0}[inverse_method]  # GEMMs of g²a + g·a² each half
     step_s = batch_size / rates.samples_per_s
     forward_s, backward_s = step_s / 3.0, 2.0 * step_s / 3.0
@@ -113,7 +128,7 @@ def flop_profile(
     layers = []
     for index, item in enumerate(work):
         a, g = item.shape.a_dim, item.shape.g_dim
-        rows = batch_size * item.positions
+        rows = kept * item.positions
         layers.append(
             LayerProfile(
                 name=item.shape.name,
