@@ -624,10 +624,21 @@ def test_a_flop_profile_shares_the_passes_by_multiply_adds() -> None:
     assert derived.decomposition_cost("eigen") == CubicCost(1e-3, 1e-9)
     with pytest.raises(ValueError, match="positive"):
         DeviceRates("none", 0.0, 1e9, 1e8, CubicCost(0, 1e-9), CubicCost(0, 1e-9))
-    # Statistics from half of the batch (1 of 2 examples): 10 patch rows, the passes unchanged.
-    half = flop_profile(work, rates, batch_size=2, statistics_fraction=0.5).layers[0]
-    assert half.a_statistic_s == pytest.approx(2 * 4 * 10 * 9 / 1e8 + 2 * 10 * 81 / 1e9)
-    assert half.output_s == first.output_s
+    # Statistics from half of a batch of 5: ⌈2.5⌉ = 3 examples, 30 patch rows (floor or
+    # round would keep 2); preconditioning and the passes do not depend on it.
+    whole = flop_profile(work, rates, batch_size=5)
+    half = flop_profile(work, rates, batch_size=5, statistics_fraction=0.5)
+    conv = half.layers[0]
+    assert conv.a_statistic_s == pytest.approx(2 * 4 * 30 * 9 / 1e8 + 2 * 30 * 81 / 1e9)
+    assert conv.g_statistic_s == pytest.approx(2 * 4 * 30 * 4 / 1e8 + 2 * 30 * 16 / 1e9)
+    for cut, full in zip(half.layers, whole.layers, strict=True):
+        assert (cut.precondition_s, cut.output_s) == (full.precondition_s, full.output_s)
+    assert half.notes["statistics_fraction"] == 0.5 and "statistics_fraction" not in whole.notes
+    # An embedding's diagonal A (its counts) comes from the whole call, its G from the part.
+    embedding = LayerWork(LayerShape("emb", DiagonalSide(6), 4), 1)
+    table = flop_profile([embedding], rates, 5, statistics_fraction=0.5)
+    assert table.layers[0].a_statistic_s == pytest.approx(2 * 4 * 5 * 6 / 1e8)
+    assert table.layers[0].g_statistic_s == pytest.approx(2 * 4 * 3 * 4 / 1e8 + 2 * 3 * 16 / 1e9)
     with pytest.raises(ValueError, match="statistics_fraction=0"):
         flop_profile(work, rates, batch_size=2, statistics_fraction=0)
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sysconfig
+import types
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,12 @@ def test_the_sparse_initialisation_gives_each_unit_its_own_few_normal_weights() 
     assert len({tuple(row.nonzero().flatten().tolist()) for row in chosen}) > 900
     values = linears[0].weight.detach()[chosen].double()
     assert abs(float(values.mean())) < 0.04 and abs(float(values.std()) - 1) < 0.03
+    # Normal, not just mean 0 and variance 1: 5% beyond ±1.96 (a uniform ±√3 has none;
+    # standard error 0.18 points).
+    assert 0.04 < float((values.abs() > 1.96).double().mean()) < 0.06
+    # Every input equally likely: 1000·15/64 = 234 units each, standard deviation about 13.
+    per_input = chosen.sum(0)
+    assert int(per_input.min()) > 234 - 70 and int(per_input.max()) < 234 + 70
     # The same seed, the same weights; PyTorch's own initialisation on request.
     torch.manual_seed(0)
     again = DeepAutoencoder(64)
@@ -143,6 +150,26 @@ def test_the_sparse_initialisation_refuses_bad_arguments() -> None:
     small = nn.Linear(3, 2)
     sparse_init_(small, nonzero=15, generator=torch.Generator().manual_seed(1))
     assert bool((small.weight != 0).all())  # fewer inputs than 15: every weight drawn
+    with pytest.raises(ValueError, match="lazy linear layer"):
+        sparse_init_(nn.Sequential(nn.LazyLinear(4)))
+    # A CUDA generator (a stand-in: only its device is read before the refusal).
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="generator on cuda:0"):
+        sparse_init_(small, generator=on_gpu)  # type: ignore[arg-type]
+
+
+def test_the_sparse_initialisation_takes_its_count_generator_and_the_weights_dtype() -> None:
+    layer = nn.Linear(40, 10, dtype=torch.float64)
+    state = torch.get_rng_state()
+    sparse_init_(layer, nonzero=4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.get_rng_state(), state)  # the given generator, not the global one
+    assert layer.weight.dtype == torch.float64
+    assert torch.equal((layer.weight != 0).sum(1), torch.full((10,), 4))
+    first = layer.weight.detach().clone()
+    sparse_init_(layer, nonzero=4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer.weight, first)
+    sparse_init_(layer, nonzero=4, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(layer.weight, first)
 
 
 def _regression(target: float, lr_scale: float = 1.0) -> Workload:

@@ -205,7 +205,7 @@ def calibrate_alpha_beta(
 
 
 def decomposition_dims(largest: int | None = None, smallest: int = 32) -> list[int]:
-    """Sizes to time decompositions at: powers of two from ``smallest``, then ``largest``.
+    """Sizes to time decompositions at: powers of two from ``smallest``, then ``max(largest, 128)``.
 
     The fit is made up to the model's largest factor, so the biggest decompositions (the
     ones that matter for placement) are measured, not extrapolated from small ones; and at
@@ -340,8 +340,8 @@ class CostModelCache:
             dtype: dtype of the decompositions.
             device: where the collectives and decompositions run (default: CPU).
             group: the process group (default: the world).
-            largest_dim: the largest factor the model has: decompositions are timed up to it
-                (:func:`decomposition_dims`).
+            largest_dim: the largest factor the model has: decompositions are timed up to it,
+                and at least to 128 (:func:`decomposition_dims`).
         """
         target = device or torch.device("cpu")
         comm = Communicator(StepRecorder(), group=group)  # calibration: no step's traffic

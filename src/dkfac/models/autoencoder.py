@@ -26,8 +26,9 @@ class DeepAutoencoder(nn.Module):
     The benchmark's initialisation is Martens' (2010) sparse one (:func:`sparse_init_`), and so
     is this model's by default. ``init="default"`` keeps PyTorch's (uniform within
     ``±1/√fan_in``): through eight such layers and six sigmoids the output gradient shrinks
-    about 10¹⁰-fold on its way to the first layer (its ``G`` factor's largest eigenvalue
-    5·10⁻¹⁴ against 2·10⁻³ at the output, on the digits), and every optimiser whose step does
+    about 10⁵-fold on its way to the first layer (its ``G`` factor, the gradient's second
+    moment: largest eigenvalue 5·10⁻¹⁴ against 2·10⁻³ at the output, on the digits), and
+    every optimiser whose step does
     not rescale each parameter (SGD, K-FAC with any damping tried) first sits on the plateau
     of predicting the mean image.
 
@@ -70,26 +71,40 @@ def sparse_init_(
 ) -> None:
     """Martens' (2010) sparse initialisation of every ``nn.Linear`` in ``module``, in place.
 
-    Each output unit gets ``nonzero`` incoming weights (all of them when the layer has fewer
-    inputs), at inputs chosen uniformly without replacement and drawn from ``N(0, 1)``; the
-    other weights and the biases are zero. Units then start with large, diverse weights on a
-    few inputs, so sigmoid layers neither saturate all at once nor pass on a vanishing
-    gradient, whatever the layer's width.
+    Each output unit gets exactly ``nonzero`` incoming weights (all of them when the layer has
+    fewer inputs), at inputs chosen uniformly without replacement and drawn from ``N(0, 1)``;
+    the other weights and the biases are zero. (The paper's words, a hard limit on the nonzero
+    incoming weights; Martens' own code drew the inputs with replacement, so some of its units
+    had fewer.) Units then start with large, diverse weights on a few inputs, so sigmoid layers
+    neither saturate all at once nor pass on a vanishing gradient, whatever the layer's width.
+    The draws are made on the CPU, then copied to each weight's device and dtype: the same seed
+    gives the same weights on any device.
 
     Args:
         module: the module whose linear layers are initialised.
         nonzero: incoming weights per unit that are not zero (> 0).
-        generator: the random generator (``None``: torch's global one).
+        generator: a CPU random generator (``None``: torch's global CPU one).
 
     Raises:
-        ValueError: ``nonzero`` is not a positive int.
+        ValueError: ``nonzero`` is not a positive int, ``generator`` is not a CPU generator,
+            or a lazy linear layer has no weight yet.
     """
     if isinstance(nonzero, bool) or not isinstance(nonzero, int) or nonzero < 1:
         raise ValueError(f"nonzero={nonzero!r}: expected a positive int")
-    for layer in module.modules():
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(
+            f"generator on {generator.device}: sparse_init_ draws on the CPU (the same weights "
+            "on every device), pass a CPU torch.Generator"
+        )
+    for name, layer in module.named_modules():
         if not isinstance(layer, nn.Linear):
             continue
         weight = layer.weight
+        if isinstance(weight, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"layer {name!r} is a lazy linear layer without its weight yet: run one forward "
+                "pass before sparse_init_"
+            )
         # The `nonzero` largest of uniform scores per row: a uniform choice of inputs.
         scores = torch.rand(weight.shape, generator=generator)
         chosen = scores.topk(min(nonzero, weight.shape[1]), dim=1).indices

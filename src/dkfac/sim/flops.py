@@ -100,7 +100,10 @@ def flop_profile(
         other_grad_bytes: gradient bytes of parameters no layer of ``work`` holds.
         inverse_method: ``"eigen"`` or ``"inverse"`` (the preconditioning's products).
         statistics_fraction: the share of each batch the factor statistics are taken from,
-            as :class:`~dkfac.KFACPreconditioner`'s (``⌈fraction · batch⌉`` examples).
+            as :class:`~dkfac.KFACPreconditioner`'s (``⌈fraction · batch⌉`` examples; an
+            embedding's diagonal ``A`` from all of them). One call per layer and step is
+            assumed: micro-batches, layers called several times and sequence-first layers
+            round per call and are not modelled.
 
     Raises:
         ValueError: no layers, a layer without multiply-adds, or a fraction outside (0, 1].
@@ -129,6 +132,8 @@ def flop_profile(
     for index, item in enumerate(work):
         a, g = item.shape.a_dim, item.shape.g_dim
         rows = kept * item.positions
+        # An embedding's diagonal A (its counts) comes from the whole call, as in the capture.
+        a_rows = batch_size * item.positions if is_diagonal(a) else rows
         layers.append(
             LayerProfile(
                 name=item.shape.name,
@@ -137,7 +142,7 @@ def flop_profile(
                 output_s=output_s[index],
                 output_grad_s=output_grad_s[index],
                 grad_ready_s=grad_ready_s[index],
-                a_statistic_s=_statistic_s(rows, a, rates),
+                a_statistic_s=_statistic_s(a_rows, a, rates),
                 g_statistic_s=_statistic_s(rows, g, rates),
                 precondition_s=products * preconditioning_work(a, g) / rates.gemm_flops_per_s,
                 grad_bytes=FLOAT32_BYTES * a * g,
@@ -159,7 +164,13 @@ def flop_profile(
         layers=tuple(layers),
         other_grad_bytes=other_grad_bytes,
         pack_bytes_per_s=rates.memory_bytes_per_s / 2,  # each payload byte read and written
-        notes={"derived": "dkfac.sim.flops.flop_profile", "samples_per_s": rates.samples_per_s},
+        notes={
+            "derived": "dkfac.sim.flops.flop_profile",
+            "samples_per_s": rates.samples_per_s,
+            # Said only when statistics come from part of the batch (a whole-batch profile's
+            # notes, committed ones included, stay as they were).
+            **({"statistics_fraction": statistics_fraction} if statistics_fraction < 1 else {}),
+        },
     )
 
 
