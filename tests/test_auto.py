@@ -169,10 +169,13 @@ def test_auto_profiles_the_statistics_with_the_preconditioners_options(
     options = dkfac.AutoOptions(
         example=(torch.randn(4, 8), torch.arange(4)), loss_fn=F.cross_entropy
     )
-    config = dkfac.config.KFACConfig(statistics_fraction=0.25, statistics_precision="bf16")
+    config = dkfac.config.KFACConfig(
+        statistics_fraction=0.25, statistics_precision="bf16", precondition_precision="bf16"
+    )
     with pytest.raises(RuntimeError, match="stop after"):
         options._measure(model(), config, torch.device("cpu"))
     assert seen["statistics_fraction"] == 0.25 and seen["statistics_precision"] == "bf16"
+    assert seen["precondition_precision"] == "bf16"
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])

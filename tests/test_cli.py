@@ -992,7 +992,12 @@ def test_grad_accumulation_trains_as_the_batch_its_micro_batches_make(tmp_path: 
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("statistics_precision", "bf16"), ("statistics_fraction", 0.25)]
+    ("name", "value"),
+    [
+        ("statistics_precision", "bf16"),
+        ("statistics_fraction", 0.25),
+        ("precondition_precision", "bf16"),
+    ],
 )
 def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
     tmp_path: Path, name: str, value: object

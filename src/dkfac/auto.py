@@ -275,6 +275,7 @@ class AutoOptions(StrategyChooser):
                     "factor_dtype": config.factor_dtype,
                     "statistics_precision": config.statistics_precision,
                     "statistics_fraction": config.statistics_fraction,
+                    "precondition_precision": config.precondition_precision,
                     "skip_layers": config.skip_layers,
                 },
                 autocast=self.autocast,

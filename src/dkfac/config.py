@@ -18,6 +18,7 @@ import torch
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.factors import GramPrecision
+from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.validation import check_float, check_int, describe
@@ -136,6 +137,7 @@ class KFACConfig:
     factor_dtype: torch.dtype = torch.float32
     statistics_precision: str = "highest"
     statistics_fraction: float = 1.0
+    precondition_precision: str = "highest"
     inv_dtype: torch.dtype = torch.float32
     grad_worker_fraction: float | None = None
     bucket_cap_mb: float | None = None
@@ -201,6 +203,11 @@ class KFACConfig:
             raise ValueError(
                 f"statistics_precision='bf16' is not allowed with factor_dtype="
                 f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
+            )
+        if self.precondition_precision not in PRECONDITION_PRECISIONS:
+            raise ValueError(
+                f"precondition_precision={self.precondition_precision!r} is not allowed: "
+                f"expected one of {', '.join(map(repr, PRECONDITION_PRECISIONS))}"
             )
         check_float(
             "statistics_fraction",

@@ -112,8 +112,9 @@ def discover_layers(
     Args:
         model: the unwrapped model.
         config: what the layers are built with: ``skip_patterns`` (a module whose path or
-            class name matches one is skipped), ``factor_dtype``, ``statistics_precision``
-            and ``max_factor_dim`` (a layer with a larger factor side is skipped).
+            class name matches one is skipped), ``factor_dtype``, ``statistics_precision``,
+            ``precondition_precision`` and ``max_factor_dim`` (a layer with a larger factor
+            side is skipped).
         blocks: the user's blocks for more module types (:func:`make_block`).
 
     Raises:
@@ -169,7 +170,13 @@ def discover_layers(
             skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
         else:
             block.precision = precision
-            layers.append((name, LayerCurvature(name or kind, block, factor_dtype)))
+            layer = LayerCurvature(
+                name or kind,
+                block,
+                factor_dtype,
+                precondition_precision=config.precondition_precision,
+            )
+            layers.append((name, layer))
     if not layers:
         found = ", ".join(sorted({s.kind for s in skipped})) or "no module with parameters"
         raise ValueError(

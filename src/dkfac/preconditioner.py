@@ -87,6 +87,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         statistics_fraction: in (0, 1]: the factors are estimated from the first
             ``⌈f·N⌉`` examples of each call (dim 0) instead of all ``N`` (docs/math.md,
             "Statistics from part of the batch"); not with a compiled model.
+        precondition_precision: ``"highest"`` (default) or ``"bf16"``: gradients
+            preconditioned in bfloat16 (faster products; docs/math.md, "in bfloat16").
         inv_dtype: dtype of the decompositions, float32 or float64 (failures retried in float64).
         grad_worker_fraction: KAISA's fraction ``f`` of workers that precondition each layer
             (``strategy="kaisa"``, default 1); ``f·P`` must divide the world size ``P``.
@@ -150,6 +152,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         factor_dtype: torch.dtype = torch.float32,
         statistics_precision: str = "highest",
         statistics_fraction: float = 1.0,
+        precondition_precision: str = "highest",
         inv_dtype: torch.dtype = torch.float32,
         grad_worker_fraction: float | None = None,
         bucket_cap_mb: float | None = None,
@@ -183,6 +186,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             factor_dtype=factor_dtype,
             statistics_precision=statistics_precision,
             statistics_fraction=statistics_fraction,
+            precondition_precision=precondition_precision,
             inv_dtype=inv_dtype,
             grad_worker_fraction=grad_worker_fraction,
             bucket_cap_mb=bucket_cap_mb,
@@ -206,13 +210,11 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._strategy.setup(self._layers, accumulation_steps=expected or 1)
         self._grad_scaler = grad_scaler
         self._steps = 0
-        self._removed = False
-        self._force_inverse = False
-        self._skipped_steps = 0
-        self._decomposition_steps = 0
+        self._removed = self._force_inverse = False
+        self._skipped_steps = self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
-        self._adaptive = None
         refuse_unagreed_adaptive(adaptive, self._strategy)
+        self._adaptive = None  # the damping is read only when adaptive (a callable may fail)
         if adaptive is not None:
             self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
         self._hook = None

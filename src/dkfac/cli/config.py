@@ -14,6 +14,7 @@ from typing import Any
 
 from dkfac.cli.device import AMP_MODES, DEVICES
 from dkfac.curvature.factors import STATISTICS_PRECISIONS
+from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
@@ -30,6 +31,7 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad_sync", GRAD_SYNCS),
     ("inverse_method", ("eigen", "inverse")),
     ("statistics_precision", STATISTICS_PRECISIONS),
+    ("precondition_precision", PRECONDITION_PRECISIONS),
     ("device", DEVICES),
     ("amp", AMP_MODES),
 )
@@ -70,6 +72,8 @@ class TrainConfig:
     statistics_precision: str = "highest"
     #: Share of each batch (its first examples) the factors are estimated from.
     statistics_fraction: float = 1.0
+    #: Products of the preconditioning: "highest" (the decompositions' dtype) or "bf16".
+    precondition_precision: str = "highest"
     damping: float = 0.003
     factor_decay: float = 0.95
     kl_clip: float = 0.001

@@ -75,6 +75,9 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "inverse_method": "eigen (exact damped inverse) or inverse (factored Tikhonov, Cholesky)",
         "statistics_precision": "products of the factor statistics: highest (in float32) or "
         "bf16 (operands rounded to bfloat16, summed in float32: tensor cores on a GPU)",
+        "precondition_precision": "products of the preconditioning: highest (in the "
+        "decompositions' dtype) or bf16 (operands and results rounded to bfloat16: tensor cores "
+        "on a GPU, AVX-512 BF16 on a CPU)",
         "statistics_fraction": "estimate the K-FAC factors from this share of each batch (its "
         "first examples; 1: all of it): less factor work per step at large batches",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "

@@ -363,6 +363,7 @@ def _build_preconditioner(
         inverse_method=config.inverse_method,
         statistics_precision=config.statistics_precision,
         statistics_fraction=config.statistics_fraction,
+        precondition_precision=config.precondition_precision,
         damping=config.damping,
         factor_decay=config.factor_decay,
         kl_clip=config.kl_clip or None,

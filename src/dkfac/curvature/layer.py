@@ -64,6 +64,8 @@ class LayerCurvature:
         block: the layer-type specific statistics.
         factor_dtype: dtype of the statistics and running averages.
         inverse: the latest good decomposition, ``None`` before the first one.
+        precondition_precision: ``"highest"`` or ``"bf16"``, how the gradient is
+            preconditioned (:meth:`KroneckerInverse.precondition`).
         factors: the two :class:`~dkfac.curvature.kronecker_factor.KroneckerFactor` by side,
             ``"a"`` (``d_A``) and ``"g"`` (``d_G``).
     """
@@ -72,6 +74,7 @@ class LayerCurvature:
     block: KroneckerBlock
     factor_dtype: torch.dtype = torch.float32
     inverse: KroneckerInverse | None = None
+    precondition_precision: str = "highest"
     factors: dict[str, KroneckerFactor] = field(init=False, repr=False)
     _trouble: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(TROUBLE_KINDS, 0), repr=False
@@ -225,7 +228,7 @@ class LayerCurvature:
         """The preconditioned gradient matrix, or ``grad`` itself before any decomposition."""
         if self.inverse is None:
             return grad
-        return self.inverse.precondition(grad, damping)
+        return self.inverse.precondition(grad, damping, self.precondition_precision)
 
     # -- state --------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
