@@ -18,7 +18,7 @@ import torch
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.factors import GramPrecision
-from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
+from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.validation import check_float, check_int, describe
@@ -204,11 +204,7 @@ class KFACConfig:
                 f"statistics_precision='bf16' is not allowed with factor_dtype="
                 f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
             )
-        if self.precondition_precision not in PRECONDITION_PRECISIONS:
-            raise ValueError(
-                f"precondition_precision={self.precondition_precision!r} is not allowed: "
-                f"expected one of {', '.join(map(repr, PRECONDITION_PRECISIONS))}"
-            )
+        check_precondition_precision(self.precondition_precision)
         check_float(
             "statistics_fraction",
             self.statistics_fraction,

@@ -213,8 +213,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._removed = self._force_inverse = False
         self._skipped_steps = self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
+        self._adaptive = None
         refuse_unagreed_adaptive(adaptive, self._strategy)
-        self._adaptive = None  # the damping is read only when adaptive (a callable may fail)
         if adaptive is not None:
             self._adaptive = AdaptiveStep(adaptive, float(self.config.damping_at(0)), self._model)
         self._hook = None

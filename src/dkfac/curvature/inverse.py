@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_decomposition import FactorDecomposition, decompose_factor
+from dkfac.curvature.factors import CUDA_MM_OUT_DTYPE
 
 #: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
 FACTOR_SIDES: tuple[str, str] = ("a", "g")
@@ -76,16 +77,45 @@ def combine_factors(
 #: What ``precondition_precision`` may be (:meth:`KroneckerInverse.precondition`).
 PRECONDITION_PRECISIONS: tuple[str, ...] = ("highest", "bf16")
 
+Product = Callable[[Tensor, Tensor], Tensor]
+
+
+def check_precondition_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECONDITION_PRECISIONS`.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if precision not in PRECONDITION_PRECISIONS:
+        raise ValueError(
+            f"precondition_precision={precision!r} is not allowed: expected one of "
+            f"{', '.join(map(repr, PRECONDITION_PRECISIONS))}"
+        )
+    return precision
+
+
+def bf16_product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of bfloat16 matrices, summed in float32 and rounded once to bfloat16.
+
+    On CUDA through a float32 output (cuBLAS may otherwise round partial sums of a split
+    reduction to bfloat16: ``allow_bf16_reduced_precision_reduction``); CPU products of
+    bfloat16 matrices sum in float32 already.
+    """
+    if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16)
+    return a @ b
+
 
 class KroneckerInverse(ABC):
     """The inverse of one layer's damped Kronecker curvature, ready to precondition.
 
     ``precision="bf16"`` rounds the decomposition's tensors (once: the rounded copies are kept
-    with the inverse, which is replaced, never changed, at each decomposition) and the
-    gradient to bfloat16, and every product and elementwise result to bfloat16: the matrix
-    products then run on bfloat16 units (tensor cores; AVX-512 BF16 on CPUs, about 3x a float32
-    product), at a relative error of a few 2⁻⁸ per rounding (docs/math.md, "Preconditioning
-    in bfloat16").
+    with the inverse, which is replaced, never changed, at each decomposition, and take half
+    its bytes again) and the gradient to bfloat16, sums each matrix product in float32 and
+    rounds it, and every elementwise result, to bfloat16: the products then run on bfloat16
+    units (tensor cores; AVX-512 BF16 on CPUs, about 3x a float32 product; slower than
+    float32 where there are none), at a relative error of at most 2⁻⁸ per rounding
+    (docs/math.md, "Preconditioning in bfloat16").
     """
 
     method: ClassVar[str]
@@ -96,26 +126,33 @@ class KroneckerInverse(ABC):
     def precondition(self, grad: Tensor, damping: float, precision: str = "highest") -> Tensor:
         """``(A ⊗ G + damping)⁻¹``-like product with the ``(d_G, d_A)`` gradient matrix.
 
-        Computed in the decomposition's dtype (``precision="highest"``) or in bfloat16
-        (``"bf16"``); returned in ``grad``'s dtype.
+        Args:
+            grad: the layer's gradient matrix.
+            damping: ``γ`` (used by ``"eigen"``; ``"inverse"`` fixed it when decomposed).
+            precision: ``"highest"``: computed in the decomposition's dtype; ``"bf16"``: in
+                bfloat16 (see the class).
+
+        Returns:
+            The preconditioned gradient, in ``grad``'s dtype.
+
+        Raises:
+            ValueError: an unknown ``precision``.
         """
-        if precision == "highest":
+        product: Product = torch.mm
+        if check_precondition_precision(precision) == "highest":
             tensors = self.tensors()
-        elif precision == "bf16":
+        else:
             if self._rounded is None:
                 self._rounded = {k: t.to(torch.bfloat16) for k, t in self.tensors().items()}
-            tensors = self._rounded
-        else:
-            raise ValueError(
-                f"precision={precision!r} is not allowed: expected one of "
-                f"{', '.join(map(repr, PRECONDITION_PRECISIONS))}"
-            )
+            tensors, product = self._rounded, bf16_product
         work = next(iter(tensors.values())).dtype
-        return self._apply(tensors, grad.to(work), damping).to(grad.dtype)
+        return self._apply(tensors, grad.to(work), damping, product).to(grad.dtype)
 
     @abstractmethod
-    def _apply(self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float) -> Tensor:
-        """The product with ``grad``, all operands (``tensors``, ``grad``) in one dtype."""
+    def _apply(
+        self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float, product: Product
+    ) -> Tensor:
+        """The product with ``grad``: operands in one dtype, matrix products by ``product``."""
 
     @abstractmethod
     def tensors(self) -> dict[str, Tensor]:
@@ -135,14 +172,16 @@ class EigenInverse(KroneckerInverse):
         super().__init__()
         self.qa, self.la, self.qg, self.lg = qa, la, qg, lg
 
-    def _apply(self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float) -> Tensor:
+    def _apply(
+        self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float, product: Product
+    ) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
         qa, qg = tensors.get("qa"), tensors.get("qg")
-        rotated = grad if qg is None else qg.t() @ grad
-        rotated = rotated if qa is None else rotated @ qa
+        rotated = grad if qg is None else product(qg.t(), grad)
+        rotated = rotated if qa is None else product(rotated, qa)
         rotated = rotated / (torch.outer(tensors["lg"], tensors["la"]) + damping)
-        rotated = rotated if qg is None else qg @ rotated
-        return rotated if qa is None else rotated @ qa.t()
+        rotated = rotated if qg is None else product(qg, rotated)
+        return rotated if qa is None else product(rotated, qa.t())
 
     def tensors(self) -> dict[str, Tensor]:
         """Eigenvectors (of a dense factor) and eigenvalues of both factors."""
@@ -159,14 +198,16 @@ class TikhonovInverse(KroneckerInverse):
         super().__init__()
         self.a_inv, self.g_inv = a_inv, g_inv
 
-    def _apply(self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float) -> Tensor:
+    def _apply(
+        self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float, product: Product
+    ) -> Tensor:
         """``(G + √γ/π I)⁻¹ ∇ (A + √γ·π I)⁻¹`` (damping fixed at decomposition time).
 
         A diagonal factor's inverse is a vector: it scales the rows (``G``) or columns (``A``).
         """
         a_inv, g_inv = tensors["a_inv"], tensors["g_inv"]
-        left = g_inv.unsqueeze(1) * grad if g_inv.dim() == 1 else g_inv @ grad
-        return left * a_inv if a_inv.dim() == 1 else left @ a_inv
+        left = g_inv.unsqueeze(1) * grad if g_inv.dim() == 1 else product(g_inv, grad)
+        return left * a_inv if a_inv.dim() == 1 else product(left, a_inv)
 
     def tensors(self) -> dict[str, Tensor]:
         """The two damped inverses."""

@@ -19,7 +19,12 @@ from torch import Tensor
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
 from dkfac.curvature.factor_decomposition import factor_tensor_shapes
 from dkfac.curvature.factor_side import factor_shape
-from dkfac.curvature.inverse import FACTOR_SIDES, KroneckerInverse, inverse_from_tensors
+from dkfac.curvature.inverse import (
+    FACTOR_SIDES,
+    KroneckerInverse,
+    check_precondition_precision,
+    inverse_from_tensors,
+)
 from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -81,6 +86,7 @@ class LayerCurvature:
     )
 
     def __post_init__(self) -> None:
+        check_precondition_precision(self.precondition_precision)
         dims = (self.block.a_dim, self.block.g_dim)
         self.factors = {
             side: KroneckerFactor(side, dim, self.factor_dtype)
