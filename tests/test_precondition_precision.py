@@ -21,6 +21,7 @@ from torch import Tensor, nn
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from distributed_harness import run_workers
+from dkfac.bench.timed_window import kfac_memory_bytes
 from dkfac.curvature.inverse import (
     EigenInverse,
     KroneckerInverse,
@@ -218,6 +219,9 @@ def test_the_preconditioner_applies_bf16_to_every_layer(method: str) -> None:
         for grad, direction, inverse in zip(grads, directions, inverses, strict=True):
             assert_bf16_preconditioned(direction, *exact_and_bound(inverse, grad), method)
     assert pre.config.precondition_precision == "bf16"
+    # The bf16 copies are memory the rank holds: half the float32 inverses' bytes again.
+    float32_bytes = sum(t.numel() * 4 for inverse in inverses for t in inverse.tensors().values())
+    assert kfac_memory_bytes(pre)[1] == float32_bytes * 3 // 2
 
 
 def ranks_precondition_in_bf16(rank: int, world: int) -> bool:

@@ -65,6 +65,7 @@ def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
     """Bytes of the running factors and of the decompositions this rank holds.
 
+    The decompositions' bfloat16 copies (``precondition_precision="bf16"``) count too.
     Factors are counted one by one: under PAD an owner may hold a layer's ``A`` and not its
     ``G`` (``pre.factors()`` lists only layers with both, so it would miss those).
     """
@@ -77,9 +78,7 @@ def kfac_memory_bytes(pre: dkfac.KFACPreconditioner) -> tuple[int, int]:
     inverse_bytes = 0
     for layer in pre.layers:
         if layer.inverse is not None:
-            inverse_bytes += sum(
-                t.numel() * t.element_size() for t in layer.inverse.tensors().values()
-            )
+            inverse_bytes += sum(t.numel() * t.element_size() for t in layer.inverse.held_tensors())
     return factor_bytes, inverse_bytes
 
 

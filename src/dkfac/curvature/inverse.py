@@ -148,6 +148,11 @@ class KroneckerInverse(ABC):
         work = next(iter(tensors.values())).dtype
         return self._apply(tensors, grad.to(work), damping, product).to(grad.dtype)
 
+    def held_tensors(self) -> list[Tensor]:
+        """Every tensor this inverse keeps: :meth:`tensors` and, once made, their bf16 copies."""
+        rounded = [] if self._rounded is None else list(self._rounded.values())
+        return [*self.tensors().values(), *rounded]
+
     @abstractmethod
     def _apply(
         self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float, product: Product
