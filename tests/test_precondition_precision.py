@@ -140,27 +140,21 @@ def test_a_bound_this_tight_catches_a_wrong_product() -> None:
         )
 
 
-def test_a_diagonal_factor_is_preconditioned_in_bf16_too() -> None:
+@pytest.mark.parametrize("method", ["inverse", "eigen"])
+def test_a_diagonal_factor_is_preconditioned_in_bf16_too(method: str) -> None:
+    """An embedding's ``A`` is a diagonal: a vector inverse, or eigenvalues without vectors."""
     generator = torch.Generator().manual_seed(2)
-    g_inv = torch.linalg.inv(factor(4, generator) + 0.1 * torch.eye(4))
-    a_inv = 1.0 / (torch.rand(9, generator=generator) + 0.1)  # an embedding's diagonal A
-    inverse = TikhonovInverse(a_inv, g_inv)
+    g = factor(4, generator)
+    a_diagonal = torch.rand(9, generator=generator) + 0.1
+    inverse: KroneckerInverse
+    if method == "inverse":
+        inverse = TikhonovInverse(1.0 / a_diagonal, torch.linalg.inv(g + 0.1 * torch.eye(4)))
+    else:
+        lg, qg = torch.linalg.eigh(g)
+        inverse = EigenInverse(None, a_diagonal, qg, lg.clamp(min=0.0))
     grad = torch.randn(4, 9, generator=generator)
     got = inverse.precondition(grad, DAMPING, "bf16")
-    assert_bf16_preconditioned(got, *exact_and_bound(inverse, grad), "inverse")
-
-
-def test_an_eigen_inverse_with_a_diagonal_factor_is_preconditioned_in_bf16() -> None:
-    generator = torch.Generator().manual_seed(5)
-    g_part, _ = decompose(
-        factor(4, generator), factor(4, generator), DAMPING, "eigen", torch.float32
-    )
-    assert isinstance(g_part, EigenInverse)
-    la = torch.rand(9, generator=generator) + 0.1  # an embedding's diagonal A: no eigenvectors
-    inverse = EigenInverse(None, la, g_part.qg, g_part.lg)
-    grad = torch.randn(4, 9, generator=generator)
-    got = inverse.precondition(grad, DAMPING, "bf16")
-    assert_bf16_preconditioned(got, *exact_and_bound(inverse, grad), "eigen")
+    assert_bf16_preconditioned(got, *exact_and_bound(inverse, grad), method)
 
 
 def test_the_rounded_tensors_are_made_once_per_decomposition() -> None:
