@@ -139,7 +139,7 @@ def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchan
         for _ in range(2)
     ]
     before = copy.deepcopy(model.state_dict())
-    loss, products = gauss_newton_products(
+    loss, products, slopes = gauss_newton_products(
         model, {n: params[n] for n in moved}, vectors, (x,), t, F.cross_entropy
     )
     for name, value in model.state_dict().items():
@@ -147,6 +147,12 @@ def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchan
     dense = dense_gauss_newton(model, moved, x, t)
     flats = torch.stack([torch.cat([v[n].reshape(-1) for n in moved]) for v in vectors])
     torch.testing.assert_close(products, flats @ dense @ flats.T, rtol=1e-10, atol=1e-12)
+    # The slopes against reverse-mode autograd's gradient (a copy: the original's batch norm
+    # must not move).
+    other = copy.deepcopy(model)
+    F.cross_entropy(other(x), t).backward()
+    gradient = torch.cat([dict(other.named_parameters())[n].grad.reshape(-1) for n in moved])
+    torch.testing.assert_close(slopes, flats @ gradient, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         assert float(loss) == pytest.approx(float(F.cross_entropy(model(x), t)), rel=1e-12)
 
@@ -177,12 +183,20 @@ def oracle_step(
     t: torch.Tensor,
     damping: float,
     previous: torch.Tensor | None,
+    curvature_examples: int | None = None,
 ) -> tuple[torch.Tensor, tuple[float, ...], float]:
-    """The update ``δ`` (flattened), its coefficients and the undamped model's change."""
+    """The update ``δ`` (flattened), its coefficients and the undamped model's change.
+
+    ``curvature_examples``: the quadratic model (``C`` and ``∇h``) of the batch's first
+    examples only; the K-FAC direction is the whole batch's.
+    """
     names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    kept = slice(curvature_examples)
+    model.zero_grad()
+    F.cross_entropy(model(x[kept]), t[kept]).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     model.zero_grad()
     F.cross_entropy(model(x), t).backward()
-    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     direction = []
     for i in (0, 2):
         a, gg = factors[i]
@@ -192,7 +206,7 @@ def oracle_step(
     if previous is not None:
         vectors.append(previous)
     basis = torch.stack(vectors, dim=1)
-    c = dense_gauss_newton(model, names, x, t)
+    c = dense_gauss_newton(model, names, x[kept], t[kept])
     damped = c + damping * torch.eye(basis.shape[0], dtype=DT)
     system, rhs = basis.T @ damped @ basis, basis.T @ g
     coefficients = torch.linalg.solve(system, -rhs)
@@ -200,7 +214,13 @@ def oracle_step(
     return delta, tuple(coefficients.tolist()), float(g @ delta + 0.5 * delta @ c @ delta)
 
 
-def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> None:
+@pytest.mark.parametrize("model_fraction", [1.0, 0.3])
+def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
+    model_fraction: float,
+) -> None:
+    # With a fraction, the quadratic model (C, ∇h, the damping check's losses) is that of
+    # the first ⌈0.3·8⌉ = 3 examples; the direction stays the whole batch's.
+    kept = 8 if model_fraction == 1.0 else 3
     model = mlp()
     oracle = copy.deepcopy(model)
     damping, decay = 0.05, 0.95
@@ -210,7 +230,10 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> Non
         factor_dtype=DT,
         inv_dtype=DT,
         adaptive=dkfac.AdaptiveOptions(
-            loss_fn=F.cross_entropy, damping_interval=2, damping_decay=decay
+            loss_fn=F.cross_entropy,
+            damping_interval=2,
+            damping_decay=decay,
+            model_fraction=model_fraction,
         ),
     )
     running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -225,12 +248,12 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule() -> Non
             else (decay * running[i][0] + (1 - decay) * a, decay * running[i][1] + (1 - decay) * g)
             for i, (a, g) in batch_factors.items()
         }
-        delta, coefficients, predicted = oracle_step(oracle, running, x, t, damping, previous)
-        loss_before = float(F.cross_entropy(oracle(x), t))
+        delta, coefficients, predicted = oracle_step(oracle, running, x, t, damping, previous, kept)
+        loss_before = float(F.cross_entropy(oracle(x[:kept]), t[:kept]))
         start = flat(oracle, [n for n, _ in oracle.named_parameters()])
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(start + delta, oracle.parameters())
-            loss_after = float(F.cross_entropy(oracle(x), t))
+            loss_after = float(F.cross_entropy(oracle(x[:kept]), t[:kept]))
         previous = delta
 
         model.zero_grad()
@@ -320,6 +343,9 @@ def adaptive(**kw: Any) -> dkfac.AdaptiveOptions:
         ({"min_damping": 0.0}, "min_damping=0.0"),
         ({"min_damping": 1.0, "max_damping": 0.5}, "max_damping=0.5"),
         ({"momentum": 1}, "momentum=1"),
+        ({"model_fraction": 0.0}, r"model_fraction=0.0 .* \(0, 1\]"),
+        ({"model_fraction": 1.5}, "model_fraction=1.5"),
+        ({"model_fraction": math.nan}, "model_fraction=nan"),
     ],
 )
 def test_bad_adaptive_options_are_refused(kwargs: dict[str, Any], pattern: str) -> None:
@@ -342,6 +368,23 @@ def test_what_adaptive_cannot_do_is_refused(kwargs: dict[str, Any], pattern: str
     kwargs.setdefault("adaptive", adaptive())
     with pytest.raises(ValueError, match=pattern):
         dkfac.KFACPreconditioner(mlp(), **kwargs)
+
+
+def test_a_part_of_a_batch_without_its_examples_along_dim_0_is_refused() -> None:
+    # Cutting along another dimension (sequence-first data, targets that are not one
+    # tensor) would model the curvature of something else: refused before anything moves.
+    x, t = batch(0)
+    for call, pattern in (
+        ((x, t.reshape(2, 4)), r"targets \(2, 4\) do not all have 8"),
+        ((x, [t]), "targets as one tensor, not list"),
+    ):
+        model = mlp()
+        pre = dkfac.KFACPreconditioner(model, adaptive=adaptive(model_fraction=0.5))
+        F.cross_entropy(model(x), t).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=pattern):
+            pre.step(*call)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_the_batch_is_required_with_adaptive_and_refused_without() -> None:

@@ -415,6 +415,14 @@ def test_compare_on_other_ranks_returns_without_reporting(
         ),
         (["train", "--grad-accumulation", "0"], "--grad-accumulation 0 is not allowed"),
         (
+            ["train", "--adaptive", "--adaptive-model-fraction", "0"],
+            "--adaptive-model-fraction 0.0 is not allowed: expected a number in (0, 1]",
+        ),
+        (
+            ["train", "--adaptive-model-fraction", "0.5"],
+            "--adaptive-model-fraction is not allowed without --adaptive",
+        ),
+        (
             ["train", "--statistics-fraction", "1.5"],
             "--statistics-fraction 1.5 is not allowed: expected a number in (0, 1]",
         ),
@@ -949,9 +957,12 @@ def test_epoch_sampler_resumes_at_the_exact_example_on_any_number_of_ranks(size:
 def test_adaptive_trains_and_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     out = tmp_path / "adaptive"
     argv = ["train", "--model", "cnn", "--dataset", "digits", "--strategy", "local"]
-    assert main([*argv, "--nproc", "1", "--epochs", "1", "--adaptive", "--out", str(out)]) == 0
-    assert "adaptive = true" in (out / "config.toml").read_text()
-    # One epoch of adaptive K-FAC (about 45 steps of 32 digits) learns the task.
+    adaptive = ["--adaptive", "--adaptive-model-fraction", "0.5"]
+    assert main([*argv, "--nproc", "1", "--epochs", "1", *adaptive, "--out", str(out)]) == 0
+    written = (out / "config.toml").read_text()
+    assert "adaptive = true" in written and "adaptive_model_fraction = 0.5" in written
+    # One epoch of adaptive K-FAC (about 45 steps of 32 digits, the quadratic model's
+    # curvature from 16 of each) learns the task.
     assert epochs_of(out)[-1]["test_accuracy"] > 0.9
     with pytest.raises(ConfigError, match="--adaptive is not allowed with --strategy none"):
         TrainConfig(adaptive=True, strategy="none")

@@ -11,7 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dkfac.adaptive.gauss_newton import gauss_newton_products, loss_at, replayed_randomness
+from dkfac.adaptive.gauss_newton import (
+    first_examples,
+    gauss_newton_products,
+    loss_at,
+    replayed_randomness,
+)
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.adaptive.quadratic_model import (
     levenberg_marquardt,
@@ -36,7 +41,8 @@ class AdaptiveReport:
         learning_rate: ``α``, the multiple of minus the K-FAC direction.
         momentum: ``μ``, the multiple of the previous update (0 on the first step).
         predicted_change: ``M(δ)``, the quadratic model's change of the loss (<= 0).
-        loss: the batch loss before the step (mean over workers).
+        loss: the batch loss before the step (mean over workers); with
+            ``model_fraction < 1``, the loss of the part the quadratic model is built on.
         ratio: ``ρ`` when the damping was adapted at this step, else ``None``.
         damping: ``λ`` after the step.
         moved: ``False`` when the step was not taken: on a damping step the loss rose
@@ -120,18 +126,22 @@ class AdaptiveStep:
             pairs = zip(left, right, strict=True)
             return torch.stack([(u.double() * v.double()).sum() for u, v in pairs]).sum()
 
-        linear = torch.stack([dot(grads, vector) for vector in vectors])
         inner = torch.stack([torch.stack([dot(u, v) for v in vectors]) for u in vectors])
         parameters = {self._names[id(p)]: p for block in blocks for p in block.parameters()}
         device = directions[0].device  # collectives run on the model's device
+        checked = step % options.damping_interval == 0 or self._refusals > 0
+        part = options.model_fraction < 1.0
+        model_inputs, model_targets = (
+            first_examples(inputs, targets, options.model_fraction) if part else (inputs, targets)
+        )
         with replayed_randomness(device) as replay:
             try:
-                loss, curvature = gauss_newton_products(
+                loss, curvature, slopes = gauss_newton_products(
                     self._model,
                     parameters,
                     [self._named(blocks, vector) for vector in vectors],
-                    inputs,
-                    targets,
+                    model_inputs,
+                    model_targets,
                     options.loss_fn,
                     replay,
                 )
@@ -144,6 +154,11 @@ class AdaptiveStep:
                     "checkpointing, SyncBatchNorm, autograd Functions without a forward-mode "
                     "rule"
                 ) from error
+            # On a part, its own slopes: a model whose gradient and curvature came from
+            # different examples can have its minimum far out (a direction curved little in
+            # the part but steep in the batch), and the unchecked steps would take it. On the
+            # whole batch, the gradient itself (equal to the slopes up to rounding).
+            linear = slopes if part else torch.stack([dot(grads, vector) for vector in vectors])
             # Everything the solution depends on, averaged together and read back once: every
             # worker then solves the same system bit for bit.
             local = torch.cat(
@@ -176,12 +191,14 @@ class AdaptiveStep:
                     update.add_(vector[index].to(direction), alpha=coefficient)
                 updates.append(update)
             ratio = None
-            if step % options.damping_interval == 0 or self._refusals:
+            if checked:
                 moved = {
                     name: parameters[name].detach() + part
                     for name, part in self._named(blocks, updates).items()
                 }
-                after = loss_at(self._model, moved, inputs, targets, options.loss_fn, replay)
+                after = loss_at(
+                    self._model, moved, model_inputs, model_targets, options.loss_fn, replay
+                )
                 loss_after = float(average(after.reshape(1).to(device))[0])
                 ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)
                 self.damping = levenberg_marquardt(

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp
 
 from dkfac.adaptive.options import LossFunction
+from dkfac.curvature.statistics import kept_examples
 
 #: Called before every forward pass (puts the random state back).
 Replay = Callable[[], None]
@@ -69,6 +70,20 @@ def _outputs(model: nn.Module, state: dict[str, Tensor], inputs: Sequence[Any]) 
     return outputs.float() if outputs.dtype in LOW_PRECISION else outputs
 
 
+class GaussNewtonModel(NamedTuple):
+    """A batch's quadratic model in the span of some vectors (float64, on the model's device).
+
+    Attributes:
+        loss: ``h``, the loss at the current parameters.
+        products: ``[vᵢᵀCvⱼ]``, ``k × k``.
+        slopes: ``[∇hᵀvᵢ]``, ``k``.
+    """
+
+    loss: Tensor
+    products: Tensor
+    slopes: Tensor
+
+
 def gauss_newton_products(
     model: nn.Module,
     parameters: Mapping[str, Tensor],
@@ -77,8 +92,8 @@ def gauss_newton_products(
     targets: Any,
     loss_fn: LossFunction,
     replay: Replay = lambda: None,
-) -> tuple[Tensor, Tensor]:
-    """The loss at the current parameters and ``[vᵢᵀCvⱼ]`` (float64, on the model's device).
+) -> GaussNewtonModel:
+    """The loss, ``[vᵢᵀCvⱼ]`` and ``[∇hᵀvᵢ]`` at the current parameters, without a host read.
 
     Args:
         model: the model (unwrapped), in the mode it trains in.
@@ -91,7 +106,7 @@ def gauss_newton_products(
         replay: called before each forward pass.
 
     Returns:
-        The loss (a float64 scalar) and the ``k × k`` products, without a host read.
+        The :class:`GaussNewtonModel` of the batch.
     """
     names = list(parameters)
     primals = tuple(parameters[name].detach() for name in names)
@@ -113,7 +128,12 @@ def gauss_newton_products(
     if outputs is None:
         replay()
         outputs = outputs_of(*primals)
-    curved = [jvp(loss_gradient, (outputs,), (along,))[1] for along in directional]
+    slopes_at_outputs: Tensor | None = None
+    curved = []
+    for along in directional:
+        result = jvp(loss_gradient, (outputs,), (along,))
+        slopes_at_outputs = result[0]
+        curved.append(result[1])
     k = len(vectors)
     rows = [
         torch.stack(
@@ -125,8 +145,50 @@ def gauss_newton_products(
         for i in range(k)
     ]
     products = torch.stack(rows).double() if rows else torch.zeros(0, 0, dtype=torch.float64)
+    # ∇hᵀvᵢ = (∇ₒ loss)ᵀ(Jvᵢ): the batch's slopes along each vector, free from the passes above.
+    slopes = (
+        torch.stack([(slopes_at_outputs * along).sum() for along in directional]).double()
+        if slopes_at_outputs is not None
+        else torch.zeros(0, dtype=torch.float64)
+    )
     loss = loss_fn(outputs, targets).detach().double()
-    return loss, products
+    return GaussNewtonModel(loss, products, slopes)
+
+
+def first_examples(
+    inputs: Sequence[Any], targets: Any, fraction: float
+) -> tuple[list[Any], Tensor]:
+    """The batch's first ``⌈fraction·N⌉`` examples: dim 0 of every tensor input and the targets.
+
+    ``N`` is dim 0 of the first tensor input; inputs that are not tensors (flags, sizes) pass
+    unchanged. A part of a batch is only well defined when every tensor carries the examples
+    along dim 0, so anything else is refused rather than cut along another dimension.
+
+    Raises:
+        ValueError: no tensor input, a tensor input or the targets without dim 0 of ``N``
+            (sequence-first data), or targets that are not one tensor.
+    """
+    tensors = [value for value in inputs if isinstance(value, Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError(
+            "model_fraction < 1 needs a batched tensor among the model's inputs (its "
+            "examples along dim 0)"
+        )
+    examples = tensors[0].shape[0]
+    shapes = [tuple(value.shape) for value in tensors]
+    if not isinstance(targets, Tensor):
+        raise ValueError(
+            f"model_fraction < 1 needs the targets as one tensor, not {type(targets).__name__}"
+        )
+    if any(shape[:1] != (examples,) for shape in shapes) or targets.shape[:1] != (examples,):
+        raise ValueError(
+            f"model_fraction < 1 keeps the first examples along dim 0, but the model's "
+            f"tensor inputs {shapes} and targets {tuple(targets.shape)} do not all have "
+            f"{examples} there (sequence-first data: transpose it, or use 1.0)"
+        )
+    kept = kept_examples(examples, fraction)
+    cut = [value[:kept] if isinstance(value, Tensor) else value for value in inputs]
+    return cut, targets[:kept]
 
 
 def loss_at(

@@ -81,6 +81,8 @@ class TrainConfig:
     inv_update_steps: int = 1
     #: Adaptive K-FAC (dkfac.AdaptiveOptions): the step's size and the damping chosen.
     adaptive: bool = False
+    #: Share of each batch (its first examples) adaptive K-FAC's quadratic model curves on.
+    adaptive_model_fraction: float = 1.0
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
@@ -151,6 +153,16 @@ class TrainConfig:
             raise ConfigError(
                 f"--statistics-fraction {self.statistics_fraction!r} is not allowed: expected "
                 "a number in (0, 1]"
+            )
+        if not 0 < self.adaptive_model_fraction <= 1:
+            raise ConfigError(
+                f"--adaptive-model-fraction {self.adaptive_model_fraction!r} is not "
+                "allowed: expected a number in (0, 1]"
+            )
+        if self.adaptive_model_fraction != 1 and not self.adaptive:
+            raise ConfigError(
+                "--adaptive-model-fraction is not allowed without --adaptive: it sets "
+                "adaptive K-FAC's quadratic model"
             )
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(

@@ -85,6 +85,9 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "
         "each batch, Levenberg-Marquardt damping (--damping is its start; --lr moves only the "
         "layers K-FAC does not precondition)",
+        "adaptive_model_fraction": "with --adaptive: the Gauss-Newton products of the "
+        "quadratic model from this share of each batch (its first examples; 1: all of it): "
+        "cheaper steps at large batches",
         "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
         "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
         "amp": "autocast the forward pass: none, bf16, or fp16 (GPU only; with a GradScaler)",

@@ -370,7 +370,14 @@ def _build_preconditioner(
         lr=lambda _: float(scheduler.get_last_lr()[0]),
         factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps,
-        adaptive=dkfac.AdaptiveOptions(loss_fn=label_cross_entropy) if config.adaptive else None,
+        adaptive=(
+            dkfac.AdaptiveOptions(
+                loss_fn=label_cross_entropy,
+                model_fraction=config.adaptive_model_fraction,
+            )
+            if config.adaptive
+            else None
+        ),
         grad_scaler=precision.scaler,
         accumulation_steps=config.grad_accumulation,
         bucket_cap_mb=bucket_cap_mb,
