@@ -460,22 +460,25 @@ def test_inverse_method_is_not_eigen() -> None:
 # ---------------------------------------------------------------------------------------------
 # 4. KL clipping, running average + intervals, callables, accumulation, sum reduction
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["clipped", "unclipped"])
+@pytest.mark.parametrize("case", ["clipped", "unclipped", "zero lr"])
 def test_kl_clipping_scale(case: str) -> None:
+    # "zero lr": a schedule's last step (a cosine ends at 0) moves nothing whatever ν, and
+    # KL clipping must then scale nothing (ν = min(1, √(κ/0)) = 1), not fail or make NaN.
     torch.manual_seed(8)
     gen = torch.Generator().manual_seed(8)
     model = small_conv_model()
     x, t = conv_batch(4, gen)
     expected_f = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
-    damping, lr = 0.05, 0.3
-    kl = 1e-6 if case == "clipped" else 1e6
-    pre = make_pre(model, damping=damping, lr=lr, kl_clip=kl)
+    damping = 0.05
+    lr = 0.0 if case == "zero lr" else 0.3
+    kl = 1e6 if case == "unclipped" else 1e-6
+    pre = make_pre(model, damping=damping, lr=lambda step: lr, kl_clip=kl)
     batch_loss(model(x), t).backward()
     grads = {str(i): grad_matrix(model[i]) for i in kfac_layers(model)}
     pre.step()
     vs = {n: eigen_direction(a, g, grads[n], damping) for n, (a, g) in expected_f.items()}
     vg = sum((vs[n] * grads[n]).sum().item() for n in vs)
-    nu = min(1.0, math.sqrt(kl / (lr * lr * vg)))
+    nu = 1.0 if lr == 0 else min(1.0, math.sqrt(kl / (lr * lr * vg)))
     if case == "clipped":
         assert nu < 0.5
     else:

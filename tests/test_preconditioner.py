@@ -57,6 +57,7 @@ F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 
 # -- bad input ---------------------------------------------------------------------------------
 POSITIVE = r"is not allowed: expected a finite number > 0 or a callable of the step"
+NON_NEGATIVE = r"is not allowed: expected a finite number >= 0 or a callable of the step"
 KL_CLIP = r"is not allowed: expected a finite number > 0, a callable of the step, or None"
 DECAY = r"is not allowed: expected a number in \[0, 1\) or a callable of the step"
 AT_LEAST_ONE = r"is not allowed: expected an integer >= 1"
@@ -76,8 +77,8 @@ FLOAT_DTYPE = r"is not allowed: expected a floating dtype \(torch\.float16, .*to
         ({"kl_clip": 0.0}, rf"kl_clip=0\.0 {KL_CLIP}"),
         ({"kl_clip": -0.5}, rf"kl_clip=-0\.5 {KL_CLIP}"),
         ({"kl_clip": math.inf}, rf"kl_clip=inf {KL_CLIP}"),
-        ({"lr": -0.1}, rf"lr=-0\.1 {POSITIVE}"),
-        ({"lr": math.inf}, rf"lr=inf {POSITIVE}"),
+        ({"lr": -0.1}, rf"lr=-0\.1 {NON_NEGATIVE}"),
+        ({"lr": math.inf}, rf"lr=inf {NON_NEGATIVE}"),
         ({"factor_update_steps": 0}, rf"factor_update_steps=0 {AT_LEAST_ONE}"),
         ({"inv_update_steps": 0}, rf"inv_update_steps=0 {AT_LEAST_ONE}"),
         ({"inv_update_steps": 2.5}, rf"inv_update_steps=2\.5 {AT_LEAST_ONE}"),

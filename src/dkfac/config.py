@@ -255,12 +255,12 @@ class KFACConfig:
                 high_open=True,
                 allowed="a number in [0, 1) or a callable of the step",
             ),
+            # 0 is where a cosine schedule ends (KL clipping then scales nothing: ν = 1).
             "lr_at": FloatSchedule(
                 "lr",
                 self.lr,
                 low=0.0,
-                low_open=True,
-                allowed="a finite number > 0 or a callable of the step",
+                allowed="a finite number >= 0 or a callable of the step",
             ),
             "kl_clip_at": None
             if self.kl_clip is None
