@@ -372,19 +372,39 @@ def test_what_adaptive_cannot_do_is_refused(kwargs: dict[str, Any], pattern: str
 
 def test_a_part_of_a_batch_without_its_examples_along_dim_0_is_refused() -> None:
     # Cutting along another dimension (sequence-first data, targets that are not one
-    # tensor) would model the curvature of something else: refused before anything moves.
+    # tensor, tensors inside a container) would model the curvature of something else:
+    # refused before anything moves, factors and decompositions included.
     x, t = batch(0)
-    for call, pattern in (
-        ((x, t.reshape(2, 4)), r"targets \(2, 4\) do not all have 8"),
-        ((x, [t]), "targets as one tensor, not list"),
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3).to(DT)
+
+        def forward(self, x: torch.Tensor, other: Any) -> torch.Tensor:
+            return self.fc(x)
+
+    for arguments, targets, pattern in (
+        ((x, None), t.reshape(2, 4), r"targets \(2, 4\) do not all have 8"),
+        ((x, None), [t], "targets as one tensor, not list"),
+        ((x, x[:4]), t, r"tensor inputs \[\(8, 4\), \(4, 4\)\] .* do not all have 8"),
+        ((x, [x]), t, "cannot cut the tensors inside a model argument of type list"),
     ):
-        model = mlp()
+        model = TwoInputs()
         pre = dkfac.KFACPreconditioner(model, adaptive=adaptive(model_fraction=0.5))
-        F.cross_entropy(model(x), t).backward()
+        F.cross_entropy(model(x, None), t).backward()
         before = [p.detach().clone() for p in model.parameters()]
+        state = copy.deepcopy(pre.state_dict())
         with pytest.raises(ValueError, match=pattern):
-            pre.step(*call)
+            pre.step(arguments, targets)
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        # Nothing was folded or decomposed (no step counted, no factor, no decomposition):
+        # the same backward's statistics serve the step taken with a good batch.
+        assert str(pre.state_dict()) == str(state)
+        pre.step((x, torch.tensor(2.0)), t)  # a scalar tensor argument is not cut
+        report = pre.adaptive_report
+        assert report is not None and report.step == 0
+        assert str(pre.state_dict()) != str(state)  # the comparison above can fail
 
 
 def test_the_batch_is_required_with_adaptive_and_refused_without() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep
+from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep, ModelBatch
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
@@ -20,7 +20,6 @@ from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
 from dkfac.preconditioner_arguments import (
     check_blocks,
-    model_arguments,
     refuse_compiled_subset,
     refuse_conflicting_arguments,
     refuse_unagreed_adaptive,
@@ -293,7 +292,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
-            batch = None if inputs is None else (model_arguments(inputs), targets)
+            batch = None if self._adaptive is None else self._adaptive.model_batch(inputs, targets)
             self._step(batch)
 
     def _hook_lr(self, step: int) -> float:
@@ -306,7 +305,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             self._adaptive.damping if self._adaptive is not None else self.config.damping_at(step)
         )
 
-    def _step(self, batch: tuple[tuple[Any, ...], Any] | None) -> None:
+    def _step(self, batch: ModelBatch | None) -> None:
         active = [layer for layer in self._layers if layer.block.has_grad()]
         if not active:
             raise RuntimeError(

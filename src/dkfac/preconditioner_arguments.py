@@ -53,11 +53,6 @@ def refuse_compiled_subset(compiled: bool, statistics_fraction: object) -> None:
         )
 
 
-def model_arguments(inputs: Any) -> tuple[Any, ...]:
-    """The model's positional arguments: a tuple as given, anything else as the only one."""
-    return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
 def refuse_unagreed_adaptive(adaptive: Any | None, strategy: Strategy) -> None:
     """Refuse adaptive K-FAC on several processes with a strategy that does not communicate.
 

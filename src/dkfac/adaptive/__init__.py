@@ -1,6 +1,7 @@
 """Adaptive K-FAC: the quadratic model's learning rate and momentum, Levenberg-Marquardt damping."""
 
 from dkfac.adaptive.controller import AdaptiveReport, AdaptiveStep
+from dkfac.adaptive.gauss_newton import ModelBatch
 from dkfac.adaptive.options import AdaptiveOptions, LossFunction
 from dkfac.adaptive.quadratic_model import (
     QuadraticStep,
@@ -14,6 +15,7 @@ __all__ = [
     "AdaptiveReport",
     "AdaptiveStep",
     "LossFunction",
+    "ModelBatch",
     "QuadraticStep",
     "levenberg_marquardt",
     "minimise_quadratic_model",

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from dkfac.adaptive.gauss_newton import (
-    first_examples,
+    ModelBatch,
     gauss_newton_products,
     loss_at,
+    model_batch,
     replayed_randomness,
 )
 from dkfac.adaptive.options import AdaptiveOptions
@@ -90,6 +91,14 @@ class AdaptiveStep:
                 named[self._names[id(parameter)]] = part
         return named
 
+    def model_batch(self, inputs: Any, targets: Any) -> ModelBatch:
+        """The examples of a step's batch the quadratic model is built on (``model_fraction``).
+
+        Called before anything of the step changes, so a batch it refuses (``ValueError``)
+        leaves the preconditioner as it was.
+        """
+        return model_batch(inputs, targets, self.options.model_fraction)
+
     def step(
         self,
         step: int,
@@ -97,7 +106,7 @@ class AdaptiveStep:
         blocks: Sequence[KroneckerBlock],
         grads: Sequence[Tensor],
         directions: Sequence[Tensor],
-        batch: tuple[Sequence[Any], Any],
+        batch: ModelBatch,
         average: Average,
     ) -> None:
         """Move the layers' parameters by ``δ = α·(−direction) + μ·δ₀`` and clear their ``.grad``.
@@ -108,10 +117,11 @@ class AdaptiveStep:
             blocks: the layers' blocks (their parameters move).
             grads: the gradient matrices, the same on every worker.
             directions: the K-FAC directions, the same on every worker.
-            batch: ``(inputs, targets)`` of this step on this worker.
+            batch: what the quadratic model is built on, from this step's batch on this
+                worker (:meth:`model_batch`).
             average: the mean of a float64 vector over the workers.
         """
-        options, (inputs, targets) = self.options, batch
+        options = self.options
         vectors = [[-direction for direction in directions]]
         if options.momentum:
             vectors.append(
@@ -130,18 +140,14 @@ class AdaptiveStep:
         parameters = {self._names[id(p)]: p for block in blocks for p in block.parameters()}
         device = directions[0].device  # collectives run on the model's device
         checked = step % options.damping_interval == 0 or self._refusals > 0
-        part = options.model_fraction < 1.0
-        model_inputs, model_targets = (
-            first_examples(inputs, targets, options.model_fraction) if part else (inputs, targets)
-        )
         with replayed_randomness(device) as replay:
             try:
                 loss, curvature, slopes = gauss_newton_products(
                     self._model,
                     parameters,
                     [self._named(blocks, vector) for vector in vectors],
-                    model_inputs,
-                    model_targets,
+                    batch.inputs,
+                    batch.targets,
                     options.loss_fn,
                     replay,
                 )
@@ -157,8 +163,12 @@ class AdaptiveStep:
             # On a part, its own slopes: a model whose gradient and curvature came from
             # different examples can have its minimum far out (a direction curved little in
             # the part but steep in the batch), and the unchecked steps would take it. On the
-            # whole batch, the gradient itself (equal to the slopes up to rounding).
-            linear = slopes if part else torch.stack([dot(grads, vector) for vector in vectors])
+            # whole batch, the gradient backward computed (it differs from the slopes by
+            # rounding, and by what backward saw that loss_fn does not: other dropout masks,
+            # extra loss terms).
+            linear = (
+                slopes if batch.part else torch.stack([dot(grads, vector) for vector in vectors])
+            )
             # Everything the solution depends on, averaged together and read back once: every
             # worker then solves the same system bit for bit.
             local = torch.cat(
@@ -197,7 +207,7 @@ class AdaptiveStep:
                     for name, part in self._named(blocks, updates).items()
                 }
                 after = loss_at(
-                    self._model, moved, model_inputs, model_targets, options.loss_fn, replay
+                    self._model, moved, batch.inputs, batch.targets, options.loss_fn, replay
                 )
                 loss_after = float(average(after.reshape(1).to(device))[0])
                 ratio = reduction_ratio(loss_before, loss_after, chosen.predicted_change)

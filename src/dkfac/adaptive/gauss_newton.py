@@ -147,7 +147,7 @@ def gauss_newton_products(
     products = torch.stack(rows).double() if rows else torch.zeros(0, 0, dtype=torch.float64)
     # ∇hᵀvᵢ = (∇ₒ loss)ᵀ(Jvᵢ): the batch's slopes along each vector, free from the passes above.
     slopes = (
-        torch.stack([(slopes_at_outputs * along).sum() for along in directional]).double()
+        torch.stack([(slopes_at_outputs * along).sum(dtype=torch.float64) for along in directional])
         if slopes_at_outputs is not None
         else torch.zeros(0, dtype=torch.float64)
     )
@@ -155,40 +155,86 @@ def gauss_newton_products(
     return GaussNewtonModel(loss, products, slopes)
 
 
-def first_examples(
-    inputs: Sequence[Any], targets: Any, fraction: float
-) -> tuple[list[Any], Tensor]:
-    """The batch's first ``⌈fraction·N⌉`` examples: dim 0 of every tensor input and the targets.
+class ModelBatch(NamedTuple):
+    """The examples adaptive K-FAC's quadratic model is built on.
 
-    ``N`` is dim 0 of the first tensor input; inputs that are not tensors (flags, sizes) pass
-    unchanged. A part of a batch is only well defined when every tensor carries the examples
-    along dim 0, so anything else is refused rather than cut along another dimension.
+    Attributes:
+        inputs: the model's positional arguments.
+        targets: the second argument of ``loss_fn``.
+        part: whether these are fewer examples than the step's batch (the model then takes
+            their own slopes, not the batch's gradient).
+    """
+
+    inputs: tuple[Any, ...]
+    targets: Any
+    part: bool
+
+
+def model_batch(inputs: Any, targets: Any, fraction: float) -> ModelBatch:
+    """The batch's first ``⌈fraction·N⌉`` examples: dim 0 of every batched input and the targets.
+
+    Args:
+        inputs: the model's positional arguments (a tuple as given, anything else as the only
+            one).
+        targets: the second argument of ``loss_fn``.
+        fraction: ``model_fraction``, in (0, 1].
+
+    Returns:
+        The whole batch at ``fraction`` 1, else its first examples: ``N`` is dim 0 of the first
+        tensor input with a dim; other tensors with dims and the targets must have it too,
+        scalar tensors and non-tensor arguments (flags, sizes) pass unchanged.
 
     Raises:
-        ValueError: no tensor input, a tensor input or the targets without dim 0 of ``N``
-            (sequence-first data), or targets that are not one tensor.
+        ValueError: (``fraction < 1``) no batched tensor input, a tensor inside a container
+            (it would not be cut), a tensor or the targets without ``N`` along dim 0
+            (sequence-first data), or targets that are not one tensor. A part of a batch is
+            only well defined when every tensor carries the examples along dim 0, so anything
+            else is refused rather than cut along another dimension.
     """
-    tensors = [value for value in inputs if isinstance(value, Tensor)]
-    if not tensors or tensors[0].dim() == 0:
+    arguments = inputs if isinstance(inputs, tuple) else (inputs,)
+    if fraction >= 1.0:
+        return ModelBatch(arguments, targets, False)
+    nested = [type(value).__name__ for value in arguments if _holds_tensor(value)]
+    if nested:
+        raise ValueError(
+            f"model_fraction < 1 cannot cut the tensors inside a model argument of type "
+            f"{nested[0]}: pass them as positional tensors, or use model_fraction=1.0"
+        )
+    batched = [value for value in arguments if isinstance(value, Tensor) and value.dim() > 0]
+    if not batched:
         raise ValueError(
             "model_fraction < 1 needs a batched tensor among the model's inputs (its "
             "examples along dim 0)"
         )
-    examples = tensors[0].shape[0]
-    shapes = [tuple(value.shape) for value in tensors]
     if not isinstance(targets, Tensor):
         raise ValueError(
             f"model_fraction < 1 needs the targets as one tensor, not {type(targets).__name__}"
         )
-    if any(shape[:1] != (examples,) for shape in shapes) or targets.shape[:1] != (examples,):
+    examples = batched[0].shape[0]
+    shapes = [tuple(value.shape) for value in batched]
+    if any(shape[0] != examples for shape in shapes) or targets.shape[:1] != (examples,):
         raise ValueError(
             f"model_fraction < 1 keeps the first examples along dim 0, but the model's "
             f"tensor inputs {shapes} and targets {tuple(targets.shape)} do not all have "
             f"{examples} there (sequence-first data: transpose it, or use 1.0)"
         )
     kept = kept_examples(examples, fraction)
-    cut = [value[:kept] if isinstance(value, Tensor) else value for value in inputs]
-    return cut, targets[:kept]
+    if kept == examples:
+        return ModelBatch(arguments, targets, False)
+    cut = tuple(
+        value[:kept] if isinstance(value, Tensor) and value.dim() > 0 else value
+        for value in arguments
+    )
+    return ModelBatch(cut, targets[:kept], True)
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether a list, tuple or dict holds a tensor at any depth."""
+    if isinstance(value, dict):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, Tensor) or _holds_tensor(item) for item in value)
+    return False
 
 
 def loss_at(

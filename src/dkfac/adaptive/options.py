@@ -32,7 +32,7 @@ class AdaptiveOptions:
 
     Args:
         loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on, averaged
-            over the batch (``loss_reduction="mean"``) or summed (``"sum"``). Its Hessian in the
+            over the batch (adaptive K-FAC requires ``loss_reduction="mean"``). Its Hessian in the
             outputs must be positive semi-definite (cross-entropy, squared error), so that the
             Gauss-Newton matrix is. Its randomness (and the model's: dropout) is replayed:
             every extra forward pass draws what the first one drew.

@@ -83,11 +83,11 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
         "run fails",
         "adaptive": "adaptive K-FAC: learning rate and momentum from the quadratic model on "
-        "each batch, Levenberg-Marquardt damping (--damping is its start; --lr moves only the "
-        "layers K-FAC does not precondition)",
-        "adaptive_model_fraction": "with --adaptive: the Gauss-Newton products of the "
-        "quadratic model from this share of each batch (its first examples; 1: all of it): "
-        "cheaper steps at large batches",
+        "each batch, Levenberg-Marquardt damping (--damping is its start; --lr, --schedule and "
+        "--weight-decay reach only the layers K-FAC does not precondition)",
+        "adaptive_model_fraction": "with --adaptive: build the quadratic model (its curvature, "
+        "slopes and the damping check's losses) on this share of each batch (its first "
+        "examples; 1: all of it): cheaper steps at large batches",
         "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
         "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
         "amp": "autocast the forward pass: none, bf16, or fp16 (GPU only; with a GradScaler)",
