@@ -192,6 +192,21 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, pattern: str)
         dkfac.KFACPreconditioner(small_model(), **kwargs)
 
 
+def test_a_learning_rate_of_zero_is_accepted_where_a_schedule_ends() -> None:
+    # A cosine schedule ends at 0; the constant is accepted like the callable, and KL
+    # clipping then scales nothing (ν = 1): the gradients are those of no clipping at all.
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    grads = []
+    for options in ({"lr": 0.0, "kl_clip": 0.001}, {"kl_clip": None}):
+        model = small_model()
+        pre = dkfac.KFACPreconditioner(model, **options)
+        model(x).square().sum().backward()
+        pre.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.isfinite(g).all() for g in grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_model_without_supported_layers_is_refused() -> None:
     with pytest.raises(
         ValueError,
