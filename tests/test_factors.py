@@ -14,8 +14,9 @@ import dkfac.curvature.factors as factors_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
 from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram, gram_with_ones
+from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
-from dkfac.curvature.running_average import finite_flags, running_average, running_averages
+from dkfac.curvature.running_average import running_average, running_averages
 
 
 def brute_force_patch_gram(
@@ -168,6 +169,28 @@ def test_running_average_formula_and_non_finite_batches() -> None:
     torch.testing.assert_close(
         running_average(torch.full((3, 3), float("nan"), dtype=torch.float64), second, 0.9), second
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_agrees_with_isfinite_everywhere(dtype: torch.dtype, device: str) -> None:
+    # Oracle: torch.isfinite(t).all(), on every shape the checks meet (empty, a scalar, a
+    # vector, a transposed matrix, a batch) and with a NaN, +Inf or -Inf at every place a
+    # reduction could lose it (first, last, middle of a large tensor).
+    torch.manual_seed(0)
+    shapes = [(0,), (), (7,), (5, 3), (3, 700, 5)]
+    for shape, bad, where in itertools.product(
+        shapes, [None, float("nan"), float("inf"), float("-inf")], ["first", "middle", "last"]
+    ):
+        tensor = torch.randn(shape, dtype=torch.float64).to(device, dtype)
+        if tensor.dim() == 2:
+            tensor = tensor.t()  # not contiguous
+        if bad is not None and tensor.numel():
+            index = {"first": 0, "middle": tensor.numel() // 2, "last": tensor.numel() - 1}[where]
+            tensor[torch.unravel_index(torch.tensor(index), tensor.shape)] = bad
+        want = bool(torch.isfinite(tensor).all())
+        assert bool(all_finite(tensor)) is want, (shape, bad, where)
+        assert finite_flags([tensor]).tolist() == [want], (shape, bad, where)
 
 
 @pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])

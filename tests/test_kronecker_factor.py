@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
     DiagonalEigenFactor,
@@ -120,3 +121,22 @@ def test_a_diagonal_a_preconditions_as_the_dense_diagonal_matrix(method: str) ->
         vec = torch.linalg.solve(curvature, grad.t().reshape(-1))  # column-major vec
         torch.testing.assert_close(results[1], vec.reshape(4, 3).t(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cholesky_inverse_is_stored_row_major_and_exactly_symmetric(
+    dtype: torch.dtype, device: str
+) -> None:
+    # Workers send only the upper triangle of a symmetric tensor and rebuild the rest, so the
+    # owner's copy must be exactly symmetric (else owner and receivers precondition with
+    # different matrices), and row-major like every received copy. Oracle for the values:
+    # the float64 inverse of the damped factor.
+    matrix = spd(300, 5).to(device)
+    shift = torch.tensor(0.01, dtype=torch.float64, device=device)
+    stored = decompose_factor(matrix.to(dtype), "g", "inverse", dtype, shift).tensors["g_inv"]
+    assert stored.is_contiguous() and stored.dtype == dtype
+    assert torch.equal(stored, stored.mT)
+    want = torch.linalg.inv(matrix + 0.01 * torch.eye(300, dtype=torch.float64, device=device))
+    tolerance = {torch.float32: 1e-4, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(stored.double(), want, rtol=tolerance, atol=tolerance)

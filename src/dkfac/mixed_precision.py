@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dkfac.curvature.finite import all_finite
+
 
 def loss_scale(grad_scaler: Any | None) -> float | None:
     """The scaler's current loss scale (one host read), or None without an enabled scaler.
@@ -35,7 +37,7 @@ def gradients_finite(model: nn.Module, grad_scaler: Any | None) -> bool:
     """
     if grad_scaler is None or not grad_scaler.is_enabled():
         return True
-    flags = [torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None]
+    flags = [all_finite(p.grad) for p in model.parameters() if p.grad is not None]
     if not flags:
         return True
     return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())

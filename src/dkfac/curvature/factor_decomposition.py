@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_side import is_diagonal
+from dkfac.curvature.finite import all_finite
 
 #: One tensor of a factor's decomposition: its name, shape and whether it is a symmetric matrix
 #: (then only its upper triangle travels).
@@ -98,7 +99,7 @@ class EigenFactor(FactorDecomposition):
     @classmethod
     def _from_solution(cls, side: str, eigenvalues: Tensor, eigenvectors: Tensor) -> EigenFactor:
         (q_name, _, _), (l_name, _, _) = cls.layout(side, eigenvalues.shape[0])
-        ok = torch.isfinite(eigenvectors).all() & torch.isfinite(eigenvalues).all()
+        ok = all_finite(eigenvectors) & all_finite(eigenvalues)
         tensors = {q_name: eigenvectors.contiguous(), l_name: eigenvalues.clamp_min(0.0)}
         return cls(side, tensors, ok)
 
@@ -118,12 +119,17 @@ class CholeskyFactor(FactorDecomposition):
         cls, matrix: Tensor, side: str, dtype: torch.dtype, shift: Tensor
     ) -> CholeskyFactor:
         """``(F + shift·I)⁻¹`` in ``dtype`` (``shift`` from :func:`tikhonov_shifts`)."""
-        damped = matrix.to(dtype) + torch.diag_embed(shift.to(dtype).expand(matrix.shape[0]))
+        damped = matrix.to(dtype, copy=True)
+        damped.diagonal().add_(shift.to(dtype))
         factor, info = torch.linalg.cholesky_ex(damped)
-        inverse = torch.cholesky_inverse(factor)
+        # cholesky_inverse mirrors one computed triangle onto the other, so its result is
+        # exactly symmetric; LAPACK leaves it column-major, and its transpose is the same
+        # matrix row-major without the copy .contiguous() would make.
+        inverse = torch.cholesky_inverse(factor).mT
+        inverse = inverse if inverse.is_contiguous() else inverse.contiguous()
         ((name, _, _),) = cls.layout(side, matrix.shape[0])
-        ok = torch.isfinite(inverse).all() & (info == 0)
-        return cls(side, {name: inverse.contiguous()}, ok)
+        ok = all_finite(inverse) & (info == 0)
+        return cls(side, {name: inverse}, ok)
 
 
 class DiagonalEigenFactor(FactorDecomposition):
@@ -145,7 +151,7 @@ class DiagonalEigenFactor(FactorDecomposition):
     def compute(cls, diagonal: Tensor, side: str, dtype: torch.dtype) -> DiagonalEigenFactor:
         """The diagonal in ``dtype``; negative round-off clamped to zero, as in EigenFactor."""
         values = diagonal.to(dtype)
-        return cls(side, {f"l{side}": values.clamp_min(0.0)}, torch.isfinite(values).all())
+        return cls(side, {f"l{side}": values.clamp_min(0.0)}, all_finite(values))
 
 
 class DiagonalInverseFactor(FactorDecomposition):
@@ -165,7 +171,7 @@ class DiagonalInverseFactor(FactorDecomposition):
         """``1 / (d_i + shift)`` in ``dtype``; not ok unless every damped entry is positive."""
         damped = diagonal.to(dtype) + shift.to(dtype)
         inverse = damped.reciprocal()
-        ok = torch.isfinite(inverse).all() & (damped > 0).all()
+        ok = all_finite(inverse) & (damped > 0).all()
         return cls(side, {f"{side}_inv": inverse}, ok)
 
 

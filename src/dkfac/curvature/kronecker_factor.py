@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_side import factor_shape
+from dkfac.curvature.finite import all_finite
 from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.running_average import running_average, running_averages
 from dkfac.curvature.statistics import FactorStatistics
@@ -48,7 +49,7 @@ class KroneckerFactor:
 
     def fold(self, batch: Tensor, decay: float) -> None:
         """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
-        self._count_nonfinite((~torch.isfinite(batch).all()).to(torch.int64))
+        self._count_nonfinite((~all_finite(batch)).to(torch.int64))
         self.running = running_average(self.running, batch, decay)
 
     def _count_nonfinite(self, bad: Tensor) -> None:
@@ -71,7 +72,7 @@ class KroneckerFactor:
 
     def finite(self) -> Tensor:
         """Device boolean: the running average is finite (usable for a decomposition)."""
-        return torch.isfinite(self.value()).all()
+        return all_finite(self.value())
 
     def trace_mean(self, dtype: torch.dtype) -> Tensor:
         """``tr(F)/d`` of the running average in ``dtype`` (an input of the Tikhonov ``π``)."""

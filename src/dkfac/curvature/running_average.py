@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dkfac.curvature.finite import all_finite, finite_flags
+
 
 def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
     """``ε·running + (1−ε)·batch``; the first estimate is the batch itself.
@@ -21,36 +23,13 @@ def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tens
     device, with no host synchronisation. The average is ``lerp(running, batch, 1−ε)`` (one
     pass; :func:`running_averages` folds many factors the same way, bit for bit).
     """
-    batch_ok = torch.isfinite(batch).all()
+    batch_ok = all_finite(batch)
     if running is None:
         return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
     wide = torch.promote_types(running.dtype, batch.dtype)  # as ε·running + (1−ε)·batch did
     updated = torch.lerp(running.to(wide), batch.to(wide), 1.0 - decay)
-    running_ok = torch.isfinite(running).all()
+    running_ok = all_finite(running)
     return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
-
-
-def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
-    """Device booleans, one per tensor (all on one device): is every entry finite?
-
-    One reading pass per tensor: its extremes are finite exactly when all its entries are
-    (minimum and maximum propagate NaN). On an accelerator the passes share one launch (the
-    infinity norm of every tensor); on the CPU, where a launch costs little, each tensor takes
-    ``aminmax``, which is vectorised where PyTorch's CPU infinity norm is not (about 20 times
-    faster on a small CNN's factors, where it was a tenth of the K-FAC step).
-    """
-    tensors = list(tensors)
-    if tensors and tensors[0].device.type != "cpu":
-        peaks = torch._foreach_norm(tensors, float("inf"))
-        return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
-    return torch.stack([_extremes_finite(tensor) for tensor in tensors])
-
-
-def _extremes_finite(tensor: Tensor) -> Tensor:
-    if tensor.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    low, high = torch.aminmax(tensor)
-    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def running_averages(
