@@ -33,7 +33,7 @@ demo: $(STAMP)
 # The suite a developer runs (under 10 minutes on 2 cores); test-slow adds the end-to-end
 # benchmark runs and the extra strategy variants; CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from dkfac.cli.device import (
 )
 from dkfac.cli.launch import ExternalRank, external_rank, join_external
 from dkfac.cli.local_workers import WorkerError, spawn_local
+from dkfac.cli.lr_schedule import EpochLR, ProgressSchedule
 from dkfac.cli.main import main, missing_dependency_message
 from dkfac.cli.parser import build_parser
 from dkfac.cli.rank_logging import configure_logging
@@ -194,6 +196,65 @@ def test_resume_on_a_different_world_size(tmp_path: Path) -> None:
     assert main(["train", *common, "--nproc", "2", "--resume"]) == 0
     assert [s["step"] for s in steps_of(out2)] == list(range(1, 12))  # 4 + 1, then 6
     assert [e["train_examples"] for e in epochs_of(out2)] == [192, 384]
+
+
+def test_a_resumed_run_continues_its_cosine_on_another_world_size(tmp_path: Path) -> None:
+    # 1347 digits, batch 32 per worker: 42 steps an epoch on one worker, 21 on two. Stopped
+    # 8 steps into the second epoch of one worker and resumed on two, the remaining 17 steps
+    # (1088 of the epoch's 1344 examples, 64 a step) must continue the cosine where it stood.
+    # Oracle: the cosine of the epochs done, counted in examples, at each step's start. (A
+    # schedule counted in steps put every resumed step past two workers' 42 at rate 0.)
+    out = tmp_path / "run"
+    common = ["--model", "mlp", "--dataset", "digits", "--batch-size", "32", "--log-every", "1"]
+    common += ["--epochs", "2", "--strategy", "none", "--lr", "0.1", "--schedule", "cosine"]
+    common += ["--out", str(out)]
+    assert main(["train", *common, "--nproc", "1", "--stop-after-steps", "50"]) == 0
+    assert main(["train", *common, "--nproc", "2", "--resume"]) == 0
+    starts = [(k // 42) + (k % 42) * 32 / 1344 for k in range(50)]
+    starts += [1 + (256 + j * 64) / 1344 for j in range(17)]
+    steps = steps_of(out)
+    assert [s["step"] for s in steps] == list(range(1, 68))
+    for record, start in zip(steps, starts, strict=True):
+        want = 0.1 * 0.5 * (1 + math.cos(math.pi * start / 2))
+        assert record["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15), record
+    assert steps[-1]["lr"] > 1e-4  # the last step still trains
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "step"])
+@pytest.mark.parametrize("warmup", [0.0, 1.0, 0.5])
+def test_the_progress_schedule_is_the_step_schedule_at_a_fixed_world(
+    schedule: str, warmup: float
+) -> None:
+    # Oracle: the schedule counted in optimizer steps, as it was before progress replaced it
+    # (warm-up (s+1)/W, cosine of (s-W)/(T-W), x0.1 from T/2 and from 3T/4), at 7 steps an
+    # epoch over 4 epochs: on one world size both must give every step the same rate.
+    per_epoch, epochs = 7, 4
+    total, ramp = epochs * per_epoch, warmup * per_epoch
+    curve = ProgressSchedule(schedule, epochs, warmup)
+    for step in range(total):
+        if ramp and step < ramp:  # capped at 1: 3.5 steps of warm-up made step 3 x1.14
+            want = min(1.0, (step + 1) / ramp)
+        elif schedule == "cosine":
+            want = 0.5 * (1 + math.cos(math.pi * min(1.0, (step - ramp) / (total - ramp))))
+        elif schedule == "step":
+            want = 0.1 ** sum(step >= total * point for point in (0.5, 0.75))
+        else:
+            want = 1.0
+        got = curve.factor(step / per_epoch, (step + 1) / per_epoch)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (step, got, want)
+
+
+def test_a_schedule_state_without_base_rates_is_refused() -> None:
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    schedule = EpochLR(optimizer, ProgressSchedule("cosine", 2))
+    other = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.3)
+    old = torch.optim.lr_scheduler.LambdaLR(other, lambda _: 1.0)
+    schedule.load_state_dict(old.state_dict())  # a checkpoint of the step-counted schedule
+    assert schedule.base_lrs == [0.3]
+    schedule.set(0.0, 0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3) == schedule.get_last_lr()[0]
+    with pytest.raises(ValueError, match="no base rate for each"):
+        schedule.load_state_dict({"base_lrs": [0.1, 0.2]})
 
 
 def test_resume_continues_the_saved_run_and_refuses_flags_that_would_change_it(

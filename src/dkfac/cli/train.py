@@ -22,6 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dkfac.cli.config import TrainConfig
 from dkfac.cli.device import Precision
+from dkfac.cli.lr_schedule import step_progress
 from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.run_checkpoint import EpochPosition, restore_checkpoint, save_run_checkpoint
 from dkfac.cli.run_metrics import MetricsLog, PhaseTotals, RunResult
@@ -232,6 +233,8 @@ class _RankRun:
         for batch_index, (x, y) in enumerate(setup.loader):
             if batch_index >= steps:
                 break
+            done = position + batch_index * global_batch
+            setup.scheduler.set(*step_progress(epoch, done, global_batch, budget))
             outcome = self._train_step(x, y)
             self._record_step(epoch, outcome)
             if bar is not None:
@@ -280,7 +283,6 @@ class _RankRun:
             adaptive = pre.config.adaptive is not None
             pre.step(*((x.to(setup.device), y.to(setup.device)) if adaptive else ()))
         setup.sync.step()
-        setup.scheduler.step()
         self.step += 1
         seconds = time.perf_counter() - tick
         loss_value = float(torch.stack(losses).mean())

@@ -7,9 +7,7 @@ initialization follows ``config.seed``), so that every rank starts from the same
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from dkfac.cli.device import (
     resolve_device,
 )
 from dkfac.cli.gradient_sync import GradientSync
+from dkfac.cli.lr_schedule import EpochLR, ProgressSchedule
 from dkfac.cli.objective import label_cross_entropy
 from dkfac.cli.run_checkpoint import built_choice
 from dkfac.cli.sampling import EpochSampler
@@ -121,24 +120,6 @@ def check_fits(config: TrainConfig, spec: DatasetSpec, world: int) -> None:
         )
 
 
-def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
-    """Multiplier of the base learning rate at optimizer step ``step``."""
-    total = config.epochs * steps_per_epoch
-    warmup = config.warmup_epochs * steps_per_epoch
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if config.schedule == "cosine":
-            progress = (step - warmup) / max(1.0, total - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        if config.schedule == "step":  # x0.1 at 50% and 75% of training
-            return 0.1 ** sum(step >= total * point for point in (0.5, 0.75))
-        return 1.0
-
-    return factor
-
-
 @dataclass
 class TrainingSetup:
     """Everything one rank of a run trains with, built by :func:`build_training_setup`.
@@ -177,7 +158,7 @@ class TrainingSetup:
     steps_per_epoch: int
     optimizer: torch.optim.Optimizer
     sync: GradientSync
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: EpochLR
     pre: dkfac.KFACPreconditioner | None
     resumed_choice: dict[str, Any] | None = None
     checkpoint: dict[str, Any] | None = field(default=None, repr=False, compare=False)
@@ -234,7 +215,9 @@ def build_training_setup(
 
     optimizer = _build_optimizer(config, model)
     sync = GradientSync(model, optimizer, config, world, precision)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
+    scheduler = EpochLR(
+        optimizer, ProgressSchedule(config.schedule, config.epochs, config.warmup_epochs)
+    )
     pre = None
     saved = load_checkpoint(Path(config.out)) if resume and config.out else None
     resumed_choice = resumed_strategy_choice(config, saved, rank, world) if resume else None
@@ -337,7 +320,7 @@ def _build_preconditioner(
     config: TrainConfig,
     strategy: str | dkfac.AutoOptions,
     wrapped: nn.Module,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    scheduler: EpochLR,
     precision: Precision,
     *,
     grad_worker_fraction: float | None = None,
