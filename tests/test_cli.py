@@ -244,7 +244,7 @@ def test_the_progress_schedule_is_the_step_schedule_at_a_fixed_world(
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (step, got, want)
 
 
-def test_a_schedule_state_without_base_rates_is_refused() -> None:
+def test_a_schedule_restores_an_old_step_counted_state_and_refuses_one_without_rates() -> None:
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     schedule = EpochLR(optimizer, ProgressSchedule("cosine", 2))
     other = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.3)
@@ -253,6 +253,10 @@ def test_a_schedule_state_without_base_rates_is_refused() -> None:
     assert schedule.base_lrs == [0.3]
     schedule.set(0.0, 0.5)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3) == schedule.get_last_lr()[0]
+    schedule.set(1.0, 1.5)  # halfway through a 2-epoch cosine
+    again = EpochLR(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.7), schedule.schedule)
+    again.load_state_dict(schedule.state_dict())
+    assert again.base_lrs == [0.3] and again.get_last_lr() == pytest.approx([0.15])
     with pytest.raises(ValueError, match="no base rate for each"):
         schedule.load_state_dict({"base_lrs": [0.1, 0.2]})
 
@@ -287,7 +291,7 @@ def test_resume_on_another_world_size_gathers_factors_held_by_their_owners() -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    scheduler = EpochLR(optimizer, ProgressSchedule("constant", 1))
     pre = dkfac.KFACPreconditioner(model)
     a, g = torch.eye(4) * 2, torch.eye(2) * 3
     states = [
@@ -319,7 +323,7 @@ def test_resume_under_another_layout_on_the_same_world_size_gathers_the_factors(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    scheduler = EpochLR(optimizer, ProgressSchedule("constant", 1))
     pre = dkfac.KFACPreconditioner(model)
     a, g = torch.eye(4) * 2, torch.eye(2) * 3
     old_layout = [("0", "A", 0, 0), ("0", "G", 1, 1), ("share", None)]  # not this plan's
@@ -1082,7 +1086,7 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
     config = TrainConfig().with_overrides(saved)
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    scheduler = EpochLR(opt, ProgressSchedule("constant", 1))
     pre = _build_preconditioner(
         config, "local", model, scheduler, Precision("none", torch.device("cpu"))
     )

@@ -16,16 +16,21 @@ from typing import Any
 import torch
 
 
-def step_progress(epoch: int, done: int, step_examples: int, budget: int) -> tuple[float, float]:
+def step_progress(
+    epoch: int, consumed: int, step_examples: int, budget: int
+) -> tuple[float, float]:
     """The epochs done where a step starts and where it ends, counted in examples.
 
     Args:
         epoch: the step's epoch, from 0.
-        done: examples of the epoch's order consumed (by all ranks) before the step.
+        consumed: examples of the epoch's order consumed (by all ranks) before the step.
         step_examples: examples the step consumes on all ranks.
         budget: examples the epoch uses in all.
+
+    Returns:
+        ``(start, end)`` in epochs, for :meth:`EpochLR.set`.
     """
-    return epoch + done / budget, epoch + (done + step_examples) / budget
+    return epoch + consumed / budget, epoch + (consumed + step_examples) / budget
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,15 @@ class EpochLR:
         self.optimizer = optimizer
         self.schedule = schedule
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        self._last_lr = [base * schedule.factor(0.0, 0.0) for base in self.base_lrs]
+        self._last_lr = list(self.base_lrs)  # the groups' rates until the first set()
 
     def set(self, start: float, end: float) -> None:
-        """Set every group's rate for a step from progress ``start`` to ``end`` (epochs)."""
+        """Set every group's rate for the step about to run.
+
+        Args:
+            start: the run's epochs done where the step starts.
+            end: the epochs done where it ends.
+        """
         factor = self.schedule.factor(start, end)
         self._last_lr = [base * factor for base in self.base_lrs]
         for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
@@ -97,10 +107,13 @@ class EpochLR:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (or a ``LambdaLR``'s, which also has ``base_lrs``).
 
+        The rate last set matters only until the next :meth:`set` (an epoch's summary when the
+        checkpoint was written at its end); a ``LambdaLR``'s is the next step's rate.
+
         Raises:
             ValueError: the state has no base rate for each of the optimizer's groups.
         """
-        bases = state.get("base_lrs") if isinstance(state, dict) else None
+        bases = state.get("base_lrs")
         groups = len(self.optimizer.param_groups)
         if not isinstance(bases, list) or len(bases) != groups:
             raise ValueError(

@@ -233,8 +233,8 @@ class _RankRun:
         for batch_index, (x, y) in enumerate(setup.loader):
             if batch_index >= steps:
                 break
-            done = position + batch_index * global_batch
-            setup.scheduler.set(*step_progress(epoch, done, global_batch, budget))
+            consumed = position + batch_index * global_batch
+            setup.scheduler.set(*step_progress(epoch, consumed, global_batch, budget))
             outcome = self._train_step(x, y)
             self._record_step(epoch, outcome)
             if bar is not None:
