@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dkfac.curvature.finite import all_finite
+from dkfac.curvature.finite import finite_flags
 
 
 def loss_scale(grad_scaler: Any | None) -> float | None:
@@ -37,7 +37,12 @@ def gradients_finite(model: nn.Module, grad_scaler: Any | None) -> bool:
     """
     if grad_scaler is None or not grad_scaler.is_enabled():
         return True
-    flags = [all_finite(p.grad) for p in model.parameters() if p.grad is not None]
-    if not flags:
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            by_device.setdefault(parameter.grad.device, []).append(parameter.grad)
+    if not by_device:
         return True
+    # One check per device (one launch on an accelerator), one host read for all.
+    flags = [finite_flags(grads).all() for grads in by_device.values()]
     return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())

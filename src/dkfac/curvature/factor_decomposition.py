@@ -122,11 +122,16 @@ class CholeskyFactor(FactorDecomposition):
         damped = matrix.to(dtype, copy=True)
         damped.diagonal().add_(shift.to(dtype))
         factor, info = torch.linalg.cholesky_ex(damped)
-        # cholesky_inverse mirrors one computed triangle onto the other, so its result is
-        # exactly symmetric; LAPACK leaves it column-major, and its transpose is the same
-        # matrix row-major without the copy .contiguous() would make.
-        inverse = torch.cholesky_inverse(factor).mT
-        inverse = inverse if inverse.is_contiguous() else inverse.contiguous()
+        # Only the upper triangle travels to other workers, so the owner's copy must be
+        # exactly symmetric. On the CPU, ATen mirrors LAPACK's one computed triangle onto the
+        # other, column-major: the transpose is the same matrix, row-major, without a copy.
+        # cuSOLVER's and MAGMA's inverses solve column by column (x_ij and x_ji round apart):
+        # (X + Xᵀ)/2 is exactly symmetric (addition commutes).
+        inverse = torch.cholesky_inverse(factor)
+        if inverse.device.type == "cpu":
+            inverse = inverse.mT if inverse.mT.is_contiguous() else inverse.contiguous()
+        else:
+            inverse = (inverse + inverse.mT) * 0.5
         ((name, _, _),) = cls.layout(side, matrix.shape[0])
         ok = all_finite(inverse) & (info == 0)
         return cls(side, {name: inverse}, ok)
