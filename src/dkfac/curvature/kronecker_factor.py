@@ -49,8 +49,9 @@ class KroneckerFactor:
 
     def fold(self, batch: Tensor, decay: float) -> None:
         """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
-        self._count_nonfinite((~all_finite(batch)).to(torch.int64))
-        self.running = running_average(self.running, batch, decay)
+        batch_ok = all_finite(batch)
+        self._count_nonfinite((~batch_ok).to(torch.int64))
+        self.running = running_average(self.running, batch, decay, batch_ok)
 
     def _count_nonfinite(self, bad: Tensor) -> None:
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad

@@ -15,15 +15,18 @@ from torch import Tensor
 from dkfac.curvature.finite import all_finite, finite_flags
 
 
-def running_average(running: Tensor | None, batch: Tensor, decay: float) -> Tensor:
+def running_average(
+    running: Tensor | None, batch: Tensor, decay: float, batch_ok: Tensor | None = None
+) -> Tensor:
     """``ε·running + (1−ε)·batch``; the first estimate is the batch itself.
 
     A batch estimate with a NaN or Inf is not folded in (the running average keeps its value),
     and a running average that is not finite yet counts as "no estimate": this is decided on the
     device, with no host synchronisation. The average is ``lerp(running, batch, 1−ε)`` (one
     pass; :func:`running_averages` folds many factors the same way, bit for bit).
+    ``batch_ok``: :func:`all_finite` of ``batch`` when the caller has it already.
     """
-    batch_ok = all_finite(batch)
+    batch_ok = all_finite(batch) if batch_ok is None else batch_ok
     if running is None:
         return torch.where(batch_ok, batch, torch.full_like(batch, float("nan")))
     wide = torch.promote_types(running.dtype, batch.dtype)  # as ε·running + (1−ε)·batch did
