@@ -15,6 +15,7 @@ from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockRegistration, register_block
 from dkfac.curvature.layer import LayerHealth
 from dkfac.dear.averaging import DeAR
+from dkfac.decomposition_interval import DecompositionBudget
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import KFACPreconditioner
@@ -28,6 +29,7 @@ __all__ = [
     "AutoOptions",
     "BlockRegistration",
     "DeAR",
+    "DecompositionBudget",
     "Health",
     "KFACConfig",
     "KFACPreconditioner",

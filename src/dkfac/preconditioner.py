@@ -8,12 +8,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dkfac.adaptive import AdaptiveOptions, AdaptiveReport, AdaptiveStep, ModelBatch
+from dkfac.adaptive import AdaptiveOptions, AdaptiveStep, ModelBatch
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.kl_clip import kl_clip_scale
+from dkfac.decomposition_interval import (
+    DecompositionBudget,
+    DecompositionInterval,
+    timed_decomposition,
+)
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
@@ -67,6 +72,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             ``optimizer``'s, read at each step, or 0.1 without one.
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions; a multiple of ``factor_update_steps``.
+            ``"auto"`` (or ``dkfac.DecompositionBudget(share=...)``): chosen on the run from
+            a decomposition's time against a step's, so decompositions take about 10% of
+            the training time (:mod:`dkfac.decomposition_interval`; ``pre.decomposition_interval``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation). Statistics
             of all micro-batches are pooled, so the result equals one large batch provided the
             loss of each micro-batch is divided by their number as usual. ``None`` (default):
@@ -143,7 +151,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         kl_clip: Hyperparameter | None = 0.001,
         lr: Hyperparameter | None = None,
         factor_update_steps: IntHyperparameter = 1,
-        inv_update_steps: IntHyperparameter = 1,
+        inv_update_steps: IntHyperparameter | DecompositionBudget | str = 1,
         accumulation_steps: int | None = None,
         skip_layers: Sequence[str] = (),
         loss_reduction: str = "mean",
@@ -212,6 +220,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._removed = self._force_inverse = False
         self._skipped_steps = self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
+        budget, device = self.config.decomposition_budget, self._layers[0].block.weight.device
+        self._interval = None if budget is None else DecompositionInterval(budget, device)
         self._adaptive = None
         refuse_unagreed_adaptive(adaptive, self._strategy)
         if adaptive is not None:
@@ -236,22 +246,6 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             statistics_fraction=self.config.statistics_fraction,
             compiled=is_compiled(model),
         )
-
-    # -- schedule -----------------------------------------------------------------------------
-    @property
-    def steps(self) -> int:
-        """Number of completed ``step()`` calls."""
-        return self._steps
-
-    @property
-    def adaptive_report(self) -> AdaptiveReport | None:
-        """What adaptive K-FAC chose at the last step (``None``: not adaptive, or no step yet)."""
-        return None if self._adaptive is None else self._adaptive.last
-
-    @property
-    def profiling(self) -> bool:
-        """Whether spd/pad still profile this cluster to re-plan (benchmarks: time after)."""
-        return self._strategy.profiling
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, inputs: Any = None, targets: Any = None) -> None:
@@ -316,7 +310,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         k, config = self._steps, self.config
         # Every interval this step needs (including whether the next step captures) is
         # evaluated and validated before anything changes.
-        factor_step, inverse_step = config.updates_at(k)
+        chosen = None if self._interval is None else self._interval.inv_steps
+        factor_step, inverse_step = config.updates_at(k, chosen)
         capture_next = self._is_factor_step(k + 1)
         skipped = False
         if factor_step:
@@ -340,9 +335,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             )
         if not skipped and (inverse_step or self._force_inverse):
             self._force_inverse = False
-            self._strategy.update_inverses(
-                self._layers, self._damping_at(k), config.inverse_method, config.inv_dtype
-            )
+            with timed_decomposition(self._interval):
+                self._strategy.update_inverses(
+                    self._layers, self._damping_at(k), config.inverse_method, config.inv_dtype
+                )
             self._decomposition_steps += 1
             every = config.check_replicas_every
             if every and self._decomposition_steps % every == 0:
@@ -371,6 +367,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                     scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
                 for layer, direction in zip(active, directions, strict=True):
                     layer.block.set_grad(direction if scale is None else direction * scale)
+        if self._interval is not None:  # a DecompositionBudget measures until it chooses
+            self._interval.step_finished(self._strategy.largest)
         self._recorder.finish_step(self._steps)
         self._steps += 1
         self._capture.capturing = capture_next

@@ -8,9 +8,11 @@ import os
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dkfac.adaptive import AdaptiveReport, AdaptiveStep
 from dkfac.comm import StepRecorder
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.decomposition_interval import DecompositionInterval
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
@@ -33,6 +35,31 @@ class PreconditionerInspection:
     _usage: LayerUsage
     _steps: int
     _skipped_steps: int
+    _adaptive: AdaptiveStep | None
+    _interval: DecompositionInterval | None
+
+    @property
+    def steps(self) -> int:
+        """Number of completed ``step()`` calls."""
+        return self._steps
+
+    @property
+    def adaptive_report(self) -> AdaptiveReport | None:
+        """What adaptive K-FAC chose at the last step (``None``: not adaptive, or no step yet)."""
+        return None if self._adaptive is None else self._adaptive.last
+
+    @property
+    def profiling(self) -> bool:
+        """Whether spd/pad still profile this cluster to re-plan (benchmarks: time after)."""
+        return self._strategy.profiling
+
+    @property
+    def decomposition_interval(self) -> int | None:
+        """The decomposition interval a budget chose (``inv_update_steps="auto"``).
+
+        Agreed by every worker; ``None`` while it measures, or without a budget.
+        """
+        return None if self._interval is None else self._interval.chosen
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer name: (A, G)}`` running factors held by this worker.

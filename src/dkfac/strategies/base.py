@@ -213,9 +213,28 @@ class Strategy(ABC):
         One maximum-allreduce of ``len(flags)`` values and one host read; one worker answers
         alone.
         """
+        # The agreement is factor-step traffic.
+        values = self._maximum(
+            [float(flag) for flag in flags], device, "factor_comm", "layer_usage"
+        )
+        return [value > 0 for value in values]
+
+    def largest(self, value: int, device: torch.device) -> int:
+        """The largest of every worker's ``value`` (one maximum-allreduce and one host read)."""
+        return int(
+            self._maximum([float(value)], device, "inverse_comm", "decomposition_interval")[0]
+        )
+
+    def _maximum(
+        self, values: list[float], device: torch.device, step_phase: str, phase: str
+    ) -> list[float]:
+        """Element-wise maximum of float64 ``values`` over all workers.
+
+        Recorded under ``step_phase`` (the step's part) and ``phase`` (the collective's name).
+        """
         if self.comm is None:
-            return list(flags)
-        values = torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=device)
-        with self.recorder.phase("factor_comm"):  # the agreement is factor-step traffic
-            self.comm.allreduce([values], phase="layer_usage", maximum=True, exact=True).wait()
-        return [value > 0 for value in values.tolist()]
+            return values
+        reduced = torch.tensor(values, dtype=torch.float64, device=device)
+        with self.recorder.phase(step_phase):
+            self.comm.allreduce([reduced], phase=phase, maximum=True, exact=True).wait()
+        return [float(value) for value in reduced.tolist()]
