@@ -15,11 +15,11 @@ from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockRegistration, register_block
 from dkfac.curvature.layer import LayerHealth
 from dkfac.dear.averaging import DeAR
-from dkfac.decomposition_interval import DecompositionBudget
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import KFACPreconditioner
 from dkfac.strategies.plan_report import PlanReport
+from dkfac.update_intervals import IntervalBudget
 
 __version__ = "0.1.0"
 
@@ -29,8 +29,8 @@ __all__ = [
     "AutoOptions",
     "BlockRegistration",
     "DeAR",
-    "DecompositionBudget",
     "Health",
+    "IntervalBudget",
     "KFACConfig",
     "KFACPreconditioner",
     "LayerHealth",

@@ -19,9 +19,9 @@ from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.factors import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
-from dkfac.decomposition_interval import AUTO, DecompositionBudget
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
+from dkfac.update_intervals import AUTO, IntervalBudget, IntervalSettings
 from dkfac.validation import check_float, check_int, describe
 
 __all__ = ["KFACConfig", "check_float", "check_int", "check_multiple"]
@@ -130,8 +130,8 @@ class KFACConfig:
     factor_decay: Hyperparameter = 0.95
     kl_clip: Hyperparameter | None = 0.001
     lr: Hyperparameter = 0.1
-    factor_update_steps: IntHyperparameter = 1
-    inv_update_steps: IntHyperparameter | DecompositionBudget | str = 1
+    factor_update_steps: IntHyperparameter | IntervalBudget | str = 1
+    inv_update_steps: IntHyperparameter | IntervalBudget | str = 1
     accumulation_steps: int | None = None
     skip_layers: Sequence[str] = ()
     loss_reduction: str = "mean"
@@ -239,10 +239,13 @@ class KFACConfig:
                 f"comm_dtype={self.comm_dtype!r} is not allowed: expected None or "
                 f"a floating dtype ({', '.join(map(str, FLOAT_DTYPES))})"
             )
-        self._decomposition_budget()  # "auto" becomes the default budget, other text refused
+        self._interval_budgets()  # "auto" becomes the default budget, other text refused
+        factor_steps = self.factor_update_steps
+        if isinstance(factor_steps, (str, IntervalBudget)):
+            factor_steps = 1  # planned for (strategies at construction) until the choice
         inv_steps = self.inv_update_steps
-        if isinstance(inv_steps, (str, DecompositionBudget)):
-            inv_steps = self.factor_update_steps  # until the budget chooses: every factor update
+        if isinstance(inv_steps, (str, IntervalBudget)):
+            inv_steps = factor_steps  # until the budget chooses: every factor update
         # Building the schedules validates constant values now.
         schedules = {
             "damping_at": FloatSchedule(
@@ -276,12 +279,11 @@ class KFACConfig:
                 low_open=True,
                 allowed="a finite number > 0, a callable of the step, or None",
             ),
-            "factor_update_steps_at": IntSchedule("factor_update_steps", self.factor_update_steps),
+            "factor_update_steps_at": IntSchedule("factor_update_steps", factor_steps),
             "inv_update_steps_at": IntSchedule("inv_update_steps", inv_steps),
         }
         for key, schedule in schedules.items():
             object.__setattr__(self, key, schedule)
-        factor_steps = self.factor_update_steps
         if not callable(factor_steps) and not callable(inv_steps):
             check_multiple(factor_steps, inv_steps)
         if isinstance(self.skip_layers, str):
@@ -300,22 +302,46 @@ class KFACConfig:
                 ) from None
         object.__setattr__(self, "skip_patterns", tuple(patterns))
 
-    def _decomposition_budget(self) -> None:
-        """``inv_update_steps="auto"`` becomes the default budget; other text is refused."""
-        if isinstance(self.inv_update_steps, str):
-            if self.inv_update_steps != AUTO:
-                raise ValueError(
-                    f"inv_update_steps={self.inv_update_steps!r} is not allowed: expected an "
-                    f"integer >= 1, a callable of the step, {AUTO!r} or "
-                    "dkfac.DecompositionBudget(...)"
-                )
-            object.__setattr__(self, "inv_update_steps", DecompositionBudget())
+    def _interval_budgets(self) -> None:
+        """Each interval's ``"auto"`` becomes the default budget; other text is refused."""
+        for name in ("factor_update_steps", "inv_update_steps"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value != AUTO:
+                    raise ValueError(
+                        f"{name}={value!r} is not allowed: expected an integer >= 1, a "
+                        f"callable of the step, {AUTO!r} or dkfac.IntervalBudget(...)"
+                    )
+                object.__setattr__(self, name, IntervalBudget())
+        if self.factor_budget is not None and self.inv_budget is None:
+            raise ValueError(
+                f"factor_update_steps={self.factor_update_steps!r} is not allowed with "
+                f"inv_update_steps={self.inv_update_steps!r}: a chosen factor interval needs "
+                "a chosen decomposition interval (inv_update_steps='auto'), which is kept a "
+                "multiple of it"
+            )
 
     @property
-    def decomposition_budget(self) -> DecompositionBudget | None:
+    def factor_budget(self) -> IntervalBudget | None:
+        """The rule that chooses the factor interval, if ``factor_update_steps`` is one."""
+        value = self.factor_update_steps
+        return value if isinstance(value, IntervalBudget) else None
+
+    @property
+    def inv_budget(self) -> IntervalBudget | None:
         """The rule that chooses the decomposition interval, if ``inv_update_steps`` is one."""
         value = self.inv_update_steps
-        return value if isinstance(value, DecompositionBudget) else None
+        return value if isinstance(value, IntervalBudget) else None
+
+    def interval_settings(self) -> IntervalSettings:
+        """Both intervals as :class:`~dkfac.update_intervals.UpdateIntervals` reads them."""
+        return IntervalSettings(
+            factor_steps=self.factor_update_steps_at,
+            inv_steps=self.inv_update_steps_at,
+            factor_budget=self.factor_budget,
+            inv_budget=self.inv_budget,
+            check=check_multiple,
+        )
 
     def _check_adaptive(self) -> None:
         """Adaptive K-FAC: its options, a constant initial damping, one backward per step."""
@@ -349,33 +375,3 @@ class KFACConfig:
                 f"damping={self.damping!r} is not allowed with adaptive: expected a number "
                 f"in [min_damping, max_damping] = [{low!r}, {high!r}] (the initial damping)"
             )
-
-    def intervals_at(
-        self, step: int, chosen: Callable[[int], int] | None = None
-    ) -> tuple[int, int]:
-        """``(factor_update_steps, inv_update_steps)`` at K-FAC step ``step``, checked together.
-
-        ``chosen``: the interval a :class:`DecompositionBudget` chose, given the factor
-        interval (instead of the schedule's until then).
-
-        Raises:
-            ValueError: a callable returned something other than an integer >= 1, or
-                ``inv_update_steps`` is not a multiple of ``factor_update_steps`` at ``step``
-                (the message names the parameter, the value, the step and what is allowed).
-        """
-        factor_steps = self.factor_update_steps_at(step)
-        inv_steps = self.inv_update_steps_at(step) if chosen is None else chosen(factor_steps)
-        if callable(self.factor_update_steps) or callable(self.inv_update_steps):
-            check_multiple(factor_steps, inv_steps, step)
-        return factor_steps, inv_steps
-
-    def updates_at(
-        self, step: int, chosen: Callable[[int], int] | None = None
-    ) -> tuple[bool, bool]:
-        """Whether K-FAC step ``step`` updates factors, and decompositions (:meth:`intervals_at`).
-
-        Raises:
-            ValueError: as :meth:`intervals_at`.
-        """
-        factor_steps, inv_steps = self.intervals_at(step, chosen)
-        return step % factor_steps == 0, step % inv_steps == 0

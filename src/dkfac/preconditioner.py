@@ -14,11 +14,6 @@ from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.decomposition_interval import (
-    DecompositionBudget,
-    DecompositionInterval,
-    timed_decomposition,
-)
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
@@ -34,6 +29,7 @@ from dkfac.preconditioner_state import PreconditionerState
 from dkfac.strategies import StrategyOptions
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategy_start import start_strategy
+from dkfac.update_intervals import IntervalBudget, UpdateIntervals
 
 
 class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
@@ -72,9 +68,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             ``optimizer``'s, read at each step, or 0.1 without one.
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions; a multiple of ``factor_update_steps``.
-            ``"auto"`` (or ``dkfac.DecompositionBudget(share=...)``): chosen on the run from
-            a decomposition's time against a step's, so decompositions take about 10% of
-            the training time (:mod:`dkfac.decomposition_interval`; ``pre.decomposition_interval``).
+            ``"auto"`` (or ``dkfac.IntervalBudget(share=...)``) for either (the factor
+            interval only with the decomposition's): chosen once, early in the run, so each
+            kind of update takes about 10% of a step's time (:mod:`dkfac.update_intervals`;
+            ``pre.chosen_intervals``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation). Statistics
             of all micro-batches are pooled, so the result equals one large batch provided the
             loss of each micro-batch is divided by their number as usual. ``None`` (default):
@@ -150,8 +147,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         factor_decay: Hyperparameter = 0.95,
         kl_clip: Hyperparameter | None = 0.001,
         lr: Hyperparameter | None = None,
-        factor_update_steps: IntHyperparameter = 1,
-        inv_update_steps: IntHyperparameter | DecompositionBudget | str = 1,
+        factor_update_steps: IntHyperparameter | IntervalBudget | str = 1,
+        inv_update_steps: IntHyperparameter | IntervalBudget | str = 1,
         accumulation_steps: int | None = None,
         skip_layers: Sequence[str] = (),
         loss_reduction: str = "mean",
@@ -220,8 +217,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._removed = self._force_inverse = False
         self._skipped_steps = self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
-        budget, device = self.config.decomposition_budget, self._layers[0].block.weight.device
-        self._interval = None if budget is None else DecompositionInterval(budget, device)
+        device = self._layers[0].block.weight.device
+        self._intervals = UpdateIntervals(self.config.interval_settings(), device)
         self._adaptive = None
         refuse_unagreed_adaptive(adaptive, self._strategy)
         if adaptive is not None:
@@ -310,8 +307,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         k, config = self._steps, self.config
         # Every interval this step needs (including whether the next step captures) is
         # evaluated and validated before anything changes.
-        chosen = None if self._interval is None else self._interval.inv_steps
-        factor_step, inverse_step = config.updates_at(k, chosen)
+        factor_step, inverse_step = self._intervals.updates_at(k)
         capture_next = self._is_factor_step(k + 1)
         skipped = False
         if factor_step:
@@ -335,7 +331,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             )
         if not skipped and (inverse_step or self._force_inverse):
             self._force_inverse = False
-            with timed_decomposition(self._interval):
+            with self._intervals.timed_decomposition():
                 self._strategy.update_inverses(
                     self._layers, self._damping_at(k), config.inverse_method, config.inv_dtype
                 )
@@ -367,8 +363,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                     scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
                 for layer, direction in zip(active, directions, strict=True):
                     layer.block.set_grad(direction if scale is None else direction * scale)
-        if self._interval is not None:  # a DecompositionBudget measures until it chooses
-            self._interval.step_finished(self._strategy.largest)
+        if self._intervals.step_finished(factor_step, self._strategy.largest):  # budgets chose
+            capture_next = self._is_factor_step(k + 1)
         self._recorder.finish_step(self._steps)
         self._steps += 1
         self._capture.capturing = capture_next

@@ -12,13 +12,13 @@ from dkfac.adaptive import AdaptiveReport, AdaptiveStep
 from dkfac.comm import StepRecorder
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.decomposition_interval import DecompositionInterval
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
 from dkfac.strategies import Strategy
 from dkfac.strategies.chooser import StrategyChoice
 from dkfac.strategies.plan_report import PlanReport
+from dkfac.update_intervals import UpdateIntervals
 
 
 class PreconditionerInspection:
@@ -36,7 +36,7 @@ class PreconditionerInspection:
     _steps: int
     _skipped_steps: int
     _adaptive: AdaptiveStep | None
-    _interval: DecompositionInterval | None
+    _intervals: UpdateIntervals
 
     @property
     def steps(self) -> int:
@@ -54,12 +54,13 @@ class PreconditionerInspection:
         return self._strategy.profiling
 
     @property
-    def decomposition_interval(self) -> int | None:
-        """The decomposition interval a budget chose (``inv_update_steps="auto"``).
+    def chosen_intervals(self) -> tuple[int | None, int] | None:
+        """``(factor, decomposition)`` intervals the budgets chose (``"auto"``).
 
-        Agreed by every worker; ``None`` while it measures, or without a budget.
+        Agreed by every worker (``None`` for a fixed factor interval; the decompositions run
+        at multiples of both); ``None`` while they measure, or without budgets.
         """
-        return None if self._interval is None else self._interval.chosen
+        return self._intervals.chosen
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer name: (A, G)}`` running factors held by this worker.

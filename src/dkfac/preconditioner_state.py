@@ -8,10 +8,10 @@ from dkfac.adaptive import AdaptiveStep
 from dkfac.capture import StatisticsCapture
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.decomposition_interval import DecompositionInterval
 from dkfac.layer_usage import LayerUsage
 from dkfac.saved_state import needs_decomposition, pack_state, restore_state
 from dkfac.strategies import Strategy
+from dkfac.update_intervals import UpdateIntervals
 
 
 class PreconditionerState:
@@ -25,10 +25,10 @@ class PreconditionerState:
     _capture: StatisticsCapture
     _force_inverse: bool
     _strategy: Strategy
-    _interval: DecompositionInterval | None
+    _intervals: UpdateIntervals
 
     def _is_factor_step(self, step: int) -> bool:
-        return step % self.config.factor_update_steps_at(step) == 0
+        return self._intervals.is_factor_step(step)
 
     def state_dict(self) -> dict[str, Any]:
         """Steps, running factors and decompositions: enough to continue bitwise identically."""
@@ -36,8 +36,8 @@ class PreconditionerState:
         state["layer_usage"] = self._usage.state()
         if self._adaptive is not None:
             state["adaptive"] = self._adaptive.state()
-        if self._interval is not None:
-            state["decomposition_interval"] = self._interval.state()
+        if self.config.inv_budget is not None:
+            state["intervals"] = self._intervals.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -57,8 +57,8 @@ class PreconditionerState:
         if self._adaptive is not None:
             self._adaptive.load(state["adaptive"], blocks)
         self._usage.load(state.get("layer_usage"))  # which layers pass through, decided
-        if self._interval is not None:  # a state without a choice measures it again
-            self._interval.load(state.get("decomposition_interval"))
+        if self.config.inv_budget is not None:  # a state without a choice measures again
+            self._intervals.load(state.get("intervals"))
         self._capture.discard_window()  # the restored step starts a window of its own
         self._capture.capturing = self._is_factor_step(self._steps)
         # Before after_load, which drops what the plan does not give this rank: the answer

@@ -219,11 +219,13 @@ class Strategy(ABC):
         )
         return [value > 0 for value in values]
 
-    def largest(self, value: int, device: torch.device) -> int:
-        """The largest of every worker's ``value`` (one maximum-allreduce and one host read)."""
-        return int(
-            self._maximum([float(value)], device, "inverse_comm", "decomposition_interval")[0]
-        )
+    def largest(self, values: Sequence[int], device: torch.device) -> list[int]:
+        """Element-wise largest of every worker's ``values``: the intervals all of them take.
+
+        One maximum-allreduce and one host read; one worker answers alone.
+        """
+        reduced = self._maximum([float(v) for v in values], device, "inverse_comm", "intervals")
+        return [int(value) for value in reduced]
 
     def _maximum(
         self, values: list[float], device: torch.device, step_phase: str, phase: str

@@ -1,4 +1,4 @@
-"""``inv_update_steps="auto"``: the interval chosen from measured times, and its schedule.
+"""``"auto"`` update intervals: chosen from measured times, and the schedule they imply.
 
 The clock is scripted, so the choice is known in advance; the oracle for the schedule is the
 same run with a callable ``inv_update_steps`` that decomposes at the steps the choice implies.
@@ -18,7 +18,7 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.decomposition_interval import DecompositionBudget
+from dkfac.update_intervals import IntervalBudget
 
 F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 
@@ -51,7 +51,7 @@ def train(
     steps: int,
     *,
     clock: Callable[[], float] | None = None,
-    factor_update_steps: int = 1,
+    factor_update_steps: Any = 1,
     state: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, dkfac.KFACPreconditioner, list[int]]:
     """Train the MLP ``steps`` steps; also return the steps that decomposed."""
@@ -65,8 +65,7 @@ def train(
         **F64,
     )
     if clock is not None:
-        assert pre._interval is not None
-        pre._interval.clock = clock
+        pre._intervals.clock = clock
     if state is not None:
         pre.load_state_dict(state)
     decomposed = []
@@ -105,7 +104,7 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
 def test_the_interval_is_the_decompositions_time_over_the_steps_share(
     decomposition_s: float, step_s: float, share: float, most: int, expected: int
 ) -> None:
-    budget = DecompositionBudget(share=share, most=most)
+    budget = IntervalBudget(share=share, most=most)
     assert budget.interval(decomposition_s, step_s) == expected
     if step_s > 0 and expected not in (1, most):  # the independent statement of "at most"
         assert decomposition_s / expected <= share * step_s < decomposition_s / (expected - 1)
@@ -114,25 +113,33 @@ def test_the_interval_is_the_decompositions_time_over_the_steps_share(
 @pytest.mark.parametrize(
     ("keywords", "message"),
     [
-        ({"share": 0.0}, r"DecompositionBudget.share=0.0 is not allowed: expected a number in"),
-        ({"share": 1.5}, r"DecompositionBudget.share=1.5 is not allowed"),
-        ({"share": math.nan}, r"DecompositionBudget.share=nan is not allowed"),
-        ({"share": True}, r"DecompositionBudget.share=True is not allowed"),
+        ({"share": 0.0}, r"IntervalBudget.share=0.0 is not allowed: expected a number in"),
+        ({"share": 1.5}, r"IntervalBudget.share=1.5 is not allowed"),
+        ({"share": math.nan}, r"IntervalBudget.share=nan is not allowed"),
+        ({"share": True}, r"IntervalBudget.share=True is not allowed"),
         ({"measured_decompositions": 0}, r"measured_decompositions=0 is not allowed"),
-        ({"most": 0}, r"DecompositionBudget.most=0 is not allowed: expected an integer >= 1"),
+        ({"most": 0}, r"IntervalBudget.most=0 is not allowed: expected an integer >= 1"),
     ],
 )
 def test_a_bad_budget_is_refused(keywords: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        DecompositionBudget(**keywords)
+        IntervalBudget(**keywords)
 
 
 def test_auto_is_the_default_budget_and_other_text_is_refused() -> None:
-    config = dkfac.KFACConfig(inv_update_steps="auto")
-    assert config.decomposition_budget == DecompositionBudget()
-    assert dkfac.KFACConfig(inv_update_steps=4).decomposition_budget is None
-    with pytest.raises(ValueError, match=r"inv_update_steps='Auto' is not allowed: expected an"):
-        dkfac.KFACConfig(inv_update_steps="Auto")
+    config = dkfac.KFACConfig(factor_update_steps="auto", inv_update_steps="auto")
+    assert config.factor_budget == config.inv_budget == IntervalBudget()
+    assert dkfac.KFACConfig(inv_update_steps=4).inv_budget is None
+    for name in ("factor_update_steps", "inv_update_steps"):
+        keywords = {"inv_update_steps": "auto", name: "Auto"}
+        with pytest.raises(ValueError, match=rf"{name}='Auto' is not allowed: expected an"):
+            dkfac.KFACConfig(**keywords)
+    with pytest.raises(
+        ValueError,
+        match=r"factor_update_steps=IntervalBudget\(.*\) is not allowed "
+        r"with inv_update_steps=4: a chosen factor interval needs",
+    ):
+        dkfac.KFACConfig(factor_update_steps="auto", inv_update_steps=4)
 
 
 # -- the schedule ----------------------------------------------------------------------------
@@ -141,9 +148,9 @@ def test_the_chosen_interval_decomposes_like_the_schedule_it_implies() -> None:
     # Steps 1, 2: decompositions 0.3 and 0.2, steps 0.9 without them. With share 0.05:
     # ceil(min(0.3, 0.2) / (0.05 * 0.9)) = ceil(4.44) = 5, chosen at the end of step 2.
     times = [0.0, 0.5, 1.0, 1.8, 2.1, 2.2, 3.0, 3.2, 3.3]
-    budget = DecompositionBudget(share=0.05)
+    budget = IntervalBudget(share=0.05)
     model, pre, decomposed = train(budget, 16, clock=scripted_clock(times))
-    assert pre.decomposition_interval == 5
+    assert pre.chosen_intervals == (None, 5)
     assert decomposed == [0, 1, 2, 5, 10, 15]
     oracle, _, oracle_decomposed = train(lambda k: 1 if k < 3 else 5, 16)
     assert oracle_decomposed == decomposed
@@ -159,31 +166,68 @@ def test_the_choice_is_rounded_up_to_a_multiple_of_the_factor_interval() -> None
     # 4, 8; steps 1-8 take 1 s without them (2 s with the decomposition's two reads), the
     # fastest 1 s. ceil(1 / (0.3 * 1)) = 4 -> 4; share 0.15: ceil(6.67) = 7 -> 8.
     for share, chosen, expected in ((0.3, 4, [0, 4, 8, 12, 16, 20]), (0.15, 7, [0, 4, 8, 16])):
-        budget = DecompositionBudget(share=share)
+        budget = IntervalBudget(share=share)
         _, pre, decomposed = train(budget, 24, clock=ticking_clock(), factor_update_steps=4)
-        assert pre.decomposition_interval == chosen
+        assert pre.chosen_intervals == (None, chosen)
         assert decomposed == expected
     _, _, oracle = train(lambda k: 4 if k < 9 else 8, 24, factor_update_steps=4)
     assert oracle == decomposed
 
 
+@pytest.mark.parametrize(
+    ("factor_share", "chosen", "decomposed"),
+    [(0.125, (6, 16), [0, 2, 4, 18, 36]), (1.0, (1, 16), [0, 2, 4, 16, 32])],
+)
+def test_a_chosen_factor_interval_updates_like_the_schedule_it_implies(
+    factor_share: float, chosen: tuple[int, int], decomposed: list[int]
+) -> None:
+    # Factors every 2 steps while measuring; decompositions at each factor update (0, 2, 4).
+    # Step 0: decomposition 0 -> 0.5, ends at 1. Step 1 (no update): 1 s. Steps 2 and 4:
+    # decompositions of 0.25 s, steps of 1.75 and 2 s without them. So a plain step 1 s, a
+    # factor update 0.75 s, a decomposition 0.25 s (all exact in binary): factors every
+    # ceil(0.75 / 0.125) = 6 steps (or 1 at share 1), decompositions every
+    # ceil(0.25 / (1/64)) = 16, rounded up to a multiple of the factor interval. Factors at
+    # every step from step 5 on: the capture for step 5, decided before the choice, changes.
+    times = [0.0, 0.5, 1.0, 2.0, 3.5, 3.75, 4.0, 5.0, 6.75, 7.0, 7.25]
+    factor, inverse = IntervalBudget(share=factor_share), IntervalBudget(share=1 / 64)
+    model, pre, steps = train(inverse, 40, clock=scripted_clock(times), factor_update_steps=factor)
+    assert pre.chosen_intervals == chosen
+    assert steps == decomposed
+    every, later = chosen[0], decomposed[3]
+    oracle, _, oracle_steps = train(
+        lambda k: 2 if k < 5 else later, 40, factor_update_steps=lambda k: 2 if k < 5 else every
+    )
+    assert oracle_steps == decomposed
+    assert_same_parameters(model, oracle)
+    # The factor steps matter to the comparison: factors every 2 steps throughout differ.
+    other, _, _ = train(lambda k: 2 if k < 5 else 18, 40, factor_update_steps=2)
+    pairs = zip(model.parameters(), other.parameters(), strict=True)
+    assert any(not torch.equal(p, q) for p, q in pairs)
+
+
 def test_a_saved_choice_is_kept_and_a_state_without_one_measures_again() -> None:
     times = [0.0, 0.5, 1.0, 1.8, 2.1, 2.2, 3.0, 3.2, 3.3]
-    budget = DecompositionBudget(share=0.05)
+    budget = IntervalBudget(share=0.05)
     _, pre, _ = train(budget, 4, clock=scripted_clock(times))
     state = pre.state_dict()
-    assert state["decomposition_interval"] == {"chosen": 5}
+    assert state["intervals"] == {"chosen": [None, 5]}
     # Restored (with its decompositions) at step 4: no clock read (the scripted clock is
     # exhausted), decompositions at the multiples of 5.
     _, restored, decomposed = train(budget, 11, clock=scripted_clock([]), state=state)
-    assert restored.decomposition_interval == 5
+    assert restored.chosen_intervals == (None, 5)
     assert decomposed == [5, 10]
-    del state["decomposition_interval"]
+    del state["intervals"]
     _, again, _ = train(budget, 1, clock=ticking_clock(), state=state)
-    assert again.decomposition_interval is None
-    bad = {**pre.state_dict(), "decomposition_interval": {"chosen": 0}}
-    with pytest.raises(ValueError, match=r"saved decomposition interval=0 is not allowed"):
-        train(budget, 0, state=bad)
+    assert again.chosen_intervals is None
+    for chosen, message in (
+        ([None, 0], r"saved decomposition interval=0 is not allowed"),
+        ([3, 6], r"saved factor interval=3 is not allowed: .* factor_update_steps is fixed"),
+        (5, r"saved intervals=5 are not allowed: expected \[factor, decomposition\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            train(budget, 0, state={**pre.state_dict(), "intervals": {"chosen": chosen}})
+    with pytest.raises(ValueError, match=r"saved factor interval=None is not allowed: .*'auto'"):
+        train(budget, 0, factor_update_steps="auto", state=pre.state_dict())
 
 
 # -- every worker the same interval ----------------------------------------------------------
@@ -195,15 +239,14 @@ def choose_on_each_rank(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     pre = dkfac.KFACPreconditioner(model, strategy="dkfac", inv_update_steps="auto")
-    assert pre._interval is not None
-    pre._interval.clock = scripted_clock(times)
+    pre._intervals.clock = scripted_clock(times)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randn(8, 6, generator=generator)
         F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
         pre.step()
-    own = DecompositionBudget().interval(d, 1.0)
-    result = {"own": own, "chosen": pre.decomposition_interval, "comm": pre.comm_stats()}
+    own = IntervalBudget().interval(d, 1.0)
+    result = {"own": own, "chosen": pre.chosen_intervals, "comm": pre.comm_stats()}
     pre.remove()
     dist.barrier()
     return result
@@ -212,7 +255,5 @@ def choose_on_each_rank(rank: int, world_size: int) -> dict[str, Any]:
 def test_every_worker_takes_the_largest_interval() -> None:
     results = run_workers(choose_on_each_rank, 2)
     assert [r["own"] for r in results] == [1, 3]
-    assert [r["chosen"] for r in results] == [3, 3]
-    assert all(r["comm"]["decomposition_interval/allreduce"]["calls"] == 1 for r in results), (
-        results[0]["comm"]
-    )
+    assert [r["chosen"] for r in results] == [(None, 3), (None, 3)]
+    assert all(r["comm"]["intervals/allreduce"]["calls"] == 1 for r in results), results[0]
