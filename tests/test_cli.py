@@ -496,6 +496,15 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "x 4 micro-batches (at most --batch-size 168)",
         ),
         (["train", "--inv-update-steps", "3", "--factor-update-steps", "2"], "multiple"),
+        (
+            ["train", "--factor-update-steps", "auto"],
+            "--factor-update-steps auto is not allowed with --inv-update-steps 1",
+        ),
+        (
+            ["train", "--inv-update-steps", "often"],
+            "--inv-update-steps 'often' is not allowed: expected an integer >= 1 or auto",
+        ),
+        (["train", "--factor-update-steps", "0"], "--factor-update-steps 0 is not allowed"),
         (["train", "--lr", "-1"], "--lr"),
         (["train", "--grad-sync", "nccl"], "--grad-sync 'nccl'"),
         (["train", "--grad-sync", "dear", "--bucket-mb", "0"], "--bucket-mb '0' is not allowed"),
@@ -528,6 +537,35 @@ def test_bad_input_is_one_line_on_stderr_and_exit_code_2(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dkfac: error:") and "\n" not in err and message in err, err
+
+
+def test_update_intervals_are_integers_or_auto_from_flags_and_files(tmp_path: Path) -> None:
+    config = TrainConfig(factor_update_steps=" AUTO ", inv_update_steps="auto")
+    assert (config.factor_update_steps, config.inv_update_steps) == ("auto", "auto")
+    assert TrainConfig(factor_update_steps="2", inv_update_steps=4.0).inv_update_steps == 4
+    for bad in (0, -2, 1.5, True, "", "2.5", "autox"):
+        with pytest.raises(ConfigError, match="is not allowed: expected an integer >= 1 or auto"):
+            TrainConfig(inv_update_steps=bad)
+    args = build_parser().parse_args(
+        ["train", "--factor-update-steps", "auto", "--inv-update-steps", "auto"]
+    )
+    resolved = resolve_config(args)
+    assert (resolved.factor_update_steps, resolved.inv_update_steps) == ("auto", "auto")
+    # config.toml writes them back as the file option reads them.
+    path = tmp_path / "config.toml"
+    path.write_text(resolved.to_toml())
+    again = TrainConfig().with_overrides(load_config_file(str(path)))
+    assert (again.factor_update_steps, again.inv_update_steps) == ("auto", "auto")
+    assert TrainConfig().with_overrides({"inv_update_steps": 10}).inv_update_steps == 10
+
+
+def test_train_with_auto_intervals_chooses_them(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = [*QUICK, "--epochs", "1", "--nproc", "2", "--strategy", "dkfac", "--out", str(out)]
+    auto = ["--factor-update-steps", "auto", "--inv-update-steps", "auto"]
+    assert main(["train", *argv, *auto]) == 0
+    assert [s["step"] for s in steps_of(out)] == list(range(1, 7))
+    assert 'factor_update_steps = "auto"' in (out / "config.toml").read_text()
 
 
 @pytest.mark.parametrize("text", ["auto", "AUTO", " Auto ", "\tauto\n"])

@@ -12,6 +12,13 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dkfac.cli.config_values import (
+    INTERVAL_OPTIONS,
+    check_intervals,
+    interval_value,
+    parse_bucket_mb,
+)
+from dkfac.cli.config_values import ConfigError as ConfigError
 from dkfac.cli.device import AMP_MODES, DEVICES
 from dkfac.curvature.factors import STATISTICS_PRECISIONS
 from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
@@ -35,10 +42,6 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("device", DEVICES),
     ("amp", AMP_MODES),
 )
-
-
-class ConfigError(ValueError):
-    """A configuration the command refuses; its message is the one line the user sees."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,9 @@ class TrainConfig:
     damping: float = 0.3
     factor_decay: float = 0.95
     kl_clip: float = 0.001
-    factor_update_steps: int = 1
-    inv_update_steps: int = 1
+    #: Steps between factor updates and decompositions: integers, or auto (chosen on the run).
+    factor_update_steps: int | str = 1
+    inv_update_steps: int | str = 1
     #: Adaptive K-FAC (dkfac.AdaptiveOptions): the step's size and the damping chosen.
     adaptive: bool = False
     #: Share of each batch (its first examples) adaptive K-FAC's quadratic model curves on.
@@ -122,8 +126,6 @@ class TrainConfig:
             "epochs",
             "batch_size",
             "grad_accumulation",
-            "factor_update_steps",
-            "inv_update_steps",
             "nproc",
             "threads",
             "log_every",
@@ -171,12 +173,9 @@ class TrainConfig:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"
             )
-        if self.inv_update_steps % self.factor_update_steps:
-            raise ConfigError(
-                f"--inv-update-steps {self.inv_update_steps} is not allowed: "
-                f"expected a multiple of --factor-update-steps "
-                f"{self.factor_update_steps}"
-            )
+        for name in INTERVAL_OPTIONS:
+            object.__setattr__(self, name, interval_value(name, getattr(self, name)))
+        check_intervals(self.factor_update_steps, self.inv_update_steps)
         if self.adaptive and self.strategy == "none":
             raise ConfigError(
                 "--adaptive is not allowed with --strategy none: it is a mode of K-FAC "
@@ -241,31 +240,7 @@ class TrainConfig:
         return self._parse_bucket()
 
     def _parse_bucket(self) -> float | str:
-        """``--bucket-mb`` parsed.
-
-        ``auto`` in any case, and surrounding spaces, are accepted.
-
-        Raises:
-            ConfigError: not a positive number or ``auto``, or ``auto`` without DeAR.
-        """
-        text = str(self.bucket_mb).strip()
-        if text.lower() == "auto":
-            if self.grad_sync != "dear":
-                raise ConfigError(
-                    f"--bucket-mb auto is not allowed with --grad-sync {self.grad_sync}: the "
-                    "online bucket-size search is DeAR's (--grad-sync dear); give DDP a number"
-                )
-            return "auto"
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value < float("inf"):
-            raise ConfigError(
-                f"--bucket-mb {self.bucket_mb!r} is not allowed: expected a number of MiB > 0 "
-                "or auto (with --grad-sync dear)"
-            )
-        return value
+        return parse_bucket_mb(self.bucket_mb, self.grad_sync)
 
     @property
     def dataset_kwargs(self) -> dict[str, Any]:
@@ -373,6 +348,8 @@ def _convert(config: TrainConfig, key: str, value: Any) -> Any:
     current = getattr(config, key)
     if key == "dataset_options":
         return _dataset_options(value)
+    if key in INTERVAL_OPTIONS:
+        return interval_value(key, value)
     try:
         if isinstance(current, bool):
             if not isinstance(value, bool):

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 from dkfac import __version__
 from dkfac.bench.options import add_bench_options
 from dkfac.cli.config import CHOICES, TrainConfig
+from dkfac.cli.config_values import INTERVAL_OPTIONS
 from dkfac.cli.exit_codes import EXIT_USAGE
 from dkfac.cli.simulate import add_simulate_parser
 
@@ -78,6 +79,11 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "precondition_precision": "products of the preconditioning: highest (in the "
         "decompositions' dtype) or bf16 (operands and results rounded to bfloat16: tensor cores "
         "on a GPU, AVX-512 BF16 on a CPU)",
+        "factor_update_steps": "steps between factor updates, or auto (chosen early in the "
+        "run so they take about 10%% of a step; needs --inv-update-steps auto)",
+        "inv_update_steps": "steps between decompositions (a multiple of "
+        "--factor-update-steps), or auto (chosen early in the run so they take about 10%% of "
+        "a step)",
         "statistics_fraction": "estimate the K-FAC factors from this share of each batch (its "
         "first examples; 1: all of it): less factor work per step at large batches",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "
@@ -114,7 +120,7 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
             flag,
             dest=f.name,
             default=None,
-            type=kind if kind in (int, float) else str,
+            type=kind if kind in (int, float) and f.name not in INTERVAL_OPTIONS else str,
             help=_help(helps.get(f.name, ""), choices.get(f.name), shown.get(f.name, f.default)),
         )
     parser.add_argument(
