@@ -563,9 +563,16 @@ def test_train_with_auto_intervals_chooses_them(tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [*QUICK, "--epochs", "1", "--nproc", "2", "--strategy", "dkfac", "--out", str(out)]
     auto = ["--factor-update-steps", "auto", "--inv-update-steps", "auto"]
-    assert main(["train", *argv, *auto]) == 0
+    assert main(["train", *argv, *auto, "--checkpoint-every", "6"]) == 0
     assert [s["step"] for s in steps_of(out)] == list(range(1, 7))
     assert 'factor_update_steps = "auto"' in (out / "config.toml").read_text()
+    # Chosen at step 5 of 6 (factors every 2 steps while measuring, two timed decompositions
+    # after the first), and saved with the run on every rank.
+    saved = load_checkpoint(out)
+    assert saved is not None
+    for rank in saved["ranks"]:
+        factor, inverse = rank["pre"]["intervals"]["chosen"]
+        assert factor >= 1 and inverse >= 1 and inverse % factor == 0
 
 
 @pytest.mark.parametrize("text", ["auto", "AUTO", " Auto ", "\tauto\n"])

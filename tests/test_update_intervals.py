@@ -18,7 +18,7 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.update_intervals import IntervalBudget
+from dkfac.update_intervals import IntervalBudget, UpdateIntervals, multiple_of
 
 F64 = {"factor_dtype": torch.float64, "inv_dtype": torch.float64}
 
@@ -165,7 +165,7 @@ def test_the_choice_is_rounded_up_to_a_multiple_of_the_factor_interval() -> None
     # One second per clock read, factors every 4 steps: decompositions (1 s each) at steps 0,
     # 4, 8; steps 1-8 take 1 s without them (2 s with the decomposition's two reads), the
     # fastest 1 s. ceil(1 / (0.3 * 1)) = 4 -> 4; share 0.15: ceil(6.67) = 7 -> 8.
-    for share, chosen, expected in ((0.3, 4, [0, 4, 8, 12, 16, 20]), (0.15, 7, [0, 4, 8, 16])):
+    for share, chosen, expected in ((0.3, 4, [0, 4, 8, 12, 16, 20]), (0.15, 8, [0, 4, 8, 16])):
         budget = IntervalBudget(share=share)
         _, pre, decomposed = train(budget, 24, clock=ticking_clock(), factor_update_steps=4)
         assert pre.chosen_intervals == (None, chosen)
@@ -176,7 +176,7 @@ def test_the_choice_is_rounded_up_to_a_multiple_of_the_factor_interval() -> None
 
 @pytest.mark.parametrize(
     ("factor_share", "chosen", "decomposed"),
-    [(0.125, (6, 16), [0, 2, 4, 18, 36]), (1.0, (1, 16), [0, 2, 4, 16, 32])],
+    [(0.125, (6, 18), [0, 2, 4, 18, 36]), (1.0, (1, 16), [0, 2, 4, 16, 32])],
 )
 def test_a_chosen_factor_interval_updates_like_the_schedule_it_implies(
     factor_share: float, chosen: tuple[int, int], decomposed: list[int]
@@ -186,7 +186,8 @@ def test_a_chosen_factor_interval_updates_like_the_schedule_it_implies(
     # decompositions of 0.25 s, steps of 1.75 and 2 s without them. So a plain step 1 s, a
     # factor update 0.75 s, a decomposition 0.25 s (all exact in binary): factors every
     # ceil(0.75 / 0.125) = 6 steps (or 1 at share 1), decompositions every
-    # ceil(0.25 / (1/64)) = 16, rounded up to a multiple of the factor interval. Factors at
+    # ceil(0.25 / (1/64)) = 16, rounded up to a multiple of the factor interval (18 for 6, as
+    # pre.chosen_intervals says: the intervals that run). Factors at
     # every step from step 5 on: the capture for step 5, decided before the choice, changes.
     times = [0.0, 0.5, 1.0, 2.0, 3.5, 3.75, 4.0, 5.0, 6.75, 7.0, 7.25]
     factor, inverse = IntervalBudget(share=factor_share), IntervalBudget(share=1 / 64)
@@ -216,18 +217,76 @@ def test_a_saved_choice_is_kept_and_a_state_without_one_measures_again() -> None
     _, restored, decomposed = train(budget, 11, clock=scripted_clock([]), state=state)
     assert restored.chosen_intervals == (None, 5)
     assert decomposed == [5, 10]
-    del state["intervals"]
-    _, again, _ = train(budget, 1, clock=ticking_clock(), state=state)
-    assert again.chosen_intervals is None
+    # A state without a choice, loaded into a preconditioner that has one: it measures again
+    # (decompositions 0.25 s after the first, steps 1.25 s without them: ceil(4) = 4).
+    model, pre_opt = pre._model, torch.optim.SGD(pre._model.parameters(), lr=0.1)
+    pre.load_state_dict({key: value for key, value in state.items() if key != "intervals"})
+    assert pre.chosen_intervals is None
+    pre._intervals.clock = scripted_clock([0.0, 0.5, 1.0, 1.5, 1.75, 2.5, 3.0, 3.25, 4.0])
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        pre_opt.zero_grad()
+        x = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+        F.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+        pre.step()
+        pre_opt.step()
+    assert pre.chosen_intervals == (None, 4)
+    # A refused state changes nothing.
+    before = pre.state_dict()
     for chosen, message in (
         ([None, 0], r"saved decomposition interval=0 is not allowed"),
         ([3, 6], r"saved factor interval=3 is not allowed: .* factor_update_steps is fixed"),
         (5, r"saved intervals=5 are not allowed: expected \[factor, decomposition\]"),
     ):
         with pytest.raises(ValueError, match=message):
-            train(budget, 0, state={**pre.state_dict(), "intervals": {"chosen": chosen}})
+            pre.load_state_dict({**state, "intervals": {"chosen": chosen}})
+        assert_same_state(pre.state_dict(), before)
     with pytest.raises(ValueError, match=r"saved factor interval=None is not allowed: .*'auto'"):
-        train(budget, 0, factor_update_steps="auto", state=pre.state_dict())
+        train(budget, 0, factor_update_steps="auto", state=state)
+
+
+def assert_same_state(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            assert_same_state(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_state(x, y)
+    else:
+        assert a == b
+
+
+def test_multiple_of_rounds_up_within_the_longest_interval() -> None:
+    assert [multiple_of(i, 3, 100) for i in (1, 3, 4, 7)] == [3, 3, 6, 9]
+    assert multiple_of(70, 60, 100) == 60  # up would be 120 > 100: down
+    assert multiple_of(5, 120, 100) == 120  # the factor interval itself passes most
+
+
+def test_skipped_and_profiling_steps_are_not_measured() -> None:
+    settings = dkfac.KFACConfig(inv_update_steps="auto").interval_settings()
+    intervals = UpdateIntervals(settings, torch.device("cpu"))
+    # Every step decomposes before the choice; each is timed 0 -> d, then the step ends.
+    reads = [0.0, 0.1, 1.0]  # step 0: the first decomposition (not used)
+    reads += [1.125, 1.25, 1.5]  # step 1, not counted: decomposition 0.125 s, step 0.375 s
+    # Steps 2-3, counted: decompositions of 0.5 s, steps of 1 s and 0.5 s without them.
+    reads += [2.0, 2.5, 3.0, 3.0, 3.5, 4.0]
+    intervals.clock = scripted_clock(reads)
+    agree = lambda values, device: list(values)  # noqa: E731 (one worker)
+    for step in range(5):
+        with intervals.timed_decomposition():
+            pass
+        chosen = intervals.step_finished(True, agree, record=step != 1)
+        assert chosen == (step == 3)  # two counted decompositions after the first: steps 2, 3
+        if chosen:
+            break
+    assert intervals.times.decompositions == [0.5, 0.5]
+    assert intervals.times.factor_steps == [1.0, 0.5]
+    # ceil(0.5 / (0.1 * 0.5)); counting step 1 would choose ceil(0.125 / 0.0375) = 4 at step 2.
+    assert intervals.chosen == (None, 10)
 
 
 # -- every worker the same interval ----------------------------------------------------------

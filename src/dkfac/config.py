@@ -242,7 +242,7 @@ class KFACConfig:
         self._interval_budgets()  # "auto" becomes the default budget, other text refused
         factor_steps = self.factor_update_steps
         if isinstance(factor_steps, (str, IntervalBudget)):
-            factor_steps = 1  # planned for (strategies at construction) until the choice
+            factor_steps = 1  # what strategies plan with at construction (see update_intervals)
         inv_steps = self.inv_update_steps
         if isinstance(inv_steps, (str, IntervalBudget)):
             inv_steps = factor_steps  # until the budget chooses: every factor update
@@ -340,6 +340,7 @@ class KFACConfig:
             inv_steps=self.inv_update_steps_at,
             factor_budget=self.factor_budget,
             inv_budget=self.inv_budget,
+            fixed_factor_steps=f if isinstance(f := self.factor_update_steps, int) else None,
             check=check_multiple,
         )
 

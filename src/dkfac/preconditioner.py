@@ -363,7 +363,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                     scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
                 for layer, direction in zip(active, directions, strict=True):
                     layer.block.set_grad(direction if scale is None else direction * scale)
-        if self._intervals.step_finished(factor_step, self._strategy.largest):  # budgets chose
+        counts = not skipped and not self._strategy.profiling  # as measurements, for budgets
+        if self._intervals.step_finished(factor_step, self._strategy.largest, record=counts):
             capture_next = self._is_factor_step(k + 1)
         self._recorder.finish_step(self._steps)
         self._steps += 1

@@ -31,7 +31,11 @@ class PreconditionerState:
         return self._intervals.is_factor_step(step)
 
     def state_dict(self) -> dict[str, Any]:
-        """Steps, running factors and decompositions: enough to continue bitwise identically."""
+        """Steps, running factors and decompositions: enough to continue bitwise identically.
+
+        Intervals still being measured (``"auto"``) are measured again after a load, and may
+        come out differently.
+        """
         state = pack_state(self._steps, self.config.inverse_method, self._layers)
         state["layer_usage"] = self._usage.state()
         if self._adaptive is not None:
@@ -53,6 +57,8 @@ class PreconditionerState:
                 state.get("adaptive") if isinstance(state, dict) else None, blocks
             )
         self._usage.check_state(state.get("layer_usage") if isinstance(state, dict) else None)
+        if self.config.inv_budget is not None:
+            self._intervals.check_state(state.get("intervals") if isinstance(state, dict) else None)
         self._steps = restore_state(state, self._layers, self.config.inverse_method)
         if self._adaptive is not None:
             self._adaptive.load(state["adaptive"], blocks)

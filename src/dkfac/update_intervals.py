@@ -27,7 +27,14 @@ update intervals from the step's time"). No fixed pair suits both models.
    count as training.
 4. The workers agree on the largest of each (one maximum-allreduce), so all update at the
    same steps; the decomposition interval is then rounded up to a multiple of the factor
-   interval (of its value at each step, for a callable one).
+   interval (down where up would pass ``most``; at each step, for a callable factor
+   interval).
+
+Steps that a GradScaler skipped (they fold no factor) and steps while SPD or PAD still
+profile the cluster are not measured, so the choice waits for steps that are. Strategies
+that decide at construction from the intervals (PAD's ``share="auto"``,
+``strategy=dkfac.AutoOptions(...)``) see ``(1, 1)`` there: give PAD its ``share`` when the
+intervals are ``"auto"``.
 
 The choice is a measurement: two runs of one seed may choose differently. It is saved in
 ``state_dict`` (a resumed run keeps it), logged, and read from ``pre.chosen_intervals``;
@@ -90,6 +97,15 @@ class IntervalBudget:
         return max(1, min(self.most, math.ceil(cost_s / (self.share * step_s))))
 
 
+def multiple_of(inverse: int, factor: int, most: int) -> int:
+    """``inverse`` rounded up to a multiple of ``factor``.
+
+    Rounded down instead where up would pass ``most`` (but not below ``factor``).
+    """
+    rounded = math.ceil(inverse / factor) * factor
+    return rounded if rounded <= most else max(factor, most // factor * factor)
+
+
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
@@ -130,6 +146,7 @@ class IntervalSettings:
         inv_steps: ``inv_update_steps`` at a step (its schedule; unused with a budget).
         factor_budget: the factor interval's budget, if ``"auto"``.
         inv_budget: the decomposition interval's budget, if ``"auto"``.
+        fixed_factor_steps: the factor interval if it is a constant, else ``None``.
         check: ``check(factor_steps, inv_steps, step)`` refuses a decomposition interval that
             is not a multiple of the factor interval.
     """
@@ -138,6 +155,7 @@ class IntervalSettings:
     inv_steps: Callable[[int], int]
     factor_budget: IntervalBudget | None
     inv_budget: IntervalBudget | None
+    fixed_factor_steps: int | None
     check: Callable[[int, int, int], None]
 
 
@@ -162,6 +180,7 @@ class UpdateIntervals:
     _decompositions: int = 0
     _decomposition_s: float = 0.0
     _last_end: float | None = None
+    _measured_decomposition: bool = False
 
     @property
     def measuring(self) -> bool:
@@ -191,7 +210,8 @@ class UpdateIntervals:
         elif self.chosen is None:
             inverse = factor  # decompose at every factor update until the choice
         else:
-            inverse = math.ceil(self.chosen[1] / factor) * factor
+            assert self.settings.inv_budget is not None
+            inverse = multiple_of(self.chosen[1], factor, self.settings.inv_budget.most)
         return factor, inverse
 
     def updates_at(self, step: int) -> tuple[bool, bool]:
@@ -217,14 +237,16 @@ class UpdateIntervals:
         start = self.clock()
         yield
         _synchronize(self.device)
-        elapsed = self.clock() - start
-        if self._decompositions > 0:  # the first pays one-off costs
-            self.times.decompositions.append(elapsed)
+        self._decomposition_s = self.clock() - start
+        self._measured_decomposition = self._decompositions > 0  # the first: one-off costs
         self._decompositions += 1
-        self._decomposition_s = elapsed
 
     def step_finished(
-        self, factor_step: bool, agree: Callable[[Sequence[int], torch.device], list[int]]
+        self,
+        factor_step: bool,
+        agree: Callable[[Sequence[int], torch.device], list[int]],
+        *,
+        record: bool = True,
     ) -> bool:
         """Record the step that just finished; choose once enough is measured.
 
@@ -233,6 +255,9 @@ class UpdateIntervals:
             agree: ``agree(values, device)``: the element-wise largest over every worker (a
                 collective: it is called at the same step on every worker, as the steps and
                 decompositions it counts are the same on every worker).
+            record: whether the step counts (``False``: a step the GradScaler skipped, which
+                folded no factor, or one while SPD/PAD still profile; the same on every
+                worker).
 
         Returns:
             Whether the intervals were chosen now (later steps may update at other steps).
@@ -241,10 +266,13 @@ class UpdateIntervals:
             return False
         _synchronize(self.device)
         end = self.clock()
-        if self._last_end is not None:
+        if record and self._last_end is not None:
             elapsed = max(0.0, end - self._last_end - self._decomposition_s)
             (self.times.factor_steps if factor_step else self.times.plain_steps).append(elapsed)
+        if record and self._measured_decomposition:
+            self.times.decompositions.append(self._decomposition_s)
         self._last_end, self._decomposition_s = end, 0.0
+        self._measured_decomposition = False
         if not self._measured_enough():
             return False
         self.chosen = self._choose(agree)
@@ -272,17 +300,22 @@ class UpdateIntervals:
             own.append(factor_budget.interval(factor_s, step_s))
         agreed = agree(own, self.device)
         factor = agreed[1] if factor_budget is not None else None
+        # The interval that runs: a multiple of a known factor interval (a callable one is
+        # rounded at each step).
+        known = factor if factor is not None else self.settings.fixed_factor_steps
+        inverse = agreed[0] if known is None else multiple_of(agreed[0], known, inv_budget.most)
         logger.info(
             "K-FAC intervals chosen: decompositions every %d steps%s (this worker: a step "
-            "%.1f ms, a decomposition %.1f ms%s, its own choice %s; the largest of all workers)",
-            agreed[0],
+            "%.1f ms, a decomposition %.1f ms%s, its own choice %s; the largest of all workers, "
+            "the decompositions' rounded to a multiple of the factor interval)",
+            inverse,
             "" if factor is None else f", factor updates every {factor}",
             step_s * 1e3,
             decomposition_s * 1e3,
             "" if factor is None else f", a factor update {factor_s * 1e3:.1f} ms",
             own,
         )
-        return factor, agreed[0]
+        return factor, inverse
 
     def state(self) -> dict[str, Any]:
         """What ``state_dict`` keeps: the choice (measurements restart after a load)."""
@@ -298,6 +331,17 @@ class UpdateIntervals:
         self.chosen = None if chosen is None else self._checked(chosen)
         self.times, self._decompositions = StepTimes(), 0
         self._decomposition_s, self._last_end = 0.0, None
+        self._measured_decomposition = False
+
+    def check_state(self, state: object) -> None:
+        """Refuse a state :meth:`load` would refuse, before anything is restored.
+
+        Raises:
+            ValueError: as :meth:`load`.
+        """
+        chosen = state.get("chosen") if isinstance(state, dict) else None
+        if chosen is not None:
+            self._checked(chosen)
 
     def _checked(self, chosen: object) -> tuple[int | None, int]:
         if not isinstance(chosen, (list, tuple)) or len(chosen) != 2:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The word that asks dkfac to choose a value (the bucket size, an update interval).
-AUTO = "auto"
+from dkfac.update_intervals import AUTO
+
 #: Options that take a positive integer or ``auto`` (the library's interval budgets).
 INTERVAL_OPTIONS: tuple[str, ...] = ("factor_update_steps", "inv_update_steps")
 
