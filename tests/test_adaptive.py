@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -623,3 +626,22 @@ def test_a_saved_state_loads_onto_the_model_dtype_and_bad_damping_is_refused() -
     state["adaptive"]["damping"] = float("nan")
     with pytest.raises(ValueError, match="the saved adaptive damping=nan is not allowed"):
         dkfac.KFACPreconditioner(mlp(), adaptive=adaptive()).load_state_dict(state)
+
+
+def test_building_an_adaptive_preconditioner_loads_forward_mode_not_its_first_step() -> None:
+    # A fresh process: in this one, an earlier test may have loaded the decompositions.
+    script = textwrap.dedent(
+        """
+        import sys, torch, torch.nn.functional as F
+        import dkfac
+        name = "torch._decomp.decompositions_for_jvp"
+        model = torch.nn.Linear(3, 2)
+        before = name in sys.modules
+        dkfac.KFACPreconditioner(model, adaptive=dkfac.AdaptiveOptions(loss_fn=F.cross_entropy))
+        print(before, name in sys.modules)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["False", "True"]

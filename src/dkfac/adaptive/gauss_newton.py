@@ -46,6 +46,17 @@ def replayed_randomness(device: torch.device) -> Iterator[Replay]:
         replay()
 
 
+def load_forward_mode() -> None:
+    """Load what forward-mode AD needs on its first use, now: a Jacobian-vector product.
+
+    The first ``torch.func.jvp`` of a process loads and scripts PyTorch's decompositions for
+    forward mode (``torch._decomp.decompositions_for_jvp``: about 130 ms on one CPU thread);
+    done when the preconditioner is built, the first adaptive step costs what every later one
+    does.
+    """
+    jvp(torch.sin, (torch.zeros(1),), (torch.ones(1),))
+
+
 def _state(model: nn.Module, moved: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Every parameter and buffer of ``model`` by name, ``moved`` ones replaced.
 
