@@ -488,6 +488,23 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "--adaptive-model-fraction is not allowed without --adaptive",
         ),
         (
+            ["train", "--adaptive-damping-decay", "0.5"],
+            "--adaptive-damping-decay is not allowed without --adaptive",
+        ),
+        (
+            ["train", "--adaptive", "--adaptive-damping-decay", "1.5"],
+            "--adaptive-damping-decay: damping_decay=1.5 is not allowed: expected a number in "
+            "(0, 1)",
+        ),
+        (
+            ["train", "--adaptive", "--adaptive-damping-interval", "0"],
+            "--adaptive-damping-interval: damping_interval=0 is not allowed",
+        ),
+        (
+            ["train", "--adaptive", "--adaptive-min-damping", "0"],
+            "--adaptive-min-damping: min_damping=0.0 is not allowed",
+        ),
+        (
             ["train", "--statistics-fraction", "1.5"],
             "--statistics-fraction 1.5 is not allowed: expected a number in (0, 1]",
         ),
@@ -1136,6 +1153,29 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
         config, "local", model, scheduler, Precision("none", torch.device("cpu"))
     )
     assert getattr(pre.config, name) == value
+
+
+def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
+    # Unset, the command's rule is the library's; set, each flag reaches its field.
+    for given, expected in [
+        ({}, (5, 0.95, 1e-6)),
+        (
+            {"adaptive_damping_interval": 1, "adaptive_damping_decay": 0.5},
+            (1, 0.5, 1e-6),
+        ),
+        ({"adaptive_min_damping": 1e-9}, (5, 0.95, 1e-9)),
+    ]:
+        config = TrainConfig(adaptive=True, **given)  # type: ignore[arg-type]
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = EpochLR(opt, ProgressSchedule("constant", 1))
+        pre = _build_preconditioner(
+            config, "local", model, scheduler, Precision("none", torch.device("cpu"))
+        )
+        options = pre.config.adaptive
+        assert options is not None
+        assert (options.damping_interval, options.damping_decay, options.min_damping) == expected
+        pre.remove()
 
 
 def test_truncated_metrics_keep_what_preceded_the_checkpoint_and_no_earlier_resumption(

@@ -13,7 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dkfac.cli.config_values import (
+    ADAPTIVE_RULE,
     INTERVAL_OPTIONS,
+    adaptive_default,
+    check_adaptive_rule,
     check_intervals,
     interval_value,
     parse_bucket_mb,
@@ -90,6 +93,10 @@ class TrainConfig:
     adaptive: bool = False
     #: Share of each batch (its first examples) adaptive K-FAC's quadratic model curves on.
     adaptive_model_fraction: float = 1.0
+    #: Its Levenberg-Marquardt damping rule: steps between checks, per-step factor, floor.
+    adaptive_damping_interval: int = adaptive_default("damping_interval")
+    adaptive_damping_decay: float = adaptive_default("damping_decay")
+    adaptive_min_damping: float = adaptive_default("min_damping")
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
@@ -169,6 +176,7 @@ class TrainConfig:
                 "--adaptive-model-fraction is not allowed without --adaptive: it sets "
                 "adaptive K-FAC's quadratic model"
             )
+        check_adaptive_rule(self.adaptive, self.adaptive_rule, self.adaptive_model_fraction)
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"
@@ -246,6 +254,11 @@ class TrainConfig:
     def dataset_kwargs(self) -> dict[str, Any]:
         """The dataset options as keyword arguments of :func:`dkfac.data.registry.load_dataset`."""
         return dict(self.dataset_options)
+
+    @property
+    def adaptive_rule(self) -> dict[str, Any]:
+        """The adaptive damping rule's :class:`dkfac.AdaptiveOptions` keywords."""
+        return {name: getattr(self, f"adaptive_{name}") for name in ADAPTIVE_RULE}
 
     @property
     def uses_kfac(self) -> bool:

@@ -1,9 +1,11 @@
-"""Option values that are a number or ``auto``: the bucket size and the update intervals."""
+"""Option values checked on their own: the bucket size, the update intervals, adaptive's rule."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
+from dkfac.adaptive import AdaptiveOptions
 from dkfac.update_intervals import AUTO
 
 #: Options that take a positive integer or ``auto`` (the library's interval budgets).
@@ -87,3 +89,42 @@ def parse_bucket_mb(bucket_mb: str, grad_sync: str) -> float | str:
             "or auto (with --grad-sync dear)"
         )
     return value
+
+
+#: Adaptive K-FAC's damping rule (:class:`dkfac.AdaptiveOptions`), each ``--adaptive-<name>``.
+ADAPTIVE_RULE: tuple[str, ...] = ("damping_interval", "damping_decay", "min_damping")
+
+
+def adaptive_default(name: str) -> Any:
+    """The default of :class:`dkfac.AdaptiveOptions`' field ``name``: the command's, too."""
+    return next(f.default for f in fields(AdaptiveOptions) if f.name == name)
+
+
+def check_adaptive_rule(adaptive: bool, rule: dict[str, Any], model_fraction: float) -> None:
+    """Refuse an adaptive damping rule that :class:`dkfac.AdaptiveOptions` would refuse.
+
+    Args:
+        adaptive: ``--adaptive``.
+        rule: ``ADAPTIVE_RULE``'s values, by name.
+        model_fraction: ``--adaptive-model-fraction``.
+
+    Raises:
+        ConfigError: a value changed without ``--adaptive``, or one out of its range.
+    """
+    changed = [name for name, value in rule.items() if value != adaptive_default(name)]
+    if changed and not adaptive:
+        raise ConfigError(
+            f"{_flag('adaptive_' + changed[0])} is not allowed without --adaptive: it sets "
+            "adaptive K-FAC's damping rule"
+        )
+    try:
+        AdaptiveOptions(loss_fn=_no_loss, model_fraction=model_fraction, **rule)
+    except ValueError as error:
+        named = [name for name in (*ADAPTIVE_RULE, "model_fraction") if f"{name}=" in str(error)]
+        flag = _flag("adaptive_" + (named[0] if named else "model_fraction"))
+        raise ConfigError(f"{flag}: {error}") from error
+
+
+def _no_loss(outputs: Any, targets: Any) -> Any:
+    """A placeholder loss: only :class:`dkfac.AdaptiveOptions`' other checks run on it."""
+    return outputs

@@ -94,6 +94,12 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "adaptive_model_fraction": "with --adaptive: build the quadratic model (its curvature, "
         "slopes and the damping check's losses) on this share of each batch (its first "
         "examples; 1: all of it): cheaper steps at large batches",
+        "adaptive_damping_interval": "with --adaptive: steps between the damping's checks (each "
+        "one forward pass of the model's part; a checked step that raises the loss is not "
+        "taken; 1: every step)",
+        "adaptive_damping_decay": "with --adaptive: the damping's factor per step when the "
+        "quadratic model predicts well (smaller: faster; 0.5 suits full-batch training)",
+        "adaptive_min_damping": "with --adaptive: the damping's floor",
         "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
         "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
         "amp": "autocast the forward pass: none, bf16, or fp16 (GPU only; with a GradScaler)",

@@ -357,6 +357,7 @@ def _build_preconditioner(
             dkfac.AdaptiveOptions(
                 loss_fn=label_cross_entropy,
                 model_fraction=config.adaptive_model_fraction,
+                **config.adaptive_rule,
             )
             if config.adaptive
             else None
