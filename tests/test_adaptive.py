@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -628,6 +629,10 @@ def test_a_saved_state_loads_onto_the_model_dtype_and_bad_damping_is_refused() -
         dkfac.KFACPreconditioner(mlp(), adaptive=adaptive()).load_state_dict(state)
 
 
+@pytest.mark.skipif(
+    os.environ.get("PYTORCH_JIT", "1") == "0" or not __debug__,
+    reason="torch loads forward mode's decompositions only with TorchScript and __debug__",
+)
 def test_building_an_adaptive_preconditioner_loads_forward_mode_not_its_first_step() -> None:
     # A fresh process: in this one, an earlier test may have loaded the decompositions.
     script = textwrap.dedent(

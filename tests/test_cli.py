@@ -505,6 +505,11 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "--adaptive-min-damping: min_damping=0.0 is not allowed",
         ),
         (
+            ["train", "--adaptive", "--adaptive-min-damping", "0.5"],
+            "--damping 0.3 is not allowed with --adaptive: expected a number in "
+            "[--adaptive-min-damping 0.5, 1000.0]",
+        ),
+        (
             ["train", "--statistics-fraction", "1.5"],
             "--statistics-fraction 1.5 is not allowed: expected a number in (0, 1]",
         ),

@@ -176,7 +176,9 @@ class TrainConfig:
                 "--adaptive-model-fraction is not allowed without --adaptive: it sets "
                 "adaptive K-FAC's quadratic model"
             )
-        check_adaptive_rule(self.adaptive, self.adaptive_rule, self.adaptive_model_fraction)
+        check_adaptive_rule(
+            self.adaptive, self.adaptive_rule, self.adaptive_model_fraction, self.damping
+        )
         if not 0 <= self.factor_decay < 1:
             raise ConfigError(
                 f"--factor-decay {self.factor_decay!r} is not allowed: expected a number in [0, 1)"

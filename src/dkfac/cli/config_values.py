@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from dkfac.adaptive import AdaptiveOptions
+from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.update_intervals import AUTO
 
 #: Options that take a positive integer or ``auto`` (the library's interval budgets).
@@ -100,16 +100,20 @@ def adaptive_default(name: str) -> Any:
     return next(f.default for f in fields(AdaptiveOptions) if f.name == name)
 
 
-def check_adaptive_rule(adaptive: bool, rule: dict[str, Any], model_fraction: float) -> None:
+def check_adaptive_rule(
+    adaptive: bool, rule: dict[str, Any], model_fraction: float, damping: float
+) -> None:
     """Refuse an adaptive damping rule that :class:`dkfac.AdaptiveOptions` would refuse.
 
     Args:
         adaptive: ``--adaptive``.
         rule: ``ADAPTIVE_RULE``'s values, by name.
         model_fraction: ``--adaptive-model-fraction``.
+        damping: ``--damping``, adaptive K-FAC's initial damping.
 
     Raises:
-        ConfigError: a value changed without ``--adaptive``, or one out of its range.
+        ConfigError: a value changed without ``--adaptive``, one out of its range, or an
+            initial damping below the floor (checked here, before any worker starts).
     """
     changed = [name for name, value in rule.items() if value != adaptive_default(name)]
     if changed and not adaptive:
@@ -123,6 +127,12 @@ def check_adaptive_rule(adaptive: bool, rule: dict[str, Any], model_fraction: fl
         named = [name for name in (*ADAPTIVE_RULE, "model_fraction") if f"{name}=" in str(error)]
         flag = _flag("adaptive_" + (named[0] if named else "model_fraction"))
         raise ConfigError(f"{flag}: {error}") from error
+    if adaptive and not rule["min_damping"] <= damping <= adaptive_default("max_damping"):
+        raise ConfigError(
+            f"--damping {damping!r} is not allowed with --adaptive: expected a number in "
+            f"[--adaptive-min-damping {rule['min_damping']!r}, "
+            f"{adaptive_default('max_damping')!r}]"
+        )
 
 
 def _no_loss(outputs: Any, targets: Any) -> Any:
