@@ -105,6 +105,8 @@ def _run(
     reached = "not reached" if trace["reached_s"] is None else f"{trace['reached_s']:.2f} s"
     if trace["diverged"]:
         reached = "diverged"
+    elif trace["collapsed"]:
+        reached += ", collapsed on the way"
     print(f"  P={world} {method.label:24} seed {seed}: {reached}", flush=True)
     return {"method": method.label, "seed": seed, **trace}
 

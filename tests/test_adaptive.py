@@ -218,12 +218,15 @@ def oracle_step(
     return delta, tuple(coefficients.tolist()), float(g @ delta + 0.5 * delta @ c @ delta)
 
 
-@pytest.mark.parametrize("model_fraction", [1.0, 0.3])
+@pytest.mark.parametrize(
+    ("model_fraction", "trusted_decrease"), [(1.0, None), (0.3, None), (1.0, 0.25), (0.3, 0.25)]
+)
 def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
-    model_fraction: float,
+    model_fraction: float, trusted_decrease: float | None
 ) -> None:
     # With a fraction, the quadratic model (C, ∇h, the damping check's losses) is that of
-    # the first ⌈0.3·8⌉ = 3 examples; the direction stays the whole batch's.
+    # the first ⌈0.3·8⌉ = 3 examples; the direction stays the whole batch's. Step 1 falls
+    # between adaptations: checked only if its model promises more than trusted_decrease.
     kept = 8 if model_fraction == 1.0 else 3
     model = mlp()
     oracle = copy.deepcopy(model)
@@ -238,8 +241,10 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
             damping_interval=2,
             damping_decay=decay,
             model_fraction=model_fraction,
+            trusted_decrease=trusted_decrease,
         ),
     )
+    checked_steps = []
     running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     previous = None
     omega = decay**2
@@ -272,9 +277,11 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
         assert (report.learning_rate, report.momentum) == pytest.approx(want, rel=1e-8)
         assert report.predicted_change == pytest.approx(predicted, rel=1e-8)
         assert report.loss == pytest.approx(loss_before, rel=1e-12)
-        if step == 0:
+        promised = trusted_decrease is not None and -predicted > trusted_decrease * loss_before
+        if step == 0 or promised:
             # Step 0 adapts the damping (every 2 steps from the first) from the loss actually
             # reached on its batch; step 1 preconditions and models with the new damping.
+            checked_steps.append(step)
             ratio = (loss_after - loss_before) / predicted
             # Taken (refusals: the test below), and the damping falls: step 1 checks that
             # the new damping reaches both its direction and its model.
@@ -288,6 +295,8 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
         else:
             assert report.ratio is None and report.damping == pytest.approx(damping, rel=1e-12)
     assert pre.state_dict()["adaptive"]["damping"] == report.damping
+    # This small model's second step promises 0.54 (0.65 on the part) of its loss.
+    assert checked_steps == ([0] if trusted_decrease is None else [0, 1])
 
 
 def test_a_step_that_raises_the_loss_is_refused_and_the_damping_grows_until_one_is_taken(
@@ -297,7 +306,8 @@ def test_a_step_that_raises_the_loss_is_refused_and_the_damping_grows_until_one_
     import dkfac.adaptive.controller as controller
 
     model = mlp()
-    options = adaptive(damping_interval=4, damping_decay=0.5)  # ω = 0.0625
+    # ω = 0.0625; only the interval and the refusals decide which steps are checked.
+    options = adaptive(damping_interval=4, damping_decay=0.5, trusted_decrease=None)
     pre = dkfac.KFACPreconditioner(model, damping=1e-4, adaptive=options)
     real_loss_at = controller.loss_at
     rises = iter([True, True, True, False, False])
@@ -343,6 +353,8 @@ def adaptive(**kw: Any) -> dkfac.AdaptiveOptions:
     ("kwargs", "pattern"),
     [
         ({"damping_interval": 0}, "damping_interval=0"),
+        ({"trusted_decrease": 0.0}, "trusted_decrease=0.0 is not allowed: expected a finite"),
+        ({"trusted_decrease": math.inf}, "trusted_decrease=inf"),
         ({"damping_decay": 1.0}, "damping_decay=1.0"),
         ({"min_damping": 0.0}, "min_damping=0.0"),
         ({"min_damping": 1.0, "max_damping": 0.5}, "max_damping=0.5"),
@@ -506,28 +518,84 @@ def test_adaptive_workers_equal_one_process_on_the_global_batch() -> None:
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-9 * moved, msg=strategy)
 
 
-def test_a_step_without_a_finite_model_moves_nothing_and_raises_the_damping(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    model = mlp()
-    options = adaptive(damping_interval=1, damping_decay=0.5)
-    pre = dkfac.KFACPreconditioner(model, damping=0.05, adaptive=options)
-    run_adaptive(model, pre, range(2))
-    before = [p.detach().clone() for p in model.parameters()]
-    damping = pre.state_dict()["adaptive"]["damping"]
+def nan_step(model: nn.Module, pre: dkfac.KFACPreconditioner) -> None:
     x, t = batch(99)
     x[0, 0] = math.nan  # this batch's loss and gradients are NaN
     model.zero_grad()
     F.cross_entropy(model(x), t).backward()
     pre.step(x, t)
+
+
+def test_a_step_without_a_finite_model_moves_nothing_and_raises_the_damping(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(3)  # a layer K-FAC does not precondition: the optimizer moves it
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    options = adaptive(damping_interval=1, damping_decay=0.5)
+    pre = dkfac.KFACPreconditioner(model, damping=0.05, adaptive=options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            run_adaptive(model, pre, range(step, step + 1))
+            optimizer.step()
+
+    train(range(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    damping = pre.state_dict()["adaptive"]["damping"]
+    nan_step(model, pre)  # after a checked step: nothing to take back
+    optimizer.step()
     report = pre.adaptive_report
     assert report is not None and not report.moved and report.ratio == -math.inf
     assert report.damping > damping  # raised (by the non-finite model, or a refused step)
+    # Nothing moved, the normalisation layer (moved by the optimizer) included.
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
-    assert "did not move" in caplog.text
-    run_adaptive(model, pre, range(2, 4))  # training goes on from the same parameters
+    assert "did not move" in caplog.text and "took back" not in caplog.text
+    train(range(2, 4))  # training goes on from the same parameters
     assert pre.adaptive_report is not None and pre.adaptive_report.moved
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_non_finite_model_after_an_unchecked_step_puts_back_the_parameters_before_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def build() -> tuple[nn.Module, dkfac.KFACPreconditioner]:
+        model = mlp()
+        options = adaptive(damping_interval=10, trusted_decrease=None)  # step 0 checked, 1-9 not
+        return model, dkfac.KFACPreconditioner(model, damping=0.05, adaptive=options)
+
+    model, pre = build()
+    run_adaptive(model, pre, range(2))
+    start = [p.detach().clone() for p in model.parameters()]
+    run_adaptive(model, pre, range(2, 3))  # unchecked: moved
+    assert pre.adaptive_report is not None and pre.adaptive_report.ratio is None
+    assert not all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+    saved = copy.deepcopy((model.state_dict(), pre.state_dict()))
+    nan_step(model, pre)
+    report = pre.adaptive_report
+    assert report is not None and not report.moved and report.ratio == -math.inf
+    # Bit for bit the parameters step 2 started from, not a subtraction's rounding.
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+    assert "took back the last step" in caplog.text
+    run_adaptive(model, pre, range(4, 5))  # checked (after a refusal), and taken
+    assert pre.adaptive_report is not None and pre.adaptive_report.moved
+    assert pre.adaptive_report.ratio is not None
+    # A run resumed between the unchecked step and the NaN one does the same.
+    resumed, pre_resumed = build()
+    resumed.load_state_dict(saved[0])
+    pre_resumed.load_state_dict(saved[1])
+    nan_step(resumed, pre_resumed)
+    assert all(torch.equal(p, s) for p, s in zip(resumed.parameters(), start, strict=True))
+    # States saved before "before" existed load; a "before" of other shapes is refused.
+    old = copy.deepcopy(saved[1])
+    del old["adaptive"]["before"]
+    build()[1].load_state_dict(old)
+    bad = copy.deepcopy(saved[1])
+    name = next(iter(bad["adaptive"]["before"]))
+    bad["adaptive"]["before"][name] = [torch.zeros(1)]
+    with pytest.raises(ValueError, match=f"parameters of '{name}' before its last step"):
+        build()[1].load_state_dict(bad)
 
 
 class DropoutNet(nn.Module):

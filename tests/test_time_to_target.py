@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dkfac.bench.target_report import format_table, grid_score, summarize
+from dkfac.bench.target_report import format_table, grid_score, lost_progress, summarize
 from dkfac.bench.target_run import Method, run_method, train_to_target, window_steps
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.main import main
@@ -193,7 +193,8 @@ def test_a_run_stops_at_the_first_measurement_that_meets_the_target() -> None:
     assert trace.reached_step is not None
     assert [p[1] for p in trace.points] == [0, 1, *range(6, trace.reached_step + 1, 5)]
     assert trace.points[-1][2] <= 1e-3 < min(p[2] for p in trace.points[:-1])
-    assert trace.reached_s == trace.points[-1][0] == trace.train_s and not trace.diverged
+    assert trace.reached_s == trace.points[-1][0] == trace.train_s
+    assert not trace.diverged and not trace.collapsed and trace.as_dict()["collapsed"] is False
     with_kfac = train_to_target(_regression(1e-3), Method("sgd", 0.1, kfac=True), seed=0)
     assert with_kfac.reached_step is not None
 
@@ -226,6 +227,7 @@ def test_summaries_take_the_median_over_reached_runs_and_count_failures() -> Non
         "runs": 5,
         "reached": 3,
         "diverged": 1,
+        "collapsed": 0,
         "median_s": 2.0,
         "min_s": 1.0,
         "max_s": 3.0,
@@ -239,7 +241,24 @@ def test_summaries_take_the_median_over_reached_runs_and_count_failures() -> Non
     table = format_table(
         [{"workload": "digits", "world_size": 1, "method": "sgd lr=0.1", "summary": summary}]
     )
-    assert "digits" in table and "3/5" in table and "1.00-3.00" in table
+    assert "digits" in table and "3/5" in table and "1.00-3.00" in table and "1+0" in table
+    assert summarize([{**trace(2.0), "collapsed": True}])["collapsed"] == 1
+
+
+def test_a_run_that_loses_more_than_half_its_way_to_the_target_collapsed() -> None:
+    def points(*values: float) -> list[tuple[float, int, float]]:
+        return [(float(k), k, value) for k, value in enumerate(values)]
+
+    # A loss from 5.0 towards 1.4 (3.6 of way): one bad step of 0.5 (14%) is noise; falling
+    # from 2.0 back to 4.0 (56% of the way) is a collapse, though every value is finite.
+    assert not lost_progress(points(5.0, 3.0, 2.0, 2.5, 1.9), target=1.4)
+    assert lost_progress(points(5.0, 3.0, 2.0, 4.0, 1.5), target=1.4)
+    assert not lost_progress(points(5.0, 3.0, 2.0, 3.7), target=1.4)  # 47%: not yet
+    # An accuracy from 0.1 towards 0.97: from 0.9 down to 0.4 is 57% of the way.
+    assert lost_progress(points(0.1, 0.6, 0.9, 0.4), target=0.97)
+    assert not lost_progress(points(0.1, 0.12, 0.11, 0.1), target=0.97)  # noise at the start
+    assert not lost_progress(points(5.0, 2.0, math.inf), target=1.4)  # divergence, not this
+    assert not lost_progress(points(1.4), target=1.4)  # no way to go
 
 
 def test_every_workload_loads_with_a_target_its_first_measurement_misses() -> None:
@@ -294,7 +313,7 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
         calls.append((method.label, seed, kwargs["batch_size"]))
         point = [1.0 + method.lr, 10, 0.98]
         return {"points": [[0.0, 0, 0.1], point], "reached_s": point[0], "reached_step": 10,
-                "diverged": False, "train_s": point[0]}  # fmt: skip
+                "diverged": False, "collapsed": False, "train_s": point[0]}  # fmt: skip
 
     monkeypatch.setattr(script, "run_method", run)
     monkeypatch.setattr(script, "_plot", lambda *args: None)

@@ -26,8 +26,8 @@ from dkfac.adaptive.quadratic_model import (
     minimise_quadratic_model,
     reduction_ratio,
 )
+from dkfac.adaptive.saved_state import check_saved_state
 from dkfac.curvature.blocks import KroneckerBlock
-from dkfac.validation import check_float
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class AdaptiveReport:
         damping: ``λ`` after the step.
         moved: ``False`` when the step was not taken: on a damping step the loss rose
             (``ρ < 0``, also a non-finite loss after), or the quadratic model was not finite;
-            nothing moved and ``λ`` grew.
+            nothing moved (but an unchecked step before a non-finite model is taken back)
+            and ``λ`` grew.
     """
 
     step: int
@@ -88,6 +89,9 @@ class AdaptiveStep:
         self.rejected_steps = 0
         # Steps refused in a row (the loss rose): while > 0, every step is checked.
         self._refusals = 0
+        # The layers' parameters before the last update, if it was taken without a check
+        # (between damping adaptations); empty after a checked one.
+        self._before: dict[str, list[Tensor]] = {}
         load_forward_mode()
 
     def _named(
@@ -198,19 +202,36 @@ class AdaptiveStep:
             loss_before = float(agreed[-1])
             if not bool(torch.isfinite(agreed).all()):
                 # A non-finite gradient, direction or loss on some worker: no model to trust.
+                # If the last update went unchecked, it may be what broke the loss: the
+                # parameters before it are put back (exactly: a copy, not a subtraction that
+                # a huge update would leave to rounding), else every later step would meet
+                # the same parameters and be refused too. The next steps are checked.
+                undone = bool(self._before)
+                if undone:
+                    self._undo(names, blocks)
                 self.damping = levenberg_marquardt(
                     self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
                 )
+                self._refusals += 1
                 self._stay(step, names, blocks, directions, loss_before, -math.inf)
+                # Nor does the optimizer move the other parameters (normalisation, skipped
+                # layers) with gradients of a non-finite loss: it finds none, as after a
+                # GradScaler's skipped step, and a parameter made NaN cannot be taken back.
+                for parameter in self._model.parameters():
+                    parameter.grad = None
                 logger.warning(
-                    "adaptive K-FAC step %d did not move: its quadratic model is not finite "
+                    "adaptive K-FAC step %d did not move%s: its quadratic model is not finite "
                     "(loss before %s); damping raised to %.3g",
                     step,
+                    ", and took back the last step (taken without a check)" if undone else "",
                     loss_before,
                     self.damping,
                 )
                 return
             chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
+            promised = options.trusted_decrease
+            if promised is not None and not -chosen.predicted_change <= promised * loss_before:
+                checked = True  # the model promises too much to go unchecked
             updates = []
             for index, direction in enumerate(directions):
                 update = torch.zeros_like(direction)
@@ -244,6 +265,7 @@ class AdaptiveStep:
                     self._stay(step, names, blocks, directions, loss_before, ratio)
                     return
                 self._refusals = 0
+        self._before = {} if checked else self._parameters(names, blocks)
         self._move(names, blocks, updates)
         coefficients = (*chosen.coefficients, 0.0)
         self.last = AdaptiveReport(
@@ -270,6 +292,27 @@ class AdaptiveStep:
                     parameter.grad = None
         self._previous = dict(zip(names, updates, strict=True))
 
+    def _parameters(
+        self, names: Sequence[str], blocks: Sequence[KroneckerBlock]
+    ) -> dict[str, list[Tensor]]:
+        """A copy of each layer's parameters (reusing the buffers of the last copy)."""
+        kept = {}
+        for name, block in zip(names, blocks, strict=True):
+            old = self._before.get(name, [])
+            new = [p.detach() for p in block.parameters()]
+            if [t.shape for t in old] == [t.shape for t in new]:
+                kept[name] = [o.copy_(n) for o, n in zip(old, new, strict=True)]
+            else:
+                kept[name] = [t.clone() for t in new]
+        return kept
+
+    def _undo(self, names: Sequence[str], blocks: Sequence[KroneckerBlock]) -> None:
+        """Put back the parameters the last (unchecked) update started from."""
+        with torch.no_grad():
+            for name, block in zip(names, blocks, strict=True):
+                for parameter, kept in zip(block.parameters(), self._before[name], strict=True):
+                    parameter.copy_(kept)
+
     def _stay(
         self,
         step: int,
@@ -281,6 +324,7 @@ class AdaptiveStep:
     ) -> None:
         """A step not taken: nothing moves (no momentum either), the ``.grad`` are cleared."""
         self._move(names, blocks, [torch.zeros_like(d) for d in directions])
+        self._before = {}
         self.rejected_steps += 1
         self.last = AdaptiveReport(
             step=step,
@@ -301,42 +345,17 @@ class AdaptiveStep:
             "damping": self.damping,
             "refusals": self._refusals,
             "rejected_steps": self.rejected_steps,
+            "before": {name: [t.clone() for t in kept] for name, kept in self._before.items()},
             "previous": {name: update.clone() for name, update in self._previous.items()},
         }
 
     def check_state(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
         """Raise unless ``state`` is :meth:`state` output for the layers ``blocks``.
 
-        Args:
-            state: the saved adaptive state.
-            blocks: each preconditioned layer's block, by name.
-
         Raises:
-            ValueError: the state is missing or does not match (a layer unknown, a shape, a
-                damping outside ``[min_damping, max_damping]``).
+            ValueError: as :func:`~dkfac.adaptive.saved_state.check_saved_state`.
         """
-        keys = {"damping", "refusals", "rejected_steps", "previous"}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise ValueError(
-                "state_dict has no adaptive K-FAC state ('adaptive': damping and previous "
-                "update): it was saved without adaptive=..."
-            )
-        options = self.options
-        check_float(
-            "the saved adaptive damping",
-            state["damping"],
-            low=options.min_damping,
-            high=options.max_damping,
-            allowed=f"a number in [{options.min_damping!r}, {options.max_damping!r}]",
-        )
-        for name, update in state["previous"].items():
-            block = blocks.get(name)
-            shape = None if block is None else (block.g_dim, block.a_dim)
-            if not isinstance(update, Tensor) or tuple(update.shape) != shape:
-                raise ValueError(
-                    f"adaptive state's previous update of {name!r} does not match the model "
-                    f"(expected a matrix of shape {shape})"
-                )
+        check_saved_state(state, self.options, blocks)
 
     def load(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
         """Restore :meth:`state` output (checked by :meth:`check_state`) onto the layers' device."""
@@ -344,6 +363,13 @@ class AdaptiveStep:
         self.damping = float(state["damping"])
         self._refusals = int(state["refusals"])
         self.rejected_steps = int(state["rejected_steps"])
+        self._before = {
+            name: [
+                t.to(p.device, p.dtype, copy=True)
+                for t, p in zip(kept, blocks[name].parameters(), strict=True)
+            ]
+            for name, kept in state.get("before", {}).items()
+        }
         self._previous = {
             name: update.to(blocks[name].weight.device, blocks[name].weight.dtype, copy=True)
             for name, update in state["previous"].items()

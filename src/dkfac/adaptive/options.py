@@ -27,7 +27,10 @@ class AdaptiveOptions:
     ``λ`` by the Levenberg-Marquardt rule: ``ρ > 3/4`` multiplies it by
     ``ω = damping_decay ** interval``, ``ρ < 1/4`` divides it by ``ω``, within
     ``[min_damping, max_damping]``. A step that raised the loss (``ρ < 0``) is not taken, the
-    next ones are checked until one is, and each refusal in a row doubles the increase. The
+    next ones are checked until one is, and each refusal in a row doubles the increase. A
+    step whose quadratic model is not finite is not taken either (every parameter's ``.grad``
+    is cleared: the optimizer moves nothing); if the step before it went unchecked, the
+    parameters it started from are put back (a copy kept while ``damping_interval > 1``). The
     same ``λ`` is the preconditioner's damping. docs/math.md derives it and states its cost.
 
     Args:
@@ -42,6 +45,13 @@ class AdaptiveOptions:
         min_damping: lower bound of ``λ`` (> 0).
         max_damping: upper bound of ``λ``.
         momentum: include the previous update (``μ``); ``False`` chooses ``α`` alone.
+        trusted_decrease: between damping adaptations, a step whose quadratic model
+            predicts a decrease of more than this share of the loss before it
+            (``−M(δ) > trusted_decrease·h(θ)``) is checked as well, and refused if the loss
+            rose; ``None``: never. A model that promises much is the likeliest to be wrong:
+            with the damping near its floor, an unchecked step fitted to a few examples
+            (a large multiple of the previous update) can blow the loss up; the steps
+            that promise a quarter of the loss are a few percent of a run's.
         model_fraction: the share ``f`` of the batch the quadratic model is built on, in
             (0, 1]: its first ``⌈f·N⌉`` examples along dim 0 of every tensor input and of the
             targets give ``C``, the slopes ``∇hᵀv`` and the losses of the damping's checks,
@@ -56,6 +66,7 @@ class AdaptiveOptions:
     max_damping: float = 1e3
     momentum: bool = True
     model_fraction: float = 1.0
+    trusted_decrease: float | None = 0.25
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -94,6 +105,14 @@ class AdaptiveOptions:
             low_open=True,
             allowed="a number in (0, 1]",
         )
+        if self.trusted_decrease is not None:
+            check_float(
+                "trusted_decrease",
+                self.trusted_decrease,
+                low=0.0,
+                low_open=True,
+                allowed="a finite number > 0, or None (never check between adaptations)",
+            )
         if not isinstance(self.momentum, bool):
             raise ValueError(f"momentum={self.momentum!r} is not allowed: expected True or False")
 

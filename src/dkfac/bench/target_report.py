@@ -9,7 +9,11 @@ from typing import Any
 
 from dkfac.bench.text_table import fixed_width_table
 
-__all__ = ["format_table", "grid_score", "summarize"]
+__all__ = ["format_table", "grid_score", "lost_progress", "summarize"]
+
+#: A run collapsed when a measurement falls back from its best so far by more than this share
+#: of the way from its start to its target (a blown-up validation loss that stays finite).
+COLLAPSE = 0.5
 
 
 def grid_score(trace: dict[str, Any], higher_is_better: bool) -> tuple[float, float]:
@@ -28,8 +32,40 @@ def grid_score(trace: dict[str, Any], higher_is_better: bool) -> tuple[float, fl
     return float(trace["reached_s"]), closeness
 
 
+def lost_progress(points: Sequence[Sequence[float]], target: float) -> bool:
+    """Whether a run collapsed: lost more than half of the way to its target that it had made.
+
+    Progress is measured in shares of the way from the first measurement to the target, so
+    it reads the same for a loss and an accuracy; a run that falls back from its best
+    measurement so far by more than :data:`COLLAPSE` of the way has broken down even if its
+    values stay finite (a validation loss blown up by one bad step), and noise of a few
+    percent does not count. Non-finite values are divergence, counted apart.
+
+    Args:
+        points: ``(seconds, steps, metric)`` per measurement, the first at the start.
+        target: the workload's target value of the metric.
+    """
+    start = points[0][2]
+    way = target - start
+    if not (math.isfinite(start) and way):
+        return False
+    best = 0.0
+    for point in points[1:]:
+        progress = (point[2] - start) / way
+        if not math.isfinite(progress):
+            return False
+        best = max(best, progress)
+        if best - progress > COLLAPSE:
+            return True
+    return False
+
+
 def summarize(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Seeds of one method: how many reached, median and range of seconds and steps.
+
+    Failures are counted twice over: ``diverged`` (the loss or metric stopped being finite)
+    and ``collapsed`` (:func:`lost_progress`; a run that collapsed and then reached the
+    target still counts as reached).
 
     The median is over the runs that reached the target; with fewer than half reaching it,
     the method's median time is ``None`` (it does not reach the target in a typical run).
@@ -42,6 +78,7 @@ def summarize(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(traces),
         "reached": len(reached),
         "diverged": sum(bool(t["diverged"]) for t in traces),
+        "collapsed": sum(bool(t.get("collapsed")) for t in traces),
         "median_s": statistics.median(seconds) if typical else None,
         "min_s": seconds[0] if seconds else None,
         "max_s": seconds[-1] if seconds else None,
@@ -50,8 +87,11 @@ def summarize(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per (workload, P, method): reached, median seconds [range], median steps."""
-    header = ["workload", "P", "method", "reached", "diverged", "median s", "range s", "steps"]
+    """One line per (workload, P, method): reached, failed, median seconds [range], median steps.
+
+    ``failed`` is ``diverged+collapsed`` (:func:`summarize`).
+    """
+    header = ["workload", "P", "method", "reached", "failed", "median s", "range s", "steps"]
     body = []
     for row in rows:
         summary = row["summary"]
@@ -63,7 +103,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                 str(row["world_size"]),
                 row["method"],
                 f"{summary['reached']}/{summary['runs']}",
-                str(summary["diverged"]),
+                f"{summary['diverged']}+{summary.get('collapsed', 0)}",
                 "not" if summary["median_s"] is None else f"{summary['median_s']:.2f}",
                 "-" if low is None else f"{low:.2f}-{high:.2f}",
                 "-" if summary["median_steps"] is None else f"{summary['median_steps']:g}",

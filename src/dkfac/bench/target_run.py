@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dkfac
+from dkfac.bench.target_report import lost_progress
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.local_workers import spawn_workers
 
@@ -81,6 +82,8 @@ class Trace:
             not reached).
         reached_step: the steps at that measurement.
         diverged: the loss or the metric stopped being finite.
+        collapsed: a measurement lost more than half of the way to the target the run had
+            made (:func:`~dkfac.bench.target_report.lost_progress`); the run goes on.
         train_s: training seconds in all.
     """
 
@@ -88,6 +91,7 @@ class Trace:
     reached_s: float | None = None
     reached_step: int | None = None
     diverged: bool = False
+    collapsed: bool = False
     train_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,6 +101,7 @@ class Trace:
             "reached_s": self.reached_s,
             "reached_step": self.reached_step,
             "diverged": self.diverged,
+            "collapsed": self.collapsed,
             "train_s": self.train_s,
         }
 
@@ -210,6 +215,7 @@ def train_to_target(
         if workload.reached(value):
             trace.reached_s, trace.reached_step = trace.train_s, steps
             break
+    trace.collapsed = lost_progress(trace.points, workload.target)
     if pre is not None:
         pre.remove()
     return trace

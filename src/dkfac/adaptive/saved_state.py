@@ -1,0 +1,65 @@
+"""Checks of adaptive K-FAC's saved state against its options and the model's layers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from dkfac.adaptive.options import AdaptiveOptions
+from dkfac.curvature.blocks import KroneckerBlock
+from dkfac.validation import check_float
+
+#: Keys every saved state has.
+REQUIRED = frozenset({"damping", "refusals", "rejected_steps", "previous"})
+#: "before" (the parameters an unchecked last step started from) is optional: states saved
+#: before it existed load as after a checked step.
+OPTIONAL = frozenset({"before"})
+
+
+def check_saved_state(
+    state: Any, options: AdaptiveOptions, blocks: Mapping[str, KroneckerBlock]
+) -> None:
+    """Raise unless ``state`` is ``AdaptiveStep.state()`` output for the layers ``blocks``.
+
+    Args:
+        state: the saved adaptive state.
+        options: the options of the run it loads into (they bound the damping).
+        blocks: each preconditioned layer's block, by name.
+
+    Raises:
+        ValueError: the state is missing or does not match (a layer unknown, a shape, a
+            damping outside ``[min_damping, max_damping]``).
+    """
+    if not isinstance(state, dict) or not REQUIRED <= set(state) <= REQUIRED | OPTIONAL:
+        raise ValueError(
+            "state_dict has no adaptive K-FAC state ('adaptive': damping and previous "
+            "update): it was saved without adaptive=..."
+        )
+    check_float(
+        "the saved adaptive damping",
+        state["damping"],
+        low=options.min_damping,
+        high=options.max_damping,
+        allowed=f"a number in [{options.min_damping!r}, {options.max_damping!r}]",
+    )
+    for name, update in state["previous"].items():
+        block = blocks.get(name)
+        shape = None if block is None else (block.g_dim, block.a_dim)
+        if not isinstance(update, Tensor) or tuple(update.shape) != shape:
+            raise ValueError(
+                f"adaptive state's previous update of {name!r} does not match the model "
+                f"(expected a matrix of shape {shape})"
+            )
+    for name, kept in state.get("before", {}).items():
+        block = blocks.get(name)
+        shapes = None if block is None else [tuple(p.shape) for p in block.parameters()]
+        if (
+            not isinstance(kept, list)
+            or [tuple(t.shape) if isinstance(t, Tensor) else None for t in kept] != shapes
+        ):
+            raise ValueError(
+                f"adaptive state's parameters of {name!r} before its last step do not match "
+                f"the model (expected tensors of shapes {shapes})"
+            )
