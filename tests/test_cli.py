@@ -488,7 +488,7 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "--adaptive-model-fraction is not allowed without --adaptive",
         ),
         (
-            ["train", "--adaptive-damping-decay", "0.5"],
+            ["train", "--adaptive-damping-decay", "0.9"],
             "--adaptive-damping-decay is not allowed without --adaptive",
         ),
         (
@@ -1163,12 +1163,12 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
 def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
     # Unset, the command's rule is the library's; set, each flag reaches its field.
     for given, expected in [
-        ({}, (5, 0.95, 1e-6)),
+        ({}, (1, 0.5, 1e-5)),
         (
-            {"adaptive_damping_interval": 1, "adaptive_damping_decay": 0.5},
-            (1, 0.5, 1e-6),
+            {"adaptive_damping_interval": 5, "adaptive_damping_decay": 0.95},
+            (5, 0.95, 1e-5),
         ),
-        ({"adaptive_min_damping": 1e-9}, (5, 0.95, 1e-9)),
+        ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9)),
     ]:
         config = TrainConfig(adaptive=True, **given)  # type: ignore[arg-type]
         model = nn.Linear(3, 2)

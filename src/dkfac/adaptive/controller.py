@@ -87,11 +87,12 @@ class AdaptiveStep:
         self.last: AdaptiveReport | None = None
         #: Steps not taken (the loss rose, or the quadratic model was not finite).
         self.rejected_steps = 0
-        # Steps refused in a row (the loss rose): while > 0, every step is checked.
+        # Steps not taken in a row (the loss rose, or the model was not finite): while > 0,
+        # every step is checked.
         self._refusals = 0
-        # The layers' parameters before the last update, if it was taken without a check
-        # (between damping adaptations); empty after a checked one.
-        self._before: dict[str, list[Tensor]] = {}
+        # The moved parameters before the last update, by the model's parameter names, if it
+        # was taken without a check (between damping adaptations); empty after a checked one.
+        self._before: dict[str, Tensor] = {}
         load_forward_mode()
 
     def _named(
@@ -208,7 +209,7 @@ class AdaptiveStep:
                 # the same parameters and be refused too. The next steps are checked.
                 undone = bool(self._before)
                 if undone:
-                    self._undo(names, blocks)
+                    self._undo()
                 self.damping = levenberg_marquardt(
                     self.damping, -math.inf, options.omega, options.min_damping, options.max_damping
                 )
@@ -230,8 +231,10 @@ class AdaptiveStep:
                 return
             chosen = minimise_quadratic_model(curvature, inner, linear, self.damping)
             promised = options.trusted_decrease
-            if promised is not None and not -chosen.predicted_change <= promised * loss_before:
-                checked = True  # the model promises too much to go unchecked
+            # A loss <= 0 gives no scale to compare a promise with: only the interval then.
+            if promised is not None and loss_before > 0.0:
+                # The model promises too much to go unchecked.
+                checked = checked or not -chosen.predicted_change <= promised * loss_before
             updates = []
             for index, direction in enumerate(directions):
                 update = torch.zeros_like(direction)
@@ -265,7 +268,7 @@ class AdaptiveStep:
                     self._stay(step, names, blocks, directions, loss_before, ratio)
                     return
                 self._refusals = 0
-        self._before = {} if checked else self._parameters(names, blocks)
+        self._before = {} if checked else self._snapshot(blocks)
         self._move(names, blocks, updates)
         coefficients = (*chosen.coefficients, 0.0)
         self.last = AdaptiveReport(
@@ -292,26 +295,26 @@ class AdaptiveStep:
                     parameter.grad = None
         self._previous = dict(zip(names, updates, strict=True))
 
-    def _parameters(
-        self, names: Sequence[str], blocks: Sequence[KroneckerBlock]
-    ) -> dict[str, list[Tensor]]:
-        """A copy of each layer's parameters (reusing the buffers of the last copy)."""
+    def _snapshot(self, blocks: Sequence[KroneckerBlock]) -> dict[str, Tensor]:
+        """A copy of the layers' parameters by name (into the last copy's buffers if they fit)."""
         kept = {}
-        for name, block in zip(names, blocks, strict=True):
-            old = self._before.get(name, [])
-            new = [p.detach() for p in block.parameters()]
-            if [t.shape for t in old] == [t.shape for t in new]:
-                kept[name] = [o.copy_(n) for o, n in zip(old, new, strict=True)]
-            else:
-                kept[name] = [t.clone() for t in new]
+        for block in blocks:
+            for parameter in block.parameters():
+                name, value = self._names[id(parameter)], parameter.detach()
+                old = self._before.get(name)
+                layout = (value.shape, value.dtype, value.device)
+                if old is not None and (old.shape, old.dtype, old.device) == layout:
+                    kept[name] = old.copy_(value)
+                else:
+                    kept[name] = value.clone()
         return kept
 
-    def _undo(self, names: Sequence[str], blocks: Sequence[KroneckerBlock]) -> None:
-        """Put back the parameters the last (unchecked) update started from."""
+    def _undo(self) -> None:
+        """Put back the parameters the last (unchecked) update started from: those it moved."""
+        parameters = dict(self._model.named_parameters())
         with torch.no_grad():
-            for name, block in zip(names, blocks, strict=True):
-                for parameter, kept in zip(block.parameters(), self._before[name], strict=True):
-                    parameter.copy_(kept)
+            for name, kept in self._before.items():
+                parameters[name].copy_(kept)
 
     def _stay(
         self,
@@ -340,22 +343,32 @@ class AdaptiveStep:
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """The damping and the previous update (to continue identically)."""
+        """What continues the run identically.
+
+        The damping, the refusals, the previous update, and the parameters before it if it
+        went unchecked.
+        """
         return {
             "damping": self.damping,
             "refusals": self._refusals,
             "rejected_steps": self.rejected_steps,
-            "before": {name: [t.clone() for t in kept] for name, kept in self._before.items()},
+            "before": {name: kept.clone() for name, kept in self._before.items()},
             "previous": {name: update.clone() for name, update in self._previous.items()},
         }
 
     def check_state(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
         """Raise unless ``state`` is :meth:`state` output for the layers ``blocks``.
 
+        Args:
+            state: the saved adaptive state.
+            blocks: each preconditioned layer's block, by name.
+
         Raises:
             ValueError: as :func:`~dkfac.adaptive.saved_state.check_saved_state`.
         """
-        check_saved_state(state, self.options, blocks)
+        moved = {id(p) for block in blocks.values() for p in block.parameters()}
+        parameters = {n: p for n, p in self._model.named_parameters() if id(p) in moved}
+        check_saved_state(state, self.options, blocks, parameters)
 
     def load(self, state: Any, blocks: Mapping[str, KroneckerBlock]) -> None:
         """Restore :meth:`state` output (checked by :meth:`check_state`) onto the layers' device."""
@@ -363,11 +376,9 @@ class AdaptiveStep:
         self.damping = float(state["damping"])
         self._refusals = int(state["refusals"])
         self.rejected_steps = int(state["rejected_steps"])
+        parameters = dict(self._model.named_parameters())
         self._before = {
-            name: [
-                t.to(p.device, p.dtype, copy=True)
-                for t, p in zip(kept, blocks[name].parameters(), strict=True)
-            ]
+            name: kept.to(parameters[name].device, parameters[name].dtype, copy=True)
             for name, kept in state.get("before", {}).items()
         }
         self._previous = {

@@ -19,7 +19,10 @@ OPTIONAL = frozenset({"before"})
 
 
 def check_saved_state(
-    state: Any, options: AdaptiveOptions, blocks: Mapping[str, KroneckerBlock]
+    state: Any,
+    options: AdaptiveOptions,
+    blocks: Mapping[str, KroneckerBlock],
+    parameters: Mapping[str, Tensor],
 ) -> None:
     """Raise unless ``state`` is ``AdaptiveStep.state()`` output for the layers ``blocks``.
 
@@ -27,10 +30,12 @@ def check_saved_state(
         state: the saved adaptive state.
         options: the options of the run it loads into (they bound the damping).
         blocks: each preconditioned layer's block, by name.
+        parameters: the preconditioned layers' parameters, by the model's names (only
+            those are put back after an unchecked step).
 
     Raises:
-        ValueError: the state is missing or does not match (a layer unknown, a shape, a
-            damping outside ``[min_damping, max_damping]``).
+        ValueError: the state is missing or does not match (a layer or parameter unknown, a
+            shape, a damping outside ``[min_damping, max_damping]``).
     """
     if not isinstance(state, dict) or not REQUIRED <= set(state) <= REQUIRED | OPTIONAL:
         raise ValueError(
@@ -52,14 +57,17 @@ def check_saved_state(
                 f"adaptive state's previous update of {name!r} does not match the model "
                 f"(expected a matrix of shape {shape})"
             )
-    for name, kept in state.get("before", {}).items():
-        block = blocks.get(name)
-        shapes = None if block is None else [tuple(p.shape) for p in block.parameters()]
-        if (
-            not isinstance(kept, list)
-            or [tuple(t.shape) if isinstance(t, Tensor) else None for t in kept] != shapes
-        ):
+    before = state.get("before", {})
+    if not isinstance(before, dict):
+        raise ValueError(
+            "adaptive state's 'before' (the parameters before an unchecked step) is not a dict "
+            "of tensors by parameter name"
+        )
+    for name, kept in before.items():
+        parameter = parameters.get(name)
+        wanted = None if parameter is None else tuple(parameter.shape)
+        if not isinstance(kept, Tensor) or tuple(kept.shape) != wanted:
             raise ValueError(
-                f"adaptive state's parameters of {name!r} before its last step do not match "
-                f"the model (expected tensors of shapes {shapes})"
+                f"adaptive state's parameter {name!r} before its last step does not match the "
+                f"model (expected a tensor of shape {wanted})"
             )

@@ -83,7 +83,8 @@ class Trace:
         reached_step: the steps at that measurement.
         diverged: the loss or the metric stopped being finite.
         collapsed: a measurement lost more than half of the way to the target the run had
-            made (:func:`~dkfac.bench.target_report.lost_progress`); the run goes on.
+            made (:func:`~dkfac.bench.target_report.lost_progress`; the run goes on), and
+            it did not diverge.
         train_s: training seconds in all.
     """
 
@@ -215,7 +216,8 @@ def train_to_target(
         if workload.reached(value):
             trace.reached_s, trace.reached_step = trace.train_s, steps
             break
-    trace.collapsed = lost_progress(trace.points, workload.target)
+    # A run that diverged counts once, as diverged.
+    trace.collapsed = not trace.diverged and lost_progress(trace.points, workload.target)
     if pre is not None:
         pre.remove()
     return trace

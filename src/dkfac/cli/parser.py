@@ -98,7 +98,7 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "one forward pass of the model's part; a checked step that raises the loss is not "
         "taken; 1: every step)",
         "adaptive_damping_decay": "with --adaptive: the damping's factor per step when the "
-        "quadratic model predicts well (smaller: faster; 0.5 suits full-batch training)",
+        "quadratic model predicts well (smaller: faster; Martens and Grosse's: 0.95 every 5 steps)",
         "adaptive_min_damping": "with --adaptive: the damping's floor",
         "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
         "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
