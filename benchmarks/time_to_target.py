@@ -36,7 +36,7 @@ from typing import Any
 
 from dkfac.bench.configs import git_commit
 from dkfac.bench.target_report import format_table, grid_score, summarize
-from dkfac.bench.target_run import Method, run_method
+from dkfac.bench.target_run import Method, adaptive_rule, run_method
 from dkfac.bench.workloads import WORKLOADS, load_workload
 
 SGD_GRID = (0.03, 0.1, 0.3)
@@ -235,6 +235,11 @@ def main() -> int:
             for workload in (load_workload(n, args.batch_size) for n in args.workloads.split(","))
         },
         "kfac": kfacs,
+        # The adaptive rule each configuration ran, resolved at this commit.
+        "adaptive_rules": {
+            method.label: adaptive_rule(dict(method.kfac_options).get("adaptive"))
+            for method in kfac_methods
+        },
         "grids": grids,
         "rows": rows,
         "table": table,

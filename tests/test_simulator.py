@@ -472,7 +472,12 @@ def test_a_profile_measures_the_forward_under_the_autocast_it_is_given(
         measure_profile(model, batch, loss, autocast=torch.float32)
 
 
-def test_dkfac_simulate_profiles_here_under_autocast(tmp_path, capsys) -> None:
+def test_dkfac_simulate_profiles_here_under_autocast(tmp_path, capsys, monkeypatch) -> None:
+    # What is tested is the autocast reaching the saved profile. The refusal of a profile
+    # whose decomposition times fit their cubic poorly is a judgement on the machine's load
+    # (two suites at once on 2 cores measured R² = 0.67 and failed here), tested with its
+    # numbers in test_cost_model.py: this test does not depend on it.
+    monkeypatch.setattr("dkfac.comm.cost_model.MIN_R_SQUARED", 0.0)
     argv = ["simulate", "--profile-here", "--model", "resnet20", "--batch-size", "4"]
     argv += ["--world-sizes", "2", "--strategies", "sgd", "--out", str(tmp_path)]
     saved = tmp_path / "profile.json"

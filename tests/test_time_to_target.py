@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dkfac
 from dkfac.bench.target_report import format_table, grid_score, lost_progress, summarize
 from dkfac.bench.target_run import Method, run_method, train_to_target, window_steps
 from dkfac.bench.workloads import Workload, load_workload
@@ -319,6 +320,8 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     monkeypatch.setattr(script, "_plot", lambda *args: None)
     argv = ["time_to_target.py", "--workloads", "digits", "--world-sizes", "1", "--seeds", "2"]
     argv += ["--sgd-grid", "0.1,0.3", "--adamw-grid", "0.01", "--batch-size", "1344"]
+    argv += ["--kfac", '{"optimizer": "sgd", "lr": 0.1, "name": "a",'
+             ' "options": {"adaptive": {"damping_decay": 0.9}}}']  # fmt: skip
     for name in script.MALLOC_KEEP:
         monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
     monkeypatch.setattr("sys.argv", [*argv, "--malloc-keep", "--out", str(tmp_path)])
@@ -332,6 +335,12 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     record = json.loads((tmp_path / "time_to_target.json").read_text())
     assert record["workloads"]["digits"]["batch_size"] == 1344
     assert record["malloc"] == script.MALLOC_KEEP
+    # The rule the configuration ran: its keyword, and the defaults of this commit.
+    defaults = dkfac.AdaptiveOptions(loss_fn=F.cross_entropy)
+    rule = record["adaptive_rules"]["a"]
+    assert rule["damping_decay"] == 0.9
+    assert rule["damping_interval"] == defaults.damping_interval
+    assert rule["min_damping"] == defaults.min_damping and "loss_fn" not in rule
 
 
 def test_the_benchmark_refuses_two_configurations_of_one_name(

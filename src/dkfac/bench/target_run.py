@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dkfac
+from dkfac.adaptive import LossFunction
 from dkfac.bench.target_report import lost_progress
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.local_workers import spawn_workers
@@ -107,6 +108,31 @@ class Trace:
         }
 
 
+def adaptive_options(given: Any, loss_fn: LossFunction) -> dkfac.AdaptiveOptions | None:
+    """A configuration's ``"adaptive"`` entry as options with the workload's loss.
+
+    Args:
+        given: ``True`` (the defaults), ``AdaptiveOptions``' keywords (JSON), or a false
+            value (no adaptive K-FAC: ``None`` is returned).
+        loss_fn: the workload's training loss.
+    """
+    if not given:
+        return None
+    return dkfac.AdaptiveOptions(loss_fn=loss_fn, **(given if isinstance(given, dict) else {}))
+
+
+def adaptive_rule(given: Any) -> dict[str, Any] | None:
+    """Every field but the loss of :func:`adaptive_options` (``None`` without adaptive).
+
+    The benchmark's record keeps it beside the configuration as given: ``"adaptive": true``
+    means whatever the defaults were at the run's commit.
+    """
+    options = adaptive_options(given, lambda outputs, targets: outputs)
+    if options is None:
+        return None
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "loss_fn"}
+
+
 def _optimizer(method: Method, model: nn.Module) -> torch.optim.Optimizer:
     if method.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=method.lr, momentum=MOMENTUM)
@@ -176,10 +202,9 @@ def train_to_target(
     if method.kfac:
         options: dict[str, Any] = dict(method.kfac_options)
         options.setdefault("strategy", strategy if world > 1 else "local")
-        adaptive = options.pop("adaptive", None)
-        if adaptive:  # True, or AdaptiveOptions' keywords (JSON): the workload's loss
-            given = adaptive if isinstance(adaptive, dict) else {}
-            options["adaptive"] = dkfac.AdaptiveOptions(loss_fn=workload.loss_fn, **given)
+        adaptive = adaptive_options(options.pop("adaptive", None), workload.loss_fn)
+        if adaptive is not None:
+            options["adaptive"] = adaptive
         pre = dkfac.KFACPreconditioner(
             trained, lr=lambda _: float(optimizer.param_groups[0]["lr"]), **options
         )
