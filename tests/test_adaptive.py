@@ -131,7 +131,10 @@ def test_reduction_ratio() -> None:
 
 
 # -- Gauss-Newton products ----------------------------------------------------------------------
-def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchanged() -> None:
+@pytest.mark.parametrize("batched", [True, False], ids=["one-pass", "pass-per-vector"])
+def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchanged(
+    batched: bool,
+) -> None:
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
     x, t = batch(1)
@@ -144,7 +147,7 @@ def test_gauss_newton_products_equal_the_dense_matrix_and_leave_the_model_unchan
     ]
     before = copy.deepcopy(model.state_dict())
     loss, products, slopes = gauss_newton_products(
-        model, {n: params[n] for n in moved}, vectors, (x,), t, F.cross_entropy
+        model, {n: params[n] for n in moved}, vectors, (x,), t, F.cross_entropy, batched=batched
     )
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name  # running statistics untouched

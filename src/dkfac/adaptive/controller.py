@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from dkfac.adaptive.gauss_newton import (
     LOW_PRECISION,
+    BatchedPasses,
     ModelBatch,
     gauss_newton_products,
     load_forward_mode,
@@ -93,6 +94,7 @@ class AdaptiveStep:
         # The moved parameters before the last update, by the model's parameter names, if it
         # was taken without a check (between damping adaptations); empty after a checked one.
         self._before: dict[str, Tensor] = {}
+        self._passes = BatchedPasses()
         load_forward_mode()
 
     def _named(
@@ -164,14 +166,18 @@ class AdaptiveStep:
         checked = step % options.damping_interval == 0 or self._refusals > 0
         with replayed_randomness(device) as replay:
             try:
-                loss, curvature, slopes = gauss_newton_products(
-                    self._model,
-                    parameters,
-                    [self._named(blocks, vector) for vector in vectors],
-                    batch.inputs,
-                    batch.targets,
-                    options.loss_fn,
-                    replay,
+                loss, curvature, slopes = self._passes(
+                    lambda batched: gauss_newton_products(
+                        self._model,
+                        parameters,
+                        [self._named(blocks, vector) for vector in vectors],
+                        batch.inputs,
+                        batch.targets,
+                        options.loss_fn,
+                        replay,
+                        batched,
+                    ),
+                    k,
                 )
             except (RuntimeError, NotImplementedError) as error:
                 if isinstance(error, torch.OutOfMemoryError):
