@@ -36,7 +36,7 @@ from typing import Any
 
 from dkfac.bench.configs import git_commit
 from dkfac.bench.target_report import format_table, grid_score, summarize
-from dkfac.bench.target_run import Method, adaptive_rule, run_method
+from dkfac.bench.target_run import Method, resolved_keywords, run_method
 from dkfac.bench.workloads import WORKLOADS, load_workload
 
 SGD_GRID = (0.03, 0.1, 0.3)
@@ -165,6 +165,7 @@ def main() -> int:
             kfac=True,
             kfac_options=tuple(sorted(kfac.get("options", {}).items())),
             name=kfac.get("name", f"dkfac ({kfac['optimizer']} lr={float(kfac['lr']):g})"),
+            recipe=kfac.get("recipe", ""),
         )
         for kfac in kfacs
     ]
@@ -235,11 +236,9 @@ def main() -> int:
             for workload in (load_workload(n, args.batch_size) for n in args.workloads.split(","))
         },
         "kfac": kfacs,
-        # The adaptive rule each configuration ran, resolved at this commit.
-        "adaptive_rules": {
-            method.label: adaptive_rule(dict(method.kfac_options).get("adaptive"))
-            for method in kfac_methods
-        },
+        # Each configuration's keyword arguments as it ran them, resolved at this commit (a
+        # recipe's, the adaptive rule's defaults).
+        "kfac_resolved": {method.label: resolved_keywords(method) for method in kfac_methods},
         "grids": grids,
         "rows": rows,
         "table": table,

@@ -17,7 +17,13 @@ from torch import nn
 
 import dkfac
 from dkfac.bench.target_report import format_table, grid_score, lost_progress, summarize
-from dkfac.bench.target_run import Method, run_method, train_to_target, window_steps
+from dkfac.bench.target_run import (
+    Method,
+    kfac_keywords,
+    run_method,
+    train_to_target,
+    window_steps,
+)
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.main import main
 from dkfac.cli.objective import label_cross_entropy
@@ -337,7 +343,7 @@ def test_the_benchmark_runs_final_seeds_after_the_grids_interleaved_at_its_batch
     assert record["malloc"] == script.MALLOC_KEEP
     # The rule the configuration ran: its keyword, and the defaults of this commit.
     defaults = dkfac.AdaptiveOptions(loss_fn=F.cross_entropy)
-    rule = record["adaptive_rules"]["a"]
+    rule = record["kfac_resolved"]["a"]["adaptive"]
     assert rule["damping_decay"] == 0.9
     assert rule["damping_interval"] == defaults.damping_interval
     assert rule["min_damping"] == defaults.min_damping and "loss_fn" not in rule
@@ -353,3 +359,28 @@ def test_the_benchmark_refuses_two_configurations_of_one_name(
     monkeypatch.setattr("sys.argv", ["time_to_target.py", "--kfac", same, "--kfac", other])
     with pytest.raises(SystemExit, match="distinct names"):
         script.main()
+
+
+def test_a_recipe_is_changed_by_the_options_given_beside_it() -> None:
+    recipe = dkfac.fast_to_target(F.cross_entropy)
+    plain = Method("sgd", 0.1, kfac=True, recipe="fast_to_target")
+    keywords = kfac_keywords(plain, F.cross_entropy)
+    assert keywords == recipe  # AdaptiveOptions compare by their fields
+    changed = Method(
+        "sgd",
+        0.1,
+        kfac=True,
+        recipe="fast_to_target",
+        kfac_options=(("adaptive", {"min_damping": 1e-9}), ("damping", 0.1)),
+    )
+    keywords = kfac_keywords(changed, F.cross_entropy)
+    assert keywords["damping"] == 0.1 and keywords["inverse_method"] == "inverse"
+    assert keywords["adaptive"].min_damping == 1e-9
+    assert keywords["adaptive"].model_fraction == recipe["adaptive"].model_fraction  # kept
+    off = Method(
+        "sgd", 0.1, kfac=True, recipe="fast_to_target", kfac_options=(("adaptive", False),)
+    )
+    assert "adaptive" not in kfac_keywords(off, F.cross_entropy)
+    assert kfac_keywords(Method("sgd", 0.1, kfac=True), F.cross_entropy) == {}  # the library's
+    with pytest.raises(ValueError, match="recipe='fastest': expected one of"):
+        Method("sgd", 0.1, kfac=True, recipe="fastest")

@@ -18,6 +18,7 @@ from dkfac.dear.averaging import DeAR
 from dkfac.health import Health
 from dkfac.layer_table import SkippedModule
 from dkfac.preconditioner import KFACPreconditioner
+from dkfac.recipes import fast_to_target
 from dkfac.strategies.plan_report import PlanReport
 from dkfac.update_intervals import IntervalBudget
 
@@ -37,5 +38,6 @@ __all__ = [
     "PlanReport",
     "SkippedModule",
     "__version__",
+    "fast_to_target",
     "register_block",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from dkfac.adaptive import LossFunction
 from dkfac.bench.target_report import lost_progress
 from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.local_workers import spawn_workers
+from dkfac.recipes import RECIPES
 
 __all__ = ["Method", "Trace", "run_method", "train_to_target", "window_steps"]
 
@@ -48,9 +49,11 @@ class Method:
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adamw"`` (PyTorch's defaults).
         lr: the learning rate.
         kfac: precondition with :class:`dkfac.KFACPreconditioner`.
-        kfac_options: its keyword arguments (empty: the library's defaults); ``lr`` is
-            always the optimizer's current rate.
+        kfac_options: its keyword arguments (empty: the recipe's, or the library's
+            defaults); ``lr`` is always the optimizer's current rate.
         name: what tables call it (default: built from the fields).
+        recipe: the name of a :mod:`dkfac.recipes` function whose keyword arguments
+            ``kfac_options`` change (empty: none).
     """
 
     optimizer: str
@@ -58,12 +61,15 @@ class Method:
     kfac: bool = False
     kfac_options: tuple[tuple[str, Any], ...] = ()
     name: str = ""
+    recipe: str = ""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}: expected one of {OPTIMIZERS}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr={self.lr!r}: expected a finite number > 0")
+        if self.recipe and self.recipe not in RECIPES:
+            raise ValueError(f"recipe={self.recipe!r}: expected one of {sorted(RECIPES)}")
 
     @property
     def label(self) -> str:
@@ -108,29 +114,47 @@ class Trace:
         }
 
 
-def adaptive_options(given: Any, loss_fn: LossFunction) -> dkfac.AdaptiveOptions | None:
-    """A configuration's ``"adaptive"`` entry as options with the workload's loss.
+def kfac_keywords(method: Method, loss_fn: LossFunction) -> dict[str, Any]:
+    """The preconditioner's keyword arguments of a K-FAC method (without ``lr``/``strategy``).
+
+    Its recipe's, then its ``kfac_options``: an ``"adaptive"`` entry there is ``True`` (the
+    defaults), ``AdaptiveOptions``' keywords (JSON; over the recipe's options, if it has
+    any), or a false value (no adaptive K-FAC).
 
     Args:
-        given: ``True`` (the defaults), ``AdaptiveOptions``' keywords (JSON), or a false
-            value (no adaptive K-FAC: ``None`` is returned).
+        method: the method.
         loss_fn: the workload's training loss.
     """
-    if not given:
-        return None
-    return dkfac.AdaptiveOptions(loss_fn=loss_fn, **(given if isinstance(given, dict) else {}))
+    keywords = RECIPES[method.recipe](loss_fn) if method.recipe else {}
+    given = dict(method.kfac_options)
+    adaptive = given.pop("adaptive", None)
+    keywords.update(given)
+    if adaptive:
+        changes = adaptive if isinstance(adaptive, dict) else {}
+        base = keywords.get("adaptive")
+        keywords["adaptive"] = (
+            replace(base, **changes)
+            if isinstance(base, dkfac.AdaptiveOptions)
+            else dkfac.AdaptiveOptions(loss_fn=loss_fn, **changes)
+        )
+    elif "adaptive" in dict(method.kfac_options):
+        keywords.pop("adaptive", None)
+    return keywords
 
 
-def adaptive_rule(given: Any) -> dict[str, Any] | None:
-    """Every field but the loss of :func:`adaptive_options` (``None`` without adaptive).
+def resolved_keywords(method: Method) -> dict[str, Any]:
+    """:func:`kfac_keywords` as a record: the adaptive options as their fields but the loss.
 
     The benchmark's record keeps it beside the configuration as given: ``"adaptive": true``
-    means whatever the defaults were at the run's commit.
+    or a recipe mean whatever the defaults were at the run's commit.
     """
-    options = adaptive_options(given, lambda outputs, targets: outputs)
-    if options is None:
-        return None
-    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "loss_fn"}
+    keywords = kfac_keywords(method, lambda outputs, targets: outputs)
+    options = keywords.get("adaptive")
+    if options is not None:
+        keywords["adaptive"] = {
+            f.name: getattr(options, f.name) for f in fields(options) if f.name != "loss_fn"
+        }
+    return keywords
 
 
 def _optimizer(method: Method, model: nn.Module) -> torch.optim.Optimizer:
@@ -200,11 +224,8 @@ def train_to_target(
     optimizer = _optimizer(method, model)
     pre = None
     if method.kfac:
-        options: dict[str, Any] = dict(method.kfac_options)
+        options = kfac_keywords(method, workload.loss_fn)
         options.setdefault("strategy", strategy if world > 1 else "local")
-        adaptive = adaptive_options(options.pop("adaptive", None), workload.loss_fn)
-        if adaptive is not None:
-            options["adaptive"] = adaptive
         pre = dkfac.KFACPreconditioner(
             trained, lr=lambda _: float(optimizer.param_groups[0]["lr"]), **options
         )
