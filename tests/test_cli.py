@@ -510,6 +510,20 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "[--adaptive-min-damping 0.5, 1000.0]",
         ),
         (
+            ["train", "--adaptive", "--adaptive-trusted-decrease", "0"],
+            "--adaptive-trusted-decrease: trusted_decrease=0.0 is not allowed: expected a "
+            "finite number > 0, or never (",
+        ),
+        (
+            ["train", "--adaptive", "--adaptive-trusted-decrease", "sometimes"],
+            "--adaptive-trusted-decrease 'sometimes' is not allowed: expected a number > 0 or "
+            "never",
+        ),
+        (
+            ["train", "--adaptive-trusted-decrease", "never"],
+            "--adaptive-trusted-decrease is not allowed without --adaptive",
+        ),
+        (
             ["train", "--statistics-fraction", "1.5"],
             "--statistics-fraction 1.5 is not allowed: expected a number in (0, 1]",
         ),
@@ -1163,12 +1177,14 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
 def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
     # Unset, the command's rule is the library's; set, each flag reaches its field.
     for given, expected in [
-        ({}, (1, 0.5, 1e-5)),
+        ({}, (1, 0.5, 1e-5, 0.25)),
         (
             {"adaptive_damping_interval": 5, "adaptive_damping_decay": 0.95},
-            (5, 0.95, 1e-5),
+            (5, 0.95, 1e-5, 0.25),
         ),
-        ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9)),
+        ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9, 0.25)),
+        ({"adaptive_trusted_decrease": " Never "}, (1, 0.5, 1e-5, None)),
+        ({"adaptive_trusted_decrease": "0.5"}, (1, 0.5, 1e-5, 0.5)),
     ]:
         config = TrainConfig(adaptive=True, **given)  # type: ignore[arg-type]
         model = nn.Linear(3, 2)
@@ -1179,8 +1195,23 @@ def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
         )
         options = pre.config.adaptive
         assert options is not None
-        assert (options.damping_interval, options.damping_decay, options.min_damping) == expected
+        rule = (options.damping_interval, options.damping_decay, options.min_damping)
+        assert (*rule, options.trusted_decrease) == expected
         pre.remove()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("never", None), ("0.1", 0.1)])
+def test_the_trusted_decrease_survives_the_saved_config(
+    tmp_path: Path, value: str, expected: float | None
+) -> None:
+    # "never" has no TOML of its own (no null): it is saved as the word and read back as None.
+    argv = ["train", *QUICK, "--nproc", "1", "--epochs", "1", "--out", str(tmp_path)]
+    argv += ["--adaptive", "--damping", "0.03", "--adaptive-trusted-decrease", value]
+    assert main(argv) == 0
+    saved = load_config_file(str(tmp_path / "config.toml"))
+    assert saved["adaptive_trusted_decrease"] == ("never" if expected is None else expected)
+    config = TrainConfig().with_overrides(saved)
+    assert config.adaptive_rule["trusted_decrease"] == expected
 
 
 def test_truncated_metrics_keep_what_preceded_the_checkpoint_and_no_earlier_resumption(

@@ -146,17 +146,27 @@ def test_one_pass_sees_the_dropout_masks_of_a_pass_per_vector(count: int) -> Non
     torch.testing.assert_close(one.slopes, each.slopes, rtol=1e-12, atol=1e-14)
 
 
-def test_the_adaptive_step_keeps_its_batched_pass_on_a_model_vmap_batches() -> None:
+def test_the_adaptive_step_takes_the_batched_pass_on_a_model_vmap_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import dkfac
+    import dkfac.adaptive.controller as controller
 
+    passes: list[bool] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        passes.append(args[-1] if len(args) > 7 else kwargs["batched"])
+        return gauss_newton_products(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "gauss_newton_products", recorded)
     torch.manual_seed(0)
     model = Net("tanh").to(DT)  # dropout: "same" randomness under vmap
     pre = dkfac.KFACPreconditioner(
         model, damping=0.05, adaptive=dkfac.AdaptiveOptions(loss_fn=F.cross_entropy)
     )
-    for seed in range(3):  # from the second step on, two vectors (momentum)
+    for seed in range(3):  # two vectors from the first step on (momentum: δ₀ = 0 at first)
         x, t = batch(seed)
         model.zero_grad()
         F.cross_entropy(model(x), t).backward()
         pre.step(x, t)
-    assert pre._adaptive is not None and pre._adaptive._passes.batched
+    assert passes == [True, True, True]  # batched, never retried one pass per vector

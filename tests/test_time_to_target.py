@@ -384,3 +384,15 @@ def test_a_recipe_is_changed_by_the_options_given_beside_it() -> None:
     assert kfac_keywords(Method("sgd", 0.1, kfac=True), F.cross_entropy) == {}  # the library's
     with pytest.raises(ValueError, match="recipe='fastest': expected one of"):
         Method("sgd", 0.1, kfac=True, recipe="fastest")
+    with pytest.raises(ValueError, match="recipe='fast_to_target' needs kfac=True"):
+        Method("sgd", 0.1, recipe="fast_to_target")
+    # An empty table keeps the recipe's adaptive options; null removes them; a number is bad.
+    kept = Method("sgd", 0.1, kfac=True, recipe="fast_to_target", kfac_options=(("adaptive", {}),))
+    assert kfac_keywords(kept, F.cross_entropy)["adaptive"] == recipe["adaptive"]
+    none = Method(
+        "sgd", 0.1, kfac=True, recipe="fast_to_target", kfac_options=(("adaptive", None),)
+    )
+    assert "adaptive" not in kfac_keywords(none, F.cross_entropy)
+    bad = Method("sgd", 0.1, kfac=True, kfac_options=(("adaptive", 3),))
+    with pytest.raises(ValueError, match='"adaptive": 3 is not allowed'):
+        kfac_keywords(bad, F.cross_entropy)

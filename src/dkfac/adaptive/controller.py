@@ -164,13 +164,14 @@ class AdaptiveStep:
         parameters = {self._names[id(p)]: p for block in blocks for p in block.parameters()}
         device = directions[0].device  # collectives run on the model's device
         checked = step % options.damping_interval == 0 or self._refusals > 0
+        named = [self._named(blocks, vector) for vector in vectors]
         with replayed_randomness(device) as replay:
             try:
                 loss, curvature, slopes = self._passes(
                     lambda batched: gauss_newton_products(
                         self._model,
                         parameters,
-                        [self._named(blocks, vector) for vector in vectors],
+                        named,
                         batch.inputs,
                         batch.targets,
                         options.loss_fn,

@@ -222,9 +222,10 @@ class BatchedPasses:
     """Batches the forward-mode passes over the vectors while the model allows it.
 
     A model with an operation that ``torch.func.vmap`` cannot batch (an autograd Function
-    without a vmap rule, an in-place write into an input) fails the batched pass; from then
-    on each vector gets its own pass (the same numbers, slower), and if that fails too its
-    error is the caller's.
+    without a vmap rule, an in-place write into an input), or whose batched pass does not fit
+    in memory, fails the batched pass; when a pass per vector then succeeds, every later step
+    takes that (the same products up to rounding, slower). If it fails too, its error is the
+    caller's and the next step tries the batched pass again.
     """
 
     def __init__(self) -> None:
@@ -238,20 +239,27 @@ class BatchedPasses:
         Args:
             products: :func:`gauss_newton_products` with every argument but ``batched``.
             vectors: how many vectors it takes.
+
+        Returns:
+            The :class:`GaussNewtonModel`.
+
+        Raises:
+            RuntimeError: (or what else ``products`` raises) from the pass per vector.
         """
-        if self.batched and vectors > 1:
-            try:
-                return products(True)
-            except (RuntimeError, NotImplementedError) as error:
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise
-                self.batched = False
-                logger.info(
-                    "adaptive K-FAC: one forward-mode pass per vector from now on, the batched "
-                    "pass failed (%s)",
-                    error,
-                )
-        return products(False)
+        if not (self.batched and vectors > 1):
+            return products(False)
+        try:
+            return products(True)
+        except (RuntimeError, NotImplementedError) as error:  # OutOfMemoryError included
+            failure = error
+        model = products(False)
+        self.batched = False
+        logger.warning(
+            "adaptive K-FAC: one forward-mode pass per vector from now on (slower), the batched "
+            "pass failed: %s",
+            failure,
+        )
+        return model
 
 
 class ModelBatch(NamedTuple):

@@ -70,6 +70,8 @@ class Method:
             raise ValueError(f"lr={self.lr!r}: expected a finite number > 0")
         if self.recipe and self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r}: expected one of {sorted(RECIPES)}")
+        if self.recipe and not self.kfac:
+            raise ValueError(f"recipe={self.recipe!r} needs kfac=True: it configures K-FAC")
 
     @property
     def label(self) -> str:
@@ -118,8 +120,8 @@ def kfac_keywords(method: Method, loss_fn: LossFunction) -> dict[str, Any]:
     """The preconditioner's keyword arguments of a K-FAC method (without ``lr``/``strategy``).
 
     Its recipe's, then its ``kfac_options``: an ``"adaptive"`` entry there is ``True`` (the
-    defaults), ``AdaptiveOptions``' keywords (JSON; over the recipe's options, if it has
-    any), or a false value (no adaptive K-FAC).
+    defaults, or the recipe's options), ``AdaptiveOptions``' keywords (JSON, even none: over
+    the recipe's options, if it has any), or ``False``/``None`` (no adaptive K-FAC).
 
     Args:
         method: the method.
@@ -127,9 +129,10 @@ def kfac_keywords(method: Method, loss_fn: LossFunction) -> dict[str, Any]:
     """
     keywords = RECIPES[method.recipe](loss_fn) if method.recipe else {}
     given = dict(method.kfac_options)
+    switched = "adaptive" in given
     adaptive = given.pop("adaptive", None)
     keywords.update(given)
-    if adaptive:
+    if adaptive is True or isinstance(adaptive, dict):
         changes = adaptive if isinstance(adaptive, dict) else {}
         base = keywords.get("adaptive")
         keywords["adaptive"] = (
@@ -137,8 +140,13 @@ def kfac_keywords(method: Method, loss_fn: LossFunction) -> dict[str, Any]:
             if isinstance(base, dkfac.AdaptiveOptions)
             else dkfac.AdaptiveOptions(loss_fn=loss_fn, **changes)
         )
-    elif "adaptive" in dict(method.kfac_options):
+    elif adaptive is False or (switched and adaptive is None):
         keywords.pop("adaptive", None)
+    elif switched:
+        raise ValueError(
+            f'"adaptive": {adaptive!r} is not allowed: expected true, false, null or a table of '
+            "AdaptiveOptions' keywords"
+        )
     return keywords
 
 
@@ -146,7 +154,8 @@ def resolved_keywords(method: Method) -> dict[str, Any]:
     """:func:`kfac_keywords` as a record: the adaptive options as their fields but the loss.
 
     The benchmark's record keeps it beside the configuration as given: ``"adaptive": true``
-    or a recipe mean whatever the defaults were at the run's commit.
+    or a recipe mean whatever the defaults were at the run's commit. ``strategy`` is not in
+    it: each run takes the benchmark's ``--strategy`` on several workers, ``"local"`` on one.
     """
     keywords = kfac_keywords(method, lambda outputs, targets: outputs)
     options = keywords.get("adaptive")

@@ -142,6 +142,13 @@ def run_label(optimizer: str, strategy: str) -> str:
     return name if strategy == "none" else f"{name}+K-FAC ({strategy})"
 
 
+def without_adaptive(config: TrainConfig) -> TrainConfig:
+    """``config`` with adaptive K-FAC's options at their defaults: compare's plain run."""
+    defaults = TrainConfig()
+    adaptive = [f.name for f in dataclasses.fields(config) if f.name.startswith("adaptive")]
+    return dataclasses.replace(config, **{name: getattr(defaults, name) for name in adaptive})
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """``dkfac compare``: the same data and seed with several strategies (one run each)."""
     if args.strategies is not None and args.strategy is not None:
@@ -166,7 +173,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         # runs then appear side by side in TensorBoard.
         board = os.path.join(config.tensorboard, folder.name) if config.tensorboard else ""
         run_config = dataclasses.replace(
-            config, strategy=strategy, out=str(folder), tensorboard=board
+            config if strategy != "none" else without_adaptive(config),
+            strategy=strategy,
+            out=str(folder),
+            tensorboard=board,
         )
         _prepare_out(str(folder))
         if is_lead():

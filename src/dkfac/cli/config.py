@@ -16,10 +16,12 @@ from dkfac.cli.config_values import (
     ADAPTIVE_RULE,
     INTERVAL_OPTIONS,
     adaptive_default,
+    adaptive_value,
     check_adaptive_rule,
     check_intervals,
     interval_value,
     parse_bucket_mb,
+    trusted_decrease_value,
 )
 from dkfac.cli.config_values import ConfigError as ConfigError
 from dkfac.cli.device import AMP_MODES, DEVICES
@@ -97,6 +99,9 @@ class TrainConfig:
     adaptive_damping_interval: int = adaptive_default("damping_interval")
     adaptive_damping_decay: float = adaptive_default("damping_decay")
     adaptive_min_damping: float = adaptive_default("min_damping")
+    #: Between checks, a step promising more than this share of the loss is checked too
+    #: ("never": no such check; AdaptiveOptions' None).
+    adaptive_trusted_decrease: float | str = adaptive_default("trusted_decrease")
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
@@ -176,6 +181,8 @@ class TrainConfig:
                 "--adaptive-model-fraction is not allowed without --adaptive: it sets "
                 "adaptive K-FAC's quadratic model"
             )
+        trusted = trusted_decrease_value(self.adaptive_trusted_decrease)
+        object.__setattr__(self, "adaptive_trusted_decrease", trusted)
         check_adaptive_rule(
             self.adaptive, self.adaptive_rule, self.adaptive_model_fraction, self.damping
         )
@@ -260,7 +267,7 @@ class TrainConfig:
     @property
     def adaptive_rule(self) -> dict[str, Any]:
         """The adaptive damping rule's :class:`dkfac.AdaptiveOptions` keywords."""
-        return {name: getattr(self, f"adaptive_{name}") for name in ADAPTIVE_RULE}
+        return {name: adaptive_value(getattr(self, f"adaptive_{name}")) for name in ADAPTIVE_RULE}
 
     @property
     def uses_kfac(self) -> bool:
@@ -365,6 +372,8 @@ def _convert(config: TrainConfig, key: str, value: Any) -> Any:
         return _dataset_options(value)
     if key in INTERVAL_OPTIONS:
         return interval_value(key, value)
+    if key == "adaptive_trusted_decrease":
+        return trusted_decrease_value(value)
     try:
         if isinstance(current, bool):
             if not isinstance(value, bool):

@@ -1,4 +1,4 @@
-"""The run configuration the user asked for: defaults < ``--config`` file < flags.
+"""The run configuration the user asked for: defaults < ``--recipe`` < ``--config`` file < flags.
 
 A resumed run (``dkfac train --resume``) starts from its saved configuration instead, and
 only how and where it runs may change (:data:`RESUME_MAY_CHANGE`).
@@ -12,16 +12,61 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from dkfac.adaptive import AdaptiveOptions
 from dkfac.cli.config import ConfigError, TrainConfig, parse_dataset_option
 from dkfac.cli.config_files import load_config_file
+from dkfac.cli.config_values import ADAPTIVE_RULE, NEVER, PRECONDITIONER_OPTIONS
+from dkfac.recipes import RECIPES
 from dkfac.strategies.registry import option_keywords, strategy_names
 
 
+def recipe_values(name: str) -> dict[str, Any]:
+    """A :mod:`dkfac.recipes` recipe as the command's options (field names of TrainConfig).
+
+    Raises:
+        ConfigError: an unknown recipe, or one setting what the command cannot express
+            exactly (then it would run something else than the recipe says).
+    """
+    if name not in RECIPES:
+        raise ConfigError(f"--recipe {name!r} is not allowed: choose one of {', '.join(RECIPES)}")
+    keywords = RECIPES[name](lambda outputs, targets: outputs)
+    values = {key: keywords.pop(key) for key in PRECONDITIONER_OPTIONS if key in keywords}
+    adaptive = keywords.pop("adaptive", None)
+    if isinstance(adaptive, AdaptiveOptions):
+        values["adaptive"] = True
+        values["adaptive_model_fraction"] = adaptive.model_fraction
+        for rule in ADAPTIVE_RULE:
+            value = getattr(adaptive, rule)
+            values[f"adaptive_{rule}"] = NEVER if value is None else value
+        # What the command has no flag for must be the library's default: else it is named
+        # below as an option the command lacks.
+        defaults = AdaptiveOptions(loss_fn=adaptive.loss_fn)
+        keywords.update(
+            {
+                f"adaptive.{field.name}": getattr(adaptive, field.name)
+                for field in fields(adaptive)
+                if field.name not in ("loss_fn", "model_fraction", *ADAPTIVE_RULE)
+                and getattr(adaptive, field.name) != getattr(defaults, field.name)
+            }
+        )
+    elif adaptive is not None:
+        keywords["adaptive"] = adaptive
+    if keywords:
+        raise ConfigError(
+            f"--recipe {name}: the command has no option for {', '.join(sorted(keywords))}"
+        )
+    return values
+
+
 def _given(args: argparse.Namespace) -> dict[str, Any]:
-    """The options the user gave: ``--config`` file values, overridden by flags."""
+    """The options the user gave: a recipe's, ``--config`` file values, then flags."""
     values: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        values.update(load_config_file(args.config))
+    in_file = load_config_file(args.config) if getattr(args, "config", None) else {}
+    file_recipe = in_file.pop("recipe", None)
+    recipe = getattr(args, "recipe", None) or file_recipe
+    if recipe:
+        values.update(recipe_values(str(recipe)))
+    values.update(in_file)
     values.update(
         {
             f.name: getattr(args, f.name)
@@ -41,7 +86,7 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve_config(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
-    """Defaults < ``--config`` file < flags (dataset options are merged key by key)."""
+    """Defaults < ``--recipe`` < ``--config`` file < flags (dataset options key by key)."""
     return (base or TrainConfig()).with_overrides(_given(args))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields
 from typing import Any
 
@@ -10,6 +11,21 @@ from dkfac.update_intervals import AUTO
 
 #: Options that take a positive integer or ``auto`` (the library's interval budgets).
 INTERVAL_OPTIONS: tuple[str, ...] = ("factor_update_steps", "inv_update_steps")
+#: ``KFACPreconditioner``'s keywords the command passes from its options of the same name.
+PRECONDITIONER_OPTIONS: tuple[str, ...] = (
+    "inverse_method",
+    "statistics_precision",
+    "statistics_fraction",
+    "precondition_precision",
+    "damping",
+    "factor_decay",
+    "factor_update_steps",
+    "inv_update_steps",
+)
+#: ``--adaptive-trusted-decrease``'s word for ``AdaptiveOptions(trusted_decrease=None)``.
+NEVER = "never"
+#: Options given as a number or a word (their flags take text).
+WORDED_OPTIONS: tuple[str, ...] = (*INTERVAL_OPTIONS, "adaptive_trusted_decrease")
 
 
 class ConfigError(ValueError):
@@ -92,7 +108,39 @@ def parse_bucket_mb(bucket_mb: str, grad_sync: str) -> float | str:
 
 
 #: Adaptive K-FAC's damping rule (:class:`dkfac.AdaptiveOptions`), each ``--adaptive-<name>``.
-ADAPTIVE_RULE: tuple[str, ...] = ("damping_interval", "damping_decay", "min_damping")
+ADAPTIVE_RULE: tuple[str, ...] = (
+    "damping_interval",
+    "damping_decay",
+    "min_damping",
+    "trusted_decrease",
+)
+
+
+def trusted_decrease_value(value: Any) -> float | str:
+    """``--adaptive-trusted-decrease`` from a flag or a config file: a number, or ``never``.
+
+    Its range is :class:`dkfac.AdaptiveOptions`' to check (:func:`check_adaptive_rule`).
+
+    Raises:
+        ConfigError: neither a number nor ``never``.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == NEVER:
+            return NEVER
+        with contextlib.suppress(ValueError):
+            return float(text)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(
+        f"--adaptive-trusted-decrease {value!r} is not allowed: expected a number > 0 or "
+        f"{NEVER} (no check between the damping's checks)"
+    )
+
+
+def adaptive_value(value: Any) -> Any:
+    """A rule's value as :class:`dkfac.AdaptiveOptions` takes it (``never`` is ``None``)."""
+    return None if value == NEVER else value
 
 
 def adaptive_default(name: str) -> Any:
@@ -126,7 +174,8 @@ def check_adaptive_rule(
     except ValueError as error:
         named = [name for name in (*ADAPTIVE_RULE, "model_fraction") if f"{name}=" in str(error)]
         flag = _flag("adaptive_" + (named[0] if named else "model_fraction"))
-        raise ConfigError(f"{flag}: {error}") from error
+        said = str(error).replace(", or None", f", or {NEVER}")  # the command's word for None
+        raise ConfigError(f"{flag}: {said}") from error
     if adaptive and not rule["min_damping"] <= damping <= adaptive_default("max_damping"):
         raise ConfigError(
             f"--damping {damping!r} is not allowed with --adaptive: expected a number in "

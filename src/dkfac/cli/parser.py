@@ -10,9 +10,10 @@ from typing import Any, NoReturn
 from dkfac import __version__
 from dkfac.bench.options import add_bench_options
 from dkfac.cli.config import CHOICES, TrainConfig
-from dkfac.cli.config_values import INTERVAL_OPTIONS
+from dkfac.cli.config_values import WORDED_OPTIONS
 from dkfac.cli.exit_codes import EXIT_USAGE
 from dkfac.cli.simulate import add_simulate_parser
+from dkfac.recipes import RECIPES
 
 #: What ``dkfac --help`` says the command is.
 DESCRIPTION = "``dkfac``: train, compare and benchmark distributed K-FAC from the command line."
@@ -100,6 +101,9 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "adaptive_damping_decay": "with --adaptive: the damping's factor per step when the "
         "quadratic model predicts well (smaller: faster; Martens and Grosse's: 0.95 every 5 steps)",
         "adaptive_min_damping": "with --adaptive: the damping's floor",
+        "adaptive_trusted_decrease": "with --adaptive: between the damping's checks, check a "
+        "step whose quadratic model promises more than this share of the loss too (never: no "
+        "such check)",
         "device": "auto (GPU LOCAL_RANK when every worker on this machine has a GPU, with "
         "NCCL; else the CPU with gloo), cpu, or cuda (an error without enough GPUs)",
         "amp": "autocast the forward pass: none, bf16, or fp16 (GPU only; with a GradScaler)",
@@ -126,7 +130,7 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
             flag,
             dest=f.name,
             default=None,
-            type=kind if kind in (int, float) and f.name not in INTERVAL_OPTIONS else str,
+            type=kind if kind in (int, float) and f.name not in WORDED_OPTIONS else str,
             help=_help(helps.get(f.name, ""), choices.get(f.name), shown.get(f.name, f.default)),
         )
     parser.add_argument(
@@ -141,6 +145,16 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "pysource: seq_len=64 valid_fraction=0.1 max_chars",
     )
     parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
+    parser.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default=None,
+        help="start from a named configuration of dkfac.recipes, which --config and the "
+        "other flags change (a config file may say recipe = NAME): fast_to_target is adaptive "
+        "K-FAC as measured fastest to a target at full batch (docs/benchmarks.md); its factors "
+        "and quadratic model come from 1/8 of each batch, so below a few hundred examples per "
+        "worker raise --statistics-fraction and --adaptive-model-fraction",
+    )
 
 
 def _help(text: str, choices: tuple[str, ...] | None, default: Any) -> str:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 import dkfac
 from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.config import ConfigError, TrainConfig
+from dkfac.cli.config_values import PRECONDITIONER_OPTIONS
 from dkfac.cli.device import (
     DeviceError,
     LocalSlot,
@@ -343,16 +344,9 @@ def _build_preconditioner(
     return dkfac.KFACPreconditioner(
         wrapped,
         strategy=strategy,
-        inverse_method=config.inverse_method,
-        statistics_precision=config.statistics_precision,
-        statistics_fraction=config.statistics_fraction,
-        precondition_precision=config.precondition_precision,
-        damping=config.damping,
-        factor_decay=config.factor_decay,
+        **{name: getattr(config, name) for name in PRECONDITIONER_OPTIONS},
         kl_clip=config.kl_clip or None,
         lr=lambda _: float(scheduler.get_last_lr()[0]),
-        factor_update_steps=config.factor_update_steps,
-        inv_update_steps=config.inv_update_steps,
         adaptive=(
             dkfac.AdaptiveOptions(
                 loss_fn=label_cross_entropy,
