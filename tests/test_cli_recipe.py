@@ -101,9 +101,9 @@ def test_compare_runs_the_plain_optimizer_beside_a_recipes_adaptive_k_fac(
     argv += ["--recipe", "fast_to_target", "--statistics-fraction", "1"]
     argv += ["--adaptive-model-fraction", "1"]  # 32 examples a batch: all of them
     assert main(argv) == 0
-    assert "SGD+K-FAC" in capsys.readouterr().out
+    assert "SGD+adaptive K-FAC (dkfac)" in capsys.readouterr().out
     plain = load_config_file(str(tmp_path / "SGD" / "config.toml"))
-    kfac = load_config_file(str(tmp_path / "SGD_K-FAC_dkfac" / "config.toml"))
+    kfac = load_config_file(str(tmp_path / "SGD_adaptive_K-FAC_dkfac" / "config.toml"))
     assert plain["strategy"] == "none" and plain["adaptive"] is False
     assert kfac["adaptive"] is True and kfac["inverse_method"] == "inverse"
 
@@ -136,3 +136,17 @@ def test_the_parser_refuses_an_unknown_recipe(capsys: pytest.CaptureFixture[str]
         build_parser().parse_args(["train", "--recipe", "fastest"])
     assert stopped.value.code == 2
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_make_demos_command_resolves_to_the_recipe_on_two_workers() -> None:
+    # `make demo` is the first thing a user runs: its flags must parse and resolve.
+    import shlex
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = makefile[makefile.index("\ndemo:") :].split("\n\n")[0]
+    command = recipe[recipe.index("dkfac compare") :].replace("\\\n", " ")
+    argv = shlex.split(command)[1:]  # after "dkfac"
+    config = configured(argv)
+    assert config.adaptive and config.nproc == 2 and config.batch_size == 672
+    values = recipe_values("fast_to_target")
+    assert all(getattr(config, key) == value for key, value in values.items()), values

@@ -136,10 +136,15 @@ def compare_strategies(text: str | None, config: TrainConfig) -> tuple[str, ...]
     return names
 
 
-def run_label(optimizer: str, strategy: str) -> str:
-    """``SGD`` for the plain optimizer, ``SGD+K-FAC (dkfac)`` with a K-FAC strategy."""
+def run_label(optimizer: str, strategy: str, adaptive: bool = False) -> str:
+    """``SGD`` for the plain optimizer, ``SGD+K-FAC (dkfac)`` with a K-FAC strategy.
+
+    Adaptive K-FAC moves its layers itself (the optimizer only the others):
+    ``SGD+adaptive K-FAC (dkfac)``.
+    """
     name = "SGD" if optimizer == "sgd" else optimizer.upper()
-    return name if strategy == "none" else f"{name}+K-FAC ({strategy})"
+    kfac = "adaptive K-FAC" if adaptive else "K-FAC"
+    return name if strategy == "none" else f"{name}+{kfac} ({strategy})"
 
 
 def without_adaptive(config: TrainConfig) -> TrainConfig:
@@ -164,7 +169,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     strategies = compare_strategies(args.strategies, config)
     out = _prepare_out(config.out or os.path.join("runs", "compare"))
-    labels = [run_label(config.optimizer, strategy) for strategy in strategies]
+    labels = [run_label(config.optimizer, strategy, config.adaptive) for strategy in strategies]
     configs = []
     for label, strategy in zip(labels, strategies, strict=True):
         folder = out / label.replace(" ", "_").replace("+", "_").replace("(", "").replace(")", "")
