@@ -30,7 +30,7 @@ def fast_to_target(loss_fn: LossFunction) -> dict[str, Any]:
 
     Measured against SGD and AdamW with their learning rates tuned by a grid, 5 seeds, one
     and two workers (docs/benchmarks.md, "Time to target"): the digits CNN and Martens and
-    Grosse's deep autoencoder at full batch reach their targets about half as soon as AdamW; a
+    Grosse's deep autoencoder at full batch reach their targets in half of AdamW's time or less; a
     small character-level Transformer at 32 sequences reaches its target in fewer steps than
     AdamW, but not sooner (each step costs about twice AdamW's).
 
