@@ -23,8 +23,8 @@ install: $(STAMP)
 # SGD vs adaptive K-FAC (dkfac strategy, the optimizer moving nothing else: every layer of the
 # CNN is K-FAC's) on the bundled digits with 2 local workers, full batch (672 per worker, one
 # step per epoch), K-FAC as dkfac.fast_to_target configures it (--recipe). Seeds 0-2,
-# 2026-11-27: K-FAC at 97% test accuracy in 0.49-0.66 s (6-8 steps), SGD at rate 0.05 in
-# 2.8-3.7 s (66-88); README "Two commands".
+# 2026-11-27 (sixteenth session): K-FAC at 97% test accuracy in 0.37-0.46 s (7-8 steps), SGD
+# at rate 0.05 in 1.9-2.3 s (66-88); README "Two commands".
 demo: $(STAMP)
 	$(VENV)/bin/dkfac compare --nproc 2 --batch-size 672 --epochs 100 --lr 0.05 \
 		--recipe fast_to_target --schedule constant --weight-decay 0 --target-accuracy 0.97 \

@@ -36,7 +36,7 @@ from typing import Any
 
 from dkfac.bench.configs import git_commit
 from dkfac.bench.target_report import format_table, grid_score, summarize
-from dkfac.bench.target_run import Method, resolved_keywords, run_method
+from dkfac.bench.target_run import Method, kfac_method, resolved_keywords, run_method
 from dkfac.bench.workloads import WORKLOADS, load_workload
 
 SGD_GRID = (0.03, 0.1, 0.3)
@@ -158,17 +158,10 @@ def main() -> int:
     args = _parse()
     warnings.filterwarnings("ignore", "strategy='local' in a process group")
     kfacs = [json.loads(text) for text in (args.kfac or [json.dumps(KFAC_DEFAULT)])]
-    kfac_methods = [
-        Method(
-            kfac["optimizer"],
-            float(kfac["lr"]),
-            kfac=True,
-            kfac_options=tuple(sorted(kfac.get("options", {}).items())),
-            name=kfac.get("name", f"dkfac ({kfac['optimizer']} lr={float(kfac['lr']):g})"),
-            recipe=kfac.get("recipe", ""),
-        )
-        for kfac in kfacs
-    ]
+    try:
+        kfac_methods = [kfac_method(kfac) for kfac in kfacs]
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     labels = [method.label for method in kfac_methods]
     if len(set(labels)) < len(labels):
         raise SystemExit(

@@ -25,7 +25,7 @@ from torch.autograd.functional import hessian, jacobian
 import dkfac
 from distributed_harness import run_workers
 from dkfac.adaptive import levenberg_marquardt, minimise_quadratic_model, reduction_ratio
-from dkfac.adaptive.gauss_newton import gauss_newton_products
+from dkfac.adaptive.gauss_newton import gauss_newton_products, model_batch
 from test_oracle_numerics import eigen_direction, grad_matrix, oracle_layer_factors
 
 DT = torch.float64
@@ -222,14 +222,19 @@ def oracle_step(
 
 
 @pytest.mark.parametrize("trusted_decrease", [None, 0.25, 0.7])
-@pytest.mark.parametrize("model_fraction", [1.0, 0.3])
+@pytest.mark.parametrize(
+    ("model_fraction", "min_model_targets", "kept"),
+    [(1.0, 1, 8), (0.3, 32, 8), (0.3, 1, 3), (0.3, 5, 5)],
+)
 def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
-    model_fraction: float, trusted_decrease: float | None
+    model_fraction: float, min_model_targets: int, kept: int, trusted_decrease: float | None
 ) -> None:
     # With a fraction, the quadratic model (C, ∇h, the damping check's losses) is that of
-    # the first ⌈0.3·8⌉ = 3 examples; the direction stays the whole batch's. Step 1 falls
-    # between adaptations: checked only if its model promises more than trusted_decrease.
-    kept = 8 if model_fraction == 1.0 else 3
+    # the first ⌈0.3·8⌉ = 3 examples, or of the first 5 when it must hold 5 targets (one per
+    # example here), or of the whole batch when it must hold more than 8 (then its slopes
+    # are the gradient's, as at fraction 1); the direction stays the whole batch's. Step 1
+    # falls between adaptations: checked only if its model promises more than
+    # trusted_decrease.
     model = mlp()
     oracle = copy.deepcopy(model)
     damping, decay = 0.05, 0.95
@@ -244,6 +249,7 @@ def test_two_adaptive_steps_equal_the_dense_quadratic_model_and_lm_rule(
             damping_decay=decay,
             model_fraction=model_fraction,
             trusted_decrease=trusted_decrease,
+            min_model_targets=min_model_targets,
         ),
     )
     checked_steps = []
@@ -393,6 +399,8 @@ def adaptive(**kw: Any) -> dkfac.AdaptiveOptions:
         ({"model_fraction": 0.0}, r"model_fraction=0.0 .* \(0, 1\]"),
         ({"model_fraction": 1.5}, "model_fraction=1.5"),
         ({"model_fraction": math.nan}, "model_fraction=nan"),
+        ({"min_model_targets": 0}, "min_model_targets=0 is not allowed: expected an integer"),
+        ({"min_model_targets": 2.5}, "min_model_targets=2.5"),
     ],
 )
 def test_bad_adaptive_options_are_refused(kwargs: dict[str, Any], pattern: str) -> None:
@@ -415,6 +423,31 @@ def test_what_adaptive_cannot_do_is_refused(kwargs: dict[str, Any], pattern: str
     kwargs.setdefault("adaptive", adaptive())
     with pytest.raises(ValueError, match=pattern):
         dkfac.KFACPreconditioner(mlp(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("target_shape", "fraction", "min_targets", "kept"),
+    [
+        ((32,), 0.125, 32, 32),  # a class per image: 4 images hold 4 targets, all 32 kept
+        ((32,), 0.125, 1, 4),
+        ((64,), 0.125, 32, 32),  # 8 would hold 8 targets: 32 kept
+        ((256,), 0.125, 32, 32),  # 1/8 already holds 32
+        ((8,), 0.125, 32, 8),  # fewer than 32 in the batch: all of it
+        ((32, 64), 0.125, 32, 4),  # 64 tokens a sequence: 4 sequences hold 256
+        ((32, 8), 0.125, 100, 13),  # ⌈100 / 8⌉ sequences
+        ((32, 0), 0.125, 32, 32),  # no target elements to count: the whole batch
+    ],
+)
+def test_the_models_part_holds_at_least_min_model_targets_target_elements(
+    target_shape: tuple[int, ...], fraction: float, min_targets: int, kept: int
+) -> None:
+    n = target_shape[0]
+    x = torch.arange(float(n)).reshape(n, 1).expand(n, 3)
+    targets = torch.zeros(target_shape)
+    part = model_batch((x, 7), targets, fraction, min_targets)
+    assert part.targets.shape[0] == kept and part.inputs[0].shape[0] == kept
+    assert torch.equal(part.inputs[0], x[:kept]) and part.inputs[1] == 7
+    assert part.part == (kept < n)
 
 
 def test_a_part_of_a_batch_without_its_examples_along_dim_0_is_refused() -> None:
@@ -712,7 +745,7 @@ def test_a_model_torch_func_cannot_differentiate_is_refused_with_the_reason() ->
     ("kwargs", "pattern"),
     [
         ({"loss_reduction": "sum"}, "loss_reduction='sum' is not allowed with adaptive"),
-        ({"damping": 1e4}, r"damping=10000.0 is not allowed with adaptive: .*\[1e-05, 1000.0\]"),
+        ({"damping": 1e4}, r"damping=10000.0 is not allowed with adaptive: .*\[0.0001, 1000.0\]"),
     ],
 )
 def test_a_summed_loss_and_an_initial_damping_out_of_bounds_are_refused(
@@ -738,6 +771,14 @@ def test_a_saved_state_loads_onto_the_model_dtype_and_bad_damping_is_refused() -
     state["adaptive"]["damping"] = float("nan")
     with pytest.raises(ValueError, match="the saved adaptive damping=nan is not allowed"):
         dkfac.KFACPreconditioner(mlp(), adaptive=adaptive()).load_state_dict(state)
+    # A damping below today's floor, saved under the floor before it: refused with the way
+    # out, and loaded given the old floor.
+    state["adaptive"]["damping"] = 3e-5
+    with pytest.raises(ValueError, match=r"damping=3e-05 .* loads with min_damping <= 3e-05"):
+        dkfac.KFACPreconditioner(mlp(), adaptive=adaptive()).load_state_dict(state)
+    old_floor = dkfac.KFACPreconditioner(mlp(), adaptive=adaptive(min_damping=1e-5))
+    old_floor.load_state_dict(state)
+    assert old_floor._adaptive is not None and old_floor._adaptive.damping == 3e-5
 
 
 @pytest.mark.skipif(

@@ -357,6 +357,7 @@ def test_resume_under_another_layout_on_the_same_world_size_gathers_the_factors(
 
 def test_compare_runs_every_listed_strategy_with_plots(tmp_path: Path, capsys) -> None:
     argv = ["compare", *QUICK, "--epochs", "1", "--nproc", "1", "--out", str(tmp_path)]
+    argv += ["--recipe", "none"]  # plain K-FAC (compare's default recipe: test_cli_recipe.py)
     assert main([*argv, "--strategies", "none,local,dkfac"]) == 0
     text = capsys.readouterr().out
     rows = [line.split()[0] for line in text.splitlines()[1:4]]
@@ -449,7 +450,7 @@ def test_compare_on_other_ranks_returns_without_reporting(
         commands_module, "execute_runs", lambda configs, labels: runs.append(labels)
     )
     assert main(["compare", *QUICK, "--out", str(tmp_path)]) == 0
-    assert runs == [["SGD", "SGD+K-FAC (dkfac)"]]
+    assert runs == [["SGD", "SGD+adaptive K-FAC (dkfac)"]]  # compare's default recipe
     assert capsys.readouterr().out == ""
     assert not list(tmp_path.rglob("config.toml"))  # rank 0 writes the files
     assert logging.getLogger().level == logging.WARNING
@@ -1177,14 +1178,14 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
 def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
     # Unset, the command's rule is the library's; set, each flag reaches its field.
     for given, expected in [
-        ({}, (1, 0.5, 1e-5, 0.25)),
+        ({}, (1, 0.5, 1e-4, 0.25)),
         (
             {"adaptive_damping_interval": 5, "adaptive_damping_decay": 0.95},
-            (5, 0.95, 1e-5, 0.25),
+            (5, 0.95, 1e-4, 0.25),
         ),
         ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9, 0.25)),
-        ({"adaptive_trusted_decrease": " Never "}, (1, 0.5, 1e-5, None)),
-        ({"adaptive_trusted_decrease": "0.5"}, (1, 0.5, 1e-5, 0.5)),
+        ({"adaptive_trusted_decrease": " Never "}, (1, 0.5, 1e-4, None)),
+        ({"adaptive_trusted_decrease": "0.5"}, (1, 0.5, 1e-4, 0.5)),
     ]:
         config = TrainConfig(adaptive=True, **given)  # type: ignore[arg-type]
         model = nn.Linear(3, 2)

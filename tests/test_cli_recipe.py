@@ -20,7 +20,7 @@ import dkfac.cli.config_resolution as resolution
 import dkfac.cli.parser as parser_module
 from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.config_files import load_config_file
-from dkfac.cli.config_resolution import recipe_values, resolve_config
+from dkfac.cli.config_resolution import COMPARE_RECIPE, recipe_values, resolve_config
 from dkfac.cli.device import Precision
 from dkfac.cli.lr_schedule import EpochLR, ProgressSchedule
 from dkfac.cli.main import main
@@ -97,15 +97,47 @@ def test_the_flags_recipe_wins_over_the_files_and_the_files_values_over_both(
 def test_compare_runs_the_plain_optimizer_beside_a_recipes_adaptive_k_fac(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # No --recipe: compare's default, fast_to_target, end to end.
     argv = ["compare", *QUICK, "--epochs", "1", "--nproc", "1", "--out", str(tmp_path)]
-    argv += ["--recipe", "fast_to_target", "--statistics-fraction", "1"]
-    argv += ["--adaptive-model-fraction", "1"]  # 32 examples a batch: all of them
     assert main(argv) == 0
     assert "SGD+adaptive K-FAC (dkfac)" in capsys.readouterr().out
     plain = load_config_file(str(tmp_path / "SGD" / "config.toml"))
     kfac = load_config_file(str(tmp_path / "SGD_adaptive_K-FAC_dkfac" / "config.toml"))
     assert plain["strategy"] == "none" and plain["adaptive"] is False
     assert kfac["adaptive"] is True and kfac["inverse_method"] == "inverse"
+    assert kfac["adaptive_model_fraction"] == 0.125 and kfac["statistics_fraction"] == 0.125
+
+
+def test_compare_starts_from_fast_to_target_unless_told_otherwise(tmp_path: Path) -> None:
+    def compare(argv: list[str]) -> TrainConfig:
+        args = build_parser().parse_args(["compare", *argv])
+        return resolve_config(args, default_recipe=COMPARE_RECIPE)
+
+    recipe = recipe_values("fast_to_target")
+    plain = configured(["train"])
+    assert COMPARE_RECIPE == "fast_to_target"
+    assert compare([]) == plain.with_overrides(recipe)
+    assert compare(["--damping", "0.1"]).damping == 0.1 and compare([]).adaptive
+    assert compare(["--recipe", "none"]) == plain  # the command's own defaults
+    file = tmp_path / "run.toml"
+    file.write_text('recipe = "none"\nepochs = 3\n')
+    assert compare(["--config", str(file)]) == plain.with_overrides({"epochs": 3})
+    assert configured(["train"]).adaptive is False  # train: no recipe unless asked
+    # An option the default recipe conflicts with: the error says where the recipe came from.
+    with pytest.raises(ConfigError, match=r"--amp fp16 .* starts from --recipe fast_to_target"):
+        compare(["--amp", "fp16"])
+    with pytest.raises(ConfigError, match=r"--amp fp16 is not allowed") as refused:
+        compare(["--amp", "fp16", "--recipe", "fast_to_target"])
+    assert "starts from" not in str(refused.value)  # asked for: no hint
+    assert compare(["--amp", "fp16", "--recipe", "none"]).amp == "fp16"
+    file.write_text('recipe = "fast_to_target"\n')  # named in the file: no hint either
+    with pytest.raises(ConfigError, match=r"--amp fp16 is not allowed") as refused:
+        compare(["--amp", "fp16", "--config", str(file)])
+    assert "starts from" not in str(refused.value)
+    # An error that is not the recipe's doing: no hint.
+    with pytest.raises(ConfigError, match="epochs") as refused:
+        compare(["--epochs", "0"])
+    assert "starts from" not in str(refused.value)
 
 
 def test_a_recipe_the_command_cannot_express_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +158,7 @@ def test_a_recipe_the_command_cannot_express_is_refused(monkeypatch: pytest.Monk
     ):
         recipe_values("other")
     with pytest.raises(
-        ConfigError, match="--recipe 'fastest' is not allowed: choose one of capped, other"
+        ConfigError, match="--recipe 'fastest' is not allowed: choose one of capped, other, none"
     ):
         recipe_values("fastest")
 

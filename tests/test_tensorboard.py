@@ -114,6 +114,7 @@ def test_without_the_package_the_option_is_refused_with_the_install_command(
 def test_compare_writes_each_run_beside_the_others(tmp_path: Path) -> None:
     out, board = tmp_path / "runs", tmp_path / "tb"
     argv = ["compare", *QUICK, "--epochs", "1", "--nproc", "1", "--out", str(out)]
+    argv += ["--recipe", "none"]  # the plain K-FAC folder names below
     assert main([*argv, "--strategies", "none,local", "--tensorboard", str(board)]) == 0
     for folder in ("SGD", "SGD_K-FAC_local"):
         losses = [s["loss"] for s in steps_of(out / folder)]

@@ -20,6 +20,7 @@ from dkfac.bench.target_report import format_table, grid_score, lost_progress, s
 from dkfac.bench.target_run import (
     Method,
     kfac_keywords,
+    kfac_method,
     run_method,
     train_to_target,
     window_steps,
@@ -396,3 +397,22 @@ def test_a_recipe_is_changed_by_the_options_given_beside_it() -> None:
     bad = Method("sgd", 0.1, kfac=True, kfac_options=(("adaptive", 3),))
     with pytest.raises(ValueError, match='"adaptive": 3 is not allowed'):
         kfac_keywords(bad, F.cross_entropy)
+
+
+def test_a_kfac_configuration_with_a_key_the_benchmark_does_not_read_is_refused() -> None:
+    # An "adaptive" table beside "options" instead of in it was ignored once: a run labelled
+    # "floor 1e-5" ran the recipe's floor (found before its results were kept).
+    given = {"optimizer": "sgd", "lr": 0.2, "recipe": "fast_to_target", "name": "floor"}
+    with pytest.raises(ValueError, match=r"'adaptive' is not allowed: .* go in \"options\""):
+        kfac_method({**given, "adaptive": {"min_damping": 1e-5}})
+    method = kfac_method({**given, "options": {"adaptive": {"min_damping": 1e-5}}})
+    adaptive = kfac_keywords(method, F.cross_entropy)["adaptive"]
+    assert adaptive.min_damping == 1e-5 and adaptive.model_fraction == 0.125
+    assert kfac_method({"optimizer": "adamw", "lr": "0.01"}).label == "dkfac (adamw lr=0.01)"
+    for bad, pattern in (
+        ([given], "expected a table"),
+        ({"optimizer": "sgd"}, "lr missing"),
+        ({**given, "options": [1]}, '"options" \\[1\\] is not allowed'),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            kfac_method(bad)

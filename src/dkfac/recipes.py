@@ -37,9 +37,10 @@ def fast_to_target(loss_fn: LossFunction) -> dict[str, Any]:
     What it sets, and why:
 
     * ``adaptive``: the step's length and momentum from the quadratic model on the first
-      eighth of the batch, the damping by the Levenberg-Marquardt rule (its defaults: a check
-      every step, halved while the model predicts well, down to 10⁻⁵); the learning rate and
-      KL clip then play no part for the K-FAC layers.
+      eighth of the batch (at least ``min_model_targets`` target elements, 32: a small
+      batch's model is all of it), the damping by the Levenberg-Marquardt rule (its
+      defaults: a check every step, halved while the model predicts well, down to 10⁻⁴);
+      the learning rate and KL clip then play no part for the K-FAC layers.
     * ``damping=0.03``: the initial damping (the rule moves it within a few steps).
     * ``inverse_method="inverse"``: Cholesky inverses, cheaper than eigendecompositions.
     * ``statistics_fraction``: the factors from the first eighth of each batch.
@@ -50,8 +51,8 @@ def fast_to_target(loss_fn: LossFunction) -> dict[str, Any]:
 
     Not set: ``strategy`` (on several workers choose one that communicates; the measurement
     used ``"dp"``) and the optimizer, which still moves the parameters K-FAC does not
-    precondition (the measurement: SGD at 0.2 with momentum 0.9). The shares assume batches of
-    at least a few hundred examples or tokens per worker: with fewer, raise them.
+    precondition (the measurement: SGD at 0.2 with momentum 0.9). ``dkfac compare`` runs it
+    by default, at 32 images per worker (docs/benchmarks.md, "Small batches").
 
     Args:
         loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on,

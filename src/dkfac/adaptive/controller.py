@@ -112,7 +112,8 @@ class AdaptiveStep:
         Called before anything of the step changes, so a batch it refuses (``ValueError``)
         leaves the preconditioner as it was.
         """
-        return model_batch(inputs, targets, self.options.model_fraction)
+        options = self.options
+        return model_batch(inputs, targets, options.model_fraction, options.min_model_targets)
 
     def step(
         self,

@@ -13,6 +13,7 @@ the training run's own random stream is left where it was.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -277,19 +278,25 @@ class ModelBatch(NamedTuple):
     part: bool
 
 
-def model_batch(inputs: Any, targets: Any, fraction: float) -> ModelBatch:
-    """The batch's first ``⌈fraction·N⌉`` examples: dim 0 of every batched input and the targets.
+def model_batch(inputs: Any, targets: Any, fraction: float, min_targets: int = 1) -> ModelBatch:
+    """The batch's first examples, along dim 0 of every batched input and of the targets.
+
+    ``k = min(N, max(⌈fraction·N⌉, ⌈min_targets / t⌉))`` of them, ``t`` the target elements
+    of one example (every example when ``t = 0``).
 
     Args:
         inputs: the model's positional arguments (a tuple as given, anything else as the only
             one).
         targets: the second argument of ``loss_fn``.
         fraction: ``model_fraction``, in (0, 1].
+        min_targets: ``min_model_targets``: at least this many target elements are kept
+            (``⌈min_targets / k⌉`` examples of ``k`` elements each), or the whole batch.
 
     Returns:
-        The whole batch at ``fraction`` 1, else its first examples: ``N`` is dim 0 of the first
-        tensor input with a dim; other tensors with dims and the targets must have it too,
-        scalar tensors and non-tensor arguments (flags, sizes) pass unchanged.
+        The whole batch at ``fraction`` 1 or when ``k = N``, else its first ``k`` examples:
+        ``N`` is dim 0 of the first tensor input with a dim; other tensors with dims and the
+        targets must have it too, scalar tensors and non-tensor arguments (flags, sizes) pass
+        unchanged.
 
     Raises:
         ValueError: (``fraction < 1``) no batched tensor input, a tensor inside a container
@@ -325,7 +332,11 @@ def model_batch(inputs: Any, targets: Any, fraction: float) -> ModelBatch:
             f"tensor inputs {shapes} and targets {tuple(targets.shape)} do not all have "
             f"{examples} there (sequence-first data: transpose it, or use 1.0)"
         )
-    kept = kept_examples(examples, fraction)
+    # Target elements per example: one for a class, the tokens of a sequence, the pixels of
+    # an image to reconstruct (none: the examples carry no loss terms to count; all kept).
+    per_example = math.prod(targets.shape[1:])
+    enough = examples if per_example == 0 else math.ceil(min_targets / per_example)
+    kept = min(examples, max(kept_examples(examples, fraction), enough))
     if kept == examples:
         return ModelBatch(arguments, targets, False)
     cut = tuple(

@@ -34,10 +34,15 @@ class AdaptiveOptions:
     same ``λ`` is the preconditioner's damping. docs/math.md derives it and states its cost.
 
     The defaults check every step and move ``λ`` fast (halve it while the model predicts
-    well, down to 10⁻⁵): measured on three workloads (docs/benchmarks.md, "Adaptive K-FAC's
+    well, down to 10⁻⁴): measured on three workloads (docs/benchmarks.md, "Adaptive K-FAC's
     defaults"), they reach each target in fewer seconds than Martens and Grosse's rule
-    (``damping_interval=5, damping_decay=0.95``), which lowers ``λ`` by at most 5% a step;
-    a lower floor let the steps of a small-batch language model wreck its validation loss.
+    (``damping_interval=5, damping_decay=0.95``), which lowers ``λ`` by at most 5% a step.
+    The floor guards what the quadratic model cannot see: it is built on one batch, and
+    with ``λ`` near zero it lets a step go far along directions that batch barely curves,
+    fitting it at the other examples' cost (a floor of 10⁻⁹ wrecked a small-batch language
+    model's validation loss; at 10⁻⁵ a CNN at 32 images a worker, its model on all of them,
+    lost 6 and 11 points of test accuracy late in 2 runs of 15; docs/benchmarks.md, "Small
+    batches").
 
     Args:
         loss_fn: ``loss_fn(model(*inputs), targets)``, the loss the model is trained on, averaged
@@ -63,16 +68,25 @@ class AdaptiveOptions:
             targets give ``C``, the slopes ``∇hᵀv`` and the losses of the damping's checks,
             as if the batch were that part; the K-FAC direction stays the whole batch's.
             Cuts the two Jacobian-vector products, most of adaptive K-FAC's price, by ``f``.
+        min_model_targets: the fewest target elements the model's part keeps:
+            ``model_fraction`` is raised for a batch whose share would hold fewer, up to the
+            whole batch. Target elements count the loss's terms when the targets hold one
+            value per term (a class index per image, a token id per position, a pixel per
+            reconstructed pixel); one-hot or soft labels count each class, so give such a
+            loss a minimum in those units. A model of a few examples lets through steps
+            that fit them and undo the run's progress (measured: a CNN's model on 4 of 32
+            images a worker; docs/benchmarks.md, "Small batches").
     """
 
     loss_fn: LossFunction
     damping_interval: int = 1
     damping_decay: float = 0.5
-    min_damping: float = 1e-5
+    min_damping: float = 1e-4
     max_damping: float = 1e3
     momentum: bool = True
     model_fraction: float = 1.0
     trusted_decrease: float | None = 0.25
+    min_model_targets: int = 32
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -111,6 +125,7 @@ class AdaptiveOptions:
             low_open=True,
             allowed="a number in (0, 1]",
         )
+        check_int("min_model_targets", self.min_model_targets)
         if self.trusted_decrease is not None:
             check_float(
                 "trusted_decrease",

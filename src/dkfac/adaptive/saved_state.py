@@ -42,12 +42,20 @@ def check_saved_state(
             "state_dict has no adaptive K-FAC state ('adaptive': damping and previous "
             "update): it was saved without adaptive=..."
         )
+    damping = state["damping"]
+    below = isinstance(damping, float) and 0.0 < damping < options.min_damping
     check_float(
         "the saved adaptive damping",
-        state["damping"],
+        damping,
         low=options.min_damping,
         high=options.max_damping,
-        allowed=f"a number in [{options.min_damping!r}, {options.max_damping!r}]",
+        allowed=f"a number in [{options.min_damping!r}, {options.max_damping!r}]"
+        + (
+            f" (a state saved under a lower floor, as the default before 2026-11-27, 1e-5, "
+            f"loads with min_damping <= {damping!r})"
+            if below
+            else ""
+        ),
     )
     for name, update in state["previous"].items():
         block = blocks.get(name)

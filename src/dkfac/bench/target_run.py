@@ -34,7 +34,15 @@ from dkfac.bench.workloads import Workload, load_workload
 from dkfac.cli.local_workers import spawn_workers
 from dkfac.recipes import RECIPES
 
-__all__ = ["Method", "Trace", "run_method", "train_to_target", "window_steps"]
+__all__ = [
+    "KFAC_RECORD_KEYS",
+    "Method",
+    "Trace",
+    "kfac_method",
+    "run_method",
+    "train_to_target",
+    "window_steps",
+]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 #: SGD's momentum in every run (with and without K-FAC).
@@ -79,6 +87,44 @@ class Method:
         if self.name:
             return self.name
         return f"{self.optimizer}{'+kfac' if self.kfac else ''} lr={self.lr:g}"
+
+
+#: The keys of one ``--kfac`` configuration of ``benchmarks/time_to_target.py``.
+KFAC_RECORD_KEYS = ("optimizer", "lr", "options", "name", "recipe")
+
+
+def kfac_method(record: Any) -> Method:
+    """A K-FAC :class:`Method` from one ``--kfac`` configuration (parsed JSON).
+
+    Raises:
+        ValueError: not a table, a key it does not know (it would be ignored: a run of
+            something else than asked), ``optimizer`` or ``lr`` missing, or ``options`` not
+            a table.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"--kfac {record!r}: expected a table of {', '.join(KFAC_RECORD_KEYS)}")
+    unknown = sorted(set(record) - set(KFAC_RECORD_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--kfac: {', '.join(map(repr, unknown))} is not allowed: expected only "
+            f'{", ".join(KFAC_RECORD_KEYS)} (KFACPreconditioner\'s keywords, "adaptive" '
+            'included, go in "options")'
+        )
+    missing = [key for key in ("optimizer", "lr") if key not in record]
+    if missing:
+        raise ValueError(f"--kfac {record!r}: {' and '.join(missing)} missing")
+    options = record.get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f'--kfac: "options" {options!r} is not allowed: expected a table')
+    optimizer, lr = record["optimizer"], float(record["lr"])
+    return Method(
+        optimizer,
+        lr,
+        kfac=True,
+        kfac_options=tuple(sorted(options.items())),
+        name=record.get("name", f"dkfac ({optimizer} lr={lr:g})"),
+        recipe=record.get("recipe", ""),
+    )
 
 
 @dataclass

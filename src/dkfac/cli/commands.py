@@ -15,6 +15,7 @@ from dkfac.bench.report import format_summary, write_chart
 from dkfac.cli.checkpoint import has_checkpoint
 from dkfac.cli.config import STRATEGIES, ConfigError, TrainConfig
 from dkfac.cli.config_resolution import (
+    COMPARE_RECIPE,
     refuse_unread_strategy_options,
     resolve_config,
     resumed_config,
@@ -160,7 +161,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--strategy is not allowed with --strategies: list every run in --strategies"
         )
-    config = resolve_config(args)
+    config = resolve_config(args, default_recipe=COMPARE_RECIPE)
     refuse_missing_tensorboard(config)
     if config.max_restarts:
         raise ConfigError(

@@ -63,9 +63,11 @@ class TrainConfig:
     optimizer: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
-    #: The command line's training recipe (cosine, weight decay 0.01, damping 0.3) is the one
-    #: with which K-FAC generalises at least as well as SGD on the digits (docs/benchmarks.md,
-    #: "dkfac compare: a regularised recipe"); the library's own damping default is 0.003.
+    #: The command line's own defaults (cosine, weight decay 0.01, damping 0.3): with them
+    #: plain K-FAC generalises at least as well as SGD on the digits (docs/benchmarks.md,
+    #: "dkfac compare: a regularised recipe"); ``dkfac compare`` starts from the recipe
+    #: fast_to_target on top of them unless given ``--recipe none``. The library's own
+    #: damping default is 0.003.
     weight_decay: float = 0.01
     schedule: str = "cosine"
     warmup_epochs: float = 0.0

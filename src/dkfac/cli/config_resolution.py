@@ -28,7 +28,9 @@ def recipe_values(name: str) -> dict[str, Any]:
             exactly (then it would run something else than the recipe says).
     """
     if name not in RECIPES:
-        raise ConfigError(f"--recipe {name!r} is not allowed: choose one of {', '.join(RECIPES)}")
+        raise ConfigError(
+            f"--recipe {name!r} is not allowed: choose one of {', '.join(RECIPES)}, {NO_RECIPE}"
+        )
     keywords = RECIPES[name](lambda outputs, targets: outputs)
     values = {key: keywords.pop(key) for key in PRECONDITIONER_OPTIONS if key in keywords}
     adaptive = keywords.pop("adaptive", None)
@@ -58,13 +60,28 @@ def recipe_values(name: str) -> dict[str, Any]:
     return values
 
 
-def _given(args: argparse.Namespace) -> dict[str, Any]:
-    """The options the user gave: a recipe's, ``--config`` file values, then flags."""
+#: ``--recipe none``: the command's own defaults, no recipe.
+NO_RECIPE = "none"
+#: ``dkfac compare``'s recipe when neither ``--recipe`` nor the config file names one: the
+#: configuration the benchmarks measured against SGD and AdamW (docs/benchmarks.md).
+COMPARE_RECIPE = "fast_to_target"
+
+
+def _given(
+    args: argparse.Namespace, default_recipe: str = NO_RECIPE
+) -> tuple[dict[str, Any], bool]:
+    """The options the user gave: a recipe's, ``--config`` file values, then flags.
+
+    Returns:
+        The options by TrainConfig field, and whether they hold ``default_recipe``'s
+        because neither ``--recipe`` nor the file named one.
+    """
     values: dict[str, Any] = {}
     in_file = load_config_file(args.config) if getattr(args, "config", None) else {}
-    file_recipe = in_file.pop("recipe", None)
-    recipe = getattr(args, "recipe", None) or file_recipe
-    if recipe:
+    file_recipe = in_file.pop("recipe", None)  # popped whether or not the flag wins
+    named = getattr(args, "recipe", None) or file_recipe
+    recipe = named or default_recipe
+    if recipe != NO_RECIPE:
         values.update(recipe_values(str(recipe)))
     values.update(in_file)
     values.update(
@@ -82,12 +99,32 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
                 f"--config {args.config}: dataset_options must be a table of KEY = VALUE"
             )
         values["dataset_options"] = {**from_file, **dict(map(parse_dataset_option, flags))}
-    return values
+    return values, not named and recipe != NO_RECIPE
 
 
-def resolve_config(args: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
-    """Defaults < ``--recipe`` < ``--config`` file < flags (dataset options key by key)."""
-    return (base or TrainConfig()).with_overrides(_given(args))
+def resolve_config(
+    args: argparse.Namespace, base: TrainConfig | None = None, default_recipe: str = NO_RECIPE
+) -> TrainConfig:
+    """Defaults < ``--recipe`` < ``--config`` file < flags (dataset options key by key).
+
+    ``default_recipe`` applies when neither ``--recipe`` nor the file names one (``none``:
+    the command's defaults alone).
+    """
+    base = base or TrainConfig()
+    given, defaulted = _given(args, default_recipe)
+    try:
+        return base.with_overrides(given)
+    except ConfigError as error:
+        if not defaulted:
+            raise
+        try:  # without the recipe the user did not ask for
+            base.with_overrides(_given(args)[0])
+        except ConfigError:
+            raise error from None  # not the recipe's doing
+        raise ConfigError(
+            f"{error} (this command starts from --recipe {default_recipe} unless told "
+            f"otherwise: --recipe {NO_RECIPE} for its plain defaults)"
+        ) from error
 
 
 def refuse_unread_strategy_options(args: argparse.Namespace, config: TrainConfig) -> None:
@@ -100,7 +137,7 @@ def refuse_unread_strategy_options(args: argparse.Namespace, config: TrainConfig
     Raises:
         ConfigError: naming the option, the strategy and the strategies that read it.
     """
-    given = _given(args)
+    given, _ = _given(args)
     for option in ("grad_worker_fraction",):
         if option in given and not option_keywords(config.strategy, **{option: given[option]}):
             readers = [s for s in strategy_names() if option_keywords(s, **{option: 1.0})]
@@ -135,7 +172,7 @@ def resumed_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
         ConfigError: no saved configuration in ``--out``, or a flag that would change what
             the run computes (model, data, optimizer, K-FAC, schedule...).
     """
-    given = _given(args)
+    given, _ = _given(args)
     out = Path(str(given.pop("out", "") or os.path.join("runs", "train")))
     saved_file = out / "config.toml"
     if not saved_file.is_file():

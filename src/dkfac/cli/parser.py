@@ -10,7 +10,8 @@ from typing import Any, NoReturn
 from dkfac import __version__
 from dkfac.bench.options import add_bench_options
 from dkfac.cli.config import CHOICES, TrainConfig
-from dkfac.cli.config_values import WORDED_OPTIONS
+from dkfac.cli.config_resolution import COMPARE_RECIPE, NO_RECIPE
+from dkfac.cli.config_values import WORDED_OPTIONS, adaptive_default
 from dkfac.cli.exit_codes import EXIT_USAGE
 from dkfac.cli.simulate import add_simulate_parser
 from dkfac.recipes import RECIPES
@@ -147,13 +148,15 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--config", help="TOML or YAML file of options (CLI flags override it)")
     parser.add_argument(
         "--recipe",
-        choices=list(RECIPES),
+        choices=[*RECIPES, NO_RECIPE],
         default=None,
         help="start from a named configuration of dkfac.recipes, which --config and the "
-        "other flags change (a config file may say recipe = NAME): fast_to_target is adaptive "
-        "K-FAC as measured fastest to a target at full batch (docs/benchmarks.md); its factors "
-        "and quadratic model come from 1/8 of each batch, so below a few hundred examples per "
-        "worker raise --statistics-fraction and --adaptive-model-fraction",
+        "other flags change (a config file may say recipe = NAME). fast_to_target: adaptive "
+        "K-FAC as measured fastest to a target (docs/benchmarks.md), its factors from 1/8 of "
+        "each batch, its quadratic model too (at least "
+        f"{adaptive_default('min_model_targets')} target elements). {NO_RECIPE}: the "
+        "command's own defaults. "
+        + (f"(default: {COMPARE_RECIPE})" if command == "compare" else f"(default: {NO_RECIPE})"),
     )
 
 
