@@ -290,7 +290,7 @@ def model_batch(inputs: Any, targets: Any, fraction: float, min_targets: int = 1
         targets: the second argument of ``loss_fn``.
         fraction: ``model_fraction``, in (0, 1].
         min_targets: ``min_model_targets``: at least this many target elements are kept
-            (``⌈min_targets / k⌉`` examples of ``k`` elements each), or the whole batch.
+            (``⌈min_targets / t⌉`` examples of ``t`` elements each), or the whole batch.
 
     Returns:
         The whole batch at ``fraction`` 1 or when ``k = N``, else its first ``k`` examples:
