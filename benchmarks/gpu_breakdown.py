@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import dkfac
 from gpu_overhead import (
+    CHANNELS_LAST,
     LR,
     MODELS,
     ModelSpec,
@@ -59,11 +60,23 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def step_kinds(spec: ModelSpec, method: str, batch: Batch, steps: int, out: Path) -> dict[str, Any]:
-    """Each step of a ``(10, 100)`` dkfac run timed alone, by kind; SGD's step alongside."""
+def step_kinds(
+    spec: ModelSpec,
+    method: str,
+    batch: Batch,
+    steps: int,
+    out: Path,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Each step of a ``(10, 100)`` dkfac run timed alone, by kind; SGD's step alongside.
+
+    ``options``: more KFACPreconditioner keywords. A channels-last batch puts the network in
+    channels-last format too (SGD's and dkfac's).
+    """
     x, y = batch
     device = x.device
-    model, optimizer = fresh_model(spec, device)
+    channels_last = x.is_contiguous(memory_format=CHANNELS_LAST)
+    model, optimizer = fresh_model(spec, device, channels_last)
 
     def sgd_step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -73,9 +86,14 @@ def step_kinds(spec: ModelSpec, method: str, batch: Batch, steps: int, out: Path
     for _ in range(3):
         sgd_step()
     sgd = [timed(sgd_step, device) for _ in range(10)]
-    model, optimizer = fresh_model(spec, device)
+    model, optimizer = fresh_model(spec, device, channels_last)
     pre = dkfac.KFACPreconditioner(
-        model, inverse_method=method, lr=LR, factor_update_steps=10, inv_update_steps=100
+        model,
+        inverse_method=method,
+        lr=LR,
+        factor_update_steps=10,
+        inv_update_steps=100,
+        **(options or {}),
     )
     kinds: dict[str, list[float]] = {"plain": [], "factors": [], "decomposition": []}
     kfac_part: dict[str, list[float]] = {"plain": [], "factors": [], "decomposition": []}
@@ -267,6 +285,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tf32", action="store_true", help="also rerun the step kinds with TF32 matmuls"
     )
+    parser.add_argument(
+        "--tf32-only", action="store_true", help="run the step kinds with TF32 matmuls only"
+    )
+    parser.add_argument(
+        "--options", type=json.loads, default={}, help="more dkfac keywords, a JSON object"
+    )
+    parser.add_argument(
+        "--channels-last", action="store_true", help="network and inputs in channels-last"
+    )
     parser.add_argument("--warm-steps", type=int, default=5, help="factor updates before probes")
     parser.add_argument("--install-kfac-pytorch", default="", metavar="SOURCE")
     parser.add_argument("--image-size", type=int, default=0)
@@ -285,11 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tf32").mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     torch.backends.cudnn.benchmark = device.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32_only
     note = install_kfac_pytorch(args.install_kfac_pytorch) if args.install_kfac_pytorch else ""
     theirs = kfac_pytorch_version()
     result: dict[str, Any] = {
         "environment": environment(device),
         "kfac_pytorch": theirs or f"not measured {note}".strip(),
+        "options": args.options,
+        "channels_last": args.channels_last,
         "models": {},
     }
     path = out / "gpu_breakdown.json"
@@ -300,18 +330,21 @@ def main(argv: list[str] | None = None) -> int:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(batch_size, 3, size, size, generator=generator).to(device)
         y = torch.randint(0, spec.num_classes, (batch_size,), generator=generator).to(device)
+        if args.channels_last:
+            x = x.contiguous(memory_format=CHANNELS_LAST)
         entry: dict[str, Any] = {"image_size": size, "batch_size": batch_size}
         result["models"][name] = entry
         parts = args.parts.split(",")
         for method in args.methods.split(",") if "steps" in parts else []:
-            entry[f"steps_{method}"] = step_kinds(spec, method, (x, y), args.steps, out)
-            print(name, method, entry[f"steps_{method}"], flush=True)
+            label = f"steps_{method}" + ("_tf32" if args.tf32_only else "")
+            entry[label] = step_kinds(spec, method, (x, y), args.steps, out, args.options)
+            print(name, method, entry[label], flush=True)
             path.write_text(json.dumps(result, indent=1))
-            if args.tf32 and device.type == "cuda":
+            if args.tf32 and not args.tf32_only and device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True
                 try:
                     entry[f"steps_{method}_tf32"] = step_kinds(
-                        spec, method, (x, y), args.steps, out / "tf32"
+                        spec, method, (x, y), args.steps, out / "tf32", args.options
                     )
                 finally:
                     torch.backends.cuda.matmul.allow_tf32 = False

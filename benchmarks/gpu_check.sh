@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT): the
-# GPU overhead benchmark (dkfac with default and bf16 statistics products vs SGD vs
-# kfac-pytorch; ResNet-50 every configuration, ResNet-32 the amortised ones) while the GPU is
-# quiet, then `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in
-# parallel. Uses the machine's own python3 with torch (no network there: the project is
-# installed without dependencies; kfac-pytorch comes as a wheel built from its public
-# repository, passed as $KFAC_PYTORCH, or from the network where there is one).
+# What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
+#   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
+#      (bf16 statistics; bf16 statistics and preconditioning; the latter with statistics from
+#      half of the batch), interleaved rounds, while the GPU is quiet;
+#   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
+#      with kfac-pytorch in the same run;
+#   3. ResNet-50 in channels-last format (TF32), SGD in the same format;
+#   4. the step kinds and profiler tables of the bf16 configuration (TF32);
+#   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
+#      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before).
+# Uses the machine's own python3 with torch (no network there: the project is installed
+# without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
+# as $KFAC_PYTORCH, or from the network where there is one).
 #
 #   OUT=runs/gpu_check KFAC_PYTORCH=.whl/kfac_pytorch-0.4.2-py3-none-any.whl \
 #       bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
-BENCH50_S=${BENCH50_S:-200}
-BENCH32_S=${BENCH32_S:-60}
-SUITE_S=${SUITE_S:-400}
+TF32_S=${TF32_S:-140}
+DEFAULT_S=${DEFAULT_S:-70}
+CHANNELS_LAST_S=${CHANNELS_LAST_S:-50}
+BREAKDOWN_S=${BREAKDOWN_S:-55}
+SUITE_S=${SUITE_S:-230}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -22,22 +30,37 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
   nproc
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
 } > "$OUT/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH still points at src)" >> "$OUT/install.log"
-amortised=dkfac_eigen_10_100,dkfac_inverse_10_100,dkfac-bf16_eigen_10_100,dkfac-bf16_inverse_10_100
-echo "== benchmark: ResNet-50, every configuration"
-timeout -s INT "$BENCH50_S" python3 benchmarks/gpu_overhead.py --models resnet50 \
-  --out "$OUT/resnet50" --install-kfac-pytorch "$KFAC_PYTORCH" --every-step-iters 3 \
-  > "$OUT/bench_resnet50.log" 2>&1
-echo "exit $?"; tail -22 "$OUT/bench_resnet50.log"
-echo "== benchmark: ResNet-32, amortised"
-timeout -s INT "$BENCH32_S" python3 benchmarks/gpu_overhead.py --models resnet32 \
-  --out "$OUT/resnet32" --install-kfac-pytorch "$KFAC_PYTORCH" --host-waits "" \
-  --configs "$amortised,kfac-pytorch_eigen_10_100,kfac-pytorch_inverse_10_100" \
-  > "$OUT/bench_resnet32.log" 2>&1
-echo "exit $?"; tail -12 "$OUT/bench_resnet32.log"
+bf16='{"statistics_precision": "bf16"}'
+fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
+half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
+variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half")
+bench() {  # seconds, name, then gpu_overhead.py's arguments
+  local seconds=$1 name=$2
+  shift 2
+  echo "== $name"
+  timeout -s INT "$seconds" python3 benchmarks/gpu_overhead.py --models resnet50 \
+    --out "$OUT/$name" --install-kfac-pytorch "$KFAC_PYTORCH" --host-waits "" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "exit $?"
+  grep -A30 "^resnet50" "$OUT/$name.log" | head -30
+}
+bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
+  --configs dkfac_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-fast_inverse_10_100,dkfac-half_inverse_10_100
+bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
+  --configs dkfac_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
+bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
+  --configs dkfac-bf16_inverse_10_100,dkfac-fast_inverse_10_100
+echo "== breakdown: ResNet-50, inverse, bf16 statistics, TF32"
+timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resnet50 \
+  --methods inverse --parts steps --tf32-only --options "$bf16" --out "$OUT/breakdown" \
+  > "$OUT/breakdown.log" 2>&1
+echo "exit $?"; tail -3 "$OUT/breakdown.log" | cut -c1-600
 echo "== make test's selection (cuda tests included), $WORKERS workers"
-timeout -s INT "$SUITE_S" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rs \
-  -n "$WORKERS" --junitxml "$OUT/suite.xml" tests > "$OUT/suite.log" 2>&1
+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -s INT "$SUITE_S" python3 -m pytest -q \
+  -m "not slow" -p no:cacheprovider -rs -n "$WORKERS" --junitxml "$OUT/suite.xml" tests \
+  > "$OUT/suite.log" 2>&1
 echo "suite exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/suite.log" | tail -25

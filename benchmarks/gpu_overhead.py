@@ -53,6 +53,7 @@ from dkfac.models.resnet import resnet32
 
 LR = 0.1
 MOMENTUM = 0.9
+CHANNELS_LAST = torch.channels_last
 KFAC_PYTORCH_REPOSITORY = "git+https://github.com/gpauloski/kfac-pytorch"
 #: Amortised overhead over SGD that issue 17 asks of dkfac at (10, 100) (Distributed
 #: Shampoo's figure for its own preconditioner), and the (1, 1) overhead as a fraction of
@@ -86,7 +87,7 @@ class Configuration:
     method: str = "eigen"
     factor_update_steps: int = 1
     inv_update_steps: int = 1
-    statistics_precision: str = "highest"
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def periodic(self) -> bool:
@@ -94,21 +95,43 @@ class Configuration:
         return self.inv_update_steps > 1
 
 
-def configurations(libraries: list[str]) -> list[Configuration]:
-    """SGD, then each library x method x schedule.
+#: dkfac's variants besides its defaults: label -> KFACPreconditioner keywords.
+BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {"dkfac-bf16": {"statistics_precision": "bf16"}}
 
-    dkfac runs twice: with its default products and with bf16 statistics products
-    (``dkfac-bf16_*``: ``statistics_precision="bf16"``).
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``LABEL=JSON`` (``--variant``): a dkfac variant's label and its keyword options."""
+    label, sep, options = text.partition("=")
+    if not sep or not label.startswith("dkfac-") or "_" in label:
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected LABEL=JSON with LABEL 'dkfac-<name>' (no '_')"
+        )
+    parsed = json.loads(options)
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: the options must be a JSON object")
+    return label, parsed
+
+
+def configurations(
+    libraries: list[str], variants: dict[str, dict[str, Any]] | None = None
+) -> list[Configuration]:
+    """SGD, then each library (and dkfac variant) x method x schedule.
+
+    dkfac runs with its defaults, then once per variant (``BUILTIN_VARIANTS``, e.g.
+    ``dkfac-bf16_*`` with ``statistics_precision="bf16"``, plus ``variants``) with those
+    keywords added.
     """
     result = [Configuration("sgd")]
-    variants = [(lib, lib, "highest") for lib in libraries]
+    runs: list[tuple[str, str, dict[str, Any]]] = [(lib, lib, {}) for lib in libraries]
     if "dkfac" in libraries:
-        variants.insert(1, ("dkfac-bf16", "dkfac", "bf16"))
-    for label, library, precision in variants:
+        extra = {**BUILTIN_VARIANTS, **(variants or {})}
+        runs[1:1] = [(label, "dkfac", options) for label, options in extra.items()]
+    for label, library, options in runs:
         for fu, iu in ((1, 1), (10, 100)):
             for method in ("eigen", "inverse"):
                 key = f"{label}_{method}_{fu}_{iu}"
-                result.append(Configuration(key, library, method, fu, iu, precision))
+                keywords = tuple(sorted(options.items()))
+                result.append(Configuration(key, library, method, fu, iu, keywords))
     return result
 
 
@@ -121,7 +144,7 @@ def kfac_preconditioner(config: Configuration, model: nn.Module) -> Any:
             lr=LR,
             factor_update_steps=config.factor_update_steps,
             inv_update_steps=config.inv_update_steps,
-            statistics_precision=config.statistics_precision,
+            **dict(config.options),
         )
     kfac = importlib.import_module("kfac.preconditioner")
     return kfac.KFACPreconditioner(
@@ -133,10 +156,18 @@ def kfac_preconditioner(config: Configuration, model: nn.Module) -> Any:
     )
 
 
-def fresh_model(spec: ModelSpec, device: torch.device) -> tuple[nn.Module, torch.optim.SGD]:
-    """``spec``'s network from seed 0 on ``device``, and its SGD (every measurement's start)."""
+def fresh_model(
+    spec: ModelSpec, device: torch.device, channels_last: bool = False
+) -> tuple[nn.Module, torch.optim.SGD]:
+    """``spec``'s network from seed 0 on ``device``, and its SGD (every measurement's start).
+
+    ``channels_last``: the network's convolution weights in channels-last memory format (the
+    inputs must be too), as GPU users of convolutional networks often train them.
+    """
     torch.manual_seed(0)
     model = spec.build(spec.num_classes).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
@@ -157,9 +188,9 @@ def time_window(
     """Build a fresh model for ``config``, warm it up, time ``iters`` iterations."""
     if device.type == "cuda":  # each window's own peak, not the process's so far
         torch.cuda.reset_peak_memory_stats(device)
-    model, optimizer = fresh_model(spec, device)
-    pre = kfac_preconditioner(config, model) if config.library else None
     x, y = batch
+    model, optimizer = fresh_model(spec, device, x.is_contiguous(memory_format=CHANNELS_LAST))
+    pre = kfac_preconditioner(config, model) if config.library else None
 
     def iteration() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -201,7 +232,7 @@ def host_waits(spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor]) -> dic
     result: dict[str, Any] = {}
     x, y = batch
     for method in ("eigen", "inverse"):
-        model, optimizer = fresh_model(spec, x.device)
+        model, optimizer = fresh_model(spec, x.device, x.is_contiguous(memory_format=CHANNELS_LAST))
         pre = dkfac.KFACPreconditioner(
             model, inverse_method=method, lr=LR, factor_update_steps=10, inv_update_steps=100
         )
@@ -334,8 +365,9 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
 def verdicts(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Issue 17's targets on this summary (``met`` None where a side was not measured)."""
     result: dict[str, Any] = {}
-    for label in ("dkfac", "dkfac-bf16"):
-        suffix = "" if label == "dkfac" else "_bf16"
+    labels = sorted({key.split("_")[0] for key in summary if key.startswith("dkfac")})
+    for label in labels:
+        suffix = "" if label == "dkfac" else "_" + label.removeprefix("dkfac-")
         for method in ("eigen", "inverse"):
             periodic = summary.get(f"{label}_{method}_10_100")
             if periodic is not None:
@@ -395,6 +427,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="allow TF32 matmuls (torch.backends.cuda.matmul.allow_tf32), as many GPU users do",
     )
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="a dkfac variant: LABEL 'dkfac-<name>', JSON its KFACPreconditioner keywords "
+        "(e.g. dkfac-half='{\"statistics_fraction\": 0.5}'); repeatable",
+    )
+    parser.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="every configuration (SGD too) with the network and inputs in channels-last format",
+    )
     parser.add_argument("--out", default="runs/gpu_overhead", help="folder of the JSON")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny windows")
     return parser.parse_args(argv)
@@ -414,6 +460,8 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         "environment": environment(device),
         "kfac_pytorch": theirs or f"not measured: not importable {install_note}".strip(),
         "batch_size": args.batch_size,
+        "channels_last": args.channels_last,
+        "variants": {**BUILTIN_VARIANTS, **dict(args.variant)},
         "models": {},
     }
     for name in args.models.split(","):
@@ -421,8 +469,10 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
         size = args.image_size or spec.image_size
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(args.batch_size, 3, size, size, generator=generator).to(device)
+        if args.channels_last:
+            x = x.contiguous(memory_format=CHANNELS_LAST)
         y = torch.randint(0, spec.num_classes, (args.batch_size,), generator=generator).to(device)
-        configs = configurations(libraries)
+        configs = configurations(libraries, dict(args.variant))
         if args.configs:
             wanted = {"sgd", *args.configs.split(",")}
             configs = [c for c in configs if c.key in wanted]

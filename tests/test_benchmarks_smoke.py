@@ -13,6 +13,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from dkfac.bench.emulated_cluster import unavailable_reason
 from dkfac.bench.options import BenchOptions, add_bench_options, options_from_args
@@ -447,6 +449,44 @@ def test_gpu_overhead_quick_run_on_the_cpu_writes_every_row(
 
 
 @pytest.mark.slow
+def test_gpu_overhead_runs_named_variants_in_channels_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--variant`` adds dkfac rows with more keywords (passed to the preconditioner) and
+    ``--channels-last`` runs every row, SGD's too, in that format; a bad label is refused."""
+    bench = load_benchmark("gpu_overhead", monkeypatch)
+    monkeypatch.setattr(bench, "kfac_pytorch_version", lambda: None)
+    seen: list[dict[str, object]] = []
+    real = bench.dkfac.KFACPreconditioner
+
+    def spy(model: nn.Module, **kwargs: object) -> object:
+        first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        assert first.weight.is_contiguous(memory_format=torch.channels_last)
+        seen.append(kwargs)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(bench.dkfac, "KFACPreconditioner", spy)
+    variant = 'dkfac-half={"statistics_fraction": 0.5, "precondition_precision": "bf16"}'
+    argv = ["--device", "cpu", "--quick", "--models", "resnet32", "--batch-size", "4"]
+    configs = "dkfac-half_inverse_10_100,dkfac_inverse_10_100"
+    more = ["--channels-last", "--variant", variant, "--configs", configs, "--out", str(tmp_path)]
+    assert bench.main([*argv, *more]) == 0
+    report = json.loads((tmp_path / "gpu_overhead.json").read_text())
+    assert report["channels_last"] is True
+    assert report["variants"]["dkfac-half"] == {
+        "statistics_fraction": 0.5,
+        "precondition_precision": "bf16",
+    }
+    entry = report["models"]["resnet32"]
+    assert list(entry["summary"]) == ["sgd", "dkfac_inverse_10_100", "dkfac-half_inverse_10_100"]
+    assert entry["verdicts"]["amortised_inverse_half"]["target_pct"] == 10.0
+    assert [k.get("statistics_fraction") for k in seen] == [None, 0.5]
+    assert seen[1]["precondition_precision"] == "bf16"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variant", "half={}"])
+
+
+@pytest.mark.slow
 def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -456,8 +496,11 @@ def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
     bench = load_benchmark("gpu_breakdown", monkeypatch)
     monkeypatch.setattr(bench, "kfac_pytorch_version", lambda: None)
     argv = ["--device", "cpu", "--quick", "--models", "resnet32", "--methods", "inverse"]
-    assert bench.main([*argv, "--steps", "112", "--out", str(tmp_path)]) == 0
-    entry = json.loads((tmp_path / "gpu_breakdown.json").read_text())["models"]["resnet32"]
+    options = ["--options", '{"statistics_precision": "bf16"}', "--channels-last"]
+    assert bench.main([*argv, *options, "--steps", "112", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_breakdown.json").read_text())
+    assert report["options"] == {"statistics_precision": "bf16"} and report["channels_last"]
+    entry = report["models"]["resnet32"]
     steps = entry["steps_inverse"]
     assert steps["counted"] == {"plain": 9, "factors": 0, "decomposition": 0}  # 101 profiled
     assert steps["step_s"]["plain"] > 0 and steps["sgd_step_s"] > 0

@@ -13,8 +13,9 @@ from torch import nn
 import dkfac.curvature.factors as factors_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
-from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram, gram_with_ones
+from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
+from dkfac.curvature.gram import gram_with_ones, pixel_gram
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
 from dkfac.curvature.running_average import running_average, running_averages
 
@@ -78,26 +79,74 @@ def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> N
 
 
 @pytest.mark.parametrize("with_ones", [False, True])
-@pytest.mark.parametrize("dilation", [(1, 1), (2, 3)])
+@pytest.mark.parametrize(
+    ("dilation", "stride"), [((1, 1), (1, 1)), ((2, 3), (1, 1)), ((1, 1), (2, 3))]
+)
 def test_a_1x1_convolution_gram_is_its_pixels_gram(
-    with_ones: bool, dilation: tuple[int, int]
+    with_ones: bool, dilation: tuple[int, int], stride: tuple[int, int]
 ) -> None:
-    # The direct path for 1x1 kernels (no padding, stride 1) against brute-force patches;
-    # channels-last input too (its pixels are already rows).
-    x = torch.randn(3, 5, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    # The direct path for 1x1 kernels (no padding, any stride: every stride-th pixel) against
+    # brute-force patches; channels-last input too (its pixels are already rows), and a
+    # float32 input whose statistics are asked for in float64 (cast in the layout's copy).
+    x = torch.randn(3, 5, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected, expected_rows = brute_force_patch_gram(
-        x, (1, 1), dilation, (1, 1), (0, 0, 0, 0), with_ones
+        x, (1, 1), dilation, stride, (0, 0, 0, 0), with_ones
     )
-    for layout in (x, x.contiguous(memory_format=torch.channels_last)):
+    outputs = ((5 - 1) // stride[0] + 1) * ((7 - 1) // stride[1] + 1)
+    single = x.float()
+    for layout, dtype in [
+        (x, None),
+        (x.contiguous(memory_format=torch.channels_last), None),
+        (single, torch.float64),
+        (single.contiguous(memory_format=torch.channels_last), torch.float64),
+    ]:
         got, rows = conv2d_patch_gram(
             layout,
             kernel=(1, 1),
             dilation=dilation,
-            stride=(1, 1),
+            stride=stride,
             pad=(0, 0, 0, 0),
             with_ones=with_ones,
+            dtype=dtype,
         )
-        assert rows == expected_rows == 3 * 4 * 6
+        assert rows == expected_rows == 3 * outputs
+        assert got.dtype == torch.float64
+        if layout.dtype == torch.float64:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        else:  # exact products of the float32 values
+            rounded, _ = brute_force_patch_gram(
+                single.double(), (1, 1), dilation, stride, (0, 0, 0, 0), with_ones
+            )
+            torch.testing.assert_close(got, rounded, rtol=1e-12, atol=1e-12)
+
+
+def outer_product_sum(x: torch.Tensor, with_ones: bool) -> torch.Tensor:
+    """Σ [v, 1][v, 1]ᵀ over the channel vectors ``x[n, :, position]``, one by one in float64."""
+    grid = x.double().reshape(x.shape[0], x.shape[1], -1)
+    total = torch.zeros(x.shape[1] + with_ones, x.shape[1] + with_ones, dtype=torch.float64)
+    for n, position in itertools.product(range(grid.shape[0]), range(grid.shape[2])):
+        v = grid[n, :, position]
+        if with_ones:
+            v = torch.cat([v, v.new_ones(1)])
+        total += torch.outer(v, v)
+    return total
+
+
+@pytest.mark.parametrize("with_ones", [False, True])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6), (2, 3, 7), (1, 4, 3, 2), (4, 5)])
+def test_pixel_gram_sums_every_channel_vector_in_any_layout(
+    shape: tuple[int, ...], with_ones: bool
+) -> None:
+    # Channels-first (copied channel-major), channels-last (a view), a non-contiguous input,
+    # and float32 values cast to float64 in the layout's copy (their exact products).
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    layouts = [x, x.float(), x.movedim(1, -1).contiguous().movedim(-1, 1)]
+    if len(shape) == 4:
+        layouts.append(x.transpose(2, 3).contiguous().transpose(2, 3))
+    for layout in layouts:
+        got, rows = pixel_gram(layout, torch.float64, with_ones)
+        assert rows == x.numel() // shape[1] and got.dtype == torch.float64
+        expected = outer_product_sum(layout, with_ones)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 

@@ -52,7 +52,10 @@ def test_the_adaptive_example_runs_after_the_quickstart_and_learns() -> None:
     assert all(code is not None for code in codes)
     namespace: dict[str, object] = {}
     # The README's code draws its initial weights unseeded; seeded here so that the check is
-    # one fixed run (over 20 seeds the second pass ends at 84-97% accuracy, 19 of 20 > 90%).
+    # one run. Its bits still depend on the torch build: seed 0 ends at 92.2% with torch 2.13
+    # here and 89.0% with torch 2.11 on the GPU machine; over seeds 0-19 (2026-11-28) the
+    # second pass ends at 83.8-98.1%, so the bound is 80% (a diverged or untrained model
+    # sits near 10%).
     torch.manual_seed(0)
     for index, code in enumerate(codes):
         assert code is not None
@@ -63,4 +66,4 @@ def test_the_adaptive_example_runs_after_the_quickstart_and_learns() -> None:
     assert pre.steps == 28 and pre.adaptive_report is not None
     assert all(p.grad is None for p in model.parameters())  # every layer moved by K-FAC
     accuracy = (model(x).argmax(-1) == y).float().mean().item()
-    assert accuracy > 0.9, accuracy  # a second pass, adaptive
+    assert accuracy > 0.8, accuracy  # a second pass, adaptive

@@ -18,7 +18,7 @@ import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.block_types import make_block
 from dkfac.curvature.blocks import FactorStatistic, LinearBlock
-from dkfac.curvature.factors import GramPrecision
+from dkfac.curvature.gram import GramPrecision
 from test_layer_blocks import Conv1D
 
 BF16 = GramPrecision("bf16")

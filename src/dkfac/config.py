@@ -17,7 +17,7 @@ import torch
 
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
-from dkfac.curvature.factors import GramPrecision
+from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options

@@ -11,7 +11,7 @@ from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockFactory, asked_for, make_block
 from dkfac.curvature.blocks import UnsupportedLayerError
 from dkfac.curvature.factor_side import largest_dense_side
-from dkfac.curvature.factors import GramPrecision
+from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_table import SkippedModule
 

@@ -25,7 +25,7 @@ from dkfac.cli.config_values import (
 )
 from dkfac.cli.config_values import ConfigError as ConfigError
 from dkfac.cli.device import AMP_MODES, DEVICES
-from dkfac.curvature.factors import STATISTICS_PRECISIONS
+from dkfac.curvature.gram import STATISTICS_PRECISIONS
 from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
 from dkfac.strategies.registry import KAISAOptions, strategy_names
 

@@ -29,13 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.curvature.factors import (
-    HIGHEST,
-    GramPrecision,
-    ShiftedGramPlans,
-    conv2d_patch_gram,
-    gram_with_ones,
-)
+from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
+from dkfac.curvature.gram import HIGHEST, GramPrecision, gram_with_ones, pixel_gram
 
 
 class UnsupportedLayerError(ValueError):
@@ -59,8 +54,8 @@ class KroneckerBlock(ABC):
         g_dim: side of ``G`` (output features).
         precision: how the statistics' products are formed (``statistics_precision``, set
             by the preconditioner): a block forms its operands with ``precision.operands``
-            and its products with ``precision.mm`` or the Gram helpers of
-            :mod:`dkfac.curvature.factors`.
+            (or casts to ``precision.operand_dtype`` in a copy it makes anyway) and its
+            products with ``precision.mm`` or the Gram helpers of :mod:`dkfac.curvature.gram`.
     """
 
     kind: str = "?"
@@ -221,7 +216,6 @@ class Conv2dBlock(KroneckerBlock):
         """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
         if x.dim() == 3:  # unbatched (C, H, W)
             x = x.unsqueeze(0)
-        x = self.precision.operands(x, dtype)
         zero_padded = self.conv.padding_mode == "zeros"
         total, rows = conv2d_patch_gram(
             x if zero_padded else self.padded_input(x),
@@ -232,6 +226,7 @@ class Conv2dBlock(KroneckerBlock):
             with_ones=self.has_bias,
             plans=self.gram_plans,
             precision=self.precision,
+            dtype=dtype,
         )
         return FactorStatistic(total, rows, int(x.shape[0]))
 
@@ -239,9 +234,8 @@ class Conv2dBlock(KroneckerBlock):
         """``Σ dy dyᵀ`` over every output position of every example."""
         if dy.dim() == 3:
             dy = dy.unsqueeze(0)
-        examples, channels = int(dy.shape[0]), int(dy.shape[1])
-        flat = self.precision.operands(dy, dtype).transpose(0, 1).reshape(channels, -1)
-        return FactorStatistic(self.precision.mm(flat, flat.t()), flat.shape[1], examples)
+        total, rows = pixel_gram(dy, dtype, False, self.precision)
+        return FactorStatistic(total, rows, int(dy.shape[0]))
 
 
 class Conv1dBlock(Conv2dBlock):

@@ -126,12 +126,14 @@ class CholeskyFactor(FactorDecomposition):
         # exactly symmetric. On the CPU, ATen mirrors LAPACK's one computed triangle onto the
         # other, column-major: the transpose is the same matrix, row-major, without a copy.
         # cuSOLVER's and MAGMA's inverses solve column by column (x_ij and x_ji round apart):
-        # (X + Xᵀ)/2 is exactly symmetric (addition commutes).
+        # (X + Xᵀ)/2 is exactly symmetric (addition commutes), written row-major (their X is
+        # column-major, and a sum takes its first operand's layout).
         inverse = torch.cholesky_inverse(factor)
         if inverse.device.type == "cpu":
             inverse = inverse.mT if inverse.mT.is_contiguous() else inverse.contiguous()
         else:
-            inverse = (inverse + inverse.mT) * 0.5
+            symmetric = torch.empty_like(inverse, memory_format=torch.contiguous_format)
+            inverse = torch.add(inverse, inverse.mT, out=symmetric).mul_(0.5)
         ((name, _, _),) = cls.layout(side, matrix.shape[0])
         ok = all_finite(inverse) & (info == 0)
         return cls(side, {name: inverse}, ok)

@@ -1,4 +1,4 @@
-"""Gram matrices of layer statistics, and the precision of their products.
+"""The Gram of a 2-D convolution's im2col patches, without forming im2col where it can.
 
 These are the hot loops of K-FAC (an im2col Gram costs several forward passes of the layer),
 so they avoid copies and exploit symmetry where PyTorch lets them.
@@ -13,86 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-#: What ``statistics_precision`` may be (:class:`GramPrecision`).
-STATISTICS_PRECISIONS = ("highest", "bf16")
-#: Whether CUDA's ``mm`` takes ``out_dtype`` (bfloat16 operands, float32 products; torch 2.8
-#: on): older versions form the same products by the emulation other devices use.
-CUDA_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
-
-
-@dataclass(frozen=True)
-class GramPrecision:
-    """How the products of a factor's statistics are computed.
-
-    ``"highest"``: in the statistics' dtype (``factor_dtype``), as PyTorch's matrix product
-    computes it there. ``"bf16"``: the operands rounded to bfloat16 and their products summed
-    and returned in float32, which tensor cores run several times faster than float32 products
-    (on CUDA one ``mm`` with a float32 output; other devices form the same products of the
-    rounded operands in float32, slower, so that CPU tests check the same arithmetic). A
-    product of rounded operands is off by up to 2⁻⁸ relatively; a diagonal entry's error
-    averages down over the rows, an off-diagonal one of weakly correlated features stays near
-    10⁻³: far below a mini-batch estimate's sampling noise, but an approximation the user
-    must ask for.
-
-    Attributes:
-        name: one of :data:`STATISTICS_PRECISIONS`.
-    """
-
-    name: str = "highest"
-
-    def __post_init__(self) -> None:
-        if self.name not in STATISTICS_PRECISIONS:
-            raise ValueError(
-                f"statistics_precision={self.name!r} is not allowed: expected one of "
-                f"{', '.join(map(repr, STATISTICS_PRECISIONS))}"
-            )
-
-    def operands(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """``x`` as the products' operands: in ``dtype``, or rounded to bfloat16."""
-        return x.to(torch.bfloat16 if self.name == "bf16" else dtype)
-
-    def mm(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones."""
-        if self.name != "bf16":
-            return a @ b
-        if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return a.float() @ b.float()
-
-    def output_dtype(self, operands: torch.dtype) -> torch.dtype:
-        """Dtype of the products of operands of dtype ``operands``."""
-        return torch.float32 if self.name == "bf16" else operands
-
-    def sum_rows(self, rows: Tensor) -> Tensor:
-        """Column sums of ``rows`` in the products' output dtype."""
-        return rows.sum(dim=0, dtype=self.output_dtype(rows.dtype))
-
-
-#: Products in the statistics' own dtype (the default).
-HIGHEST = GramPrecision()
-
-
-def gram_with_ones(rows: Tensor, with_ones: bool, precision: GramPrecision = HIGHEST) -> Tensor:
-    """``Σ_r [x_r, 1][x_r, 1]ᵀ`` for the rows ``x_r`` of a 2-D tensor.
-
-    The appended constant is never materialised: its row of the Gram is the column sum and its
-    corner the row count, so no ``(R, d+1)`` copy of the input is made.
-    """
-    core = precision.mm(rows.t(), rows)
-    if not with_ones:
-        return core
-    return bordered_gram(core, precision.sum_rows(rows), rows.shape[0])
-
-
-def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
-    """``[[core, sums], [sumsᵀ, count]]``: the Gram of rows extended by a constant 1."""
-    d = core.shape[0]
-    out = core.new_empty(d + 1, d + 1)
-    out[:d, :d] = core
-    out[d, :d] = sums
-    out[:d, d] = sums
-    out[d, d] = count
-    return out
+from dkfac.curvature.gram import HIGHEST, GramPrecision, bordered_gram, gram_with_ones, pixel_gram
 
 
 def conv2d_patch_gram(
@@ -105,6 +26,7 @@ def conv2d_patch_gram(
     with_ones: bool,
     plans: ShiftedGramPlans | None = None,
     precision: GramPrecision = HIGHEST,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
@@ -117,17 +39,21 @@ def conv2d_patch_gram(
         with_ones: append a constant 1 to every patch (the bias input).
         plans: the layer's cache of stride-1 index plans; with it, a repeated input size reads
             nothing back from the device. ``None`` plans afresh on every call.
-        precision: how the products are formed (``x`` already holds their operands).
+        precision: how the products are formed.
+        dtype: the statistics' dtype (``factor_dtype``; ``None``: ``x``'s). The operands,
+            ``precision.operand_dtype(dtype)``, are cast in the copy that lays ``x`` out.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
-    if kernel == (1, 1) and stride == (1, 1) and pad == (0, 0, 0, 0):
-        # A 1x1 convolution's patches are its input pixels: their Gram, no plan or blocks
-        # (one copy of the input instead of a zeroed layout, a copy and block scatters).
-        pixels = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-        return gram_with_ones(pixels, with_ones, precision), pixels.shape[0]
+    operand = precision.operand_dtype(x.dtype if dtype is None else dtype)
+    if kernel == (1, 1) and pad == (0, 0, 0, 0):
+        # A 1x1 convolution's patches are its input pixels (every stride-th): their Gram, no
+        # plan or blocks (one copy of the input instead of a zeroed layout, a copy and block
+        # scatters, or im2col).
+        pixels = x if stride == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
+        return pixel_gram(pixels, operand, with_ones, precision)
     if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
         if not torch.compiler.is_compiling():
@@ -136,14 +62,14 @@ def conv2d_patch_gram(
                 if plans is None
                 else plans.get(geometry, x.device)
             )
-            return _shifted_patch_gram(x, plan, with_ones, precision)
+            return _shifted_patch_gram(x, plan, with_ones, precision, operand)
         # Inside torch.compile's tracing, making a plan (unique, nonzero: data-dependent
         # shapes) would break the graph; one made before, outside it, traces whole. Without
         # one, the im2col product (same Gram, other rounding) does.
         cached = None if plans is None else plans.cached(geometry, x.device)
         if cached is not None:
-            return _shifted_patch_gram(x, cached, with_ones, precision)
-    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones, precision)
+            return _shifted_patch_gram(x, cached, with_ones, precision, operand)
+    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones, precision, operand)
 
 
 def _strided_patch_gram(
@@ -154,6 +80,7 @@ def _strided_patch_gram(
     pad: tuple[int, int, int, int],
     with_ones: bool,
     precision: GramPrecision,
+    operand: torch.dtype,
 ) -> tuple[Tensor, int]:
     """Patch Gram through an explicit im2col matrix, for any stride.
 
@@ -164,7 +91,7 @@ def _strided_patch_gram(
     n, c, h, w = x.shape
     kh, kw = kernel
     left, right, top, bottom = pad
-    padded = x.new_zeros(n, h + top + bottom, w + left + right, c)
+    padded = x.new_zeros(n, h + top + bottom, w + left + right, c, dtype=operand)
     padded[:, top : top + h, left : left + w] = x.permute(0, 2, 3, 1)
     h_out = (padded.shape[1] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     w_out = (padded.shape[2] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
@@ -334,7 +261,11 @@ class ShiftedGramPlans:
 
 
 def _shifted_patch_gram(
-    x: Tensor, plan: ShiftedGramPlan, with_ones: bool, precision: GramPrecision
+    x: Tensor,
+    plan: ShiftedGramPlan,
+    with_ones: bool,
+    precision: GramPrecision,
+    operand: torch.dtype,
 ) -> tuple[Tensor, int]:
     """Patch Gram of a stride-1 convolution without materialising im2col.
 
@@ -349,7 +280,7 @@ def _shifted_patch_gram(
     nothing is read back from the device here.
     """
     n, c, h, w = x.shape
-    out_dtype = precision.output_dtype(x.dtype)
+    out_dtype = precision.output_dtype(operand)
     kh, kw = plan.geometry.kernel
     h_out, w_out, hp, wp = plan.h_out, plan.w_out, plan.hp, plan.wp
     rows = n * h_out * w_out
@@ -360,8 +291,9 @@ def _shifted_patch_gram(
     shifts = plan.shifts
     # Positions-major layout: a GEMM reads it transposed for free, and gathering positions
     # gathers contiguous channel vectors.
-    flat = x.new_zeros(span + plan.max_offset, c)
-    flat[:span].view(n, hp, wp, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
+    flat = x.new_zeros(span + plan.max_offset, c, dtype=operand)
+    image = flat[:span].view(n, hp, wp, c)[:, :h, :w]
+    image.copy_(x.permute(0, 2, 3, 1))  # cast to the operands' dtype in the same copy
     base = flat[:span].t()
     full = torch.stack([precision.mm(base, flat[o : o + span]) for o in plan.offset_list])
 
@@ -390,5 +322,5 @@ def _shifted_patch_gram(
         return gram, rows
     # Bias row: the patch sums, i.e. channel sums over each offset's window.
     inside = plan.inside.to(out_dtype)  # (kh·kw, h, w)
-    sums = torch.einsum("chw,uhw->cu", x.sum(0, dtype=out_dtype), inside).reshape(-1)
+    sums = torch.einsum("hwc,uhw->cu", image.sum(0, dtype=out_dtype), inside).reshape(-1)
     return bordered_gram(gram, sums, rows), rows

@@ -24,7 +24,10 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """
     tensors = list(tensors)
     if tensors and tensors[0].device.type != "cpu":
-        peaks = torch._foreach_norm(tensors, float("inf"))
+        # An empty tensor is finite; the infinity norm has no identity to give it, so it
+        # is checked as one zero.
+        checked = [tensor if tensor.numel() else tensor.new_zeros(1) for tensor in tensors]
+        peaks = torch._foreach_norm(checked, float("inf"))
         return torch.isfinite(torch.stack([peak.float() for peak in peaks]))
     return torch.stack([_extremes_finite(tensor) for tensor in tensors])
 

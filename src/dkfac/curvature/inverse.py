@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_decomposition import FactorDecomposition, decompose_factor
-from dkfac.curvature.factors import CUDA_MM_OUT_DTYPE
+from dkfac.curvature.gram import CUDA_MM_OUT_DTYPE
 
 #: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
 FACTOR_SIDES: tuple[str, str] = ("a", "g")

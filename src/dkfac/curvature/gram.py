@@ -1,0 +1,138 @@
+"""Gram matrices of rows and of pixel vectors, and the precision of their products.
+
+The statistics of every K-FAC factor are such Grams (a convolution's patch Gram builds on them
+in :mod:`dkfac.curvature.factors`). Their inputs are a layer's activations or output
+gradients, the largest tensors K-FAC reads, so each is laid out for its product in one copy
+that also casts it to the products' operand dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: What ``statistics_precision`` may be (:class:`GramPrecision`).
+STATISTICS_PRECISIONS = ("highest", "bf16")
+#: Whether CUDA's ``mm`` takes ``out_dtype`` (bfloat16 operands, float32 products; torch 2.8
+#: on): older versions form the same products by the emulation other devices use.
+CUDA_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
+
+
+@dataclass(frozen=True)
+class GramPrecision:
+    """How the products of a factor's statistics are computed.
+
+    ``"highest"``: in the statistics' dtype (``factor_dtype``), as PyTorch's matrix product
+    computes it there. ``"bf16"``: the operands rounded to bfloat16 and their products summed
+    and returned in float32, which tensor cores run several times faster than float32 products
+    (on CUDA one ``mm`` with a float32 output; other devices form the same products of the
+    rounded operands in float32, slower, so that CPU tests check the same arithmetic). A
+    product of rounded operands is off by up to 2⁻⁸ relatively; a diagonal entry's error
+    averages down over the rows, an off-diagonal one of weakly correlated features stays near
+    10⁻³: far below a mini-batch estimate's sampling noise, but an approximation the user
+    must ask for.
+
+    Attributes:
+        name: one of :data:`STATISTICS_PRECISIONS`.
+    """
+
+    name: str = "highest"
+
+    def __post_init__(self) -> None:
+        if self.name not in STATISTICS_PRECISIONS:
+            raise ValueError(
+                f"statistics_precision={self.name!r} is not allowed: expected one of "
+                f"{', '.join(map(repr, STATISTICS_PRECISIONS))}"
+            )
+
+    def operand_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The products' operand dtype for statistics of dtype ``dtype``: it, or bfloat16."""
+        return torch.bfloat16 if self.name == "bf16" else dtype
+
+    def operands(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``x`` as the products' operands: in ``dtype``, or rounded to bfloat16."""
+        return x.to(self.operand_dtype(dtype))
+
+    def mm(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones."""
+        if self.name != "bf16":
+            return a @ b
+        if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return a.float() @ b.float()
+
+    def output_dtype(self, operands: torch.dtype) -> torch.dtype:
+        """Dtype of the products of operands of dtype ``operands``."""
+        return torch.float32 if self.name == "bf16" else operands
+
+    def sum_rows(self, rows: Tensor, dim: int = 0) -> Tensor:
+        """Sums of ``rows`` over ``dim`` (the rows: column sums) in the products' dtype."""
+        return rows.sum(dim=dim, dtype=self.output_dtype(rows.dtype))
+
+
+#: Products in the statistics' own dtype (the default).
+HIGHEST = GramPrecision()
+
+
+def gram_with_ones(rows: Tensor, with_ones: bool, precision: GramPrecision = HIGHEST) -> Tensor:
+    """``Σ_r [x_r, 1][x_r, 1]ᵀ`` for the rows ``x_r`` of a 2-D tensor.
+
+    The appended constant is never materialised: its row of the Gram is the column sum and its
+    corner the row count, so no ``(R, d+1)`` copy of the input is made.
+    """
+    core = precision.mm(rows.t(), rows)
+    if not with_ones:
+        return core
+    return bordered_gram(core, precision.sum_rows(rows), rows.shape[0])
+
+
+def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
+    """``[[core, sums], [sumsᵀ, count]]``: the Gram of rows extended by a constant 1."""
+    d = core.shape[0]
+    out = core.new_empty(d + 1, d + 1)
+    out[:d, :d] = core
+    out[d, :d] = sums
+    out[:d, d] = sums
+    out[d, d] = count
+    return out
+
+
+def pixel_gram(
+    x: Tensor, dtype: torch.dtype, with_ones: bool, precision: GramPrecision = HIGHEST
+) -> tuple[Tensor, int]:
+    """``Σ [v, 1][v, 1]ᵀ`` over the channel vectors ``v`` of every position of every example.
+
+    The ``G`` statistic of a convolution and the ``A`` statistic of a 1x1 one, whose patches
+    are its input's pixels. ``x`` is ``(N, C, *spatial)`` in any dtype; its operands are cast
+    to ``precision.operand_dtype(dtype)`` in the same copy that lays them out. A
+    channels-first input goes to ``(C, N·positions)``: each example's channel planes move
+    whole, so that copy reads and writes contiguous runs (the ``(positions, C)`` rows would
+    be a strided gather, several times slower on a GPU). A channels-last input's rows are
+    already a view: only cast.
+
+    Args:
+        x: ``(N, C, *spatial)`` activations or output gradients.
+        dtype: the statistics' dtype (``factor_dtype``).
+        with_ones: append a constant 1 to every vector (the bias input).
+        precision: how the products are formed.
+
+    Returns:
+        The ``(C [+1])`` square Gram and the number of vectors ``N·positions``.
+    """
+    channels = int(x.shape[1])
+    operand = precision.operand_dtype(dtype)
+    last = x.movedim(1, -1)
+    # Under torch.compile the layout is the compiler's to choose (and a gradient hook may not
+    # branch on strides: that breaks the graph), so only eager code takes the free view.
+    if x.dim() > 2 and not torch.compiler.is_compiling() and last.is_contiguous():
+        rows = last.reshape(-1, channels).to(operand)
+        return gram_with_ones(rows, with_ones, precision), int(rows.shape[0])
+    planes = x.transpose(0, 1).to(operand, memory_format=torch.contiguous_format)
+    planes = planes.reshape(channels, -1)
+    core = precision.mm(planes, planes.t())
+    count = int(planes.shape[1])
+    if not with_ones:
+        return core, count
+    return bordered_gram(core, precision.sum_rows(planes, dim=1), count), count
