@@ -9,6 +9,8 @@
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32);
 #   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before).
+# The boxes add up to 620 s (one command may run 600: shorten them, or drop a part, to fit);
+# on an H200 (2026-11-28) the install and parts 1, 2 and 4 took 210 s together, part 5 ~260 s.
 # Uses the machine's own python3 with torch (no network there: the project is installed
 # without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
 # as $KFAC_PYTORCH, or from the network where there is one).
@@ -18,11 +20,11 @@
 set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
-TF32_S=${TF32_S:-140}
-DEFAULT_S=${DEFAULT_S:-70}
-CHANNELS_LAST_S=${CHANNELS_LAST_S:-50}
-BREAKDOWN_S=${BREAKDOWN_S:-55}
-SUITE_S=${SUITE_S:-230}
+TF32_S=${TF32_S:-130}
+DEFAULT_S=${DEFAULT_S:-60}
+CHANNELS_LAST_S=${CHANNELS_LAST_S:-100}
+BREAKDOWN_S=${BREAKDOWN_S:-50}
+SUITE_S=${SUITE_S:-280}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
