@@ -45,6 +45,7 @@ from gpu_overhead import (
     fresh_model,
     install_kfac_pytorch,
     kfac_pytorch_version,
+    parse_options,
     synchronize,
 )
 
@@ -67,15 +68,15 @@ def step_kinds(
     steps: int,
     out: Path,
     options: dict[str, Any] | None = None,
+    channels_last: bool = False,
 ) -> dict[str, Any]:
     """Each step of a ``(10, 100)`` dkfac run timed alone, by kind; SGD's step alongside.
 
-    ``options``: more KFACPreconditioner keywords. A channels-last batch puts the network in
-    channels-last format too (SGD's and dkfac's).
+    ``options``: more KFACPreconditioner keywords; ``channels_last``: the network (SGD's and
+    dkfac's) in that format (the batch must be too).
     """
     x, y = batch
     device = x.device
-    channels_last = x.is_contiguous(memory_format=CHANNELS_LAST)
     model, optimizer = fresh_model(spec, device, channels_last)
 
     def sgd_step() -> None:
@@ -175,11 +176,20 @@ def profile_step(
     stem.with_suffix(".json").write_text(json.dumps(phases, indent=1))
 
 
-def warm_factors(spec: ModelSpec, batch: Batch, steps: int) -> list[torch.Tensor]:
-    """The running factors of dkfac (both sides of every layer) after ``steps`` factor updates."""
+def warm_factors(
+    spec: ModelSpec,
+    batch: Batch,
+    steps: int,
+    options: dict[str, Any] | None = None,
+    channels_last: bool = False,
+) -> list[torch.Tensor]:
+    """The running factors of dkfac (both sides of every layer) after ``steps`` updates.
+
+    ``options`` and ``channels_last`` as for :func:`step_kinds`.
+    """
     x, y = batch
-    model, optimizer = fresh_model(spec, x.device)
-    pre = dkfac.KFACPreconditioner(model, lr=LR, inv_update_steps=10**6)
+    model, optimizer = fresh_model(spec, x.device, channels_last)
+    pre = dkfac.KFACPreconditioner(model, lr=LR, inv_update_steps=10**6, **(options or {}))
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
@@ -215,6 +225,21 @@ def decomposition_variants(factors: list[torch.Tensor]) -> dict[str, float]:
         lower, _ = torch.linalg.cholesky_ex(m)
         return torch.cholesky_inverse(lower)
 
+    def triangular_solve_and_product(m: torch.Tensor) -> torch.Tensor:
+        # The same inverse as L⁻ᵀ L⁻¹: one triangular solve and one product (as LAPACK's
+        # potri), against CUDA's cholesky_inverse, which solves against the identity. In IEEE
+        # float32 whatever --tf32 says: a TF32 product would lose the inverse's accuracy.
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            lower, _ = torch.linalg.cholesky_ex(m)
+            eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).expand_as(m)
+            lower_inverse = torch.linalg.solve_triangular(lower, eye, upper=False)
+            inverse: torch.Tensor = lower_inverse.mT @ lower_inverse
+            return inverse
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
     variants: dict[str, Callable[[], Any]] = {
         "eigh_one_at_a_time": lambda: [torch.linalg.eigh(f) for f in factors],
         "eigh_batched_by_size": lambda: [
@@ -223,6 +248,9 @@ def decomposition_variants(factors: list[torch.Tensor]) -> dict[str, float]:
         "cholesky_inverse_one_at_a_time": lambda: [cholesky_inverse(m) for m in positive],
         "cholesky_inverse_batched_by_size": lambda: [
             cholesky_inverse(torch.stack(g)) for g in positive_groups.values()
+        ],
+        "triangular_solve_and_product_one_at_a_time": lambda: [
+            triangular_solve_and_product(m) for m in positive
         ],
         "inv_ex_one_at_a_time": lambda: [torch.linalg.inv_ex(m) for m in positive],
         "inv_ex_batched_by_size": lambda: [
@@ -289,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tf32-only", action="store_true", help="run the step kinds with TF32 matmuls only"
     )
     parser.add_argument(
-        "--options", type=json.loads, default={}, help="more dkfac keywords, a JSON object"
+        "--options", type=parse_options, default={}, help="more dkfac keywords, a JSON object"
     )
     parser.add_argument(
         "--channels-last", action="store_true", help="network and inputs in channels-last"
@@ -337,21 +365,29 @@ def main(argv: list[str] | None = None) -> int:
         parts = args.parts.split(",")
         for method in args.methods.split(",") if "steps" in parts else []:
             label = f"steps_{method}" + ("_tf32" if args.tf32_only else "")
-            entry[label] = step_kinds(spec, method, (x, y), args.steps, out, args.options)
+            entry[label] = step_kinds(
+                spec, method, (x, y), args.steps, out, args.options, args.channels_last
+            )
             print(name, method, entry[label], flush=True)
             path.write_text(json.dumps(result, indent=1))
             if args.tf32 and not args.tf32_only and device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True
                 try:
                     entry[f"steps_{method}_tf32"] = step_kinds(
-                        spec, method, (x, y), args.steps, out / "tf32", args.options
+                        spec,
+                        method,
+                        (x, y),
+                        args.steps,
+                        out / "tf32",
+                        args.options,
+                        args.channels_last,
                     )
                 finally:
                     torch.backends.cuda.matmul.allow_tf32 = False
                 print(name, method, "tf32", entry[f"steps_{method}_tf32"], flush=True)
         if "decompositions" not in parts and "kfac-pytorch" not in parts:
             continue
-        factors = warm_factors(spec, (x, y), args.warm_steps)
+        factors = warm_factors(spec, (x, y), args.warm_steps, args.options, args.channels_last)
         entry["factor_sizes"] = sorted(f.shape[0] for f in factors)
         if "decompositions" in parts:
             entry["decompositions_s"] = decomposition_variants(factors)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (bf16 statistics; bf16 statistics and preconditioning; the latter with statistics from
-#      half of the batch), interleaved rounds, while the GPU is quiet;
+#      (bf16 statistics; bf16 statistics and preconditioning with statistics from half, and
+#      from an eighth, of the batch: dkfac.fast_to_target's share), interleaved rounds, while
+#      the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
 #      with kfac-pytorch in the same run;
 #   3. ResNet-50 in channels-last format (TF32), SGD in the same format;
-#   4. the step kinds and profiler tables of the bf16 configuration (TF32);
+#   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
+#      decompose its warm factors;
 #   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before).
-# The boxes add up to 620 s (one command may run 600: shorten them, or drop a part, to fit);
+# The boxes add up to 645 s (one command may run 600: shorten them, or drop a part, to fit);
 # on an H200 (2026-11-28) the install and parts 1, 2 and 4 took 210 s together, part 5 ~260 s.
 # Uses the machine's own python3 with torch (no network there: the project is installed
 # without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
@@ -23,7 +25,7 @@ KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
 TF32_S=${TF32_S:-130}
 DEFAULT_S=${DEFAULT_S:-60}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-100}
-BREAKDOWN_S=${BREAKDOWN_S:-50}
+BREAKDOWN_S=${BREAKDOWN_S:-75}
 SUITE_S=${SUITE_S:-280}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
@@ -39,7 +41,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 bf16='{"statistics_precision": "bf16"}'
 fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
 half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
-variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half")
+eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
+variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth")
 bench() {  # seconds, name, then gpu_overhead.py's arguments
   local seconds=$1 name=$2
   shift 2
@@ -51,14 +54,14 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments
   grep -A30 "^resnet50" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-fast_inverse_10_100,dkfac-half_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
   --configs dkfac_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
-  --configs dkfac-bf16_inverse_10_100,dkfac-fast_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100
 echo "== breakdown: ResNet-50, inverse, bf16 statistics, TF32"
 timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resnet50 \
-  --methods inverse --parts steps --tf32-only --options "$bf16" --out "$OUT/breakdown" \
+  --methods inverse --parts steps,decompositions --tf32-only --options "$bf16" --out "$OUT/breakdown" \
   > "$OUT/breakdown.log" 2>&1
 echo "exit $?"; tail -3 "$OUT/breakdown.log" | cut -c1-600
 echo "== make test's selection (cuda tests included), $WORKERS workers"

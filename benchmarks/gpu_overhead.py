@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dkfac
-from dkfac.bench.configs import git_commit
+from dkfac.bench.configs import git_commit, source_digest
 from dkfac.bench.cuda_syncs import cuda_syncs
 from dkfac.models.imagenet_resnet import resnet50
 from dkfac.models.resnet import resnet32
@@ -99,6 +99,26 @@ class Configuration:
 BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {"dkfac-bf16": {"statistics_precision": "bf16"}}
 
 
+#: The keywords every configuration sets itself (a variant may not).
+FIXED_KEYWORDS = ("inverse_method", "lr", "factor_update_steps", "inv_update_steps")
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """A JSON object of more KFACPreconditioner keywords, none of :data:`FIXED_KEYWORDS`."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object of keywords")
+    fixed = sorted(set(parsed) & set(FIXED_KEYWORDS))
+    if fixed:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {', '.join(fixed)} set by every configuration, not by a variant"
+        )
+    return parsed
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """``LABEL=JSON`` (``--variant``): a dkfac variant's label and its keyword options."""
     label, sep, options = text.partition("=")
@@ -106,10 +126,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
         raise argparse.ArgumentTypeError(
             f"--variant {text!r}: expected LABEL=JSON with LABEL 'dkfac-<name>' (no '_')"
         )
-    parsed = json.loads(options)
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"--variant {text!r}: the options must be a JSON object")
-    return label, parsed
+    return label, parse_options(options)
 
 
 def configurations(
@@ -184,12 +201,16 @@ def time_window(
     device: torch.device,
     warmup: int,
     iters: int,
+    channels_last: bool = False,
 ) -> dict[str, Any]:
-    """Build a fresh model for ``config``, warm it up, time ``iters`` iterations."""
+    """Build a fresh model for ``config``, warm it up, time ``iters`` iterations.
+
+    ``channels_last``: the network in that format (the batch must be too).
+    """
     if device.type == "cuda":  # each window's own peak, not the process's so far
         torch.cuda.reset_peak_memory_stats(device)
     x, y = batch
-    model, optimizer = fresh_model(spec, device, x.is_contiguous(memory_format=CHANNELS_LAST))
+    model, optimizer = fresh_model(spec, device, channels_last)
     pre = kfac_preconditioner(config, model) if config.library else None
 
     def iteration() -> torch.Tensor:
@@ -227,12 +248,14 @@ def time_window(
     }
 
 
-def host_waits(spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+def host_waits(
+    spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor], channels_last: bool = False
+) -> dict[str, Any]:
     """Dkfac's host waits per kind of step of the (10, 100) schedule, both methods (CUDA)."""
     result: dict[str, Any] = {}
     x, y = batch
     for method in ("eigen", "inverse"):
-        model, optimizer = fresh_model(spec, x.device, x.is_contiguous(memory_format=CHANNELS_LAST))
+        model, optimizer = fresh_model(spec, x.device, channels_last)
         pre = dkfac.KFACPreconditioner(
             model, inverse_method=method, lr=LR, factor_update_steps=10, inv_update_steps=100
         )
@@ -335,6 +358,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     env: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
+        "source_sha256": source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": str(device),
@@ -489,7 +513,9 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
                     warmup, iters = config.factor_update_steps, config.inv_update_steps
                 else:
                     warmup, iters = args.every_step_warmup, args.every_step_iters
-                windows[config.key] = time_window(spec, config, (x, y), device, warmup, iters)
+                windows[config.key] = time_window(
+                    spec, config, (x, y), device, warmup, iters, args.channels_last
+                )
                 print(f"  {name} {config.key}: {1000 * windows[config.key]['amortized_s']:.1f} ms")
             rounds.append({c.key: windows[c.key] for c in configs})
         summary = summarize(rounds)
@@ -507,7 +533,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
             print(f"  {name} eigh probe: {entry['eigh_probe']}")
             save(result)
         if device.type == "cuda" and name in args.host_waits.split(","):
-            entry["host_waits"] = host_waits(spec, (x, y))
+            entry["host_waits"] = host_waits(spec, (x, y), args.channels_last)
             print(f"  {name} host waits per step: {entry['host_waits']}")
             save(result)
     return result

@@ -505,9 +505,12 @@ def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
     assert steps["counted"] == {"plain": 9, "factors": 0, "decomposition": 0}  # 101 profiled
     assert steps["step_s"]["plain"] > 0 and steps["sgd_step_s"] > 0
     assert set(entry["decompositions_s"]) == {
-        f"{kind}_{how}"
-        for kind in ("eigh", "cholesky_inverse", "inv_ex")
-        for how in ("one_at_a_time", "batched_by_size")
+        *(
+            f"{kind}_{how}"
+            for kind in ("eigh", "cholesky_inverse", "inv_ex")
+            for how in ("one_at_a_time", "batched_by_size")
+        ),
+        "triangular_solve_and_product_one_at_a_time",
     }
     assert len(entry["factor_sizes"]) == 2 * 34
     for kind in ("plain", "factors", "decomposition"):

@@ -4,6 +4,7 @@ spd/pad vs dkfac target on hand-made rows."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -36,6 +37,7 @@ from dkfac.bench.configs import (
     environment,
     git_commit,
     mlp6,
+    source_digest,
 )
 from dkfac.bench.models import LM_SEQ_LEN, LM_VOCAB, batch_loss, model_batch
 from dkfac.bench.options import BenchOptions, options_from_args
@@ -624,6 +626,26 @@ def test_environment_records_the_commit_of_the_measured_code(tmp_path: Path) -> 
     git("commit", "-q", "-m", "code")
     assert git_commit(package) == git("rev-parse", "HEAD")
     assert environment()["git_commit"] == git_commit()  # dkfac's own source
+
+
+def test_the_source_digest_names_the_code_whatever_git_says(tmp_path: Path) -> None:
+    # Oracle: hashlib over the same (path, contents) sequence, written out here; any change
+    # of a file's contents or name changes it, other files do not.
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("x = 1\n")
+    (package / "sub" / "b.py").write_text("y = 2\n")
+    (package / "notes.txt").write_text("not code")
+    expected = hashlib.sha256()
+    for name, text in (("a.py", "x = 1\n"), ("sub/b.py", "y = 2\n")):
+        expected.update(name.encode() + b"\0" + text.encode() + b"\0")
+    first = source_digest(package)
+    assert first == expected.hexdigest()
+    (package / "notes.txt").write_text("changed")
+    assert source_digest(package) == first
+    (package / "sub" / "b.py").write_text("y = 3\n")
+    assert source_digest(package) != first
+    assert environment()["source_sha256"] == source_digest()  # dkfac's own source
 
 
 def test_make_batch_uses_each_models_shape_and_the_seed() -> None:

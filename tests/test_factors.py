@@ -120,6 +120,35 @@ def test_a_1x1_convolution_gram_is_its_pixels_gram(
             torch.testing.assert_close(got, rounded, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("kernel", "stride", "pad"),
+    [
+        ((3, 3), (1, 1), (1, 1, 1, 1)),
+        ((3, 2), (2, 1), (1, 0, 2, 1)),
+        ((1, 1), (2, 2), (0, 0, 0, 0)),
+    ],
+)
+def test_float32_inputs_give_float64_statistics_of_their_exact_values(
+    kernel: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int, int, int]
+) -> None:
+    # Every path (shifted Gram, im2col, pixels) casts in its layout copy: float32 values asked
+    # for in float64 give the exact float64 Gram of those values, channels-first or -last.
+    x = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(4))
+    expected, expected_rows = brute_force_patch_gram(x.double(), kernel, (1, 1), stride, pad, True)
+    for layout in (x, x.contiguous(memory_format=torch.channels_last)):
+        got, rows = conv2d_patch_gram(
+            layout,
+            kernel=kernel,
+            dilation=(1, 1),
+            stride=stride,
+            pad=pad,
+            with_ones=True,
+            dtype=torch.float64,
+        )
+        assert rows == expected_rows and got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def outer_product_sum(x: torch.Tensor, with_ones: bool) -> torch.Tensor:
     """Σ [v, 1][v, 1]ᵀ over the channel vectors ``x[n, :, position]``, one by one in float64."""
     grid = x.double().reshape(x.shape[0], x.shape[1], -1)

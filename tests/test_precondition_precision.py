@@ -38,8 +38,9 @@ U = 2.0**-8
 #: (14).
 ROUNDINGS = {"inverse": 6, "eigen": 15}
 #: The unit roundoff of float32 and the roundings of the default (float32) path: a product's
-#: sum of ``n`` terms is within ``n·u`` of exact (Higham's γₙ), so inverse: 5 + 7; eigen: the
-#: four products' 5 + 7 + 5 + 7, the outer product, the damping and the quotient.
+#: sum of ``n`` terms is within ``γₙ = n·u/(1 − n·u)`` of exact (Higham), ``n·u`` to first
+#: order as above, so inverse: 5 + 7; eigen: the four products' 5 + 7 + 5 + 7, the outer
+#: product, the damping and the quotient.
 U32 = 2.0**-24
 FLOAT32_ROUNDINGS = {"inverse": 12, "eigen": 27}
 DAMPING = 0.01

@@ -68,6 +68,7 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "conv_stride1_shifted_gram": (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 5)),
     "conv_strided_im2col": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 6)),
     "conv_1x1_pixels": (lambda: nn.Conv2d(3, 4, 1), (2, 3, 5, 4)),
+    "conv_1x1_strided_pixels": (lambda: nn.Conv2d(3, 4, 1, stride=2, bias=False), (2, 3, 5, 4)),
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1, bias=False), (2, 3, 8)),
     "conv_reflect_padding": (
         lambda: nn.Conv2d(3, 4, (3, 2), padding=(1, 2), padding_mode="reflect"),
@@ -112,6 +113,30 @@ def test_bf16_statistics_are_the_float32_sums_of_bf16_rounded_products(
     g = block.g_statistic(dy, torch.float32)
     assert_bf16_gram(g.total, output_rows(module, dy.cpu().double()))
     assert (a.rows, g.rows) == (input_rows(module, x).shape[0], output_rows(module, dy).shape[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "layer", ["conv_stride1_shifted_gram", "conv_1x1_pixels", "conv_1x1_strided_pixels"]
+)
+def test_bf16_statistics_of_channels_last_tensors_are_the_same_sums(
+    layer: str, device: str
+) -> None:
+    # Channels-last activations and output gradients (their pixel rows are a view, or a
+    # strided one after a 1x1 convolution's stride): the same rounded sums, by the oracle.
+    build, shape = LAYERS[layer]
+    torch.manual_seed(2)
+    module = build().to(device)
+    block = make_block(module)
+    assert block is not None
+    block.precision = BF16
+    x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
+    assert_bf16_gram(
+        block.a_statistic(x, torch.float32).total, input_rows(module, x.cpu().double())
+    )
+    dy = torch.randn(module(x).shape, device=device).contiguous(memory_format=torch.channels_last)
+    g = block.g_statistic(dy, torch.float32)
+    assert_bf16_gram(g.total, output_rows(module, dy.cpu().double()))
 
 
 @pytest.mark.parametrize("device", DEVICES)

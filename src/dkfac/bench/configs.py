@@ -13,6 +13,7 @@ the table and chart (:mod:`dkfac.bench.report`).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import platform
 import subprocess
@@ -318,6 +319,23 @@ def git_commit(source: Path | None = None) -> str | None:
     return head.stdout.strip() if head.returncode == 0 else None
 
 
+def source_digest(source: Path | None = None) -> str:
+    """SHA-256 of dkfac's Python sources (paths and contents), whatever git says.
+
+    Names the code a measurement ran even where the commit cannot: a working tree with
+    changes, or a copy whose ``.git`` is stale (the device tool's).
+
+    Args:
+        source: the package directory; default: the imported ``dkfac`` package.
+    """
+    directory = source or Path(dkfac.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*.py")):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def environment() -> dict[str, Any]:
     """Describe the software and machine the numbers were measured on, and the code's commit."""
     affinity = getattr(os, "sched_getaffinity", None)
@@ -325,6 +343,7 @@ def environment() -> dict[str, Any]:
         "torch_version": torch.__version__,
         "dkfac_version": dkfac.__version__,
         "git_commit": git_commit(),
+        "source_sha256": source_digest(),
         "torch_num_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),

@@ -234,7 +234,7 @@ class Conv2dBlock(KroneckerBlock):
         """``Σ dy dyᵀ`` over every output position of every example."""
         if dy.dim() == 3:
             dy = dy.unsqueeze(0)
-        total, rows = pixel_gram(dy, dtype, False, self.precision)
+        total, rows = pixel_gram(dy, dtype, with_ones=False, precision=self.precision)
         return FactorStatistic(total, rows, int(dy.shape[0]))
 
 

@@ -53,7 +53,7 @@ def conv2d_patch_gram(
         # plan or blocks (one copy of the input instead of a zeroed layout, a copy and block
         # scatters, or im2col).
         pixels = x if stride == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
-        return pixel_gram(pixels, operand, with_ones, precision)
+        return pixel_gram(pixels, x.dtype if dtype is None else dtype, with_ones, precision)
     if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
         if not torch.compiler.is_compiling():
@@ -274,10 +274,10 @@ def _shifted_patch_gram(
     the whole image that correlation depends on ``D`` only, so it is one GEMM per ``D``
     (``((2kh−1)(2kw−1)+1)/2`` of them instead of ``(kh·kw)²`` blocks, the rest by symmetry);
     each block then subtracts the image positions its window misses, which lie in a few rows
-    and columns at the border. The input is laid out once as a flat zero-padded
-    ``(C, positions)`` matrix, so every shifted GEMM operand is a strided view (no copy) and
-    a shifted position outside the image reads a zero. All index data comes from ``plan``:
-    nothing is read back from the device here.
+    and columns at the border. The input is laid out once, cast to ``operand`` in the same
+    copy, as a flat zero-padded ``(positions, C)`` matrix, so every shifted GEMM operand is a
+    strided view (no copy) and a shifted position outside the image reads a zero. All index
+    data comes from ``plan``: nothing is read back from the device here.
     """
     n, c, h, w = x.shape
     out_dtype = precision.output_dtype(operand)

@@ -2,8 +2,8 @@
 
 The statistics of every K-FAC factor are such Grams (a convolution's patch Gram builds on them
 in :mod:`dkfac.curvature.factors`). Their inputs are a layer's activations or output
-gradients, the largest tensors K-FAC reads, so each is laid out for its product in one copy
-that also casts it to the products' operand dtype.
+gradients, the largest tensors K-FAC reads: where a layout has to be copied for the product
+(a convolution's pixels), the copy also casts to the products' operand dtype.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class GramPrecision:
         """Dtype of the products of operands of dtype ``operands``."""
         return torch.float32 if self.name == "bf16" else operands
 
-    def sum_rows(self, rows: Tensor, dim: int = 0) -> Tensor:
-        """Sums of ``rows`` over ``dim`` (the rows: column sums) in the products' dtype."""
-        return rows.sum(dim=dim, dtype=self.output_dtype(rows.dtype))
+    def sum_rows(self, rows: Tensor) -> Tensor:
+        """Column sums of ``rows`` in the products' output dtype."""
+        return rows.sum(dim=0, dtype=self.output_dtype(rows.dtype))
 
 
 #: Products in the statistics' own dtype (the default).
@@ -105,12 +105,12 @@ def pixel_gram(
     """``Σ [v, 1][v, 1]ᵀ`` over the channel vectors ``v`` of every position of every example.
 
     The ``G`` statistic of a convolution and the ``A`` statistic of a 1x1 one, whose patches
-    are its input's pixels. ``x`` is ``(N, C, *spatial)`` in any dtype; its operands are cast
-    to ``precision.operand_dtype(dtype)`` in the same copy that lays them out. A
-    channels-first input goes to ``(C, N·positions)``: each example's channel planes move
-    whole, so that copy reads and writes contiguous runs (the ``(positions, C)`` rows would
-    be a strided gather, several times slower on a GPU). A channels-last input's rows are
-    already a view: only cast.
+    are its input's pixels. ``x`` is ``(N, C, *spatial)`` in any dtype and layout; its
+    operands are cast to ``precision.operand_dtype(dtype)`` in the one copy that lays them
+    out. With the channels innermost (channels-last) the vectors are rows already: at most
+    one cast copy, reading runs of channels. Otherwise they go to ``(C, N·positions)``: each
+    example's channel planes move whole, so the copy reads and writes contiguous runs (the
+    ``(positions, C)`` rows would be a strided gather, several times slower on a GPU).
 
     Args:
         x: ``(N, C, *spatial)`` activations or output gradients.
@@ -121,18 +121,18 @@ def pixel_gram(
     Returns:
         The ``(C [+1])`` square Gram and the number of vectors ``N·positions``.
     """
-    channels = int(x.shape[1])
     operand = precision.operand_dtype(dtype)
     last = x.movedim(1, -1)
     # Under torch.compile the layout is the compiler's to choose (and a gradient hook may not
-    # branch on strides: that breaks the graph), so only eager code takes the free view.
-    if x.dim() > 2 and not torch.compiler.is_compiling() and last.is_contiguous():
-        rows = last.reshape(-1, channels).to(operand)
-        return gram_with_ones(rows, with_ones, precision), int(rows.shape[0])
-    planes = x.transpose(0, 1).to(operand, memory_format=torch.contiguous_format)
-    planes = planes.reshape(channels, -1)
-    core = precision.mm(planes, planes.t())
-    count = int(planes.shape[1])
-    if not with_ones:
-        return core, count
-    return bordered_gram(core, precision.sum_rows(planes, dim=1), count), count
+    # branch on strides: that breaks the graph), so only eager code looks at the strides.
+    if not torch.compiler.is_compiling() and x.stride(1) == 1:
+        rows = last if last.is_contiguous() else _laid_out(last, operand)
+        rows = rows.reshape(-1, x.shape[1]).to(operand)
+    else:
+        rows = _laid_out(x.transpose(0, 1), operand).reshape(x.shape[1], -1).t()
+    return gram_with_ones(rows, with_ones, precision), int(rows.shape[0])
+
+
+def _laid_out(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A contiguous copy of ``x`` in ``dtype``: the layout and the cast in one pass."""
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
