@@ -89,10 +89,18 @@ def assert_bf16_gram(got: torch.Tensor, rows: torch.Tensor, rounds: bool = True)
     assert (float((got.double().cpu() - exact).abs().max()) > 1e-4 * scale) == rounds
 
 
+#: Each layer with its inputs as made, and the convolutions' also in channels-last format
+#: (their pixel rows are then a view, or a strided one after a 1x1 convolution's stride).
+LAYOUTS = [(name, False) for name in sorted(LAYERS)] + [
+    (name, True)
+    for name in ("conv_stride1_shifted_gram", "conv_1x1_pixels", "conv_1x1_strided_pixels")
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize(("layer", "channels_last"), LAYOUTS)
 def test_bf16_statistics_are_the_float32_sums_of_bf16_rounded_products(
-    layer: str, device: str
+    layer: str, channels_last: bool, device: str
 ) -> None:
     build, shape = LAYERS[layer]
     torch.manual_seed(0)
@@ -100,7 +108,12 @@ def test_bf16_statistics_are_the_float32_sums_of_bf16_rounded_products(
     block = make_block(module)
     assert block is not None
     block.precision = BF16
-    x = torch.randn(shape, device=device)
+
+    def tensor(size: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        made = torch.randn(size, device=device)
+        return made.contiguous(memory_format=torch.channels_last) if channels_last else made
+
+    x = tensor(shape)
     a = block.a_statistic(x, torch.float32)
     assert_bf16_gram(a.total, input_rows(module, x.cpu().double()))
     # Under autocast a layer sees float16/bfloat16 inputs: rounded from those.
@@ -109,34 +122,10 @@ def test_bf16_statistics_are_the_float32_sums_of_bf16_rounded_products(
         rows = input_rows(module, low.cpu().double())
         got = block.a_statistic(low, torch.float32).total
         assert_bf16_gram(got, rows, rounds=amp_dtype == torch.float16)
-    dy = torch.randn(module(x).shape, device=device)
+    dy = tensor(module(x).shape)
     g = block.g_statistic(dy, torch.float32)
     assert_bf16_gram(g.total, output_rows(module, dy.cpu().double()))
     assert (a.rows, g.rows) == (input_rows(module, x).shape[0], output_rows(module, dy).shape[0])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "layer", ["conv_stride1_shifted_gram", "conv_1x1_pixels", "conv_1x1_strided_pixels"]
-)
-def test_bf16_statistics_of_channels_last_tensors_are_the_same_sums(
-    layer: str, device: str
-) -> None:
-    # Channels-last activations and output gradients (their pixel rows are a view, or a
-    # strided one after a 1x1 convolution's stride): the same rounded sums, by the oracle.
-    build, shape = LAYERS[layer]
-    torch.manual_seed(2)
-    module = build().to(device)
-    block = make_block(module)
-    assert block is not None
-    block.precision = BF16
-    x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last)
-    assert_bf16_gram(
-        block.a_statistic(x, torch.float32).total, input_rows(module, x.cpu().double())
-    )
-    dy = torch.randn(module(x).shape, device=device).contiguous(memory_format=torch.channels_last)
-    g = block.g_statistic(dy, torch.float32)
-    assert_bf16_gram(g.total, output_rows(module, dy.cpu().double()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
