@@ -506,6 +506,15 @@ def test_compare_on_other_ranks_returns_without_reporting(
             "--adaptive-min-damping: min_damping=0.0 is not allowed",
         ),
         (
+            ["train", "--adaptive", "--adaptive-min-model-targets", "0"],
+            "--adaptive-min-model-targets: min_model_targets=0 is not allowed: expected an "
+            "integer >= 1",
+        ),
+        (
+            ["train", "--adaptive-min-model-targets", "64"],
+            "--adaptive-min-model-targets is not allowed without --adaptive",
+        ),
+        (
             ["train", "--adaptive", "--adaptive-min-damping", "0.5"],
             "--damping 0.3 is not allowed with --adaptive: expected a number in "
             "[--adaptive-min-damping 0.5, 1000.0]",
@@ -1178,14 +1187,15 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
 def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
     # Unset, the command's rule is the library's; set, each flag reaches its field.
     for given, expected in [
-        ({}, (1, 0.5, 1e-4, 0.25)),
+        ({}, (1, 0.5, 1e-4, 0.25, 32)),
         (
             {"adaptive_damping_interval": 5, "adaptive_damping_decay": 0.95},
-            (5, 0.95, 1e-4, 0.25),
+            (5, 0.95, 1e-4, 0.25, 32),
         ),
-        ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9, 0.25)),
-        ({"adaptive_trusted_decrease": " Never "}, (1, 0.5, 1e-4, None)),
-        ({"adaptive_trusted_decrease": "0.5"}, (1, 0.5, 1e-4, 0.5)),
+        ({"adaptive_min_damping": 1e-9}, (1, 0.5, 1e-9, 0.25, 32)),
+        ({"adaptive_trusted_decrease": " Never "}, (1, 0.5, 1e-4, None, 32)),
+        ({"adaptive_trusted_decrease": "0.5"}, (1, 0.5, 1e-4, 0.5, 32)),
+        ({"adaptive_min_model_targets": 64}, (1, 0.5, 1e-4, 0.25, 64)),
     ]:
         config = TrainConfig(adaptive=True, **given)  # type: ignore[arg-type]
         model = nn.Linear(3, 2)
@@ -1197,7 +1207,7 @@ def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:
         options = pre.config.adaptive
         assert options is not None
         rule = (options.damping_interval, options.damping_decay, options.min_damping)
-        assert (*rule, options.trusted_decrease) == expected
+        assert (*rule, options.trusted_decrease, options.min_model_targets) == expected
         pre.remove()
 
 

@@ -104,6 +104,8 @@ class TrainConfig:
     #: Between checks, a step promising more than this share of the loss is checked too
     #: ("never": no such check; AdaptiveOptions' None).
     adaptive_trusted_decrease: float | str = adaptive_default("trusted_decrease")
+    #: The fewest target elements the model's part keeps (else the whole batch).
+    adaptive_min_model_targets: int = adaptive_default("min_model_targets")
     grad_worker_fraction: float = 1.0
     nproc: int = 2
     threads: int = 1
@@ -268,7 +270,7 @@ class TrainConfig:
 
     @property
     def adaptive_rule(self) -> dict[str, Any]:
-        """The adaptive damping rule's :class:`dkfac.AdaptiveOptions` keywords."""
+        """Adaptive K-FAC's :class:`dkfac.AdaptiveOptions` keywords (all but the share)."""
         return {name: adaptive_value(getattr(self, f"adaptive_{name}")) for name in ADAPTIVE_RULE}
 
     @property

@@ -107,12 +107,15 @@ def parse_bucket_mb(bucket_mb: str, grad_sync: str) -> float | str:
     return value
 
 
-#: Adaptive K-FAC's damping rule (:class:`dkfac.AdaptiveOptions`), each ``--adaptive-<name>``.
+#: Adaptive K-FAC's options (:class:`dkfac.AdaptiveOptions`), each ``--adaptive-<name>``,
+#: besides the model's share (``--adaptive-model-fraction``): its damping rule, and the
+#: fewest target elements the model's part keeps.
 ADAPTIVE_RULE: tuple[str, ...] = (
     "damping_interval",
     "damping_decay",
     "min_damping",
     "trusted_decrease",
+    "min_model_targets",
 )
 
 
@@ -151,7 +154,7 @@ def adaptive_default(name: str) -> Any:
 def check_adaptive_rule(
     adaptive: bool, rule: dict[str, Any], model_fraction: float, damping: float
 ) -> None:
-    """Refuse an adaptive damping rule that :class:`dkfac.AdaptiveOptions` would refuse.
+    """Refuse adaptive K-FAC's options where :class:`dkfac.AdaptiveOptions` would refuse them.
 
     Args:
         adaptive: ``--adaptive``.
@@ -167,7 +170,7 @@ def check_adaptive_rule(
     if changed and not adaptive:
         raise ConfigError(
             f"{_flag('adaptive_' + changed[0])} is not allowed without --adaptive: it sets "
-            "adaptive K-FAC's damping rule"
+            "an option of adaptive K-FAC"
         )
     try:
         AdaptiveOptions(loss_fn=_no_loss, model_fraction=model_fraction, **rule)

@@ -102,6 +102,9 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "adaptive_damping_decay": "with --adaptive: the damping's factor per step when the "
         "quadratic model predicts well (smaller: faster; Martens and Grosse's: 0.95 every 5 steps)",
         "adaptive_min_damping": "with --adaptive: the damping's floor",
+        "adaptive_min_model_targets": "with --adaptive: the quadratic model's part keeps at "
+        "least this many target elements (a class per image, a token per position), else the "
+        "whole batch",
         "adaptive_trusted_decrease": "with --adaptive: between the damping's checks, check a "
         "step whose quadratic model promises more than this share of the loss too (never: no "
         "such check)",
