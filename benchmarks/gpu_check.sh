@@ -6,13 +6,15 @@
 #      the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
 #      with kfac-pytorch in the same run;
-#   3. ResNet-50 in channels-last format (TF32), SGD in the same format;
+#   3. ResNet-50 in channels-last format (TF32), SGD in the same format, where
+#      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
 #      decompose its warm factors;
 #   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before).
-# The boxes add up to 645 s (one command may run 600: shorten them, or drop a part, to fit);
-# on an H200 (2026-11-28) the install and parts 1, 2 and 4 took 210 s together, part 5 ~260 s.
+# The boxes add up to 540 s by default (one command may run 600); on an H200 (2026-11-28) the
+# install and parts 1, 2 and 4 (without its decompositions) took 210 s together, part 5 ~250 s,
+# part 3 needs ~60 s for two rows.
 # Uses the machine's own python3 with torch (no network there: the project is installed
 # without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
 # as $KFAC_PYTORCH, or from the network where there is one).
@@ -23,8 +25,8 @@ set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
 TF32_S=${TF32_S:-130}
-DEFAULT_S=${DEFAULT_S:-60}
-CHANNELS_LAST_S=${CHANNELS_LAST_S:-100}
+DEFAULT_S=${DEFAULT_S:-55}
+CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-75}
 SUITE_S=${SUITE_S:-280}
 WORKERS=${WORKERS:-15}
@@ -57,8 +59,10 @@ bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
   --configs dkfac_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
   --configs dkfac_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
-bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100
+if [ "$CHANNELS_LAST_S" -gt 0 ]; then
+  bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
+    --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100
+fi
 echo "== breakdown: ResNet-50, inverse, bf16 statistics, TF32"
 timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resnet50 \
   --methods inverse --parts steps,decompositions --tf32-only --options "$bf16" --out "$OUT/breakdown" \
