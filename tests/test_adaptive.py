@@ -670,6 +670,61 @@ def test_a_non_finite_model_after_an_unchecked_step_puts_back_the_parameters_bef
         build()[1].load_state_dict(bad)
 
 
+def shard_step(
+    ddp: nn.Module, pre: dkfac.KFACPreconditioner, rank: int, seed: int, poisoned: bool = False
+) -> None:
+    """One DDP step of two workers on their shards of a global batch of 8 (the second
+    worker's first input NaN when ``poisoned``)."""
+    x, t = batch(seed, n=8)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    if poisoned and rank == 1:
+        x[4, 0] = math.nan
+    ddp.zero_grad()
+    F.cross_entropy(ddp(x[mine]), t[mine]).backward()
+    pre.step(x[mine], t[mine])
+
+
+def put_back_outcome(rank: int, strategy: str) -> list[bool]:
+    """After an unchecked step, one worker's shard turns NaN: on every rank the parameters
+    must go back, bit for bit, to those that step started from."""
+    model = mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    options = adaptive(damping_interval=10, damping_decay=0.95, trusted_decrease=None)
+    pre = dkfac.KFACPreconditioner(ddp, strategy=strategy, damping=0.05, adaptive=options)
+    shard_step(ddp, pre, rank, 40)  # checked
+    shard_step(ddp, pre, rank, 41)  # unchecked, taken
+    start = [p.detach().clone() for p in model.parameters()]
+    shard_step(ddp, pre, rank, 42)  # unchecked, taken: the step the NaN one takes back
+    report = pre.adaptive_report
+    moved = report is not None and report.moved and report.ratio is None
+    changed = not all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+    shard_step(ddp, pre, rank, 43, poisoned=True)
+    report = pre.adaptive_report
+    refused = report is not None and not report.moved and report.ratio == -math.inf
+    back = all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+    shard_step(ddp, pre, rank, 44)  # training goes on (checked after the refusal)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    pre.remove()
+    return [moved, changed, refused, back, finite]
+
+
+def put_back_workers(rank: int, world_size: int, strategies: list[str]) -> list[list[bool]]:
+    assert world_size == 2
+    return [put_back_outcome(rank, strategy) for strategy in strategies]
+
+
+def test_workers_put_back_the_last_unchecked_step_when_one_shard_turns_non_finite() -> None:
+    # The loss and model the rule reads are agreed over the workers, so a NaN on one worker's
+    # shard takes the step back on both, to the same bits (oracle: the parameters each rank
+    # saved before the step); strategies that reduce factors, broadcast decompositions, and
+    # keep them local (DP-KFAC).
+    strategies = ["dkfac", "kaisa", "dp"]
+    results = run_workers(put_back_workers, 2, (strategies,))
+    for rank, outcomes in enumerate(results):
+        for strategy, outcome in zip(strategies, outcomes, strict=True):
+            assert outcome == [True] * 5, (rank, strategy, outcome)
+
+
 class DropoutNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
