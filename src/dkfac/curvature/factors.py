@@ -47,13 +47,14 @@ def conv2d_patch_gram(
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
-    operand = precision.operand_dtype(x.dtype if dtype is None else dtype)
+    statistics_dtype = x.dtype if dtype is None else dtype
     if kernel == (1, 1) and pad == (0, 0, 0, 0):
         # A 1x1 convolution's patches are its input pixels (every stride-th): their Gram, no
         # plan or blocks (one copy of the input instead of a zeroed layout, a copy and block
         # scatters, or im2col).
         pixels = x if stride == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
-        return pixel_gram(pixels, x.dtype if dtype is None else dtype, with_ones, precision)
+        return pixel_gram(pixels, statistics_dtype, with_ones, precision)
+    operand = precision.operand_dtype(statistics_dtype)
     if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
         if not torch.compiler.is_compiling():

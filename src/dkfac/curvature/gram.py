@@ -126,8 +126,8 @@ def pixel_gram(
     # Under torch.compile the layout is the compiler's to choose (and a gradient hook may not
     # branch on strides: that breaks the graph), so only eager code looks at the strides.
     if not torch.compiler.is_compiling() and x.stride(1) == 1:
-        rows = last if last.is_contiguous() else _laid_out(last, operand)
-        rows = rows.reshape(-1, x.shape[1]).to(operand)
+        rows = last.to(operand) if last.is_contiguous() else _laid_out(last, operand)
+        rows = rows.reshape(-1, x.shape[1])
     else:
         rows = _laid_out(x.transpose(0, 1), operand).reshape(x.shape[1], -1).t()
     return gram_with_ones(rows, with_ones, precision), int(rows.shape[0])
