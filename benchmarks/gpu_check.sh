@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (bf16 statistics; bf16 statistics and preconditioning with statistics from half, and
-#      from an eighth, of the batch: dkfac.fast_to_target's share), interleaved rounds, while
-#      the GPU is quiet;
+#      (one layer at a time instead of equal shapes batched; bf16 statistics; bf16
+#      statistics and preconditioning with statistics from half, and from an eighth, of the
+#      batch: dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
-#      with kfac-pytorch in the same run;
+#      (one layer at a time too) with kfac-pytorch in the same run;
 #   3. ResNet-50 in channels-last format (TF32), SGD in the same format, where
 #      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
-#      decompose its warm factors;
+#      decompose its warm factors; the operators each kind of step issues (step_launches.py);
 #   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
-#      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before).
+#      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
+#      SUITE_ARGS replaces the selection (e.g. `-m cuda tests`).
 # The boxes add up to 540 s by default (one command may run 600); on an H200 (2026-11-28) the
 # install and parts 1, 2 and 4 (without its decompositions) took 210 s together, part 5 ~250 s,
 # part 3 needs ~60 s for two rows.
@@ -24,11 +25,13 @@
 set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
-TF32_S=${TF32_S:-130}
-DEFAULT_S=${DEFAULT_S:-55}
+TF32_S=${TF32_S:-150}
+DEFAULT_S=${DEFAULT_S:-60}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-75}
-SUITE_S=${SUITE_S:-280}
+LAUNCHES_S=${LAUNCHES_S:-30}
+SUITE_S=${SUITE_S:-225}
+SUITE_ARGS=${SUITE_ARGS:--m "not slow" tests}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -44,7 +47,9 @@ bf16='{"statistics_precision": "bf16"}'
 fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
 half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
 eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
-variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth")
+alone='{"batched_preconditioning": false}'
+variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
+  --variant "dkfac-alone=$alone")
 bench() {  # seconds, name, then gpu_overhead.py's arguments
   local seconds=$1 name=$2
   shift 2
@@ -56,9 +61,9 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments
   grep -A30 "^resnet50" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
-  --configs dkfac_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
+  --configs dkfac_inverse_1_1,dkfac-alone_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 if [ "$CHANNELS_LAST_S" -gt 0 ]; then
   bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
     --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100
@@ -68,8 +73,14 @@ timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resne
   --methods inverse --parts steps,decompositions --tf32-only --options "$bf16" --out "$OUT/breakdown" \
   > "$OUT/breakdown.log" 2>&1
 echo "exit $?"; tail -3 "$OUT/breakdown.log" | cut -c1-600
-echo "== make test's selection (cuda tests included), $WORKERS workers"
+echo "== operators per kind of step: ResNet-50, batch 128, inverse"
+timeout -s INT "$LAUNCHES_S" python3 benchmarks/step_launches.py --model resnet50 --batch 128 \
+  --variant "batched={}" --variant "alone=$alone" --out "$OUT/step_launches.json" \
+  > "$OUT/step_launches.log" 2>&1
+echo "exit $?"; tail -12 "$OUT/step_launches.log"
+echo "== the suite: $SUITE_ARGS, $WORKERS workers"
+eval "suite_args=($SUITE_ARGS)"
 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -s INT "$SUITE_S" python3 -m pytest -q \
-  -m "not slow" -p no:cacheprovider -rs -n "$WORKERS" --junitxml "$OUT/suite.xml" tests \
+  -p no:cacheprovider -rs -n "$WORKERS" --junitxml "$OUT/suite.xml" "${suite_args[@]}" \
   > "$OUT/suite.log" 2>&1
 echo "suite exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/suite.log" | tail -25

@@ -515,3 +515,26 @@ def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
     assert len(entry["factor_sizes"]) == 2 * 34
     for kind in ("plain", "factors", "decomposition"):
         assert "Name" in (tmp_path / f"resnet32_inverse_{kind}.txt").read_text()
+
+
+def test_step_launches_counts_the_products_of_each_kind_of_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/step_launches.py on the CPU: a plain step of ResNet-32's 34 layers makes two
+    products per layer one at a time (oracle: 2 · 34 ``mm``), and fewer, batched, operator
+    calls when equal shapes are stacked; the factor step's pass adds the statistics."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("step_launches", monkeypatch)
+    out = tmp_path / "launches.json"
+    argv = ["--device", "cpu", "--model", "resnet32", "--batch", "4", "--out", str(out)]
+    variants = ["--variant", 'alone={"batched_preconditioning": false}']
+    variants += ["--variant", 'batched={"batched_preconditioning": true}']
+    assert bench.main([*argv, *variants]) == 0
+    report = json.loads(out.read_text())
+    alone, batched = report["variants"]["alone"], report["variants"]["batched"]
+    assert alone["plain"]["kfac_step"]["top"]["mm"] == 2 * 34
+    assert "bmm" in batched["plain"]["kfac_step"]["top"]
+    assert batched["plain"]["kfac_step"]["ops"] < alone["plain"]["kfac_step"]["ops"]
+    sgd_pass = report["sgd"]["forward_backward"]["ops"]
+    assert alone["plain"]["forward_backward"]["ops"] == sgd_pass  # no capture on plain steps
+    assert alone["factors"]["forward_backward"]["ops"] > sgd_pass

@@ -272,6 +272,28 @@ def test_all_finite_agrees_with_isfinite_everywhere(dtype: torch.dtype, device: 
 
 
 @pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+def test_finite_flags_of_mixed_dtypes_checked_together(device: str) -> None:
+    # The extremes of all tensors are checked in one promoted stack: each dtype's largest
+    # finite value must stay finite there, and a NaN or Inf of any one tensor mark it alone.
+    # Oracle: torch.isfinite(t).all() of each.
+    tensors = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        top = torch.finfo(dtype).max
+        tensors += [
+            torch.tensor([top, -top], dtype=dtype),
+            torch.tensor([1.0, float("inf")], dtype=dtype),
+            torch.tensor([float("nan"), 2.0], dtype=dtype),
+            torch.tensor([float("-inf")], dtype=dtype),
+            torch.empty(0, dtype=dtype),
+        ]
+    tensors = [t.to(device) for t in tensors]
+    want = [bool(torch.isfinite(t).all()) for t in tensors]
+    assert want.count(True) == 8
+    assert finite_flags(tensors).tolist() == want
+    assert finite_flags(tensors[::-1]).tolist() == want[::-1]
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_many_factors_fold_together_exactly_as_one_at_a_time(
     dtype: torch.dtype, device: str

@@ -149,6 +149,7 @@ class KFACConfig:
     check_replicas_every: int = 0
     adaptive: AdaptiveOptions | None = None
     max_factor_dim: int | None = 8192
+    batched_preconditioning: bool | None = None
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -179,6 +180,12 @@ class KFACConfig:
                 "the strategy and its options are chosen (set them in the chooser)"
             )
         return self.strategy
+
+    def batches_preconditioning(self, device: torch.device) -> bool:
+        """Whether layers of equal shapes are preconditioned together (by default on a GPU)."""
+        if self.batched_preconditioning is None:
+            return device.type == "cuda"
+        return self.batched_preconditioning
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -225,6 +232,11 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
+        if self.batched_preconditioning not in (None, True, False):
+            raise ValueError(
+                f"batched_preconditioning={self.batched_preconditioning!r} is not allowed: "
+                "expected None (on a GPU), True or False"
+            )
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

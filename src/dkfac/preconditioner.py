@@ -13,7 +13,9 @@ from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
+from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
+from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
@@ -125,6 +127,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         max_factor_dim: a layer with a factor side above this (a vocabulary-sized LM head) is
             skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
+        batched_preconditioning: layers of equal shapes preconditioned by batched products
+            (equal to one at a time up to round-off); ``None`` (default): on a GPU.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -168,6 +172,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         adaptive: AdaptiveOptions | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         max_factor_dim: int | None = 8192,
+        batched_preconditioning: bool | None = None,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
@@ -201,6 +206,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             check_replicas_every=check_replicas_every,
             adaptive=adaptive,
             max_factor_dim=max_factor_dim,
+            batched_preconditioning=batched_preconditioning,
         )
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
@@ -211,13 +217,14 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         # Attached without a number, the optimizer's steps delimit the windows: any number of
         # passes (pipelined strategies then expect as many as the window before).
         expected = accumulation_steps or (None if optimizer is not None else 1)
-        self._strategy.setup(self._layers, accumulation_steps=expected or 1)
+        device = self._layers[0].block.weight.device
+        stacks = LayerStacks(self.config.batches_preconditioning(device))
+        self._strategy.setup(self._layers, accumulation_steps=expected or 1, stacks=stacks)
         self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = self._force_inverse = False
         self._skipped_steps = self._decomposition_steps = 0
         self._usage = LayerUsage(self._layers, expected)
-        device = self._layers[0].block.weight.device
         self._intervals = UpdateIntervals(self.config.interval_settings(), device)
         self._adaptive = None
         refuse_unagreed_adaptive(adaptive, self._strategy)
@@ -361,8 +368,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                 if config.kl_clip_at is not None:
                     lr = config.lr_at(k)
                     scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
-                for layer, direction in zip(active, directions, strict=True):
-                    layer.block.set_grad(direction if scale is None else direction * scale)
+                set_gradients([layer.block for layer in active], directions, scale)
         counts = not skipped and not self._strategy.profiling  # as measurements, for budgets
         if self._intervals.step_finished(factor_step, self._strategy.largest, record=counts):
             capture_next = self._is_factor_step(k + 1)

@@ -23,6 +23,7 @@ is exact.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -126,9 +127,7 @@ class KroneckerBlock(ABC):
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a ``(d_G, d_A)`` matrix back into the parameters' ``.grad`` (in place)."""
-        for parameter, part in zip(self.parameters(), self.split_matrix(matrix), strict=True):
-            assert parameter.grad is not None
-            parameter.grad.copy_(part)
+        set_gradients([self], [matrix])
 
     def describe(self) -> str:
         """A short description of the layer for tables."""
@@ -152,6 +151,26 @@ class LinearBlock(KroneckerBlock):
         rows = self.precision.operands(dy.reshape(-1, dy.shape[-1]), dtype)
         examples = int(dy.shape[0]) if dy.dim() > 1 else 1
         return FactorStatistic(self.precision.mm(rows.t(), rows), rows.shape[0], examples)
+
+
+def set_gradients(
+    blocks: Sequence[KroneckerBlock], matrices: Sequence[Tensor], scale: Tensor | None = None
+) -> None:
+    """Each block's :meth:`~KroneckerBlock.set_grad` of its matrix times ``scale``, together.
+
+    The copies into every ``.grad``, then the scaling of all of them, share their launches
+    (a GPU otherwise takes two small kernels per layer); each entry is rounded once, as
+    ``set_grad(matrix * scale)`` rounds it.
+    """
+    grads, parts = [], []
+    for block, matrix in zip(blocks, matrices, strict=True):
+        for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
+            assert parameter.grad is not None
+            grads.append(parameter.grad)
+            parts.append(part)
+    torch._foreach_copy_(grads, parts)
+    if scale is not None:
+        torch._foreach_mul_(grads, scale)
 
 
 def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int, int, int]:

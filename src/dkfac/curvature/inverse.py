@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -95,14 +95,15 @@ def check_precondition_precision(precision: str) -> str:
 
 
 def bf16_product(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` of bfloat16 matrices, summed in float32 and rounded once to bfloat16.
+    """``a @ b`` of bfloat16 matrices (or stacks of them), summed in float32, rounded once.
 
     On CUDA through a float32 output (cuBLAS may otherwise round partial sums of a split
     reduction to bfloat16: ``allow_bf16_reduced_precision_reduction``); CPU products of
     bfloat16 matrices sum in float32 already.
     """
     if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16)
+        product = torch.bmm if a.dim() == 3 else torch.mm
+        return product(a, b, out_dtype=torch.float32).to(torch.bfloat16)
     return a @ b
 
 
@@ -127,7 +128,8 @@ class KroneckerInverse(ABC):
         """``(A ⊗ G + damping)⁻¹``-like product with the ``(d_G, d_A)`` gradient matrix.
 
         Args:
-            grad: the layer's gradient matrix.
+            grad: the layer's gradient matrix; or a stack of them, one per matrix of an
+                inverse whose tensors are stacked the same way (:func:`stack_inverses`).
             damping: ``γ`` (used by ``"eigen"``; ``"inverse"`` fixed it when decomposed).
             precision: ``"highest"``: computed in the decomposition's dtype; ``"bf16"``: in
                 bfloat16 (see the class).
@@ -138,7 +140,7 @@ class KroneckerInverse(ABC):
         Raises:
             ValueError: an unknown ``precision``.
         """
-        product: Product = torch.mm
+        product: Product = torch.matmul
         if check_precondition_precision(precision) == "highest":
             tensors = self.tensors()
         else:
@@ -182,11 +184,13 @@ class EigenInverse(KroneckerInverse):
     ) -> Tensor:
         """``Q_G [(Q_Gᵀ ∇ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
         qa, qg = tensors.get("qa"), tensors.get("qg")
-        rotated = grad if qg is None else product(qg.t(), grad)
+        rotated = grad if qg is None else product(qg.mT, grad)
         rotated = rotated if qa is None else product(rotated, qa)
-        rotated = rotated / (torch.outer(tensors["lg"], tensors["la"]) + damping)
+        # λ_G λ_Aᵀ, of each matrix in a stack too (torch.outer's one product per entry).
+        outer = tensors["lg"].unsqueeze(-1) * tensors["la"].unsqueeze(-2)
+        rotated = rotated / (outer + damping)
         rotated = rotated if qg is None else product(qg, rotated)
-        return rotated if qa is None else product(rotated, qa.t())
+        return rotated if qa is None else product(rotated, qa.mT)
 
     def tensors(self) -> dict[str, Tensor]:
         """Eigenvectors (of a dense factor) and eigenvalues of both factors."""
@@ -211,8 +215,9 @@ class TikhonovInverse(KroneckerInverse):
         A diagonal factor's inverse is a vector: it scales the rows (``G``) or columns (``A``).
         """
         a_inv, g_inv = tensors["a_inv"], tensors["g_inv"]
-        left = g_inv.unsqueeze(1) * grad if g_inv.dim() == 1 else product(g_inv, grad)
-        return left * a_inv if a_inv.dim() == 1 else product(left, a_inv)
+        vector = grad.dim() - 1  # a diagonal factor's inverse is a vector (per matrix)
+        left = g_inv.unsqueeze(-1) * grad if g_inv.dim() == vector else product(g_inv, grad)
+        return left * a_inv.unsqueeze(-2) if a_inv.dim() == vector else product(left, a_inv)
 
     def tensors(self) -> dict[str, Tensor]:
         """The two damped inverses."""
@@ -257,6 +262,34 @@ def bit_checksum(tensors: Mapping[str, Tensor]) -> Tensor:
         offset += bits.numel()
     assert total is not None, "bit_checksum of nothing"
     return total
+
+
+def stack_inverses(inverses: Sequence[KroneckerInverse]) -> KroneckerInverse:
+    """One inverse of the same method whose tensors stack those of ``inverses`` (a new dim 0).
+
+    Its :meth:`~KroneckerInverse.precondition` of a stack of gradients is each inverse's
+    product with its gradient, in one batched product per matrix product.
+
+    Raises:
+        ValueError: no inverses, or inverses of different methods or tensor names.
+    """
+    if not inverses:
+        raise ValueError("stack_inverses needs at least one inverse")
+    method, names = inverses[0].method, list(inverses[0].tensors())
+    if any(i.method != method or list(i.tensors()) != names for i in inverses):
+        raise ValueError("stack_inverses: inverses of different methods or tensors")
+    tensors = {name: torch.stack([i.tensors()[name] for i in inverses]) for name in names}
+    return inverse_from_tensors(method, tensors)
+
+
+def unstack_inverse(stacked: KroneckerInverse) -> list[KroneckerInverse]:
+    """The inverses a :func:`stack_inverses` result holds, as views of its tensors."""
+    tensors = stacked.tensors()
+    count = next(iter(tensors.values())).shape[0]
+    return [
+        inverse_from_tensors(stacked.method, {name: t[i] for name, t in tensors.items()})
+        for i in range(count)
+    ]
 
 
 def inverse_from_tensors(method: str, tensors: dict[str, Tensor]) -> KroneckerInverse:

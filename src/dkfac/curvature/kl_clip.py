@@ -23,9 +23,16 @@ def kl_clip_scale(
         ν in the gradients' dtype, on their device. The inner products are summed in float64.
     """
     device = grads[0].device
-    terms = [
-        (v * g).sum(dtype=torch.float64).to(device) for v, g in zip(directions, grads, strict=True)
-    ]
+    products = torch._foreach_mul(list(directions), list(grads))  # shared launches
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for product in products:
+        by_device.setdefault(product.device, []).append(product.reshape(-1))
+    terms = []
+    for where, flat in by_device.items():
+        if where.type == "cpu":  # a launch costs little: one sum each, no copy
+            terms += [part.sum(dtype=torch.float64).to(device) for part in flat]
+        else:  # one copy of the products (fast memory) instead of a launch per layer
+            terms.append(torch.cat(flat).sum(dtype=torch.float64).to(device))
     vg = torch.stack(terms).sum() * (lr * lr)
     nu = torch.sqrt(kl_clip / vg.clamp_min(0.0)).clamp(max=1.0)
     return nu.to(grads[0].dtype)

@@ -21,6 +21,7 @@ from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.plan import Placement
 from dkfac.strategies.plan_report import PlanReport
 from dkfac.strategies.runner import PlacementRunner
@@ -57,16 +58,23 @@ class Strategy(ABC):
         on every rank, and what the dry run counts.
         """
 
-    def setup(self, layers: Sequence[LayerCurvature], *, accumulation_steps: int = 1) -> None:
+    def setup(
+        self,
+        layers: Sequence[LayerCurvature],
+        *,
+        accumulation_steps: int = 1,
+        stacks: LayerStacks | None = None,
+    ) -> None:
         """Plan the placement once the preconditioned layers are known; make its groups.
 
         ``accumulation_steps`` is the number of backward passes a capture window is meant to
         have (a strategy may learn the real number of statistics per window from the hooks).
+        ``stacks``: how this worker preconditions its layers (default: one at a time).
         """
         self.layers = list(layers)
         self._index = {id(layer): index for index, layer in enumerate(self.layers)}
         placement = self.place([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
-        self.runner = PlacementRunner(placement, self.rank, self.recorder, self.comm)
+        self.runner = PlacementRunner(placement, self.rank, self.recorder, self.comm, stacks)
 
     @property
     def placement(self) -> Placement:

@@ -239,6 +239,18 @@ class Placement:
         """Whether ``rank`` holds ``layer``'s inverse (and so preconditions it)."""
         return all(self.holds_decomposition((layer, side), rank) for side in FACTOR_SIDES)
 
+    def inverse_holders(self, layer: int) -> frozenset[int]:
+        """The ranks that hold ``layer``'s inverse (the same answer on every rank)."""
+        return self._inverse_holders[layer]
+
+    @cached_property
+    def _inverse_holders(self) -> list[frozenset[int]]:
+        ranks = range(self.world_size)
+        return [
+            frozenset(r for r in ranks if self.holds_inverse(layer, r))
+            for layer in range(self.layer_count)
+        ]
+
     def exchanges_traces(self) -> bool:
         """Whether a decomposer lacks the other factor of its layer (``π`` needs both traces).
 

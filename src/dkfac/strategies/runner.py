@@ -28,24 +28,25 @@ from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
-from dkfac.curvature.decomposition import FactorRequest, decompose_factors
+from dkfac.curvature.decomposition import decompose_factors
 from dkfac.curvature.factor_side import sent_symmetric
-from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, tikhonov_shift
+from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors
 from dkfac.curvature.kronecker_factor import fold_batches, fold_summed, fold_windows
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
     DecompositionsByFactor,
     build_payloads,
     valid_flags,
 )
+from dkfac.strategies.decomposition_requests import decomposes_now, factor_request
 from dkfac.strategies.pipeline import FactorPipeline, FactorSlot
 from dkfac.strategies.plan import (
     EVERY_WORKER,
     DecompositionShare,
     FactorRoute,
     Placement,
-    other_side,
 )
 
 
@@ -57,6 +58,8 @@ class PlacementRunner:
         rank: this worker's rank in the placement.
         recorder: phase timing and accounting.
         comm: the communicator; ``None`` for a placement that sends nothing (one worker).
+        stacks: preconditions the layers (its domains: the ranks that hold an inverse);
+            default: one layer at a time.
     """
 
     def __init__(
@@ -65,11 +68,13 @@ class PlacementRunner:
         rank: int,
         recorder: StepRecorder,
         comm: Communicator | None = None,
+        stacks: LayerStacks | None = None,
     ) -> None:
         self.placement = placement
         self.rank = rank
         self.recorder = recorder
         self.comm = comm
+        self.stacks = stacks if stacks is not None else LayerStacks(stack=False)
         layouts = placement.group_layouts()
         if (layouts or placement.exchange != "none") and comm is None:
             raise ValueError("a placement that sends data needs a communicator")
@@ -206,9 +211,9 @@ class PlacementRunner:
         travels with the payload.
         """
         plan, rank = self.placement, self.rank
-        mine = [route for route in plan.factors if self._decomposes_now(layers, route)]
+        mine = [route for route in plan.factors if decomposes_now(plan, rank, layers, route)]
         means = self._trace_means(layers, dtype, mine) if method == "inverse" else None
-        requests = [self._request(layers[route.layer], route, means, damping) for route in mine]
+        requests = [factor_request(plan, rank, layers, route, means, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
             results = decompose_factors(requests, method, dtype)
         decompositions: DecompositionsByFactor = {
@@ -226,39 +231,6 @@ class PlacementRunner:
             a, g = (decompositions.get((index, side)) for side in FACTOR_SIDES)
             if plan.holds_inverse(index, rank) and a is not None and g is not None:
                 layer.inverse = combine_factors(method, a, g)
-
-    def _decomposes_now(self, layers: Sequence[LayerCurvature], route: FactorRoute) -> bool:
-        """Whether ``route``'s factor is this rank's to decompose and has a running average.
-
-        Not when this rank keeps the other factor of the layer and it has none yet (no inverse
-        could be built: the layer's forward or backward has not run).
-        """
-        plan, layer = self.placement, layers[route.layer]
-        if not plan.decomposes(route, self.rank) or layer.factor(route.side) is None:
-            return False
-        other = plan.route((route.layer, other_side(route.side)))
-        return not (plan.holds_factor(other, self.rank) and layer.factor(other.side) is None)
-
-    def _request(
-        self,
-        layer: LayerCurvature,
-        route: FactorRoute,
-        means: Tensor | None,
-        damping: float,
-    ) -> FactorRequest:
-        """One factor to decompose, with its Tikhonov shift when the method needs one.
-
-        The damping goes with it when the plan gives this rank both factors of the layer, so
-        a float64 retry recomputes the shift from float64 traces.
-        """
-        if means is None:
-            return FactorRequest(layer, route.side)
-        shift = tikhonov_shift(route.side, means[route.layer, 0], means[route.layer, 1], damping)
-        plan = self.placement
-        both_held = all(
-            plan.holds_factor(plan.route((route.layer, side)), self.rank) for side in FACTOR_SIDES
-        )
-        return FactorRequest(layer, route.side, shift, damping if both_held else None)
 
     def _trace_means(
         self, layers: Sequence[LayerCurvature], dtype: torch.dtype, mine: Sequence[FactorRoute]
@@ -357,11 +329,17 @@ class PlacementRunner:
         This rank preconditions the layers whose inverse it holds; the others arrive in the
         planned gradient shares.
         """
-        results = list(grads)
+        results, plan = list(grads), self.placement
         with self.recorder.phase("precondition"):
-            for position, (index, layer) in enumerate(zip(indices, layers, strict=True)):
-                if self.placement.holds_inverse(index, self.rank):
-                    results[position] = layer.precondition(grads[position], damping)
+            held = [p for p, index in enumerate(indices) if plan.holds_inverse(index, self.rank)]
+            done = self.stacks.precondition(
+                [layers[p] for p in held],
+                [grads[p] for p in held],
+                damping,
+                [plan.inverse_holders(indices[p]) for p in held],
+            )
+            for p, result in zip(held, done, strict=True):
+                results[p] = result
         return self.share_gradients(indices, results)
 
     def share_gradients(self, indices: Sequence[int], results: Sequence[Tensor]) -> list[Tensor]:

@@ -1,0 +1,129 @@
+"""Equal-shaped layers preconditioned together: their inverses kept stacked between decompositions.
+
+A step that decomposes nothing costs K-FAC two small matrix products per layer. On a GPU each
+is a kernel the host launches and that occupies a fraction of the device (ResNet-50's 54
+layers: 108 products of 1.6 ms together on an H200, docs/benchmarks.md); its 54 layers have
+only 21 shapes. :class:`LayerStacks` preconditions the layers of one shape in one batched
+product per matrix product: their inverses are stacked once after each decomposition
+(:func:`~dkfac.curvature.inverse.stack_inverses`), and each layer's inverse becomes a view of
+its stack, so the stack costs no memory of its own.
+
+A batched product may add its terms in another order than one matrix at a time (on a GPU the
+library may pick another kernel for another batch): the results agree to round-off, not to
+the bit. Workers that precondition the same layer must therefore batch it with the same other
+layers, or their replicas would drift apart by round-off: the caller gives each layer a
+``domain`` (for a distributed strategy, the set of workers that hold the layer's inverse, the
+same on each of them), and only layers of one domain are stacked together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.inverse import KroneckerInverse, stack_inverses, unstack_inverse
+from dkfac.curvature.layer import LayerCurvature
+
+logger = logging.getLogger(__name__)
+
+
+def stack_signature(layer: LayerCurvature, grad: Tensor) -> Hashable | None:
+    """What layers must share to be preconditioned by one batched product (``None``: alone).
+
+    The inverse's method, tensors (names, shapes, dtypes, device), the preconditioning
+    precision and the gradient's shape and dtype; a layer without an inverse is left alone.
+    """
+    inverse = layer.inverse
+    if inverse is None:
+        return None
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.device) for name, t in inverse.tensors().items()
+    )
+    return (inverse.method, layer.precondition_precision, tensors, tuple(grad.shape), grad.dtype)
+
+
+@dataclass(frozen=True)
+class _Stack:
+    """A stacked inverse and the per-layer views of it that its layers hold."""
+
+    stacked: KroneckerInverse
+    views: tuple[KroneckerInverse, ...]
+
+
+class LayerStacks:
+    """Preconditions layers of one shape and domain together (see the module docstring).
+
+    A stack is (re)built the first time its layers are preconditioned together after any of
+    their inverses changed (a decomposition, a loaded state): one copy of their inverses per
+    decomposition, after which each layer's ``inverse`` is a view of the stack.
+
+    Args:
+        stack: ``False``: every layer alone, as :meth:`LayerCurvature.precondition`.
+    """
+
+    def __init__(self, stack: bool = True) -> None:
+        self.stack = stack
+        self._stacks: dict[tuple[str, ...], _Stack] = {}
+
+    def precondition(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        domains: Sequence[Hashable],
+    ) -> list[Tensor]:
+        """``layers[i].precondition(grads[i], damping)`` for each ``i``, stacked where possible.
+
+        Args:
+            layers: the layers, each at most once.
+            grads: their gradient matrices.
+            damping: ``γ``.
+            domains: one per layer: only layers of equal domains are stacked together.
+        """
+        groups: dict[Hashable, list[int]] = {}
+        for position, (layer, grad, domain) in enumerate(zip(layers, grads, domains, strict=True)):
+            signature = stack_signature(layer, grad) if self.stack else None
+            key = (domain, signature) if signature is not None else ("alone", position)
+            groups.setdefault(key, []).append(position)
+        results: list[Tensor] = list(grads)
+        for positions in groups.values():
+            if len(positions) == 1:
+                results[positions[0]] = layers[positions[0]].precondition(
+                    grads[positions[0]], damping
+                )
+                continue
+            members = [layers[p] for p in positions]
+            stacked = self._stack_of(members)
+            product = stacked.precondition(
+                torch.stack([grads[p] for p in positions]),
+                damping,
+                members[0].precondition_precision,
+            )
+            for index, position in enumerate(positions):
+                results[position] = product[index]
+        return results
+
+    def _stack_of(self, members: Sequence[LayerCurvature]) -> KroneckerInverse:
+        """The stacked inverse of ``members``, rebuilt if any of their inverses changed."""
+        key = tuple(layer.name for layer in members)
+        stack = self._stacks.get(key)
+        if stack is not None and all(
+            layer.inverse is view for layer, view in zip(members, stack.views, strict=True)
+        ):
+            return stack.stacked
+        # Stacks that share a layer with this one are stale: drop them before the copy.
+        names = set(key)
+        self._stacks = {k: s for k, s in self._stacks.items() if names.isdisjoint(k)}
+        inverses = [layer.inverse for layer in members]
+        assert all(inverse is not None for inverse in inverses), "stack_signature checked"
+        stacked = stack_inverses([inverse for inverse in inverses if inverse is not None])
+        views = tuple(unstack_inverse(stacked))
+        for layer, view in zip(members, views, strict=True):
+            layer.inverse = view
+        self._stacks[key] = _Stack(stacked, views)
+        logger.debug("stacked the inverses of %d layers: %s", len(members), ", ".join(key))
+        return stacked

@@ -1,0 +1,263 @@
+"""Equal-shaped layers preconditioned together (``batched_preconditioning``).
+
+Oracles: the dense float64 formulas of the damped Kronecker inverse applied to torch.func
+per-example factors (:mod:`test_oracle_numerics`), and the one-layer-at-a-time run (equal to
+round-off: a batched product may order its sums differently); across workers, the
+single-process run on the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dkfac
+from devices import CUDA_TEST_DEVICE, on_cuda
+from distributed_harness import run_workers
+from dkfac.curvature.layer_stacks import LayerStacks
+from test_oracle_numerics import (
+    DT,
+    assert_close,
+    batch_loss,
+    eigen_direction,
+    grad_matrix,
+    inverse_direction,
+    oracle_layer_factors,
+    sgd_,
+)
+
+#: Layers 2, 4 and 6 have equal shapes (d_A = 7, d_G = 6); 0 and 8 are alone.
+EQUAL = ("2", "4", "6")
+
+
+def repeated_model(dtype: torch.dtype = DT) -> nn.Sequential:
+    torch.manual_seed(3)
+    layers: list[nn.Module] = [nn.Linear(4, 6), nn.Tanh()]
+    for _ in EQUAL:
+        layers += [nn.Linear(6, 6), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 3)).to(dtype)
+
+
+def kfac_names(model: nn.Sequential) -> list[str]:
+    return [str(i) for i, m in enumerate(model) if isinstance(m, nn.Linear)]
+
+
+def batch(step: int, n: int = 5, dtype: torch.dtype = DT) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 4, generator=gen).to(dtype), torch.randint(0, 3, (n,), generator=gen)
+
+
+def blend(
+    old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], decay: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running average ``ε·old + (1−ε)·new`` of both factors."""
+    return decay * old[0] + (1 - decay) * new[0], decay * old[1] + (1 - decay) * new[1]
+
+
+def storages(pre: dkfac.KFACPreconditioner, names: tuple[str, ...]) -> set[int]:
+    """The storages the named layers' inverse tensors live in."""
+    layers = {layer.name: layer for layer in pre.layers}
+    return {
+        tensor.untyped_storage().data_ptr()
+        for name in names
+        for tensor in layers[name].inverse.tensors().values()  # type: ignore[union-attr]
+    }
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str) -> None:
+    """Four steps, a decomposition every second (restacked each time), running factors."""
+    model, decay, damping = repeated_model(), 0.7, 0.02
+    pre = dkfac.KFACPreconditioner(
+        model,
+        factor_dtype=DT,
+        inv_dtype=DT,
+        kl_clip=None,
+        inverse_method=method,
+        damping=damping,
+        factor_decay=decay,
+        inv_update_steps=2,
+        batched_preconditioning=True,
+    )
+    names = kfac_names(model)
+    running: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    decomposed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    stacks_seen = []
+    for step in range(4):
+        x, t = batch(step)
+        for n in names:
+            a, g = oracle_layer_factors(model, int(n), x, t)
+            old = running.get(n)
+            running[n] = (a, g) if old is None else blend(old, (a, g), decay)
+        if step % 2 == 0:
+            decomposed = dict(running)
+        batch_loss(model(x), t).backward()
+        grads = {n: grad_matrix(model[int(n)]) for n in names}
+        pre.step()
+        direction = eigen_direction if method == "eigen" else inverse_direction
+        for n in names:
+            want = direction(*decomposed[n], grads[n], damping)
+            assert_close(grad_matrix(model[int(n)]), want, rtol=1e-9, what=f"step {step} {n}")
+        stacks_seen.append(storages(pre, EQUAL))
+        sgd_(model)
+    # The three equal layers' inverses live in one stack: as many storages as one inverse has
+    # tensors. (Steps 2 and 3 precondition from the new decomposition: the oracle checks it.)
+    tensors = 2 if method == "inverse" else 4
+    assert all(len(seen) == tensors for seen in stacks_seen)
+
+
+def one_and_batched_runs(
+    device: torch.device, **options: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dkfac.KFACPreconditioner]:
+    """Gradients after three K-FAC steps of a float32 model, one at a time and batched."""
+    results, last = [], None
+    for batched in (False, True):
+        model = repeated_model(torch.float32).to(device)
+        pre = dkfac.KFACPreconditioner(model, batched_preconditioning=batched, **options)
+        for step in range(3):
+            x, t = batch(step, 16, torch.float32)
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x.to(device)), t.to(device)).backward()
+            pre.step()
+        results.append([p.grad.detach().clone() for p in model.parameters()])  # type: ignore[union-attr]
+        last = pre
+    assert last is not None
+    return results[0], results[1], last
+
+
+@pytest.mark.parametrize(
+    "device",
+    [torch.device("cpu"), on_cuda(CUDA_TEST_DEVICE)],
+)
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("precision", ["highest", "bf16"])
+def test_batched_preconditioning_equals_one_layer_at_a_time_to_round_off(
+    device: torch.device, method: str, precision: str
+) -> None:
+    alone, batched, pre = one_and_batched_runs(
+        device, inverse_method=method, precondition_precision=precision
+    )
+    assert len(storages(pre, EQUAL)) == (2 if method == "inverse" else 4)  # stacked
+    # One rounding of a product's terms in another order: float32's (or bf16's) unit
+    # round-off times the size of the direction, a few times over (two or four products).
+    unit = 2.0**-24 if precision == "highest" else 2.0**-8
+    for one, many in zip(alone, batched, strict=True):
+        scale = float(one.abs().max())
+        assert float((one - many).abs().max()) <= 16 * unit * scale
+
+
+def test_diagonal_factors_stack_too() -> None:
+    """Two equal embeddings (their A a diagonal: inverses that are vectors) stacked."""
+    outputs = []
+    for batched in (False, True):
+        torch.manual_seed(5)
+        first, second, head = nn.Embedding(7, 4), nn.Embedding(7, 4), nn.Linear(4, 3)
+        model = nn.ModuleDict({"first": first, "second": second, "head": head}).double()
+        pre = dkfac.KFACPreconditioner(
+            model,
+            inverse_method="inverse",
+            factor_dtype=DT,
+            inv_dtype=DT,
+            batched_preconditioning=batched,
+        )
+        ids, t = torch.tensor([[0, 3, 5], [1, 3, 6]]), torch.tensor([0, 2])
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            hidden = (model["first"](ids) + model["second"](ids)).mean(1)
+            F.cross_entropy(model["head"](hidden), t).backward()
+            pre.step()
+        outputs.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        if batched:
+            assert len(storages(pre, ("first", "second"))) == 2
+    for one, many in zip(*outputs, strict=True):
+        torch.testing.assert_close(many, one, rtol=1e-12, atol=1e-15)
+
+
+def test_layers_of_different_domains_are_never_stacked_together() -> None:
+    model = repeated_model()
+    pre = dkfac.KFACPreconditioner(model, factor_dtype=DT, inv_dtype=DT, kl_clip=None)
+    x, t = batch(0)
+    batch_loss(model(x), t).backward()
+    pre.step()
+    layers = [layer for layer in pre.layers if layer.name in EQUAL]
+    grads = [layer.block.grad_matrix() for layer in layers]
+    alone = [layer.precondition(g, 0.01) for layer, g in zip(layers, grads, strict=True)]
+    stacks = LayerStacks()
+    results = stacks.precondition(layers, grads, 0.01, domains=[0, 1, 0])
+    # Layers "2" and "6" (domain 0) share a stack; "4" keeps its own inverse.
+    assert storages(pre, ("2",)) == storages(pre, ("6",))
+    assert not storages(pre, ("4",)) & storages(pre, ("2",))
+    for got, want in zip(results, alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:
+    model = repeated_model()
+    options: dict[str, Any] = {"factor_dtype": DT, "inv_dtype": DT, "batched_preconditioning": True}
+    pre = dkfac.KFACPreconditioner(model, inv_update_steps=10, **options)
+    for step in range(2):
+        x, t = batch(step)
+        model.zero_grad(set_to_none=True)
+        batch_loss(model(x), t).backward()
+        pre.step()
+    state = copy.deepcopy(pre.state_dict())
+    twin_model = copy.deepcopy(model)
+    twin = dkfac.KFACPreconditioner(twin_model, inv_update_steps=10, **options)
+    twin.load_state_dict(state)
+    x, t = batch(5)
+    for net, p in ((model, pre), (twin_model, twin)):
+        net.zero_grad(set_to_none=True)
+        batch_loss(net(x), t).backward()
+        p.step()
+    assert len(storages(twin, EQUAL)) == 4  # the loaded inverses were stacked again
+    for mine, theirs in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+
+
+def test_batched_preconditioning_must_be_a_bool_or_none() -> None:
+    with pytest.raises(ValueError, match="batched_preconditioning='yes' is not allowed"):
+        dkfac.KFACPreconditioner(repeated_model(), batched_preconditioning="yes")  # type: ignore[arg-type]
+
+
+def trained(
+    net: nn.Module, options: dict[str, Any], shard: slice = slice(None)
+) -> list[torch.Tensor]:
+    """Parameters after three SGD steps with K-FAC on ``shard`` of each global batch of 8."""
+    pre = dkfac.KFACPreconditioner(net, factor_dtype=DT, inv_dtype=DT, **options)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(3):
+        x, t = batch(step, 8)
+        opt.zero_grad()
+        F.cross_entropy(net(x[shard]), t[shard]).backward()
+        pre.step()
+        opt.step()
+    pre.remove()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torch.Tensor]:
+    ddp = nn.parallel.DistributedDataParallel(repeated_model())
+    local = 8 // world_size
+    shard = slice(rank * local, (rank + 1) * local)
+    return trained(ddp, {**options, "batched_preconditioning": True}, shard)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"strategy": "dkfac", "inverse_method": "eigen"},
+        {"strategy": "kaisa", "grad_worker_fraction": 0.5, "inverse_method": "inverse"},
+    ],
+)
+def test_two_workers_batched_equal_the_single_process_run(options: dict[str, Any]) -> None:
+    """Each worker stacks the layers whose inverse it holds (its domain); the result is the
+    one-process run on the global batch, one layer at a time."""
+    want = trained(repeated_model(), {"inverse_method": options["inverse_method"]})
+    for got in run_workers(worker_run, 2, (options,)):
+        for mine, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
