@@ -124,9 +124,11 @@ def count_steps(
     pre = dkfac.KFACPreconditioner(
         model, inverse_method=method, factor_update_steps=10, inv_update_steps=100, **options
     )
-    kinds = {0: "decomposition", 1: "plain", 10: "factors"}
+    # Step 20: a factor step that is not the first of its decomposition interval (the
+    # first would miss what factors carry between decompositions).
+    kinds = {0: "decomposition", 1: "plain", 20: "factors"}
     result: dict[str, Any] = {}
-    for step in range(11):
+    for step in range(21):
         if step in kinds:
             result[kinds[step]] = {
                 "forward_backward": counted(forward_backward),

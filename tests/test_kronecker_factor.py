@@ -20,7 +20,7 @@ from dkfac.curvature.factor_decomposition import (
 )
 from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.curvature.inverse import combine_factors, tikhonov_shifts, trace_mean
-from dkfac.curvature.kronecker_factor import KroneckerFactor
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
 
 
 def spd(d: int, seed: int) -> torch.Tensor:
@@ -47,6 +47,28 @@ def test_a_factor_folds_batches_drops_nonfinite_ones_and_counts_them() -> None:
         float(torch.diagonal(factor.value()).mean())
     )
     assert torch.equal(factor.zeros(torch.device("cpu")), torch.zeros(4, 4, dtype=torch.float64))
+
+
+def test_dropped_batches_are_counted_over_many_folds_until_read() -> None:
+    # 150 folds between two reads (more than the flags kept before they are summed), every
+    # third batch with an Inf, some folded alone and some with others (fold_batches): the
+    # count read is the number of dropped batches, exactly; then it starts again from zero.
+    factor, other = KroneckerFactor("a", 3, torch.float64), KroneckerFactor("a", 3, torch.float64)
+    dropped = 0
+    for step in range(150):
+        batch = spd(3, step)
+        if step % 3 == 1:
+            batch[2, 2] = float("inf")
+            dropped += 1
+        if step % 2:
+            factor.fold(batch, 0.9)
+        else:
+            fold_batches([factor, other], [batch, spd(3, 1000 + step)], 0.9)
+    count = factor.take_nonfinite_count()
+    assert count is not None and count.dtype == torch.int64 and int(count) == dropped == 50
+    assert int(other.take_nonfinite_count()) == 0  # type: ignore[arg-type]
+    factor.fold(spd(3, 7), 0.9)
+    assert int(factor.take_nonfinite_count()) == 0  # type: ignore[arg-type]
 
 
 def test_a_factor_without_an_average_says_so() -> None:

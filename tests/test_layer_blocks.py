@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 import dkfac
+from dkfac.curvature.blocks import LinearBlock, set_gradients
 from test_oracle_numerics import DT, eigen_direction, per_example_loss
 
 
@@ -325,3 +326,29 @@ def test_bad_blocks_are_refused() -> None:
         TypeError, match=r"returned Projection, not a dkfac\.curvature\.KroneckerBlock"
     ):
         dkfac.KFACPreconditioner(model, blocks={Projection: lambda m: m})  # type: ignore[dict-item, return-value]
+
+
+def test_gradients_written_back_together_are_rounded_once_each() -> None:
+    """``set_gradients`` of a bf16 weight beside a float32 bias (its matrix is float32):
+    the weight takes ``(matrix · ν)`` rounded once to bf16, as ``set_grad(matrix * ν)``
+    wrote it, not ``matrix`` rounded, then scaled and rounded again; the float32 layer's
+    entries are ``matrix · ν`` exactly."""
+    torch.manual_seed(0)
+    mixed, plain = nn.Linear(5, 3), nn.Linear(4, 2)
+    mixed.weight = nn.Parameter(mixed.weight.detach().to(torch.bfloat16))
+    blocks = [LinearBlock(mixed), LinearBlock(plain)]
+    for block in blocks:
+        for parameter in block.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    matrices = [torch.randn(3, 6), torch.randn(2, 5)]
+    scale = torch.tensor(0.3721)
+    set_gradients(blocks, matrices, scale)
+    want = matrices[0] * scale
+    assert mixed.weight.grad is not None and mixed.bias.grad is not None
+    assert torch.equal(mixed.weight.grad, want[:, :5].to(torch.bfloat16))
+    assert torch.equal(mixed.bias.grad, want[:, 5])
+    assert plain.weight.grad is not None and plain.bias.grad is not None
+    assert torch.equal(plain.weight.grad, (matrices[1] * scale)[:, :4])
+    assert torch.equal(plain.bias.grad, (matrices[1] * scale)[:, 4])
+    with pytest.raises(ValueError, match="belongs to two blocks"):
+        set_gradients([blocks[1], blocks[1]], [matrices[1], matrices[1]])

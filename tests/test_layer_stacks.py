@@ -19,6 +19,8 @@ from torch import nn
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from distributed_harness import run_workers
+from dkfac.curvature import layer_stacks
+from dkfac.curvature.inverse import inverse_from_tensors
 from dkfac.curvature.layer_stacks import LayerStacks
 from test_oracle_numerics import (
     DT,
@@ -151,7 +153,8 @@ def test_batched_preconditioning_equals_one_layer_at_a_time_to_round_off(
         assert float((one - many).abs().max()) <= 16 * unit * scale
 
 
-def test_diagonal_factors_stack_too() -> None:
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_diagonal_factors_stack_too(method: str) -> None:
     """Two equal embeddings (their A a diagonal: inverses that are vectors) stacked."""
     outputs = []
     for batched in (False, True):
@@ -160,7 +163,7 @@ def test_diagonal_factors_stack_too() -> None:
         model = nn.ModuleDict({"first": first, "second": second, "head": head}).double()
         pre = dkfac.KFACPreconditioner(
             model,
-            inverse_method="inverse",
+            inverse_method=method,
             factor_dtype=DT,
             inv_dtype=DT,
             batched_preconditioning=batched,
@@ -173,7 +176,7 @@ def test_diagonal_factors_stack_too() -> None:
             pre.step()
         outputs.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         if batched:
-            assert len(storages(pre, ("first", "second"))) == 2
+            assert len(storages(pre, ("first", "second"))) == (2 if method == "inverse" else 3)
     for one, many in zip(*outputs, strict=True):
         torch.testing.assert_close(many, one, rtol=1e-12, atol=1e-15)
 
@@ -194,6 +197,98 @@ def test_layers_of_different_domains_are_never_stacked_together() -> None:
     assert not storages(pre, ("4",)) & storages(pre, ("2",))
     for got, want in zip(results, alone, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+class Branches(nn.Module):
+    """Three equal branches; the third runs only when asked (a layer without a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b, self.c = (nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, third: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.a(x)) + torch.tanh(self.b(x))
+        return self.head(hidden + torch.tanh(self.c(x)) if third else hidden)
+
+
+def test_changing_sets_of_stacked_layers_copy_nothing_and_pin_no_stack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stack per decomposition and set of layers, not per step: a step without ``c``
+    preconditions ``a`` and ``b`` through their views; after a decomposition made while ``c``
+    was idle, ``c`` keeps an inverse of its own instead of a view of the dropped stack.
+    Oracle: the one-at-a-time run."""
+    built: list[int] = []
+    real_stack = layer_stacks.stack_inverses
+
+    def counting(inverses: Any) -> Any:
+        built.append(len(inverses))
+        return real_stack(inverses)
+
+    monkeypatch.setattr(layer_stacks, "stack_inverses", counting)
+    third = [True, False, True, False, False, True]  # decompositions at steps 0 and 4
+    grads = {}
+    for batched in (False, True):
+        model = Branches().double()
+        pre = dkfac.KFACPreconditioner(
+            model,
+            factor_dtype=DT,
+            inv_dtype=DT,
+            inv_update_steps=4,
+            batched_preconditioning=batched,
+        )
+        seen = []
+        for step, use in enumerate(third):
+            x, t = batch(step, 6)
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x, use), t).backward()
+            pre.step()
+            seen.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            if batched and step == 4:
+                layers = {layer.name: layer for layer in pre.layers}
+                own = layers["c"].inverse.tensors().values()  # type: ignore[union-attr]
+                assert all(t.untyped_storage().nbytes() == t.numel() * t.itemsize for t in own)
+                assert storages(pre, ("a",)) == storages(pre, ("b",))
+        grads[batched] = seen
+    # Step 0 stacks a, b and c; steps 1-3 use that stack or their views; step 4 (a and b,
+    # new inverses) stacks them anew and gives c a copy of its own; step 5 stacks all three.
+    assert built == [3, 2, 3]
+    for one, many in zip(grads[False], grads[True], strict=True):
+        for a, b in zip(one, many, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+
+
+def test_a_layer_left_out_of_a_new_stack_gets_its_own_copy() -> None:
+    """``a`` and ``b`` get new inverses while ``c`` keeps its old one (its decomposition
+    failed, say) and has no gradient: restacking ``a`` and ``b`` drops the old stack, and
+    ``c``'s view of it becomes a copy of its own with the same values."""
+    model = Branches().double()
+    pre = dkfac.KFACPreconditioner(model, factor_dtype=DT, inv_dtype=DT)
+    x, t = batch(0, 6)
+    F.cross_entropy(model(x, True), t).backward()
+    pre.step()
+    layers = {layer.name: layer for layer in pre.layers}
+    trio = [layers[name] for name in "abc"]
+    grads = [layer.block.grad_matrix() for layer in trio]
+    stacks = LayerStacks()
+    stacks.precondition(trio, grads, 0.01, [0, 0, 0])
+    old_c = layers["c"].inverse
+    assert old_c is not None and storages(pre, ("c",)) == storages(pre, ("a",))
+    for name in "ab":  # a decomposition: new objects (here copies of the same values)
+        layer = layers[name]
+        assert layer.inverse is not None
+        layer.inverse = inverse_from_tensors(
+            layer.inverse.method, {k: v.clone() for k, v in layer.inverse.tensors().items()}
+        )
+    stacks.precondition(trio[:2], grads[:2], 0.01, [0, 0])
+    new_c = layers["c"].inverse
+    assert new_c is not None and new_c is not old_c
+    for name, tensor in new_c.tensors().items():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.itemsize
+        assert torch.equal(tensor, old_c.tensors()[name])
+    assert not storages(pre, ("c",)) & storages(pre, ("a",))
 
 
 def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:
@@ -244,7 +339,8 @@ def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torc
     ddp = nn.parallel.DistributedDataParallel(repeated_model())
     local = 8 // world_size
     shard = slice(rank * local, (rank + 1) * local)
-    return trained(ddp, {**options, "batched_preconditioning": True}, shard)
+    options = {**options, "batched_preconditioning": True, "check_replicas_every": 1}
+    return trained(ddp, options, shard)
 
 
 @pytest.mark.parametrize(
@@ -258,6 +354,8 @@ def test_two_workers_batched_equal_the_single_process_run(options: dict[str, Any
     """Each worker stacks the layers whose inverse it holds (its domain); the result is the
     one-process run on the global batch, one layer at a time."""
     want = trained(repeated_model(), {"inverse_method": options["inverse_method"]})
-    for got in run_workers(worker_run, 2, (options,)):
+    ranks = run_workers(worker_run, 2, (options,))
+    assert all(torch.equal(a, b) for a, b in zip(*ranks, strict=True))  # replicas' bits
+    for got in ranks:
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

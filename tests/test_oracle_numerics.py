@@ -28,6 +28,8 @@ from torch import nn
 from torch.func import grad, vmap
 
 import dkfac
+from devices import CUDA_TEST_DEVICE, on_cuda
+from dkfac.curvature import kl_clip
 
 DT = torch.float64
 RTOL = 1e-10
@@ -485,6 +487,33 @@ def test_kl_clipping_scale(case: str) -> None:
         assert nu == 1.0
     for n, v in vs.items():
         assert_close(grad_matrix(model[int(n)]), nu * v, rtol=1e-9, what=f"nu*V of {n}")
+
+
+@pytest.mark.parametrize("shared", [None, True, False])
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+def test_kl_clipping_scale_of_many_layers_in_chunks(
+    device: str, shared: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ν over 30 layers, summed per layer or in chunks of shared launches (by default on a
+    GPU; here chunks of at most 100 entries, so most layers are cut apart): the float64
+    formula."""
+    monkeypatch.setattr(kl_clip, "_CHUNK", 100)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1 + i % 7, 3 + i % 11) for i in range(30)]
+    gs = [torch.randn(shape, generator=gen) for shape in shapes]
+    vs = [g * (0.5 + torch.rand(g.shape, generator=gen)) for g in gs]  # ⟨V, ∇⟩ > 0
+    chunks = kl_clip._chunks(list(zip(vs, gs, strict=True)))
+    assert [pair for chunk in chunks for pair in chunk] == list(zip(vs, gs, strict=True))
+    assert all(sum(v.numel() for v, _ in chunk) <= 100 for chunk in chunks if len(chunk) > 1)
+    assert 5 < len(chunks) < 30
+    vg = sum(float((v.double() * g.double()).sum()) for v, g in zip(vs, gs, strict=True))
+    lr, kl = 0.2, 1e-3
+    want = min(1.0, math.sqrt(kl / (lr * lr * vg)))
+    assert want < 1.0
+    on = [v.to(device) for v in vs], [g.to(device) for g in gs]
+    nu = kl_clip.kl_clip_scale(*on, lr, kl, shared_launches=shared)
+    assert nu.device.type == torch.device(device).type
+    assert abs(float(nu) - want) <= 1e-6 * want  # float32 products, float64 sums
 
 
 def test_kl_clipping_with_callable_lr_and_damping() -> None:

@@ -232,7 +232,9 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
-        if self.batched_preconditioning not in (None, True, False):
+        if self.batched_preconditioning is not None and not isinstance(
+            self.batched_preconditioning, bool
+        ):
             raise ValueError(
                 f"batched_preconditioning={self.batched_preconditioning!r} is not allowed: "
                 "expected None (on a GPU), True or False"

@@ -159,15 +159,21 @@ def set_gradients(
     """Each block's :meth:`~KroneckerBlock.set_grad` of its matrix times ``scale``, together.
 
     The copies into every ``.grad``, then the scaling of all of them, share their launches
-    (a GPU otherwise takes two small kernels per layer); each entry is rounded once, as
-    ``set_grad(matrix * scale)`` rounds it.
+    (a GPU otherwise takes two small kernels per layer). Each entry is rounded as
+    ``set_grad(matrix * scale)`` rounds it: a ``.grad`` of another dtype than its matrix (a
+    bf16 weight beside a float32 bias) takes the product, scaled before the cast.
     """
     grads, parts = [], []
     for block, matrix in zip(blocks, matrices, strict=True):
         for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
             assert parameter.grad is not None
-            grads.append(parameter.grad)
-            parts.append(part)
+            if scale is not None and parameter.grad.dtype != part.dtype:
+                parameter.grad.copy_(part * scale)
+            else:
+                grads.append(parameter.grad)
+                parts.append(part)
+    if len({id(grad) for grad in grads}) != len(grads):  # discovery skips tied parameters
+        raise ValueError("set_gradients: a parameter's gradient belongs to two blocks")
     torch._foreach_copy_(grads, parts)
     if scale is not None:
         torch._foreach_mul_(grads, scale)

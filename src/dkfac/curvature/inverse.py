@@ -144,11 +144,15 @@ class KroneckerInverse(ABC):
         if check_precondition_precision(precision) == "highest":
             tensors = self.tensors()
         else:
-            if self._rounded is None:
-                self._rounded = {k: t.to(torch.bfloat16) for k, t in self.tensors().items()}
-            tensors, product = self._rounded, bf16_product
+            tensors, product = self.bf16_tensors(), bf16_product
         work = next(iter(tensors.values())).dtype
         return self._apply(tensors, grad.to(work), damping, product).to(grad.dtype)
+
+    def bf16_tensors(self) -> dict[str, Tensor]:
+        """:meth:`tensors` rounded to bfloat16, made once and kept (``precision="bf16"``)."""
+        if self._rounded is None:
+            self._rounded = {k: t.to(torch.bfloat16) for k, t in self.tensors().items()}
+        return self._rounded
 
     def held_tensors(self) -> list[Tensor]:
         """Every tensor this inverse keeps: :meth:`tensors` and, once made, their bf16 copies."""
@@ -283,13 +287,29 @@ def stack_inverses(inverses: Sequence[KroneckerInverse]) -> KroneckerInverse:
 
 
 def unstack_inverse(stacked: KroneckerInverse) -> list[KroneckerInverse]:
-    """The inverses a :func:`stack_inverses` result holds, as views of its tensors."""
-    tensors = stacked.tensors()
-    count = next(iter(tensors.values())).shape[0]
-    return [
-        inverse_from_tensors(stacked.method, {name: t[i] for name, t in tensors.items()})
-        for i in range(count)
-    ]
+    """The inverses a :func:`stack_inverses` result holds, as views of its tensors.
+
+    Bfloat16 copies the stack made already (:meth:`KroneckerInverse.bf16_tensors`) are shared
+    the same way: a view rounds nothing again, and its ``held_tensors`` count its share.
+    """
+    tensors, rounded = stacked.tensors(), stacked._rounded
+    views = []
+    for i in range(next(iter(tensors.values())).shape[0]):
+        view = inverse_from_tensors(stacked.method, {name: t[i] for name, t in tensors.items()})
+        if rounded is not None:
+            view._rounded = {name: t[i] for name, t in rounded.items()}
+        views.append(view)
+    return views
+
+
+def owned_copy(inverse: KroneckerInverse) -> KroneckerInverse:
+    """``inverse`` with tensors (and bf16 copies, if made) of its own: no view of a stack."""
+    copy = inverse_from_tensors(
+        inverse.method, {k: t.clone() for k, t in inverse.tensors().items()}
+    )
+    if inverse._rounded is not None:
+        copy._rounded = {k: t.clone() for k, t in inverse._rounded.items()}
+    return copy
 
 
 def inverse_from_tensors(method: str, tensors: dict[str, Tensor]) -> KroneckerInverse:

@@ -7,9 +7,33 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+#: Entries of the products ``V ⊙ ∇`` one shared launch forms at most (on an accelerator): the
+#: products and their concatenation are held at once, twice this many entries.
+_CHUNK = 1 << 24
+
+
+def _chunks(pairs: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
+    """``pairs`` in order, cut where the entries would pass :data:`_CHUNK` (one device each)."""
+    chunks: list[list[tuple[Tensor, Tensor]]] = []
+    size = 0
+    for pair in pairs:
+        entries = pair[0].numel()
+        fits = chunks and size + entries <= _CHUNK and chunks[-1][0][0].device == pair[0].device
+        if fits:
+            chunks[-1].append(pair)
+            size += entries
+        else:
+            chunks.append([pair])
+            size = entries
+    return chunks
+
 
 def kl_clip_scale(
-    directions: Sequence[Tensor], grads: Sequence[Tensor], lr: float, kl_clip: float
+    directions: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    lr: float,
+    kl_clip: float,
+    shared_launches: bool | None = None,
 ) -> Tensor:
     """ν = min(1, sqrt(κ / (η² Σ⟨V, ∇⟩))) as a device scalar: no host synchronisation.
 
@@ -18,21 +42,24 @@ def kl_clip_scale(
         grads: the layers' gradients ``∇``, same shapes.
         lr: the learning rate η of the step.
         kl_clip: κ.
+        shared_launches: the products formed in ``_foreach`` launches and summed in chunks
+            (``None``: off the CPU, where each launch is a cost of its own).
 
     Returns:
         ν in the gradients' dtype, on their device. The inner products are summed in float64.
     """
     device = grads[0].device
-    products = torch._foreach_mul(list(directions), list(grads))  # shared launches
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for product in products:
-        by_device.setdefault(product.device, []).append(product.reshape(-1))
-    terms = []
-    for where, flat in by_device.items():
-        if where.type == "cpu":  # a launch costs little: one sum each, no copy
-            terms += [part.sum(dtype=torch.float64).to(device) for part in flat]
-        else:  # one copy of the products (fast memory) instead of a launch per layer
-            terms.append(torch.cat(flat).sum(dtype=torch.float64).to(device))
+    pairs = list(zip(directions, grads, strict=True))
+    if shared_launches is None:
+        shared_launches = device.type != "cpu"
+    if not shared_launches:  # a CPU launch costs little: one product and one sum per layer
+        terms = [(v * g).sum(dtype=torch.float64).to(device) for v, g in pairs]
+    else:  # shared launches, in chunks: at most _CHUNK products held at a time
+        terms = []
+        for chunk in _chunks(pairs):
+            products = torch._foreach_mul([v for v, _ in chunk], [g for _, g in chunk])
+            flat = torch.cat([product.reshape(-1) for product in products])
+            terms.append(flat.sum(dtype=torch.float64).to(device))
     vg = torch.stack(terms).sum() * (lr * lr)
     nu = torch.sqrt(kl_clip / vg.clamp_min(0.0)).clamp(max=1.0)
     return nu.to(grads[0].dtype)

@@ -20,6 +20,9 @@ from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.running_average import running_average, running_averages
 from dkfac.curvature.statistics import FactorStatistics
 
+#: Dropped-batch flags a factor keeps before summing them (reads are at decompositions).
+_PENDING_FLAGS = 64
+
 
 class KroneckerFactor:
     """Statistics, running average and validity of one factor.
@@ -45,7 +48,9 @@ class KroneckerFactor:
         self.dtype = dtype
         self.statistics = FactorStatistics(side)
         self.running: Tensor | None = None
-        self._nonfinite: Tensor | None = None
+        # Device flags "a batch was dropped", summed only when read (at a decomposition): a
+        # sum per fold would be a kernel launch per factor on every factor step.
+        self._nonfinite: list[Tensor] = []
 
     def fold(self, batch: Tensor, decay: float) -> None:
         """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
@@ -54,12 +59,16 @@ class KroneckerFactor:
         self.running = running_average(self.running, batch, decay, batch_ok)
 
     def _count_nonfinite(self, bad: Tensor) -> None:
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad
+        self._nonfinite.append(bad)
+        if len(self._nonfinite) >= _PENDING_FLAGS:  # bounded between decompositions
+            self._nonfinite = [torch.stack(self._nonfinite).sum()]
 
     def take_nonfinite_count(self) -> Tensor | None:
         """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
-        count, self._nonfinite = self._nonfinite, None
-        return count
+        flags, self._nonfinite = self._nonfinite, []
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
 
     def zeros(self, device: torch.device) -> Tensor:
         """A zero factor (what a worker without statistics contributes to a sum)."""

@@ -6,7 +6,8 @@ layers: 108 products of 1.6 ms together on an H200, docs/benchmarks.md); its 54 
 only 21 shapes. :class:`LayerStacks` preconditions the layers of one shape in one batched
 product per matrix product: their inverses are stacked once after each decomposition
 (:func:`~dkfac.curvature.inverse.stack_inverses`), and each layer's inverse becomes a view of
-its stack, so the stack costs no memory of its own.
+its stack, so holding the stack takes no memory beyond the inverses (building it copies
+them once; each batched step stacks the group's gradients, a transient copy).
 
 A batched product may add its terms in another order than one matrix at a time (on a GPU the
 library may pick another kernel for another batch): the results agree to round-off, not to
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dkfac.curvature.inverse import KroneckerInverse, stack_inverses, unstack_inverse
+from dkfac.curvature.inverse import (
+    KroneckerInverse,
+    owned_copy,
+    stack_inverses,
+    unstack_inverse,
+)
 from dkfac.curvature.layer import LayerCurvature
 
 logger = logging.getLogger(__name__)
@@ -48,18 +54,22 @@ def stack_signature(layer: LayerCurvature, grad: Tensor) -> Hashable | None:
 
 @dataclass(frozen=True)
 class _Stack:
-    """A stacked inverse and the per-layer views of it that its layers hold."""
+    """A stacked inverse, its layers and the per-layer views of it that they hold."""
 
     stacked: KroneckerInverse
+    layers: tuple[LayerCurvature, ...]
     views: tuple[KroneckerInverse, ...]
 
 
 class LayerStacks:
     """Preconditions layers of one shape and domain together (see the module docstring).
 
-    A stack is (re)built the first time its layers are preconditioned together after any of
-    their inverses changed (a decomposition, a loaded state): one copy of their inverses per
-    decomposition, after which each layer's ``inverse`` is a view of the stack.
+    A stack is built the first time its layers are preconditioned together after one of
+    their inverses was replaced (a decomposition, a loaded state): one copy of their inverses
+    per decomposition, after which each layer's ``inverse`` is a view of the stack. A step
+    whose layers of one shape are a different set of already stacked layers (some had no
+    gradient) preconditions them one at a time through their views instead of restacking:
+    only a new inverse is worth a copy.
 
     Args:
         stack: ``False``: every layer alone, as :meth:`LayerCurvature.precondition`.
@@ -68,6 +78,7 @@ class LayerStacks:
     def __init__(self, stack: bool = True) -> None:
         self.stack = stack
         self._stacks: dict[tuple[str, ...], _Stack] = {}
+        self._stack_of_layer: dict[str, tuple[str, ...]] = {}
 
     def precondition(
         self,
@@ -91,13 +102,12 @@ class LayerStacks:
             groups.setdefault(key, []).append(position)
         results: list[Tensor] = list(grads)
         for positions in groups.values():
-            if len(positions) == 1:
-                results[positions[0]] = layers[positions[0]].precondition(
-                    grads[positions[0]], damping
-                )
-                continue
             members = [layers[p] for p in positions]
-            stacked = self._stack_of(members)
+            stacked = self._stack_for(members) if len(members) > 1 else None
+            if stacked is None:
+                for position in positions:
+                    results[position] = layers[position].precondition(grads[position], damping)
+                continue
             product = stacked.precondition(
                 torch.stack([grads[p] for p in positions]),
                 damping,
@@ -107,23 +117,45 @@ class LayerStacks:
                 results[position] = product[index]
         return results
 
-    def _stack_of(self, members: Sequence[LayerCurvature]) -> KroneckerInverse:
-        """The stacked inverse of ``members``, rebuilt if any of their inverses changed."""
+    def _stack_for(self, members: Sequence[LayerCurvature]) -> KroneckerInverse | None:
+        """The stack of exactly ``members`` (built if one has a new inverse); else ``None``."""
         key = tuple(layer.name for layer in members)
         stack = self._stacks.get(key)
         if stack is not None and all(
             layer.inverse is view for layer, view in zip(members, stack.views, strict=True)
         ):
             return stack.stacked
-        # Stacks that share a layer with this one are stale: drop them before the copy.
-        names = set(key)
-        self._stacks = {k: s for k, s in self._stacks.items() if names.isdisjoint(k)}
+        if all(self._is_stacked(layer) for layer in members):
+            return None  # another set of stacked layers this step: one at a time, no copy
+        self._release(set(key))
         inverses = [layer.inverse for layer in members]
         assert all(inverse is not None for inverse in inverses), "stack_signature checked"
         stacked = stack_inverses([inverse for inverse in inverses if inverse is not None])
+        if members[0].precondition_precision == "bf16":
+            stacked.bf16_tensors()  # rounded once, shared by the views
         views = tuple(unstack_inverse(stacked))
         for layer, view in zip(members, views, strict=True):
             layer.inverse = view
-        self._stacks[key] = _Stack(stacked, views)
+            self._stack_of_layer[layer.name] = key
+        self._stacks[key] = _Stack(stacked, tuple(members), views)
         logger.debug("stacked the inverses of %d layers: %s", len(members), ", ".join(key))
         return stacked
+
+    def _is_stacked(self, layer: LayerCurvature) -> bool:
+        """Whether ``layer``'s inverse is still the view a live stack gave it."""
+        stack = self._stacks.get(self._stack_of_layer.get(layer.name, ()))
+        if stack is None:
+            return False
+        return any(view is layer.inverse for view in stack.views)
+
+    def _release(self, names: set[str]) -> None:
+        """Drop the stacks that hold any of ``names``; their other layers get own copies.
+
+        A layer still holding a view of a dropped stack would keep the whole stack's memory.
+        """
+        for key in [key for key in self._stacks if not names.isdisjoint(key)]:
+            stack = self._stacks.pop(key)
+            for layer, view in zip(stack.layers, stack.views, strict=True):
+                self._stack_of_layer.pop(layer.name, None)
+                if layer.name not in names and layer.inverse is view:
+                    layer.inverse = owned_copy(view)
