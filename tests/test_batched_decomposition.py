@@ -1,8 +1,10 @@
-"""Equal-size factors eigendecomposed in one batched call (``batch_equal_sizes``, off by default).
+"""Equal-size factors decomposed in one batched call (``batch_equal_sizes``; on by default on
+a GPU through ``batched_decompositions``).
 
-Oracles: each factor rebuilt in float64 from its eigenvectors and eigenvalues, and the
-one-factor-at-a-time path (same eigenvalues to float32 round-off; a batched solver may order
-its arithmetic differently, so eigenvectors are compared through the factor they rebuild).
+Oracles: each factor rebuilt in float64 from its eigenvectors and eigenvalues, the float64
+damped inverse, and the one-factor-at-a-time path (same eigenvalues to float32 round-off; a
+batched solver may order its arithmetic differently, so eigenvectors are compared through
+the factor they rebuild).
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ def test_batches_are_capped_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("device", [on_cuda(CUDA_TEST_DEVICE.type)])
 def test_whether_a_factor_decomposes_the_same_whatever_it_is_batched_with(device: str) -> None:
-    """Workers that decompose a factor redundantly (SPD's small ones) batch it with different
-    companions; its result must not depend on them for batching to be safe. Not so on the
-    CPU (LAPACK's kernels round differently at another memory alignment: seen here with one
-    thread), which is why batching is off by default; a GPU session checks the GPU."""
+    """Whether a factor's batched result depends on its companions. On the CPU it does
+    (LAPACK's kernels round differently at another memory alignment: seen here with one
+    thread), which is why batching is off there by default and why a factor is batched only
+    with factors of its own domain (who decomposes it: the same companions on every worker
+    that does); a GPU session checks the GPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -124,3 +127,65 @@ def test_whether_a_factor_decomposes_the_same_whatever_it_is_batched_with(device
     finally:
         torch.set_num_threads(threads)
     assert all(same), same
+
+
+def shifted_requests(layers: list[Any], shift: float = 0.05) -> list[FactorRequest]:
+    return [
+        FactorRequest(layer, side, torch.tensor(shift)) for layer in layers for side in ("a", "g")
+    ]
+
+
+def test_batched_cholesky_inverses_are_the_damped_inverses() -> None:
+    """Oracle: the float64 inverse of ``F + shift·I``; the one-at-a-time path to round-off;
+    each result exactly symmetric and row-major, as the one-at-a-time result is."""
+    layers = trained_layers()
+    requests = shifted_requests(layers)
+    alone = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=False)
+    batched = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+    for one, many, request in zip(alone, batched, requests, strict=True):
+        assert one is not None and many is not None and list(one.tensors) == list(many.tensors)
+        (name,) = many.tensors
+        factor = request.layer.factor(request.side).double()
+        want = torch.linalg.inv(factor + 0.05 * torch.eye(factor.shape[0], dtype=torch.float64))
+        scale = want.abs().max()
+        got = many.tensors[name]
+        assert got.is_contiguous() and torch.equal(got, got.t())
+        torch.testing.assert_close(got.double(), want, atol=1e-4 * scale, rtol=0)
+        torch.testing.assert_close(got, one.tensors[name], atol=1e-5 * scale, rtol=0)
+
+
+def test_a_batched_cholesky_that_fails_for_one_factor_fails_for_it_alone() -> None:
+    """One factor made indefinite (its shift cannot rescue it, in float64 either): only its
+    result is ``None``; the others of its batch are the damped inverses."""
+    layers = trained_layers()
+    requests = shifted_requests(layers, shift=1e-3)
+    bad = requests[2]  # A of the second layer: 17 x 17, in a batch with the other A's
+    assert bad.side == "a"
+    running = bad.layer.factor("a")
+    bad.layer.set_factor("a", running - 10.0 * torch.eye(running.shape[0]))
+    with pytest.warns(RuntimeWarning, match="decomposition failed"):
+        results = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+    assert results[2] is None
+    assert all(result is not None for i, result in enumerate(results) if i != 2)
+    assert bad.layer.health().failed_decompositions == 1
+
+
+def test_factors_of_different_domains_are_never_batched_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers = trained_layers()
+    sizes: list[int] = []
+    real = decomposition_module.CholeskyFactor.compute_many
+
+    def spy(matrices: Any, sides: Any, dtype: torch.dtype, shifts: Any) -> Any:
+        sizes.append(len(matrices))
+        return real(matrices, sides, dtype, shifts)
+
+    monkeypatch.setattr(decomposition_module.CholeskyFactor, "compute_many", spy)
+    # The four A's (17 x 17) in two domains of two; the G's: 16 x 16 three times, 4 x 4 once.
+    requests = [
+        FactorRequest(r.layer, r.side, r.shift, domain=(index // 2) % 2 if r.side == "a" else -1)
+        for index, r in enumerate(shifted_requests(layers))
+    ]
+    decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+    assert sorted(sizes) == [1, 2, 2, 3]

@@ -314,9 +314,10 @@ def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:
         assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
 
 
-def test_batched_preconditioning_must_be_a_bool_or_none() -> None:
-    with pytest.raises(ValueError, match="batched_preconditioning='yes' is not allowed"):
-        dkfac.KFACPreconditioner(repeated_model(), batched_preconditioning="yes")  # type: ignore[arg-type]
+@pytest.mark.parametrize("name", ["batched_preconditioning", "batched_decompositions"])
+def test_batching_options_must_be_a_bool_or_none(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name}=1 is not allowed"):
+        dkfac.KFACPreconditioner(repeated_model(), **{name: 1})
 
 
 def trained(
@@ -339,7 +340,8 @@ def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torc
     ddp = nn.parallel.DistributedDataParallel(repeated_model())
     local = 8 // world_size
     shard = slice(rank * local, (rank + 1) * local)
-    options = {**options, "batched_preconditioning": True, "check_replicas_every": 1}
+    batched = {"batched_preconditioning": True, "batched_decompositions": True}
+    options = {**options, **batched, "check_replicas_every": 1}
     return trained(ddp, options, shard)
 
 
@@ -351,8 +353,9 @@ def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torc
     ],
 )
 def test_two_workers_batched_equal_the_single_process_run(options: dict[str, Any]) -> None:
-    """Each worker stacks the layers whose inverse it holds (its domain); the result is the
-    one-process run on the global batch, one layer at a time."""
+    """Each worker stacks the layers whose inverse it holds and batches the factors it
+    decomposes (each with those of its own domain); the ranks' parameters agree bit for bit
+    and are the one-process run on the global batch, one layer at a time."""
     want = trained(repeated_model(), {"inverse_method": options["inverse_method"]})
     ranks = run_workers(worker_run, 2, (options,))
     assert all(torch.equal(a, b) for a, b in zip(*ranks, strict=True))  # replicas' bits

@@ -17,6 +17,7 @@ import torch
 
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.strategies.chooser import StrategyChooser
@@ -150,6 +151,7 @@ class KFACConfig:
     adaptive: AdaptiveOptions | None = None
     max_factor_dim: int | None = 8192
     batched_preconditioning: bool | None = None
+    batched_decompositions: bool | None = None
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -181,11 +183,11 @@ class KFACConfig:
             )
         return self.strategy
 
-    def batches_preconditioning(self, device: torch.device) -> bool:
-        """Whether layers of equal shapes are preconditioned together (by default on a GPU)."""
-        if self.batched_preconditioning is None:
-            return device.type == "cuda"
-        return self.batched_preconditioning
+    def batching(self, device: torch.device) -> Batching:
+        """What runs batched on ``device`` (each ``None`` setting: on a GPU)."""
+        gpu = device.type == "cuda"
+        layers, factors = self.batched_preconditioning, self.batched_decompositions
+        return Batching(gpu if layers is None else layers, gpu if factors is None else factors)
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -232,13 +234,12 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
-        if self.batched_preconditioning is not None and not isinstance(
-            self.batched_preconditioning, bool
-        ):
-            raise ValueError(
-                f"batched_preconditioning={self.batched_preconditioning!r} is not allowed: "
-                "expected None (on a GPU), True or False"
-            )
+        for name in ("batched_preconditioning", "batched_decompositions"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(
+                    f"{name}={value!r} is not allowed: expected None (on a GPU), True or False"
+                )
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

@@ -15,7 +15,6 @@ from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
@@ -24,6 +23,7 @@ from dkfac.preconditioner_arguments import (
     check_blocks,
     refuse_compiled_subset,
     refuse_conflicting_arguments,
+    refuse_step_call,
     refuse_unagreed_adaptive,
 )
 from dkfac.preconditioner_inspection import PreconditionerInspection
@@ -127,7 +127,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         max_factor_dim: a layer with a factor side above this (a vocabulary-sized LM head) is
             skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
-        batched_preconditioning: layers of equal shapes preconditioned by batched products
+        batched_preconditioning: layers of equal shapes preconditioned by batched products,
+            ``batched_decompositions``: factors of equal sizes decomposed by batched calls
             (equal to one at a time up to round-off); ``None`` (default): on a GPU.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
@@ -173,6 +174,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         optimizer: torch.optim.Optimizer | None = None,
         max_factor_dim: int | None = 8192,
         batched_preconditioning: bool | None = None,
+        batched_decompositions: bool | None = None,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
@@ -207,6 +209,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             adaptive=adaptive,
             max_factor_dim=max_factor_dim,
             batched_preconditioning=batched_preconditioning,
+            batched_decompositions=batched_decompositions,
         )
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
@@ -218,8 +221,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         # passes (pipelined strategies then expect as many as the window before).
         expected = accumulation_steps or (None if optimizer is not None else 1)
         device = self._layers[0].block.weight.device
-        stacks = LayerStacks(self.config.batches_preconditioning(device))
-        self._strategy.setup(self._layers, accumulation_steps=expected or 1, stacks=stacks)
+        self._strategy.setup(
+            self._layers, accumulation_steps=expected or 1, batching=self.config.batching(device)
+        )
         self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = self._force_inverse = False
@@ -271,22 +275,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             ValueError: a callable hyperparameter returned a value that is not allowed, or the
                 batch is missing with ``adaptive`` (given without it).
         """
-        if (inputs is None) != (self._adaptive is None) or (targets is None) != (inputs is None):
-            raise ValueError(
-                "step(inputs, targets) needs both with adaptive K-FAC, and neither without it "
-                f"(adaptive={self.config.adaptive is not None}, inputs given: "
-                f"{inputs is not None}, targets given: {targets is not None})"
-            )
-        if self._removed:
-            raise RuntimeError(
-                "step() after remove(): this preconditioner has detached its "
-                "hooks; build a new KFACPreconditioner"
-            )
-        if self._hook is not None and not self._hook.running:
-            raise RuntimeError(
-                "step() by hand on a preconditioner attached to an optimizer: "
-                "optimizer.step() runs it (calling both would precondition twice)"
-            )
+        hooked = self._hook is not None and not self._hook.running
+        refuse_step_call(self._adaptive is not None, inputs, targets, self._removed, hooked)
         check_layers_unchanged(self._model, self._paths, self._layers)
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):

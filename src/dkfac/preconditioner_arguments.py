@@ -88,3 +88,31 @@ def check_blocks(blocks: Any | None) -> None:
                 f"blocks entry {kind!r}: {factory!r} is not allowed: expected an nn.Module "
                 "subclass mapped to a callable that returns its dkfac.curvature.KroneckerBlock"
             )
+
+
+def refuse_step_call(
+    adaptive: bool, inputs: Any, targets: Any, removed: bool, by_hand_when_hooked: bool
+) -> None:
+    """Raise if ``step(inputs, targets)`` cannot run as called.
+
+    Raises:
+        ValueError: the batch given without adaptive K-FAC, or missing (or half) with it.
+        RuntimeError: after ``remove()``, or by hand on a preconditioner attached to an
+            optimizer (whose ``step()`` runs it).
+    """
+    if (inputs is None) == adaptive or (targets is None) != (inputs is None):
+        raise ValueError(
+            "step(inputs, targets) needs both with adaptive K-FAC, and neither without it "
+            f"(adaptive={adaptive}, inputs given: {inputs is not None}, targets given: "
+            f"{targets is not None})"
+        )
+    if removed:
+        raise RuntimeError(
+            "step() after remove(): this preconditioner has detached its "
+            "hooks; build a new KFACPreconditioner"
+        )
+    if by_hand_when_hooked:
+        raise RuntimeError(
+            "step() by hand on a preconditioner attached to an optimizer: "
+            "optimizer.step() runs it (calling both would precondition twice)"
+        )

@@ -8,14 +8,19 @@ counted per layer (:meth:`~dkfac.curvature.layer.LayerCurvature.health`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-from dkfac.curvature.factor_decomposition import EigenFactor, FactorDecomposition, decompose_factor
+from dkfac.curvature.factor_decomposition import (
+    CholeskyFactor,
+    EigenFactor,
+    FactorDecomposition,
+    decompose_factor,
+)
 from dkfac.curvature.inverse import tikhonov_shift
 from dkfac.curvature.layer import LayerCurvature
 
@@ -41,13 +46,17 @@ class FactorRequest:
 
     ``damping`` (``"inverse"`` only, when both factors of the layer are held here) lets a
     float64 retry recompute the shift from float64 traces instead of reusing the one
-    computed in the failed dtype.
+    computed in the failed dtype. ``domain``: which workers decompose this factor; batched
+    decompositions put a factor only with others of its domain, so every worker that
+    decomposes it batches it the same way (a batch's results depend on its other members
+    by round-off).
     """
 
     layer: LayerCurvature
     side: str
     shift: Tensor | None = None
     damping: float | None = None
+    domain: Hashable = None
 
     def in_float64(self) -> FactorRequest:
         """This request for a float64 retry (shift recomputed when the damping is known)."""
@@ -74,12 +83,12 @@ def decompose_factors(
     (:meth:`LayerCurvature.report`). Every factor is decomposed before anything is read back,
     so the finiteness of the factors, the dropped-batch counts and the success of every
     decomposition reach the host in one synchronisation for all requests together (plus one
-    per float64 retry, on the failure path only). ``batch_equal_sizes`` eigendecomposes
-    factors of equal size together (:func:`_first_attempts`): on a GPU one wait per batch
-    instead of one per factor inside ``eigh``. Off until measured on a GPU: a batch's results
-    differ from one-at-a-time ones by round-off and, on the CPU, depend on the batch's other
-    matrices (memory alignment), so workers that decompose a factor redundantly (SPD) could
-    disagree.
+    per float64 retry, on the failure path only). ``batch_equal_sizes`` decomposes factors
+    of equal size and domain together (:func:`_first_attempts`): on a GPU one ``eigh`` wait,
+    or a few Cholesky launches, per batch instead of per factor. A batch's results differ
+    from one-at-a-time ones by round-off and, on the CPU, depend on the batch's other
+    matrices (memory alignment): workers that decompose a factor redundantly must give it
+    the same domain.
     """
     if not requests:
         return []
@@ -159,33 +168,43 @@ def _first_attempts(
 ) -> list[FactorDecomposition | None]:
     """Each request's decomposition in ``dtype`` (``None``: the solver raised).
 
-    With ``batch`` (eigen only), factors of one size and device go through one ``eigh`` call
-    per at most :data:`BATCH_BYTES` of input; a batch whose solver raises is redone one
+    With ``batch``, dense factors of one size, device and domain go through one batched
+    call per at most :data:`BATCH_BYTES` of input; a batch whose solver raises is redone one
     factor at a time, so only the factor that fails is ``None``.
     """
     results: list[FactorDecomposition | None] = [None] * len(requests)
-    groups: dict[tuple[int, torch.device], list[int]] = {}
+    groups: dict[tuple[int, torch.device, Hashable], list[int]] = {}
     for index, request in enumerate(requests):
         factor = _factor(request)
-        key = (factor.shape[0], factor.device)
-        if batch and method == "eigen" and factor.dim() == 2 and factor.shape[0] > 1:
+        key = (factor.shape[0], factor.device, request.domain)
+        if batch and factor.dim() == 2 and factor.shape[0] > 1:
             groups.setdefault(key, []).append(index)
         else:
             results[index] = _try_decompose(request, method, dtype)
-    for (dim, _), members in groups.items():
+    for (dim, _, _), members in groups.items():
         per_call = max(1, BATCH_BYTES // (dim * dim * dtype.itemsize))
-        for start in range(0, len(members), per_call):
-            chunk = members[start : start + per_call]
+        chunks = [members[start : start + per_call] for start in range(0, len(members), per_call)]
+        for chunk in chunks:
             solved: Sequence[FactorDecomposition | None]
             try:
-                solved = EigenFactor.compute_many(
-                    [_factor(requests[i]) for i in chunk], [requests[i].side for i in chunk], dtype
-                )
+                solved = _decompose_batch([requests[i] for i in chunk], method, dtype)
             except torch.linalg.LinAlgError:  # type: ignore[attr-defined]  # public, untyped
                 solved = [_try_decompose(requests[i], method, dtype) for i in chunk]
             for index, result in zip(chunk, solved, strict=True):
                 results[index] = result
     return results
+
+
+def _decompose_batch(
+    requests: Sequence[FactorRequest], method: str, dtype: torch.dtype
+) -> Sequence[FactorDecomposition]:
+    """Equal-size dense factors decomposed by one batched call of ``method``'s solver."""
+    factors, sides = [_factor(r) for r in requests], [r.side for r in requests]
+    if method == "eigen":
+        return EigenFactor.compute_many(factors, sides, dtype)
+    shifts = [r.shift for r in requests]
+    assert all(shift is not None for shift in shifts), "inverse requests carry their shift"
+    return CholeskyFactor.compute_many(factors, sides, dtype, [s for s in shifts if s is not None])
 
 
 def _try_decompose(

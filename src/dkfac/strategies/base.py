@@ -19,9 +19,9 @@ from torch import Tensor
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.inverse import bit_checksum
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.plan import Placement
 from dkfac.strategies.plan_report import PlanReport
 from dkfac.strategies.runner import PlacementRunner
@@ -63,18 +63,18 @@ class Strategy(ABC):
         layers: Sequence[LayerCurvature],
         *,
         accumulation_steps: int = 1,
-        stacks: LayerStacks | None = None,
+        batching: Batching | None = None,
     ) -> None:
         """Plan the placement once the preconditioned layers are known; make its groups.
 
         ``accumulation_steps`` is the number of backward passes a capture window is meant to
         have (a strategy may learn the real number of statistics per window from the hooks).
-        ``stacks``: how this worker preconditions its layers (default: one at a time).
+        ``batching``: which of this worker's equal-shaped work runs batched (default: none).
         """
         self.layers = list(layers)
         self._index = {id(layer): index for index, layer in enumerate(self.layers)}
         placement = self.place([(layer.block.a_dim, layer.block.g_dim) for layer in layers])
-        self.runner = PlacementRunner(placement, self.rank, self.recorder, self.comm, stacks)
+        self.runner = PlacementRunner(placement, self.rank, self.recorder, self.comm, batching)
 
     @property
     def placement(self) -> Placement:

@@ -42,15 +42,18 @@ def factor_request(
 ) -> FactorRequest:
     """One factor to decompose, with its Tikhonov shift when the method needs one.
 
+    Its domain is who decomposes it (``rank`` alone, or every worker: then every worker
+    batches it with the same others).
+
     ``means``: the ``(L, 2)`` trace means (``None``: the method takes no shift). The damping
     goes with the request when the plan gives ``rank`` both factors of the layer, so a float64
     retry recomputes the shift from float64 traces.
     """
-    layer = layers[route.layer]
+    layer, domain = layers[route.layer], route.decomposed_by  # one rank, or every worker
     if means is None:
-        return FactorRequest(layer, route.side)
+        return FactorRequest(layer, route.side, domain=domain)
     shift = tikhonov_shift(route.side, means[route.layer, 0], means[route.layer, 1], damping)
     both_held = all(
         plan.holds_factor(plan.route((route.layer, side)), rank) for side in FACTOR_SIDES
     )
-    return FactorRequest(layer, route.side, shift, damping if both_held else None)
+    return FactorRequest(layer, route.side, shift, damping if both_held else None, domain)

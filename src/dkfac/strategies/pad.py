@@ -30,8 +30,8 @@ from typing import Any
 
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.factor_placement import ShareChoice, SlotCosts, choose_share
 from dkfac.strategies.pipelined import PipelinedStrategy
 from dkfac.strategies.placement import plan_contiguous_partition
@@ -85,10 +85,10 @@ class PADStrategy(PipelinedStrategy):
         layers: Sequence[LayerCurvature],
         *,
         accumulation_steps: int = 1,
-        stacks: LayerStacks | None = None,
+        batching: Batching | None = None,
     ) -> None:
         """Place the factors (:meth:`PipelinedStrategy.setup`) and say what is shared, why."""
-        super().setup(layers, accumulation_steps=accumulation_steps, stacks=stacks)
+        super().setup(layers, accumulation_steps=accumulation_steps, batching=batching)
         choice = self._choice()
         logger.info(
             "pad: share=%r: owners broadcast %s (per step: decompositions %d bytes at "

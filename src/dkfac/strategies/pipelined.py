@@ -24,9 +24,9 @@ from dkfac.comm.fusion import (
     predict_timeline,
 )
 from dkfac.comm.recorder import StepRecorder
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.factor_side import decomposition_work, largest_dense_side
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.base import Strategy
 from dkfac.strategies.factor_placement import (
     FactorPlacement,
@@ -93,7 +93,7 @@ class PipelinedStrategy(Strategy):
         layers: Sequence[LayerCurvature],
         *,
         accumulation_steps: int = 1,
-        stacks: LayerStacks | None = None,
+        batching: Batching | None = None,
     ) -> None:
         """Measure the cluster (unless given or cached), place the factors, plan by size.
 
@@ -127,7 +127,7 @@ class PipelinedStrategy(Strategy):
         self.factor_placement = self.plan_factors(
             [(layer.block.a_dim, layer.block.g_dim) for layer in layers]
         )
-        super().setup(layers, accumulation_steps=accumulation_steps, stacks=stacks)
+        super().setup(layers, accumulation_steps=accumulation_steps, batching=batching)
         self._slot_of = {route.key: i for i, route in enumerate(self.placement.factors)}
         self.expected_updates = [accumulation_steps] * len(self.placement.factors)
 

@@ -28,6 +28,7 @@ from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.staging import host_floats
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.decomposition import decompose_factors
 from dkfac.curvature.factor_side import sent_symmetric
 from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors
@@ -58,8 +59,8 @@ class PlacementRunner:
         rank: this worker's rank in the placement.
         recorder: phase timing and accounting.
         comm: the communicator; ``None`` for a placement that sends nothing (one worker).
-        stacks: preconditions the layers (its domains: the ranks that hold an inverse);
-            default: one layer at a time.
+        batching: which equal-shaped work runs batched (default: none); layers and factors
+            are batched only with others held, or decomposed, by the same ranks.
     """
 
     def __init__(
@@ -68,13 +69,14 @@ class PlacementRunner:
         rank: int,
         recorder: StepRecorder,
         comm: Communicator | None = None,
-        stacks: LayerStacks | None = None,
+        batching: Batching | None = None,
     ) -> None:
         self.placement = placement
         self.rank = rank
         self.recorder = recorder
         self.comm = comm
-        self.stacks = stacks if stacks is not None else LayerStacks(stack=False)
+        self.batching = batching if batching is not None else Batching()
+        self.stacks = LayerStacks(self.batching.preconditioning)
         layouts = placement.group_layouts()
         if (layouts or placement.exchange != "none") and comm is None:
             raise ValueError("a placement that sends data needs a communicator")
@@ -215,7 +217,8 @@ class PlacementRunner:
         means = self._trace_means(layers, dtype, mine) if method == "inverse" else None
         requests = [factor_request(plan, rank, layers, route, means, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
-            results = decompose_factors(requests, method, dtype)
+            batch = self.batching.decompositions
+            results = decompose_factors(requests, method, dtype, batch_equal_sizes=batch)
         decompositions: DecompositionsByFactor = {
             route.key: result for route, result in zip(mine, results, strict=True)
         }
