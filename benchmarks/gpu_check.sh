@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (one layer and factor at a time instead of equal shapes batched; bf16 statistics; bf16
+#      (one layer at a time instead of equal shapes batched; bf16 statistics; bf16
 #      statistics and preconditioning with statistics from half, and from an eighth, of the
 #      batch: dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
@@ -47,7 +47,7 @@ bf16='{"statistics_precision": "bf16"}'
 fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
 half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
 eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
-alone='{"batched_preconditioning": false, "batched_decompositions": false}'
+alone='{"batched_preconditioning": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
   --variant "dkfac-alone=$alone")
 bench() {  # seconds, name, then gpu_overhead.py's arguments

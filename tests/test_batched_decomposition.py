@@ -1,5 +1,5 @@
-"""Equal-size factors decomposed in one batched call (``batch_equal_sizes``; on by default on
-a GPU through ``batched_decompositions``).
+"""Equal-size factors decomposed in one batched call (``batch_equal_sizes``; the
+preconditioner's ``batched_decompositions``, off by default).
 
 Oracles: each factor rebuilt in float64 from its eigenvectors and eigenvalues, the float64
 damped inverse, and the one-factor-at-a-time path (same eigenvalues to float32 round-off; a
@@ -108,7 +108,7 @@ def test_batches_are_capped_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_whether_a_factor_decomposes_the_same_whatever_it_is_batched_with(device: str) -> None:
     """Whether a factor's batched result depends on its companions. On the CPU it does
     (LAPACK's kernels round differently at another memory alignment: seen here with one
-    thread), which is why batching is off there by default and why a factor is batched only
+    thread), which is one reason batching is off by default and why a factor is batched only
     with factors of its own domain (who decomposes it: the same companions on every worker
     that does); a GPU session checks the GPU."""
     threads = torch.get_num_threads()
@@ -150,6 +150,7 @@ def test_batched_cholesky_inverses_are_the_damped_inverses() -> None:
         scale = want.abs().max()
         got = many.tensors[name]
         assert got.is_contiguous() and torch.equal(got, got.t())
+        assert got.untyped_storage().nbytes() == got.numel() * got.itemsize  # not the batch's
         torch.testing.assert_close(got.double(), want, atol=1e-4 * scale, rtol=0)
         torch.testing.assert_close(got, one.tensors[name], atol=1e-5 * scale, rtol=0)
 
@@ -168,6 +169,9 @@ def test_a_batched_cholesky_that_fails_for_one_factor_fails_for_it_alone() -> No
     assert results[2] is None
     assert all(result is not None for i, result in enumerate(results) if i != 2)
     assert bad.layer.health().failed_decompositions == 1
+    # The others succeeded in their batch: none was redone in float64.
+    assert all(layer.health().retried_in_float64 == 0 for layer in layers)
+    assert all(r.tensors[f"{r.side}_inv"].dtype == torch.float32 for r in results if r is not None)
 
 
 def test_factors_of_different_domains_are_never_batched_together(

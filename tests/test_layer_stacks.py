@@ -19,6 +19,8 @@ from torch import nn
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from distributed_harness import run_workers
+from dkfac.comm import ClusterCostModel
+from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from dkfac.curvature import layer_stacks
 from dkfac.curvature.inverse import inverse_from_tensors
 from dkfac.curvature.layer_stacks import LayerStacks
@@ -33,6 +35,7 @@ from test_oracle_numerics import (
     sgd_,
 )
 
+SPD_COST = ClusterCostModel(AlphaBeta(alpha=1e-3, beta=7e-9), CubicCost(c0=0.0, c3=5e-9))
 #: Layers 2, 4 and 6 have equal shapes (d_A = 7, d_G = 6); 0 and 8 are alone.
 EQUAL = ("2", "4", "6")
 
@@ -322,8 +325,9 @@ def test_batching_options_must_be_a_bool_or_none(name: str) -> None:
 
 def trained(
     net: nn.Module, options: dict[str, Any], shard: slice = slice(None)
-) -> list[torch.Tensor]:
-    """Parameters after three SGD steps with K-FAC on ``shard`` of each global batch of 8."""
+) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Parameters after three SGD steps with K-FAC on ``shard`` of each global batch of 8,
+    and the plan's factors as (decomposer: a rank, or -1 for every worker; width)."""
     pre = dkfac.KFACPreconditioner(net, factor_dtype=DT, inv_dtype=DT, **options)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(3):
@@ -332,11 +336,14 @@ def trained(
         F.cross_entropy(net(x[shard]), t[shard]).backward()
         pre.step()
         opt.step()
+    decomposers = [(r.decomposed_by, r.dim) for r in pre._strategy.placement.factors]
     pre.remove()
-    return [p.detach().clone() for p in net.parameters()]
+    return [p.detach().clone() for p in net.parameters()], decomposers
 
 
-def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torch.Tensor]:
+def worker_run(
+    rank: int, world_size: int, options: dict[str, Any]
+) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
     ddp = nn.parallel.DistributedDataParallel(repeated_model())
     local = 8 // world_size
     shard = slice(rank * local, (rank + 1) * local)
@@ -350,15 +357,24 @@ def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torc
     [
         {"strategy": "dkfac", "inverse_method": "eigen"},
         {"strategy": "kaisa", "grad_worker_fraction": 0.5, "inverse_method": "inverse"},
+        # SPD on a network where sending a factor costs more than decomposing one up to 6
+        # wide: the four 6-wide G's decomposed by every worker (one batch on each), the
+        # 7-wide A's by their owners.
+        {"strategy": "spd", "inverse_method": "inverse", "cost_model": SPD_COST},
     ],
 )
 def test_two_workers_batched_equal_the_single_process_run(options: dict[str, Any]) -> None:
     """Each worker stacks the layers whose inverse it holds and batches the factors it
     decomposes (each with those of its own domain); the ranks' parameters agree bit for bit
     and are the one-process run on the global batch, one layer at a time."""
-    want = trained(repeated_model(), {"inverse_method": options["inverse_method"]})
-    ranks = run_workers(worker_run, 2, (options,))
+    want, _ = trained(repeated_model(), {"inverse_method": options["inverse_method"]})
+    results = run_workers(worker_run, 2, (options,))
+    ranks = [params for params, _ in results]
     assert all(torch.equal(a, b) for a, b in zip(*ranks, strict=True))  # replicas' bits
+    if options["strategy"] == "spd":  # both kinds of decomposer domain, batches in each
+        factors = results[0][1]
+        assert factors.count((-1, 6)) == 4
+        assert {rank for rank, dim in factors if dim == 7} == {0, 1}
     for got in ranks:
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

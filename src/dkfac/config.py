@@ -151,7 +151,7 @@ class KFACConfig:
     adaptive: AdaptiveOptions | None = None
     max_factor_dim: int | None = 8192
     batched_preconditioning: bool | None = None
-    batched_decompositions: bool | None = None
+    batched_decompositions: bool = False
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -184,10 +184,10 @@ class KFACConfig:
         return self.strategy
 
     def batching(self, device: torch.device) -> Batching:
-        """What runs batched on ``device`` (each ``None`` setting: on a GPU)."""
-        gpu = device.type == "cuda"
-        layers, factors = self.batched_preconditioning, self.batched_decompositions
-        return Batching(gpu if layers is None else layers, gpu if factors is None else factors)
+        """What runs batched on ``device`` (``batched_preconditioning=None``: on a GPU)."""
+        layers = self.batched_preconditioning
+        layers = device.type == "cuda" if layers is None else layers
+        return Batching(layers, self.batched_decompositions)
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -234,11 +234,14 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
-        for name in ("batched_preconditioning", "batched_decompositions"):
+        for name, allowed in (
+            ("batched_preconditioning", "None (on a GPU), "),
+            ("batched_decompositions", ""),
+        ):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
+            if (value is not None or not allowed) and not isinstance(value, bool):
                 raise ValueError(
-                    f"{name}={value!r} is not allowed: expected None (on a GPU), True or False"
+                    f"{name}={value!r} is not allowed: expected {allowed}True or False"
                 )
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:

@@ -127,9 +127,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         max_factor_dim: a layer with a factor side above this (a vocabulary-sized LM head) is
             skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
-        batched_preconditioning: layers of equal shapes preconditioned by batched products,
-            ``batched_decompositions``: factors of equal sizes decomposed by batched calls
+        batched_preconditioning: layers of equal shapes preconditioned by batched products
             (equal to one at a time up to round-off); ``None`` (default): on a GPU.
+        batched_decompositions: factors of equal sizes decomposed by batched calls (default
+            off: slower on ResNet-50's factors, faster on ResNet-32's, docs/benchmarks.md).
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -174,7 +175,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         optimizer: torch.optim.Optimizer | None = None,
         max_factor_dim: int | None = 8192,
         batched_preconditioning: bool | None = None,
-        batched_decompositions: bool | None = None,
+        batched_decompositions: bool = False,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
