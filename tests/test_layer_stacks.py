@@ -9,6 +9,8 @@ single-process run on the global batch.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ from distributed_harness import run_workers
 from dkfac.comm import ClusterCostModel
 from dkfac.comm.cost_model import AlphaBeta, CubicCost
 from dkfac.curvature import layer_stacks
-from dkfac.curvature.inverse import inverse_from_tensors
+from dkfac.curvature.inverse import inverse_from_tensors, owned_copy
 from dkfac.curvature.layer_stacks import LayerStacks
 from test_oracle_numerics import (
     DT,
@@ -263,10 +265,9 @@ def test_changing_sets_of_stacked_layers_copy_nothing_and_pin_no_stack(
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
 
 
-def test_a_layer_left_out_of_a_new_stack_gets_its_own_copy() -> None:
-    """``a`` and ``b`` get new inverses while ``c`` keeps its old one (its decomposition
-    failed, say) and has no gradient: restacking ``a`` and ``b`` drops the old stack, and
-    ``c``'s view of it becomes a copy of its own with the same values."""
+def branches_stacked() -> tuple[dkfac.KFACPreconditioner, dict[str, Any], LayerStacks]:
+    """One K-FAC step of :class:`Branches` (one layer at a time), then ``a``, ``b`` and ``c``
+    preconditioned together by a fresh :class:`LayerStacks` (their inverses now its views)."""
     model = Branches().double()
     pre = dkfac.KFACPreconditioner(model, factor_dtype=DT, inv_dtype=DT)
     x, t = batch(0, 6)
@@ -274,9 +275,18 @@ def test_a_layer_left_out_of_a_new_stack_gets_its_own_copy() -> None:
     pre.step()
     layers = {layer.name: layer for layer in pre.layers}
     trio = [layers[name] for name in "abc"]
-    grads = [layer.block.grad_matrix() for layer in trio]
     stacks = LayerStacks()
-    stacks.precondition(trio, grads, 0.01, [0, 0, 0])
+    stacks.precondition(trio, [layer.block.grad_matrix() for layer in trio], 0.01, [0, 0, 0])
+    return pre, layers, stacks
+
+
+def test_a_layer_left_out_of_a_new_stack_gets_its_own_copy() -> None:
+    """``a`` and ``b`` get new inverses while ``c`` keeps its old one (its decomposition
+    failed, say) and has no gradient: restacking ``a`` and ``b`` drops the old stack, and
+    ``c``'s view of it becomes a copy of its own with the same values."""
+    pre, layers, stacks = branches_stacked()
+    trio = [layers[name] for name in "abc"]
+    grads = [layer.block.grad_matrix() for layer in trio]
     old_c = layers["c"].inverse
     assert old_c is not None and storages(pre, ("c",)) == storages(pre, ("a",))
     for name in "ab":  # a decomposition: new objects (here copies of the same values)
@@ -292,6 +302,24 @@ def test_a_layer_left_out_of_a_new_stack_gets_its_own_copy() -> None:
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.itemsize
         assert torch.equal(tensor, old_c.tensors()[name])
     assert not storages(pre, ("c",)) & storages(pre, ("a",))
+
+
+def test_a_stack_whose_layers_all_got_new_inverses_is_forgotten() -> None:
+    """After a decomposition, a stack none of whose layers holds its view any more is
+    released at the next step even if those layers are not preconditioned together again
+    (here: none of them has a gradient)."""
+    _, layers, stacks = branches_stacked()
+    trio = [layers[name] for name in "abc"]
+    stacked = stacks._stacks[("a", "b", "c")].stacked
+    alive = weakref.ref(stacked)
+    del stacked
+    for layer in trio:
+        assert layer.inverse is not None
+        layer.inverse = owned_copy(layer.inverse)  # a decomposition: new objects
+    head = layers["head"]
+    stacks.precondition([head], [head.block.grad_matrix()], 0.01, [0])
+    gc.collect()
+    assert alive() is None and not stacks._stacks
 
 
 def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:

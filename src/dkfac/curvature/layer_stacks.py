@@ -60,6 +60,12 @@ class _Stack:
     layers: tuple[LayerCurvature, ...]
     views: tuple[KroneckerInverse, ...]
 
+    def held(self) -> bool:
+        """Whether some layer still holds the view this stack gave it."""
+        return any(
+            layer.inverse is view for layer, view in zip(self.layers, self.views, strict=True)
+        )
+
 
 class LayerStacks:
     """Preconditions layers of one shape and domain together (see the module docstring).
@@ -95,6 +101,7 @@ class LayerStacks:
             damping: ``γ``.
             domains: one per layer: only layers of equal domains are stacked together.
         """
+        self._drop_unheld()
         groups: dict[Hashable, list[int]] = {}
         for position, (layer, grad, domain) in enumerate(zip(layers, grads, domains, strict=True)):
             signature = stack_signature(layer, grad) if self.stack else None
@@ -140,6 +147,14 @@ class LayerStacks:
         self._stacks[key] = _Stack(stacked, tuple(members), views)
         logger.debug("stacked the inverses of %d layers: %s", len(members), ", ".join(key))
         return stacked
+
+    def _drop_unheld(self) -> None:
+        """Forget the stacks none of whose layers still holds its view (all got new inverses).
+
+        Their memory would otherwise live beside the new inverses until those are stacked,
+        which never happens for layers that are not preconditioned together again.
+        """
+        self._stacks = {key: stack for key, stack in self._stacks.items() if stack.held()}
 
     def _is_stacked(self, layer: LayerCurvature) -> bool:
         """Whether ``layer``'s inverse is still the view a live stack gave it."""
