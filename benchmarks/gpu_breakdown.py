@@ -9,9 +9,10 @@
   each ``dkfac/<phase>`` range and the top kernels (tables written to ``--out``).
 * **Decompositions**: the factors after the warm-up decomposed every way torch offers
   (eigh / Cholesky inverse / ``inv``, one at a time or batched by size, on the GPU or the
-  host CPU), and ``eigh`` on kfac-pytorch's own factors: identity-started running averages
-  ``w I + (1 - w) F`` (``w = 0.95^k`` after ``k`` updates), as they are after a short
-  warm-up and with the identity removed (as they are after a long run).
+  host CPU; Cholesky inverses also per size, one at a time against batched), and ``eigh``
+  on kfac-pytorch's own factors: identity-started running averages ``w I + (1 - w) F``
+  (``w = 0.95^k`` after ``k`` updates), as they are after a short warm-up and with the
+  identity removed (as they are after a long run).
 
 Usage::
 
@@ -274,6 +275,33 @@ def decomposition_variants(factors: list[torch.Tensor]) -> dict[str, float]:
     return seconds
 
 
+def cholesky_inverse_by_size(factors: list[torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Per side length shared by several factors: Cholesky inverses one at a time and batched.
+
+    Where batching pays is a matter of size (ResNet-32's factors gained, ResNet-50's lost in
+    total): these are what a size limit for ``batched_decompositions`` would be set from.
+    """
+    device = factors[0].device
+    result: dict[str, dict[str, float]] = {}
+    for dim, group in sorted(by_size([damped(f) for f in factors]).items()):
+        if len(group) < 2:
+            continue
+
+        def one_at_a_time(group: list[torch.Tensor] = group) -> None:
+            for m in group:
+                torch.cholesky_inverse(torch.linalg.cholesky_ex(m)[0])
+
+        def batched(group: list[torch.Tensor] = group) -> None:
+            torch.cholesky_inverse(torch.linalg.cholesky_ex(torch.stack(group))[0])
+
+        row = {"count": float(len(group))}
+        for label, fn in (("one_at_a_time_s", one_at_a_time), ("batched_s", batched)):
+            fn()
+            row[label] = timed(fn, device)
+        result[str(dim)] = row
+    return result
+
+
 def kfac_pytorch_factors(spec: ModelSpec, batch: Batch, steps: int) -> dict[str, Any]:
     """Time ``eigh`` on kfac-pytorch's factors after ``steps`` updates, with, without identity."""
     kfac = importlib.import_module("kfac.preconditioner")
@@ -391,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["factor_sizes"] = sorted(f.shape[0] for f in factors)
         if "decompositions" in parts:
             entry["decompositions_s"] = decomposition_variants(factors)
+            entry["cholesky_inverse_by_size"] = cholesky_inverse_by_size(factors)
             print(name, entry["decompositions_s"], flush=True)
+            print(name, entry["cholesky_inverse_by_size"], flush=True)
         if theirs and "kfac-pytorch" in parts:
             entry["kfac_pytorch_eigh"] = kfac_pytorch_factors(spec, (x, y), args.warm_steps)
             entry["dkfac_eigh_s_same_steps"] = eigh_seconds(factors)

@@ -513,6 +513,11 @@ def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
         "triangular_solve_and_product_one_at_a_time",
     }
     assert len(entry["factor_sizes"]) == 2 * 34
+    by_size = entry["cholesky_inverse_by_size"]
+    sizes = entry["factor_sizes"]
+    assert {int(d) for d in by_size} == {d for d in set(sizes) if sizes.count(d) > 1}
+    assert all(row["count"] == sizes.count(int(d)) for d, row in by_size.items())
+    assert all(row["one_at_a_time_s"] > 0 and row["batched_s"] > 0 for row in by_size.values())
     for kind in ("plain", "factors", "decomposition"):
         assert "Name" in (tmp_path / f"resnet32_inverse_{kind}.txt").read_text()
 
