@@ -23,7 +23,7 @@ from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.update_intervals import AUTO, IntervalBudget, IntervalSettings
-from dkfac.validation import check_float, check_int, describe
+from dkfac.validation import check_bool, check_float, check_int, describe
 
 __all__ = ["KFACConfig", "check_float", "check_int", "check_multiple"]
 
@@ -234,15 +234,9 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
-        for name, allowed in (
-            ("batched_preconditioning", "None (on a GPU), "),
-            ("batched_decompositions", ""),
-        ):
-            value = getattr(self, name)
-            if (value is not None or not allowed) and not isinstance(value, bool):
-                raise ValueError(
-                    f"{name}={value!r} is not allowed: expected {allowed}True or False"
-                )
+        if self.batched_preconditioning is not None:
+            check_bool("batched_preconditioning", self.batched_preconditioning, "None (on a GPU), ")
+        check_bool("batched_decompositions", self.batched_decompositions)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

@@ -60,3 +60,10 @@ def check_int(name: str, value: object, *, low: int = 1, where: str = "") -> int
             f"{name}={describe(value)}{where} is not allowed: expected an integer >= {low}"
         )
     return value
+
+
+def check_bool(name: str, value: object, also: str = "") -> bool:
+    """``value`` if it is a bool, else a ValueError naming ``name`` (``also``: other choices)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={describe(value)} is not allowed: expected {also}True or False")
+    return value

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_side import is_diagonal
-from dkfac.curvature.finite import all_finite
+from dkfac.curvature.finite import all_finite, finite_flags
 
 #: One tensor of a factor's decomposition: its name, shape and whether it is a symmetric matrix
 #: (then only its upper triangle travels).
@@ -148,8 +148,7 @@ class CholeskyFactor(FactorDecomposition):
         damped.diagonal(dim1=-2, dim2=-1).add_(shift.unsqueeze(-1))
         factor, info = torch.linalg.cholesky_ex(damped)
         inverse = _symmetric_inverse(factor)
-        ok = torch.isfinite(inverse.amax(dim=(-2, -1))) & torch.isfinite(inverse.amin(dim=(-2, -1)))
-        ok &= info == 0
+        ok = finite_flags(list(inverse)) & (info == 0)
         dim = damped.shape[-1]
         return [
             cls(side, {cls.layout(side, dim)[0][0]: inverse[i].clone()}, ok[i])
