@@ -11,6 +11,8 @@
 #      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
 #      decompose its warm factors; the operators each kind of step issues (step_launches.py);
+#      the pixel Grams of ResNet-50's statistics both ways (pixel_grams.py: per-example
+#      products of channel planes against one product of a channel-major copy);
 #   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
 #      SUITE_ARGS replaces the selection (e.g. `-m cuda tests`).
@@ -31,7 +33,8 @@ DEFAULT_S=${DEFAULT_S:-70}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-75}
 LAUNCHES_S=${LAUNCHES_S:-30}
-SUITE_S=${SUITE_S:-215}
+PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
+SUITE_S=${SUITE_S:-195}
 SUITE_ARGS=${SUITE_ARGS:--m "not slow" tests}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
@@ -79,6 +82,10 @@ timeout -s INT "$LAUNCHES_S" python3 benchmarks/step_launches.py --model resnet5
   --variant "batched={}" --variant "alone=$alone" --out "$OUT/step_launches.json" \
   > "$OUT/step_launches.log" 2>&1
 echo "exit $?"; tail -12 "$OUT/step_launches.log"
+echo "== pixel Grams two ways: ResNet-50, batch 128"
+timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet50 --batch 128 \
+  --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
+echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
 echo "== the suite: $SUITE_ARGS, $WORKERS workers"
 eval "suite_args=($SUITE_ARGS)"
 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -s INT "$SUITE_S" python3 -m pytest -q \

@@ -372,6 +372,22 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, batch: int) -> None:
+    """``--model``, ``--device``, ``--batch``, ``--image-size`` (0: the model's), ``--out``."""
+    parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--image-size", type=int, default=0, help="default: the model's")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+
+
+def write_report(path: Path | None, report: dict[str, Any]) -> None:
+    """Write ``report`` as indented JSON to ``path`` (its folder made), if there is one."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per configuration: median amortised time and median overhead over the round's SGD."""
     summary: dict[str, dict[str, Any]] = {}

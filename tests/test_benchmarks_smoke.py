@@ -543,3 +543,31 @@ def test_step_launches_counts_the_products_of_each_kind_of_step(
     sgd_pass = report["sgd"]["forward_backward"]["ops"]
     assert alone["plain"]["forward_backward"]["ops"] == sgd_pass  # no capture on plain steps
     assert alone["factors"]["forward_backward"]["ops"] > sgd_pass
+
+
+def test_pixel_grams_times_every_statistic_shape_of_a_pass_both_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/pixel_grams.py on the CPU: ResNet-32 has no unpadded 1x1 convolution, so its
+    pixel Grams are the output gradients of its convolutions, one per Conv2d module (oracle:
+    the module count); each shape is timed both ways in both precisions."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("pixel_grams", monkeypatch)
+    out = tmp_path / "grams.json"
+    argv = ["--device", "cpu", "--model", "resnet32", "--batch", "2", "--repeats", "1"]
+    assert bench.main([*argv, "--out", str(out)], emit=lambda _: None) == 0
+    report = json.loads(out.read_text())
+    convs = sum(
+        isinstance(m, torch.nn.Conv2d) for m in bench.MODELS["resnet32"].build(10).modules()
+    )
+    assert sum(row["count"] for row in report["shapes"]) == convs
+    assert {tuple(row["shape"][1:]) for row in report["shapes"]} == {
+        (16, 32, 32),
+        (32, 16, 16),
+        (64, 8, 8),
+    }
+    for row in report["shapes"]:
+        assert row["per_example_by_default"] == (row["shape"][1] < 64)
+        assert all(
+            row[p][path] > 0 for p in ("highest", "bf16") for path in ("copy", "per-example")
+        )

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.curvature.factors as factors_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
 from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
-from dkfac.curvature.gram import gram_with_ones, pixel_gram
+from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
 from dkfac.curvature.running_average import running_average, running_averages
 
@@ -161,22 +163,65 @@ def outer_product_sum(x: torch.Tensor, with_ones: bool) -> torch.Tensor:
     return total
 
 
+@pytest.mark.parametrize("per_example", [None, True, False])
 @pytest.mark.parametrize("with_ones", [False, True])
-@pytest.mark.parametrize("shape", [(3, 4, 5, 6), (2, 3, 7), (1, 4, 3, 2), (4, 5)])
+@pytest.mark.parametrize(
+    "shape", [(3, 4, 5, 6), (2, 3, 7), (1, 4, 3, 2), (4, 5), (2, 3, 12), (3, 5, 2, 2)]
+)
 def test_pixel_gram_sums_every_channel_vector_in_any_layout(
-    shape: tuple[int, ...], with_ones: bool
+    shape: tuple[int, ...], with_ones: bool, per_example: bool | None
 ) -> None:
-    # Channels-first (copied channel-major), channels-last (a view), a non-contiguous input,
-    # and float32 values cast to float64 in the layout's copy (their exact products).
+    # Channels-first (per-example products of its planes or a channel-major copy, by default
+    # chosen by positions per channel), channels-last (a view), a non-contiguous input, and
+    # float32 values cast to float64 (their exact products).
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     layouts = [x, x.float(), x.movedim(1, -1).contiguous().movedim(-1, 1)]
     if len(shape) == 4:
         layouts.append(x.transpose(2, 3).contiguous().transpose(2, 3))
     for layout in layouts:
-        got, rows = pixel_gram(layout, torch.float64, with_ones)
+        got, rows = pixel_gram(layout, torch.float64, with_ones, per_example=per_example)
         assert rows == x.numel() // shape[1] and got.dtype == torch.float64
         expected = outer_product_sum(layout, with_ones)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def matrix_products(fn: Callable[[], object]) -> list[str]:
+    """Names of the matrix products ``fn`` calls (below autograd)."""
+    names: list[str] = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name in ("mm", "bmm"):
+                names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Products():
+        fn()
+    return names
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ((2, 3, 3, 4), ["bmm"]),  # 12 positions per channel: per-example products
+        ((2, 4, 3, 5), ["mm"]),  # 15 of 4 channels: fewer than 4 per channel, one product
+        ((2, 3, 12), ["bmm"]),  # a sequence (Conv1d's outputs)
+        ((6, 3), ["mm"]),  # no positions: rows
+    ],
+)
+def test_the_pixel_gram_takes_per_example_products_from_four_positions_per_channel(
+    shape: tuple[int, ...], expected: list[str]
+) -> None:
+    # The layout rule itself (the results of both paths are checked above): channels-first
+    # tensors with at least PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL positions per channel take
+    # one batched product and no channel-major copy; channels-last ones are rows whatever.
+    assert PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL == 4
+    x = torch.randn(shape)
+    assert matrix_products(lambda: pixel_gram(x, torch.float32, True)) == expected
+    if x.dim() == 4:
+        rows = x.contiguous(memory_format=torch.channels_last)
+        assert matrix_products(lambda: pixel_gram(rows, torch.float32, True)) == ["mm"]
 
 
 def unfold_patch_gram(x: torch.Tensor, conv: nn.Conv2d) -> tuple[torch.Tensor, int]:

@@ -68,6 +68,9 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "conv_stride1_shifted_gram": (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 5)),
     "conv_strided_im2col": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 6)),
     "conv_1x1_pixels": (lambda: nn.Conv2d(3, 4, 1), (2, 3, 5, 4)),
+    # 6 positions of 5 and 6 channels: pixels copied channel-major (the others' G and 1x1 A,
+    # with at least 4 positions per channel, are per-example products of channel planes).
+    "conv_1x1_few_positions": (lambda: nn.Conv2d(6, 5, 1), (2, 6, 2, 3)),
     "conv_1x1_strided_pixels": (lambda: nn.Conv2d(3, 4, 1, stride=2, bias=False), (2, 3, 5, 4)),
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1, bias=False), (2, 3, 8)),
     "conv_reflect_padding": (
@@ -93,7 +96,12 @@ def assert_bf16_gram(got: torch.Tensor, rows: torch.Tensor, rounds: bool = True)
 #: (their pixel rows are then a view, or a strided one after a 1x1 convolution's stride).
 LAYOUTS = [(name, False) for name in sorted(LAYERS)] + [
     (name, True)
-    for name in ("conv_stride1_shifted_gram", "conv_1x1_pixels", "conv_1x1_strided_pixels")
+    for name in (
+        "conv_stride1_shifted_gram",
+        "conv_1x1_pixels",
+        "conv_1x1_few_positions",
+        "conv_1x1_strided_pixels",
+    )
 ]
 
 
