@@ -5,10 +5,13 @@ Oracles: the running average's closed form and dense float64 linear algebra.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from devices import CUDA_TEST_DEVICE, on_cuda
+from dkfac.curvature.decomposition import _host_values
 from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
     DiagonalEigenFactor,
@@ -19,7 +22,14 @@ from dkfac.curvature.factor_decomposition import (
     factor_tensor_shapes,
 )
 from dkfac.curvature.factor_side import DiagonalSide
-from dkfac.curvature.inverse import combine_factors, tikhonov_shifts, trace_mean
+from dkfac.curvature.inverse import (
+    FACTOR_SIDES,
+    combine_factors,
+    shift_table,
+    tikhonov_shift,
+    tikhonov_shifts,
+    trace_mean,
+)
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
 
 
@@ -162,3 +172,37 @@ def test_a_cholesky_inverse_is_stored_row_major_and_exactly_symmetric(
     want = torch.linalg.inv(matrix + 0.01 * torch.eye(300, dtype=torch.float64, device=device))
     tolerance = {torch.float32: 1e-4, torch.float64: 1e-12}[dtype]
     torch.testing.assert_close(stored.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry() -> None:
+    # Oracle: π = sqrt(tr(A)/d_A ÷ tr(G)/d_G) (1 when either mean is not positive), shifts
+    # √γ·π and √γ/π, in float64 Python arithmetic (torch divides a number by a tensor
+    # through its reciprocal: an ulp apart); each layer's own tikhonov_shift to the last bit.
+    means = torch.tensor(
+        [[2.5, 0.4], [1e-3, 7.0], [0.0, 3.0], [4.0, -1.0], [3.0, 3.0]], dtype=torch.float64
+    )
+    damping = 3e-3
+    table = shift_table(means, damping)
+    assert table.shape == (5, 2) and table.dtype == torch.float64
+    root = math.sqrt(damping)
+    for row, (mean_a, mean_g) in enumerate(means.tolist()):
+        pi = math.sqrt(mean_a / mean_g) if mean_a > 0 and mean_g > 0 else 1.0
+        assert table[row].tolist() == pytest.approx([root * pi, root / pi], rel=1e-15, abs=0)
+        for column, side in enumerate(FACTOR_SIDES):
+            one = tikhonov_shift(side, means[row, 0], means[row, 1], damping)
+            assert torch.equal(table[row, column], one)
+
+
+def test_host_values_come_back_in_order_whatever_their_dtypes() -> None:
+    # Device booleans and counts of several dtypes read in one synchronisation: each value
+    # lands at its own index (stacked per dtype, so the order is rebuilt).
+    values = [
+        torch.tensor(True),
+        torch.tensor(3, dtype=torch.int64),
+        torch.tensor([False]),
+        torch.tensor(7, dtype=torch.int32),
+        torch.tensor(0, dtype=torch.int64),
+        torch.tensor(True),
+    ]
+    assert _host_values(values) == [1, 3, 0, 7, 0, 1]
+    assert _host_values([]) == []

@@ -21,6 +21,7 @@ from dkfac.curvature.factor_decomposition import (
     FactorDecomposition,
     decompose_factor,
 )
+from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.inverse import tikhonov_shift
 from dkfac.curvature.layer import LayerCurvature
 
@@ -30,11 +31,15 @@ logger = logging.getLogger(__name__)
 def _host_values(values: Sequence[Tensor]) -> list[int]:
     """Copy many device scalars (booleans, counts) to the host, one synchronisation per device."""
     result: list[int] = [0] * len(values)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for index, value in enumerate(values):
-        by_device.setdefault(value.device, []).append(index)
-    for indices in by_device.values():
-        read = torch.stack([values[i].reshape(()).to(torch.int64) for i in indices]).tolist()
+        by_device.setdefault(value.device, {}).setdefault(value.dtype, []).append(index)
+    for by_dtype in by_device.values():
+        # Stacked per dtype, then widened: a few launches, not a conversion per value.
+        groups = list(by_dtype.values())
+        parts = [torch.stack([values[i].reshape(()) for i in group]) for group in groups]
+        read = torch.cat([part.to(torch.int64) for part in parts]).tolist()
+        indices = [i for group in groups for i in group]
         for i, value in zip(indices, read, strict=True):
             result[i] = int(value)
     return result
@@ -95,7 +100,7 @@ def decompose_factors(
     dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
     results = _first_attempts(requests, method, dtype, batch_equal_sizes)
     attempted = {index: result for index, result in enumerate(results) if result is not None}
-    values = [request.layer.factors[request.side].finite() for request in requests]
+    values = finite_factors(requests)
     values += [count for count in dropped if count is not None]
     values += [result.ok for result in attempted.values()]
     host = _host_values(values)
@@ -151,6 +156,14 @@ _TROUBLE_MESSAGES: Mapping[str, str] = MappingProxyType(
         "keeping the last good decomposition (or the plain gradient before the first one)",
     }
 )
+
+
+def finite_factors(requests: Sequence[FactorRequest]) -> list[Tensor]:
+    """Device booleans: is each request's running factor finite (checked together)."""
+    factors = [request.layer.factors[request.side].value() for request in requests]
+    if len({factor.device for factor in factors}) != 1:
+        return [all_finite(factor) for factor in factors]
+    return list(finite_flags(factors))
 
 
 #: Bytes of one batched eigendecomposition's stacked input at most (its output is as big).

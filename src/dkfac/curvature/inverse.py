@@ -54,6 +54,15 @@ def tikhonov_shifts(mean_a: Tensor, mean_g: Tensor, damping: float) -> tuple[Ten
     return root * pi, root / pi
 
 
+def shift_table(means: Tensor, damping: float) -> Tensor:
+    """The ``(L, 2)`` shifts (``A``, ``G``) of :func:`tikhonov_shifts` for ``(L, 2)`` trace means.
+
+    Every layer's in a few launches, equal entry for entry to each layer's own
+    :func:`tikhonov_shift` (the same elementwise operations).
+    """
+    return torch.stack(tikhonov_shifts(means[:, 0], means[:, 1], damping), dim=1)
+
+
 def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
     """``tr(F) / d`` of a factor in ``dtype`` (the input of ``π``); a vector is a diagonal."""
     values = matrix.to(dtype)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from dkfac.curvature.decomposition import FactorRequest
-from dkfac.curvature.inverse import FACTOR_SIDES, tikhonov_shift
+from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.plan import FactorRoute, Placement, other_side
 
@@ -37,7 +37,7 @@ def factor_request(
     rank: int,
     layers: Sequence[LayerCurvature],
     route: FactorRoute,
-    means: Tensor | None,
+    shifts: Tensor | None,
     damping: float,
 ) -> FactorRequest:
     """One factor to decompose, with its Tikhonov shift when the method needs one.
@@ -45,14 +45,15 @@ def factor_request(
     Its domain is who decomposes it (``rank`` alone, or every worker: then every worker
     batches it with the same others).
 
-    ``means``: the ``(L, 2)`` trace means (``None``: the method takes no shift). The damping
-    goes with the request when the plan gives ``rank`` both factors of the layer, so a float64
-    retry recomputes the shift from float64 traces.
+    ``shifts``: the ``(L, 2)`` Tikhonov shifts (:func:`~dkfac.curvature.inverse.shift_table`;
+    ``None``: the method takes none). The damping goes with the request when the plan gives
+    ``rank`` both factors of the layer, so a float64 retry recomputes the shift from float64
+    traces.
     """
     layer, domain = layers[route.layer], route.decomposed_by  # one rank, or every worker
-    if means is None:
+    if shifts is None:
         return FactorRequest(layer, route.side, domain=domain)
-    shift = tikhonov_shift(route.side, means[route.layer, 0], means[route.layer, 1], damping)
+    shift = shifts[route.layer, FACTOR_SIDES.index(route.side)]
     both_held = all(
         plan.holds_factor(plan.route((route.layer, side)), rank) for side in FACTOR_SIDES
     )

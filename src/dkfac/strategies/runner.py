@@ -31,7 +31,7 @@ from dkfac.comm.staging import host_floats
 from dkfac.curvature.batching import Batching
 from dkfac.curvature.decomposition import decompose_factors
 from dkfac.curvature.factor_side import sent_symmetric
-from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors
+from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, shift_table
 from dkfac.curvature.kronecker_factor import fold_batches, fold_summed, fold_windows
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.layer_stacks import LayerStacks
@@ -214,8 +214,10 @@ class PlacementRunner:
         """
         plan, rank = self.placement, self.rank
         mine = [route for route in plan.factors if decomposes_now(plan, rank, layers, route)]
-        means = self._trace_means(layers, dtype, mine) if method == "inverse" else None
-        requests = [factor_request(plan, rank, layers, route, means, damping) for route in mine]
+        shifts = None
+        if method == "inverse":
+            shifts = shift_table(self._trace_means(layers, dtype, mine), damping)
+        requests = [factor_request(plan, rank, layers, route, shifts, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
             batch = self.batching.decompositions
             results = decompose_factors(requests, method, dtype, batch_equal_sizes=batch)
