@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.decomposition import _host_values
 from dkfac.curvature.factor_decomposition import (
@@ -17,6 +18,7 @@ from dkfac.curvature.factor_decomposition import (
     DiagonalEigenFactor,
     DiagonalInverseFactor,
     EigenFactor,
+    check_inverses_finite,
     decompose_factor,
     factor_decomposition,
     factor_tensor_shapes,
@@ -206,3 +208,56 @@ def test_host_values_come_back_in_order_whatever_their_dtypes() -> None:
     ]
     assert _host_values(values) == [1, 3, 0, 7, 0, 1]
     assert _host_values([]) == []
+
+
+def test_inverses_checked_together_get_their_own_checks_flags() -> None:
+    # Oracle: a factorisation's flag and torch.isfinite of its whole inverse, per factor,
+    # whatever the others are (an infinite entry, a failed factorisation, a NaN in float64).
+    inf, nan = float("inf"), float("nan")
+    cases = [
+        (torch.tensor([[1.0, inf], [inf, 2.0]]), True),
+        (torch.tensor([[1.0, 0.5], [0.5, 2.0]]), False),
+        (torch.tensor([[1.0, 0.5], [0.5, 2.0]]), True),
+        (torch.tensor([[nan, 0.0], [0.0, 2.0]], dtype=torch.float64), True),
+        (torch.eye(3, dtype=torch.float64), True),
+    ]
+    made = [CholeskyFactor("a", {"a_inv": m}, torch.tensor(ok)) for m, ok in cases]
+    check_inverses_finite(made)
+    expected = [ok and bool(torch.isfinite(m).all()) for m, ok in cases]
+    assert expected == [False, False, True, False, True]
+    assert [bool(d.ok) for d in made] == expected
+    # The same flags as each inverse's own check, on real factorisations.
+    matrices = [torch.tensor([[2.0, 0.5], [0.5, 1.0]]), torch.tensor([[1.0, 2.0], [2.0, 1.0]])]
+    zero = torch.tensor(0.0)
+    own = [CholeskyFactor.compute(m, "g", torch.float32, zero) for m in matrices]
+    deferred = [
+        CholeskyFactor.compute(m, "g", torch.float32, zero, check_finite=False) for m in matrices
+    ]
+    check_inverses_finite(deferred)
+    assert [bool(d.ok) for d in deferred] == [bool(d.ok) for d in own] == [True, False]
+
+
+def test_an_inverse_that_is_not_finite_is_retried_in_float64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The factorisation succeeds but the float32 inverse is not finite: the checks made
+    # together after the decompositions catch it, and the retry gives float64 inverses.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    pre = dkfac.KFACPreconditioner(
+        model, inverse_method="inverse", inv_dtype=torch.float32, kl_clip=None
+    )
+    real = torch.cholesky_inverse
+
+    def overflowing_in_float32(factor: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        inverse = real(factor, *args, **kwargs)
+        return inverse * torch.inf if inverse.dtype == torch.float32 else inverse
+
+    monkeypatch.setattr(torch, "cholesky_inverse", overflowing_in_float32)
+    model(torch.randn(5, 4)).square().sum().backward()
+    with pytest.warns(RuntimeWarning, match="recomputed in float64"):
+        pre.step()
+    for layer in pre.layers:
+        assert pre.health().layers[layer.name].retried_in_float64 == 2
+        assert all(t.dtype == torch.float64 for t in layer.inverse.tensors().values())
+        assert all(bool(torch.isfinite(t).all()) for t in layer.inverse.tensors().values())

@@ -19,6 +19,7 @@ from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
     EigenFactor,
     FactorDecomposition,
+    check_inverses_finite,
     decompose_factor,
 )
 from dkfac.curvature.finite import all_finite, finite_flags
@@ -193,7 +194,9 @@ def _first_attempts(
         if batch and factor.dim() == 2 and factor.shape[0] > 1:
             groups.setdefault(key, []).append(index)
         else:
-            results[index] = _try_decompose(request, method, dtype)
+            results[index] = _try_decompose(request, method, dtype, check_finite=False)
+    # The inverses decomposed one at a time are checked together.
+    check_inverses_finite([result for result in results if isinstance(result, CholeskyFactor)])
     for (dim, _, _), members in groups.items():
         per_call = max(1, BATCH_BYTES // (dim * dim * dtype.itemsize))
         chunks = [members[start : start + per_call] for start in range(0, len(members), per_call)]
@@ -221,11 +224,13 @@ def _decompose_batch(
 
 
 def _try_decompose(
-    request: FactorRequest, method: str, dtype: torch.dtype
+    request: FactorRequest, method: str, dtype: torch.dtype, *, check_finite: bool = True
 ) -> FactorDecomposition | None:
     factor = _factor(request)
     try:
-        return decompose_factor(factor, request.side, method, dtype, request.shift)
+        return decompose_factor(
+            factor, request.side, method, dtype, request.shift, check_finite=check_finite
+        )
     # Only the algorithm's own failure is retried; out of memory, CUDA errors and bugs propagate.
     except torch.linalg.LinAlgError as error:  # type: ignore[attr-defined]  # public, untyped
         logger.debug(
