@@ -1,5 +1,5 @@
-"""Equal-size factors decomposed in one batched call (``batch_equal_sizes``; the
-preconditioner's ``batched_decompositions``, off by default).
+"""Equal-size factors decomposed in one batched call (``batch_up_to``; the
+preconditioner's ``batched_decompositions``, by default up to 576 wide on a GPU).
 
 Oracles: each factor rebuilt in float64 from its eigenvectors and eigenvalues, the float64
 damped inverse, and the one-factor-at-a-time path (same eigenvalues to float32 round-off; a
@@ -9,6 +9,7 @@ the factor they rebuild).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -19,6 +20,10 @@ from torch import nn
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature import decomposition as decomposition_module
+from dkfac.curvature.batching import (
+    CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM,
+    batched_decompositions_up_to,
+)
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 
 
@@ -47,8 +52,10 @@ def requests_of(layers: list[Any]) -> list[FactorRequest]:
 
 def test_batched_eigendecompositions_rebuild_the_factors_as_one_at_a_time_does() -> None:
     layers = trained_layers()
-    alone = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_equal_sizes=False)
-    batched = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_equal_sizes=True)
+    alone = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_up_to=0)
+    batched = decompose_factors(
+        requests_of(layers), "eigen", torch.float32, batch_up_to=sys.maxsize
+    )
     assert len(alone) == len(batched) == 8
     for one, many, request in zip(alone, batched, requests_of(layers), strict=True):
         assert one is not None and many is not None
@@ -71,7 +78,7 @@ def test_a_batch_whose_solver_fails_is_solved_one_factor_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layers = trained_layers()
-    alone = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_equal_sizes=False)
+    alone = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_up_to=0)
     real_eigh = torch.linalg.eigh
     calls: list[int] = []
 
@@ -82,7 +89,9 @@ def test_a_batch_whose_solver_fails_is_solved_one_factor_at_a_time(
         return real_eigh(matrix)
 
     monkeypatch.setattr(torch.linalg, "eigh", no_batches)
-    batched = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_equal_sizes=True)
+    batched = decompose_factors(
+        requests_of(layers), "eigen", torch.float32, batch_up_to=sys.maxsize
+    )
     assert 3 in calls  # a batch was tried
     for one, many in zip(alone, batched, strict=True):
         assert one is not None and many is not None
@@ -100,26 +109,69 @@ def test_batches_are_capped_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(decomposition_module.EigenFactor, "compute_many", spy)
     monkeypatch.setattr(decomposition_module, "BATCH_BYTES", 2 * 17 * 17 * 4)
-    decompose_factors(requests_of(layers), "eigen", torch.float32, batch_equal_sizes=True)
+    decompose_factors(requests_of(layers), "eigen", torch.float32, batch_up_to=sys.maxsize)
     assert max(sizes) == 2 and sum(sizes) == 8  # every factor in a batch of at most 2
+
+
+@pytest.mark.parametrize(("up_to", "batched"), [(0, []), (3, []), (16, [4, 16]), (17, [4, 16, 17])])
+def test_only_factors_up_to_the_limit_are_batched(
+    up_to: int, batched: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four 17-wide A's, three 16-wide G's and a 4-wide one: each size batched (one call per
+    # size) only up to the limit; every factor decomposed once either way.
+    layers = trained_layers()
+    widths: list[int] = []
+    real = decomposition_module.EigenFactor.compute_many
+
+    def spy(matrices: Any, sides: Any, dtype: torch.dtype) -> Any:
+        widths.append(int(matrices[0].shape[0]))
+        return real(matrices, sides, dtype)
+
+    monkeypatch.setattr(decomposition_module.EigenFactor, "compute_many", spy)
+    results = decompose_factors(requests_of(layers), "eigen", torch.float32, batch_up_to=up_to)
+    assert sorted(widths) == batched
+    assert all(result is not None and bool(result.ok) for result in results)
+
+
+@pytest.mark.parametrize(
+    ("option", "device", "expected"),
+    [
+        (None, "cpu", 0),
+        (None, "cuda", CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM),
+        (True, "cpu", sys.maxsize),
+        (False, "cuda", 0),
+        (600, "cpu", 600),
+    ],
+)
+def test_batched_decompositions_resolves_per_device(
+    option: bool | int | None, device: str, expected: int
+) -> None:
+    assert CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM == 576  # ResNet-32's widest factor
+    assert batched_decompositions_up_to(option, torch.device(device)) == expected
+
+
+@pytest.mark.parametrize("value", [1, 0, 2.5, "yes"])
+def test_batched_decompositions_refuses_what_is_not_a_switch_or_a_width(value: object) -> None:
+    with pytest.raises(ValueError, match="expected None, True, False or an integer >= 2"):
+        dkfac.KFACPreconditioner(nn.Sequential(nn.Linear(3, 2)), batched_decompositions=value)
 
 
 @pytest.mark.parametrize("device", [on_cuda(CUDA_TEST_DEVICE.type)])
 def test_whether_a_factor_decomposes_the_same_whatever_it_is_batched_with(device: str) -> None:
     """Whether a factor's batched result depends on its companions. On the CPU it does
     (LAPACK's kernels round differently at another memory alignment: seen here with one
-    thread), which is one reason batching is off by default and why a factor is batched only
-    with factors of its own domain (who decomposes it: the same companions on every worker
+    thread), which is one reason batching is off by default there and why a factor is batched
+    only with factors of its own domain (who decomposes it: the same companions on every worker
     that does); a GPU session checks the GPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         layers = trained_layers(device)
         requests = requests_of(layers)
-        together = decompose_factors(requests, "eigen", torch.float32, batch_equal_sizes=True)
+        together = decompose_factors(requests, "eigen", torch.float32, batch_up_to=sys.maxsize)
         same = []
         for index, request in enumerate(requests):
-            (alone,) = decompose_factors([request], "eigen", torch.float32, batch_equal_sizes=True)
+            (alone,) = decompose_factors([request], "eigen", torch.float32, batch_up_to=sys.maxsize)
             assert alone is not None and together[index] is not None
             same.append(
                 all(torch.equal(t, together[index].tensors[n]) for n, t in alone.tensors.items())
@@ -140,8 +192,8 @@ def test_batched_cholesky_inverses_are_the_damped_inverses() -> None:
     each result exactly symmetric and row-major, as the one-at-a-time result is."""
     layers = trained_layers()
     requests = shifted_requests(layers)
-    alone = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=False)
-    batched = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+    alone = decompose_factors(requests, "inverse", torch.float32, batch_up_to=0)
+    batched = decompose_factors(requests, "inverse", torch.float32, batch_up_to=sys.maxsize)
     for one, many, request in zip(alone, batched, requests, strict=True):
         assert one is not None and many is not None and list(one.tensors) == list(many.tensors)
         (name,) = many.tensors
@@ -165,7 +217,7 @@ def test_a_batched_cholesky_that_fails_for_one_factor_fails_for_it_alone() -> No
     running = bad.layer.factor("a")
     bad.layer.set_factor("a", running - 10.0 * torch.eye(running.shape[0]))
     with pytest.warns(RuntimeWarning, match="decomposition failed"):
-        results = decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+        results = decompose_factors(requests, "inverse", torch.float32, batch_up_to=sys.maxsize)
     assert results[2] is None
     assert all(result is not None for i, result in enumerate(results) if i != 2)
     assert bad.layer.health().failed_decompositions == 1
@@ -191,5 +243,5 @@ def test_factors_of_different_domains_are_never_batched_together(
         FactorRequest(r.layer, r.side, r.shift, domain=(index // 2) % 2 if r.side == "a" else -1)
         for index, r in enumerate(shifted_requests(layers))
     ]
-    decompose_factors(requests, "inverse", torch.float32, batch_equal_sizes=True)
+    decompose_factors(requests, "inverse", torch.float32, batch_up_to=sys.maxsize)
     assert sorted(sizes) == [1, 2, 2, 3]

@@ -17,13 +17,13 @@ import torch
 
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
-from dkfac.curvature.batching import Batching
+from dkfac.curvature.batching import Batching, batched_decompositions_up_to
 from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.update_intervals import AUTO, IntervalBudget, IntervalSettings
-from dkfac.validation import check_bool, check_float, check_int, describe
+from dkfac.validation import check_bool, check_float, check_int, check_switch_or_int, describe
 
 __all__ = ["KFACConfig", "check_float", "check_int", "check_multiple"]
 
@@ -151,7 +151,7 @@ class KFACConfig:
     adaptive: AdaptiveOptions | None = None
     max_factor_dim: int | None = 8192
     batched_preconditioning: bool | None = None
-    batched_decompositions: bool = False
+    batched_decompositions: bool | int | None = None
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -184,10 +184,10 @@ class KFACConfig:
         return self.strategy
 
     def batching(self, device: torch.device) -> Batching:
-        """What runs batched on ``device`` (``batched_preconditioning=None``: on a GPU)."""
+        """What runs batched on ``device`` (the options' ``None``: their GPU defaults)."""
         layers = self.batched_preconditioning
         layers = device.type == "cuda" if layers is None else layers
-        return Batching(layers, self.batched_decompositions)
+        return Batching(layers, batched_decompositions_up_to(self.batched_decompositions, device))
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -236,7 +236,7 @@ class KFACConfig:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
         if self.batched_preconditioning is not None:
             check_bool("batched_preconditioning", self.batched_preconditioning, "None (on a GPU), ")
-        check_bool("batched_decompositions", self.batched_decompositions)
+        check_switch_or_int("batched_decompositions", self.batched_decompositions, low=2)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

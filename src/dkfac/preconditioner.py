@@ -129,8 +129,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
         batched_preconditioning: layers of equal shapes preconditioned by batched products
             (equal to one at a time up to round-off); ``None`` (default): on a GPU.
-        batched_decompositions: factors of equal sizes decomposed by batched calls (default
-            off: slower on ResNet-50's factors, faster on ResNet-32's, docs/benchmarks.md).
+        batched_decompositions: factors of equal sizes decomposed by batched calls: True
+            (every size), False, or the widest factors batched; ``None`` (default): up to
+            576 wide on a GPU (faster on ResNet-32's factors, slower on ResNet-50's largest,
+            docs/benchmarks.md), none on the CPU.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -175,7 +177,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         optimizer: torch.optim.Optimizer | None = None,
         max_factor_dim: int | None = 8192,
         batched_preconditioning: bool | None = None,
-        batched_decompositions: bool = False,
+        batched_decompositions: bool | int | None = None,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)

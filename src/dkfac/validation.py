@@ -67,3 +67,14 @@ def check_bool(name: str, value: object, also: str = "") -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={describe(value)} is not allowed: expected {also}True or False")
     return value
+
+
+def check_switch_or_int(name: str, value: object, *, low: int) -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``value`` is None, a bool or an int >= low."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < low:
+        raise ValueError(
+            f"{name}={describe(value)} is not allowed: expected None, True, False or an "
+            f"integer >= {low}"
+        )

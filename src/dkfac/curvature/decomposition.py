@@ -77,7 +77,7 @@ def decompose_factors(
     method: str,
     dtype: torch.dtype,
     *,
-    batch_equal_sizes: bool = False,
+    batch_up_to: int = 0,
 ) -> list[FactorDecomposition | None]:
     """Decompose the running factors of ``requests``; never raises for numerical trouble.
 
@@ -89,8 +89,9 @@ def decompose_factors(
     (:meth:`LayerCurvature.report`). Every factor is decomposed before anything is read back,
     so the finiteness of the factors, the dropped-batch counts and the success of every
     decomposition reach the host in one synchronisation for all requests together (plus one
-    per float64 retry, on the failure path only). ``batch_equal_sizes`` decomposes factors
-    of equal size and domain together (:func:`_first_attempts`): on a GPU one ``eigh`` wait,
+    per float64 retry, on the failure path only). ``batch_up_to`` (0: none) decomposes
+    factors up to that wide of equal size and domain together (:func:`_first_attempts`):
+    on a GPU one ``eigh`` wait,
     or a few Cholesky launches, per batch instead of per factor. A batch's results differ
     from one-at-a-time ones by round-off and, on the CPU, depend on the batch's other
     matrices (memory alignment): workers that decompose a factor redundantly must give it
@@ -99,7 +100,7 @@ def decompose_factors(
     if not requests:
         return []
     dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
-    results = _first_attempts(requests, method, dtype, batch_equal_sizes)
+    results = _first_attempts(requests, method, dtype, batch_up_to)
     attempted = {index: result for index, result in enumerate(results) if result is not None}
     values = finite_factors(requests)
     values += [count for count in dropped if count is not None]
@@ -178,11 +179,11 @@ def _factor(request: FactorRequest) -> Tensor:
 
 
 def _first_attempts(
-    requests: Sequence[FactorRequest], method: str, dtype: torch.dtype, batch: bool
+    requests: Sequence[FactorRequest], method: str, dtype: torch.dtype, batch_up_to: int
 ) -> list[FactorDecomposition | None]:
     """Each request's decomposition in ``dtype`` (``None``: the solver raised).
 
-    With ``batch``, dense factors of one size, device and domain go through one batched
+    Dense factors of one size up to ``batch_up_to``, device and domain go through one batched
     call per at most :data:`BATCH_BYTES` of input; a batch whose solver raises is redone one
     factor at a time, so only the factor that fails is ``None``.
     """
@@ -191,7 +192,7 @@ def _first_attempts(
     for index, request in enumerate(requests):
         factor = _factor(request)
         key = (factor.shape[0], factor.device, request.domain)
-        if batch and factor.dim() == 2 and factor.shape[0] > 1:
+        if factor.dim() == 2 and 1 < factor.shape[0] <= batch_up_to:
             groups.setdefault(key, []).append(index)
         else:
             results[index] = _try_decompose(request, method, dtype, check_finite=False)

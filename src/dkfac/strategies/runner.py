@@ -220,7 +220,7 @@ class PlacementRunner:
         requests = [factor_request(plan, rank, layers, route, shifts, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
             batch = self.batching.decompositions
-            results = decompose_factors(requests, method, dtype, batch_equal_sizes=batch)
+            results = decompose_factors(requests, method, dtype, batch_up_to=batch)
         decompositions: DecompositionsByFactor = {
             route.key: result for route, result in zip(mine, results, strict=True)
         }
