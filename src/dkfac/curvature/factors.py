@@ -13,7 +13,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dkfac.curvature.gram import HIGHEST, GramPrecision, bordered_gram, gram_with_ones, pixel_gram
+from dkfac.curvature.gram import (
+    HIGHEST,
+    GramPrecision,
+    bordered_gram,
+    fill_border,
+    gram_with_ones,
+    pixel_gram,
+)
 
 
 def conv2d_patch_gram(
@@ -296,8 +303,12 @@ def _shifted_patch_gram(
     image = flat[:span].view(n, hp, wp, c)[:, :h, :w]
     image.copy_(x.permute(0, 2, 3, 1))  # cast to the operands' dtype in the same copy
     base = flat[:span].t()
-    full = torch.stack([precision.mm(base, flat[o : o + span]) for o in plan.offset_list])
+    full = x.new_empty(len(shifts), c, c, dtype=out_dtype)  # each product written in place
+    for index_s, offset in enumerate(plan.offset_list):
+        precision.mm(base, flat[offset : offset + span], out=full[index_s])
 
+    # The Gram's blocks from their shifted products: only the blocks it needs, gathered.
+    chosen = full[plan.which]
     # Each border group's correction is one GEMM contracting over all its positions and
     # examples.
     if plan.group_sizes:
@@ -306,22 +317,21 @@ def _shifted_patch_gram(
         at_border = flat[index]  # (B·N, C)
         shifted = flat[index[:, None] + plan.offsets].flatten(1)  # (B·N, S·C)
         bounds = [0, *itertools.accumulate(sizes)]
-        per_group = torch.stack(
-            [precision.mm(at_border[i:j].t(), shifted[i:j]) for i, j in itertools.pairwise(bounds)]
-        )  # (G, C, S·C)
+        per_group = full.new_empty(len(sizes), c, len(shifts) * c)  # (G, C, S·C)
+        for group, (i, j) in enumerate(itertools.pairwise(bounds)):
+            precision.mm(at_border[i:j].t(), shifted[i:j], out=per_group[group])
         weights = plan.border_patterns.to(out_dtype)  # (U, G)
         corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
-        values = full[:, None] - corrections.permute(2, 0, 1, 3)
-    else:
-        values = full[:, None].expand(len(shifts), kh * kw, c, c)
-    chosen = values[plan.which, plan.first]
-    blocks = full.new_empty(kh * kw, kh * kw, c, c)
+        chosen.sub_(corrections.permute(2, 0, 1, 3)[plan.which, plan.first])
+    # Written straight into the Gram's (c, u) order: block (u, u') is a strided view of it.
+    out = full.new_empty(size + with_ones, size + with_ones)
+    gram = out[:size, :size]
+    blocks = gram.view(c, kh * kw, c, kh * kw).permute(1, 3, 0, 2)  # (u, u', c, c')
     blocks[plan.second, plan.first] = chosen.transpose(1, 2)
     blocks[plan.first, plan.second] = chosen
-    gram = blocks.permute(2, 0, 3, 1).reshape(size, size)
-    if not with_ones:
-        return gram, rows
-    # Bias row: the patch sums, i.e. channel sums over each offset's window.
-    inside = plan.inside.to(out_dtype)  # (kh·kw, h, w)
-    sums = torch.einsum("hwc,uhw->cu", image.sum(0, dtype=out_dtype), inside).reshape(-1)
-    return bordered_gram(gram, sums, rows), rows
+    if with_ones:
+        # Bias row: the patch sums, i.e. channel sums over each offset's window.
+        inside = plan.inside.to(out_dtype)  # (kh·kw, h, w)
+        sums = torch.einsum("hwc,uhw->cu", image.sum(0, dtype=out_dtype), inside).reshape(-1)
+        fill_border(out, sums, rows)
+    return out, rows

@@ -57,13 +57,18 @@ class GramPrecision:
         """``x`` as the products' operands: in ``dtype``, or rounded to bfloat16."""
         return x.to(self.operand_dtype(dtype))
 
-    def mm(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones."""
+    def mm(self, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+        """``a @ b`` of two operand matrices, in float32 when they are bfloat16 ones.
+
+        ``out``: where to write it (a slice of a preallocated stack: no stacking copy).
+        """
         if self.name != "bf16":
-            return a @ b
+            return a @ b if out is None else torch.mm(a, b, out=out)
         if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return a.float() @ b.float()
+            if out is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        return a.float() @ b.float() if out is None else torch.mm(a.float(), b.float(), out=out)
 
     def bmm(self, a: Tensor, b: Tensor) -> Tensor:
         """``a @ b`` of two batches of operand matrices, as :meth:`mm` forms each product."""
@@ -103,10 +108,16 @@ def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
     d = core.shape[0]
     out = core.new_empty(d + 1, d + 1)
     out[:d, :d] = core
+    fill_border(out, sums, count)
+    return out
+
+
+def fill_border(out: Tensor, sums: Tensor, count: int) -> None:
+    """Write a bordered Gram's last row and column: ``sums``, and ``count`` at the corner."""
+    d = out.shape[0] - 1
     out[d, :d] = sums
     out[:d, d] = sums
     out[d, d] = count
-    return out
 
 
 #: Positions per channel from which a channels-first tensor's pixel Gram is summed over
