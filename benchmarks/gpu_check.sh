@@ -5,8 +5,8 @@
 #      statistics and preconditioning with statistics from half, and from an eighth, of the
 #      batch: dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
-#      (one layer at a time too; decompositions batched at every size, and at none, against
-#      the default's up to 576 wide, at (1, 1)) with kfac-pytorch in the same run;
+#      (one layer at a time too; decompositions batched at every size, and up to 576 wide,
+#      at (1, 1)) with kfac-pytorch in the same run;
 #   3. ResNet-50 in channels-last format (TF32), SGD in the same format, where
 #      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
@@ -54,7 +54,7 @@ eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "stat
 alone='{"batched_preconditioning": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
   --variant "dkfac-alone=$alone" --variant 'dkfac-bdec={"batched_decompositions": true}'
-  --variant 'dkfac-nobdec={"batched_decompositions": false}')
+  --variant 'dkfac-bdec576={"batched_decompositions": 576}')
 bench() {  # seconds, name, then gpu_overhead.py's arguments
   local seconds=$1 name=$2
   shift 2
@@ -68,7 +68,7 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
   --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
-  --configs dkfac_inverse_1_1,dkfac-alone_inverse_1_1,dkfac-bdec_inverse_1_1,dkfac-nobdec_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
+  --configs dkfac_inverse_1_1,dkfac-alone_inverse_1_1,dkfac-bdec_inverse_1_1,dkfac-bdec576_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 if [ "$CHANNELS_LAST_S" -gt 0 ]; then
   bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
     --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100

@@ -130,9 +130,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         batched_preconditioning: layers of equal shapes preconditioned by batched products
             (equal to one at a time up to round-off); ``None`` (default): on a GPU.
         batched_decompositions: factors of equal sizes decomposed by batched calls: True
-            (every size), False, or the widest factors batched; ``None`` (default): up to
-            576 wide on a GPU (faster on ResNet-32's factors, slower on ResNet-50's largest,
-            docs/benchmarks.md), none on the CPU.
+            (every size), False, or the widest factors batched; ``None`` (default): the
+            device's default, none for now (on an H200 faster on ResNet-32's factors, slower on
+            ResNet-50's, as whole-model totals; docs/benchmarks.md).
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).

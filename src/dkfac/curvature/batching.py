@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-#: The widest factors a GPU decomposes batched by default (``batched_decompositions=None``).
-#: Measured on an H200 (docs/benchmarks.md): ResNet-32's factors, all at most 576 wide, take
-#: 7.0 ms of Cholesky inverses batched against 12.7 one at a time (``eigh`` 150 against 158
-#: ms), while ResNet-50's, up to 4608 wide, take 0.136 s batched against 0.113.
-CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM = 576
+#: The widest factors a GPU decomposes batched by default (``batched_decompositions=None``):
+#: none until per-width timings exist. The H200 data are whole-model totals only (ResNet-32's
+#: factors, all at most 576 wide: Cholesky inverses 7.0 ms batched against 12.7 one at a
+#: time; ResNet-50's, up to 4608: 0.136 s against 0.113); ``gpu_breakdown.py``'s
+#: ``cholesky_inverse_by_size`` gives the per-width figures this is to be set from.
+CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM = 0
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,10 @@ def fill_border(out: Tensor, sums: Tensor, count: int) -> None:
 #: per-example products of its channel planes, in place of one product of a channel-major
 #: copy. Both read the input once; the copy also writes it and reads it again, the per-example
 #: products write ``N·C²`` partial sums instead, at most a quarter of the input from this
-#: ratio on. On 2 CPU cores (ResNet-50's shapes, batch 16) that is 5-24% faster from 6
-#: positions per channel on, even at 1.5, slower below (2.8x at 0.024).
+#: ratio on (provisional: a bound on that memory, not a measured crossover). On 2 CPU cores
+#: (ResNet-50's shapes, batch 16, benchmarks/results/pixel_grams_resnet50_cpu.json) float32
+#: statistics gain 8-27% from 6 positions per channel on and are 3.7x slower at 0.024; with
+#: bf16 statistics the gains are 2-17% and at 12 positions 1% slower (the cast stays).
 PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL = 4
 
 
@@ -172,7 +174,7 @@ def pixel_gram(
     elif x.stride(1) == 1:
         rows = last.to(operand) if last.is_contiguous() else _laid_out(last, operand)
         rows = rows.reshape(-1, channels)
-    elif x.is_contiguous() and _per_example(x, per_example):
+    elif x.is_contiguous() and x.numel() and _per_example(x, per_example):
         planes = x.reshape(x.shape[0], channels, -1).to(operand)  # a view unless cast
         core = precision.bmm(planes, planes.mT).sum(dim=0)
         count = planes.shape[0] * planes.shape[2]
