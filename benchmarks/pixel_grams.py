@@ -95,9 +95,18 @@ def time_shape(
 
 
 def measure(
-    model_name: str, device: torch.device, batch: int, image: int, repeats: int
+    model_name: str,
+    device: torch.device,
+    batch: int,
+    image: int,
+    repeats: int,
+    on_shape: Callable[[dict[str, Any]], None] = lambda result: None,
 ) -> dict[str, Any]:
-    """Every shape's timings both ways and the model's totals, per precision."""
+    """Every shape's timings both ways and the model's totals, per precision.
+
+    The largest shapes first; ``on_shape`` gets the result so far after each shape (its
+    totals cover the shapes measured), so a run cut short keeps what it measured.
+    """
     shapes = pixel_gram_shapes(model_name, device, batch, image)
     rows = []
     totals = {p: {"copy": 0.0, "per-example": 0.0, "auto": 0.0, "best": 0.0} for p in PRECISIONS}
@@ -113,7 +122,8 @@ def measure(
             total["auto"] += count * ms["per-example" if row["per_example_by_default"] else "copy"]
             total["best"] += count * min(ms.values())
         rows.append(row)
-    return {"shapes": rows, "totals_ms": totals}
+        on_shape({"shapes": rows, "totals_ms": totals, "complete": len(rows) == len(shapes)})
+    return {"shapes": rows, "totals_ms": totals, "complete": True}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -152,18 +162,21 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
     args = parse_args(argv)
     device = torch.device(args.device)
     image = args.image_size or MODELS[args.model].image_size
-    result = measure(args.model, device, args.batch, image, args.repeats)
-    report = {
+    header = {
         "environment": environment(device),
         "model": args.model,
         "batch": args.batch,
         "image_size": image,
         "repeats": args.repeats,
         "per_example_min_positions_per_channel": PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL,
-        **result,
     }
+
+    def save(result: dict[str, Any]) -> None:  # after every shape: a cut run keeps its rows
+        write_report(args.out, {**header, **result})
+
+    result = measure(args.model, device, args.batch, image, args.repeats, on_shape=save)
     emit(table(result))
-    write_report(args.out, report)
+    save(result)
     return 0
 
 

@@ -571,3 +571,30 @@ def test_pixel_grams_times_every_statistic_shape_of_a_pass_both_ways(
         assert all(
             row[p][path] > 0 for p in ("highest", "bf16") for path in ("copy", "per-example")
         )
+    assert report["complete"] is True
+
+
+def test_pixel_grams_keeps_the_shapes_it_measured_when_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device box may end the run: the JSON holds every shape measured before, marked
+    incomplete (the GPU check had lost all of them)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("pixel_grams", monkeypatch)
+    real, calls = bench.time_shape, []
+
+    def cut_after_one_shape(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        if len({*calls}) > 1:
+            raise KeyboardInterrupt  # what a box's signal looks like to the script
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_shape", cut_after_one_shape)
+    out = tmp_path / "grams.json"
+    argv = ["--device", "cpu", "--model", "resnet32", "--batch", "2", "--repeats", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*argv, "--out", str(out)], emit=lambda _: None)
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and len(report["shapes"]) == 1
+    assert report["shapes"][0]["shape"] == list(calls[0])
+    assert report["totals_ms"]["highest"]["copy"] > 0

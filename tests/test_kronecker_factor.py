@@ -176,20 +176,36 @@ def test_a_cholesky_inverse_is_stored_row_major_and_exactly_symmetric(
     torch.testing.assert_close(stored.double(), want, rtol=tolerance, atol=tolerance)
 
 
-def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry() -> None:
+@pytest.mark.parametrize(
+    ("dtype", "device"),
+    [
+        (torch.float64, "cpu"),
+        (torch.float32, "cpu"),
+        on_cuda(torch.float64, CUDA_TEST_DEVICE.type),
+        on_cuda(torch.float32, CUDA_TEST_DEVICE.type),
+    ],
+)
+def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry(
+    dtype: torch.dtype, device: str
+) -> None:
     # Oracle: π = sqrt(tr(A)/d_A ÷ tr(G)/d_G) (1 when either mean is not positive), shifts
     # √γ·π and √γ/π, in float64 Python arithmetic (torch divides a number by a tensor
-    # through its reciprocal: an ulp apart); each layer's own tikhonov_shift to the last bit.
+    # through its reciprocal: an ulp apart, so to the dtype's round-off); each layer's own
+    # tikhonov_shift to the last bit, in float32 and on a GPU too (its kernels vectorise the
+    # table's operations, which must not change a bit).
     means = torch.tensor(
-        [[2.5, 0.4], [1e-3, 7.0], [0.0, 3.0], [4.0, -1.0], [3.0, 3.0]], dtype=torch.float64
+        [[2.5, 0.4], [1e-3, 7.0], [0.0, 3.0], [4.0, -1.0], [3.0, 3.0], [7e-5, 2e4]],
+        dtype=dtype,
+        device=device,
     )
     damping = 3e-3
     table = shift_table(means, damping)
-    assert table.shape == (5, 2) and table.dtype == torch.float64
+    assert table.shape == (6, 2) and table.dtype == dtype and table.device == means.device
     root = math.sqrt(damping)
+    relative = {torch.float64: 1e-15, torch.float32: 1e-6}[dtype]
     for row, (mean_a, mean_g) in enumerate(means.tolist()):
         pi = math.sqrt(mean_a / mean_g) if mean_a > 0 and mean_g > 0 else 1.0
-        assert table[row].tolist() == pytest.approx([root * pi, root / pi], rel=1e-15, abs=0)
+        assert table[row].tolist() == pytest.approx([root * pi, root / pi], rel=relative, abs=0)
         for column, side in enumerate(FACTOR_SIDES):
             one = tikhonov_shift(side, means[row, 0], means[row, 1], damping)
             assert torch.equal(table[row, column], one)

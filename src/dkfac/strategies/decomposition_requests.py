@@ -7,14 +7,14 @@ Pure functions of the plan and the layers' running factors: the runner
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from torch import Tensor
 
 from dkfac.curvature.decomposition import FactorRequest
 from dkfac.curvature.inverse import FACTOR_SIDES
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.strategies.plan import FactorRoute, Placement, other_side
+from dkfac.strategies.plan import EVERY_WORKER, FactorRoute, Placement, other_side
 
 
 def decomposes_now(
@@ -34,7 +34,6 @@ def decomposes_now(
 
 def factor_request(
     plan: Placement,
-    rank: int,
     layers: Sequence[LayerCurvature],
     route: FactorRoute,
     shifts: Tensor | None,
@@ -42,19 +41,34 @@ def factor_request(
 ) -> FactorRequest:
     """One factor to decompose, with its Tikhonov shift when the method needs one.
 
-    Its domain is who decomposes it (``rank`` alone, or every worker: then every worker
-    batches it with the same others).
+    Everything in it is the same on every rank that decomposes the factor, so replicas of a
+    factor every worker decomposes compute the same bits:
+
+    * its domain (:func:`batching_domain`), which decides what it is batched with;
+    * the damping, given when every decomposer keeps both factors of the layer, so a float64
+      retry recomputes the shift from float64 traces (otherwise a retry reuses the shift).
 
     ``shifts``: the ``(L, 2)`` Tikhonov shifts (:func:`~dkfac.curvature.inverse.shift_table`;
-    ``None``: the method takes none). The damping goes with the request when the plan gives
-    ``rank`` both factors of the layer, so a float64 retry recomputes the shift from float64
-    traces.
+    ``None``: the method takes none).
     """
-    layer, domain = layers[route.layer], route.decomposed_by  # one rank, or every worker
+    layer, domain = layers[route.layer], batching_domain(plan, route)
     if shifts is None:
         return FactorRequest(layer, route.side, domain=domain)
     shift = shifts[route.layer, FACTOR_SIDES.index(route.side)]
-    both_held = all(
-        plan.holds_factor(plan.route((route.layer, side)), rank) for side in FACTOR_SIDES
-    )
-    return FactorRequest(layer, route.side, shift, damping if both_held else None, domain)
+    whole_layer = plan.deciders_hold_layer(route)
+    return FactorRequest(layer, route.side, shift, damping if whole_layer else None, domain)
+
+
+def batching_domain(plan: Placement, route: FactorRoute) -> Hashable:
+    """With which factors ``route``'s may be decomposed in one batched call.
+
+    A batch's results depend on its members by round-off, so a factor every worker
+    decomposes may only be batched with companions that are the same on every worker. They
+    are when every worker keeps the layer's other factor (:func:`decomposes_now` then decides
+    alike everywhere); otherwise a worker keeping it could leave out a factor that the others
+    decompose, and such a factor is decomposed alone. A factor one rank decomposes is
+    batched with that rank's own (its results are sent from there).
+    """
+    if route.decomposed_by == EVERY_WORKER and not plan.deciders_hold_layer(route):
+        return ("alone", route.key)
+    return route.decomposed_by

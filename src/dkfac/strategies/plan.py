@@ -138,7 +138,7 @@ class Placement:
                 self.world_size
             ):
                 raise ValueError(f"factor {route.key} is decomposed by no rank of the world")
-            deciders = self._deciders(route)
+            deciders = self.deciders(route)
             if not all(self.holds_factor(route, rank) for rank in deciders):
                 raise ValueError(f"factor {route.key} is decomposed where it is not kept")
         for share in self.decompositions:
@@ -173,11 +173,24 @@ class Placement:
             if len({self.factors[i].reduced_to for i in bucket}) > 1:
                 raise ValueError("a fusion bucket goes to one destination")
 
-    def _deciders(self, route: FactorRoute) -> range | tuple[int]:
+    def deciders(self, route: FactorRoute) -> range | tuple[int]:
         """The ranks that decompose ``route``'s factor."""
         if route.decomposed_by == EVERY_WORKER:
             return range(self.world_size)
         return (route.decomposed_by,)
+
+    def deciders_hold_layer(self, route: FactorRoute) -> bool:
+        """Whether every rank that decomposes ``route``'s factor keeps both of its layer's.
+
+        Then each of them knows the whole layer: whether its other factor exists yet, and
+        both traces for the Tikhonov shift; the same answer on all of them.
+        """
+        other = self.route((route.layer, other_side(route.side)))
+        return all(
+            self.holds_factor(factor, rank)
+            for rank in self.deciders(route)
+            for factor in (route, other)
+        )
 
     @cached_property
     def _routes(self) -> dict[FactorKey, FactorRoute]:
@@ -257,11 +270,7 @@ class Placement:
         Then the factored Tikhonov damping of ``inverse_method="inverse"`` takes ``tr(F)/d``
         of every factor from the rank that holds it, in one small allreduce.
         """
-        for route in self.factors:
-            other = self.route((route.layer, other_side(route.side)))
-            if any(not self.holds_factor(other, rank) for rank in self._deciders(route)):
-                return True
-        return False
+        return not all(self.deciders_hold_layer(route) for route in self.factors)
 
     def group_layouts(self) -> list[tuple[int, ...]]:
         """The process groups the shares need, in first-use order (the same on every rank)."""

@@ -217,7 +217,7 @@ class PlacementRunner:
         shifts = None
         if method == "inverse":
             shifts = shift_table(self._trace_means(layers, dtype, mine), damping)
-        requests = [factor_request(plan, rank, layers, route, shifts, damping) for route in mine]
+        requests = [factor_request(plan, layers, route, shifts, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
             batch = self.batching.decompositions
             results = decompose_factors(requests, method, dtype, batch_up_to=batch)
