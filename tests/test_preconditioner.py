@@ -982,20 +982,44 @@ def test_a_layer_with_a_factor_above_max_factor_dim_is_skipped_with_the_reason(
         dkfac.KFACPreconditioner(model, max_factor_dim=0)
 
 
+class SharedConvInPlace(nn.Module):
+    """One convolution applied twice per pass, each output rectified in place: a layer called
+    more than once (TorchDynamo 2.11 failed on a hook's buffer used twice in one graph) and an
+    in-place operation on a captured layer's output (forbidden on a custom function's view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.shared = nn.Conv2d(4, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.stem(x))
+        h = self.relu(self.shared(h))
+        return self.head(self.relu(self.shared(h)).flatten(1))
+
+
 def compiled_and_eager_steps(
-    conv: bool, compile_model: Callable[[nn.Module], nn.Module], steps: int = 3, **options: Any
+    conv: bool,
+    compile_model: Callable[[nn.Module], nn.Module],
+    steps: int = 3,
+    build: Callable[[], nn.Module] | None = None,
+    **options: Any,
 ) -> tuple[list[dkfac.KFACPreconditioner], nn.Module, nn.Module]:
     """``steps`` K-FAC steps of a compiled model and of its eager copy, side by side.
 
     Returns the two preconditioners (compiled first), the compiled model's parameters' module
-    and the eager model. Each step runs ``accumulation_steps`` micro-batches.
+    and the eager model. Each step runs ``accumulation_steps`` micro-batches. ``build``: a
+    float64 convolutional model other than :func:`small_model` (``conv`` must be True).
     """
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     dtype = torch.float64 if conv else torch.float32
     eager = (
-        small_model(dtype)
+        (build() if build is not None else small_model()).to(dtype)
         if conv
         else nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
     )
@@ -1044,6 +1068,14 @@ def test_a_compiled_model_has_eager_names_and_steps_as_eager_in_one_graph(conv: 
     convs = [layer.block for layer in pres[0].layers if layer.block.kind == "Conv2d"]
     assert all(len(block.gram_plans) == 1 for block in convs)  # type: ignore[attr-defined]
     pres[1].load_state_dict(pres[0].state_dict())  # interchangeable with the eager model's
+
+
+def test_a_compiled_shared_layer_with_in_place_outputs_steps_as_eager_in_one_graph() -> None:
+    """The compiled hooks of a layer called twice per pass, its outputs modified in place:
+    the same parameters as the eager model (float64, to round-off as for any convolution),
+    no graph break, no frame run eagerly."""
+    compiled_and_eager_steps(True, aot_eager, build=SharedConvInPlace)
+    assert dynamo_trouble() == {}
 
 
 @pytest.mark.slow

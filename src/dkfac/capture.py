@@ -196,12 +196,13 @@ class StatisticsCapture:
     # -- statistics ---------------------------------------------------------------------------
     def _forward_hook(
         self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
-    ) -> None:
+    ) -> Tensor | None:
+        # Returns the output to use instead (compiled: DeferredStatistics.watch_g) or None.
         # The hook holds the layer's index, not the layer: a deep copy of the model then
         # copies no K-FAC state, and its hooks (module is the copy) do nothing.
         layer = self._layers[index]
         if self._removed or not self.capturing or module is not layer.block.module:
-            return
+            return None
         # Recorded in a capture window on every worker, whether it captures this layer or not,
         # so all workers agree on which layers are used outside their forward and which are
         # broadcast (LayerUsage.find_silent).
@@ -227,7 +228,7 @@ class StatisticsCapture:
             or not isinstance(output, Tensor)
             or self._usage.is_broadcast(layer.name)  # no exact factor: passed through
         ):
-            return
+            return None
         if torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
             if not self._deferred.prepared:
@@ -238,8 +239,8 @@ class StatisticsCapture:
                 )
             self._deferred.add_a(index, pass_id, x)
             if output.requires_grad:
-                self._deferred.watch_g(index, pass_id, output)
-            return
+                return self._deferred.watch_g(index, pass_id, output)
+            return None
         with self._recorder.phase("factor_compute"):
             if kept == examples or not layer.block.a_from_part:
                 layer.accumulate_a(x, pass_id)
@@ -251,6 +252,7 @@ class StatisticsCapture:
             # The pass is bound now: the backward of several passes may come later at once.
             hook = functools.partial(self._output_grad_hook, layer, pass_id, examples, kept)
             output.register_hook(hook)  # type: ignore[no-untyped-call]
+        return None
 
     def _kept_examples(self, layer: LayerCurvature, x: Tensor, output: Tensor) -> tuple[int, int]:
         """The call's examples and how many of them (the first) feed its statistics.

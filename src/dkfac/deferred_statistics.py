@@ -5,7 +5,8 @@ changes Python state in the backward pass cannot be traced (the output-gradient 
 eager path adds to a layer's :class:`~dkfac.curvature.statistics.FactorStatistics` and tells
 the strategy), and state the forward hook reads that grows from step to step (a pass counter,
 a running sum) makes TorchDynamo recompile. So, while compiling, the hooks only do tensor
-work: each call's ``Σ a aᵀ`` and (from its output-gradient hook) ``Σ dy dyᵀ`` are added into
+work: each call's ``Σ a aᵀ`` and (from the backward of an identity function the forward hook
+puts on the output, :class:`_GStatisticOnBackward`) ``Σ dy dyᵀ`` are added into
 one buffer per layer and factor, made before the window on the eager side, and the forward
 hook records the call (layer, pass, the input's and output's shapes). At the window's
 ``step()``, :meth:`DeferredStatistics.fold` adds each buffer to its layer as the eager hooks
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -90,19 +92,19 @@ class DeferredStatistics:
         self._sums[index, "a"].add_(self._layers[index].a_statistic(x).total)
         self._calls.append(_Call(index, "a", pass_id, x.shape, x.dtype))
 
-    def watch_g(self, index: int, pass_id: int, output: Tensor) -> None:
-        """While compiling: add ``Σ dy dyᵀ`` of ``output``'s gradient when it comes."""
+    def watch_g(self, index: int, pass_id: int, output: Tensor) -> Tensor:
+        """While compiling: ``output`` to use instead, which adds ``Σ dy dyᵀ`` of its gradient.
+
+        Tensor work on buffers made outside the graph only: TorchDynamo traces it into the
+        backward graph.
+        """
         layer, total = self._layers[index], self._sums[index, "g"]
         calls = self._backward_calls[index]
-
-        def add_g(grad: Tensor) -> None:
-            # Tensor work on buffers made outside the graph only: TorchDynamo traces this
-            # into the backward graph.
-            total.add_(layer.g_statistic(grad).total)
-            calls.add_(1)
-
-        output.register_hook(add_g)  # type: ignore[no-untyped-call]
         self._calls.append(_Call(index, "g", pass_id, output.shape, output.dtype))
+        result: Tensor = _GStatisticOnBackward.apply(  # type: ignore[no-untyped-call]
+            output, total, calls, layer
+        )
+        return result
 
     def discard(self) -> None:
         """Forget the window's calls and zero the buffers (a restored state, a removal)."""
@@ -180,3 +182,29 @@ class DeferredStatistics:
             made = layer.a_statistic(zeros) if call.side == "a" else layer.g_statistic(zeros)
             counts = self._counts[key] = (made.rows, made.examples)
         return counts
+
+
+class _GStatisticOnBackward(torch.autograd.Function):
+    """The identity on a layer's output whose backward adds ``Σ dy dyᵀ`` into a buffer.
+
+    What a hook on the output would do, as a function TorchDynamo traces: a tensor hook whose
+    closure mutates a buffer fails to compile in TorchDynamo 2.11 once the buffer is used
+    twice in one graph (a layer called more than once per pass: "referenced nonexistent
+    value"). The output is returned detached, not as a view: a view made inside a custom
+    function may not be modified in place (an in-place ReLU after a convolution).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, output: Tensor, total: Tensor, calls: Tensor, layer: LayerCurvature
+    ) -> Tensor:
+        # On ctx, not saved for backward: the buffers change in place between the calls.
+        ctx.buffers = (total, calls, layer)
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        total, calls, layer = ctx.buffers
+        total.add_(layer.g_statistic(grad).total)
+        calls.add_(1)
+        return grad, None, None, None

@@ -71,13 +71,15 @@ class EmbeddingBlock(TransposedLinearBlock):
             )
         super().__init__(module)
         self.a_dim = DiagonalSide(module.num_embeddings)
+        # The plain int: TorchDynamo 2.11 cannot trace an int subclass (DiagonalSide) as a size.
+        self._vocabulary = int(module.num_embeddings)
 
     def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``c``, the diagonal of ``Σ a aᵀ``: how often each index occurs in ``x``."""
         tokens = x.reshape(-1)
         # Counted by index_add, not bincount: bincount sizes its output from the largest index,
         # which a GPU would have to read back.
-        counts = torch.zeros(self.a_dim, dtype=dtype, device=x.device)
+        counts = torch.zeros(self._vocabulary, dtype=dtype, device=x.device)
         counts.index_add_(0, tokens, torch.ones(tokens.numel(), dtype=dtype, device=x.device))
         examples = int(x.shape[0]) if x.dim() >= 1 else 1
         return FactorStatistic(counts, tokens.numel(), examples)
