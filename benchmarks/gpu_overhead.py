@@ -30,6 +30,7 @@ import datetime as dt
 import gc
 import importlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -382,10 +383,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, batch: int) -> None:
 
 
 def write_report(path: Path | None, report: dict[str, Any]) -> None:
-    """Write ``report`` as indented JSON to ``path`` (its folder made), if there is one."""
+    """Write ``report`` as indented JSON to ``path`` (its folder made), if there is one.
+
+    Through a temporary file renamed over ``path``: a run killed while writing (a device
+    box's time limit) leaves the previous report whole.
+    """
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(partial, path)
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -286,6 +286,23 @@ def test_pad_sharing_gradients_on_two_layers_at_p2_by_hand() -> None:
     assert "grad_comm/broadcast" not in account_strategy("pad", TINY, every_100)[0].comm
 
 
+def test_pads_trace_means_travel_in_their_own_dtype_whatever_the_transport() -> None:
+    """PAD with inverse_method="inverse": each factor is reduced to its owner, so the Tikhonov
+    shifts need the other owner's trace means, (L, 2) float32 values allreduced. With a
+    bfloat16 transport the factors travel in bfloat16 (half their float32 bytes), the trace
+    means in float32: 4 values x 4 bytes, as without it (the shift equals the one worker's)."""
+    plain = DryRunSettings(2, inverse_method="inverse", cost_model=COST)
+    low = dataclasses.replace(plain, comm_dtype=torch.bfloat16)
+    for settings in (plain, low):
+        for account in account_strategy("pad", TINY, settings, share="decompositions"):
+            assert account.comm["inverse_comm/allreduce"]["bytes"] == 2 * 2 * 4
+    (plain_reduce, low_reduce) = (
+        account_strategy("pad", TINY, s, share="decompositions")[0].comm["factor_comm/reduce"]
+        for s in (plain, low)
+    )
+    assert low_reduce["bytes"] * 2 == plain_reduce["bytes"]
+
+
 def test_resnet50_shapes() -> None:
     shapes = resnet50_layer_shapes()
     assert len(shapes) == 54 and shapes[0].name == "conv1" and shapes[-1].name == "fc"

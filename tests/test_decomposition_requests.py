@@ -9,12 +9,15 @@ alone, so only rank 0 knows whether it exists yet.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
+from dkfac.curvature import decomposition
 from dkfac.strategies.decomposition_requests import (
     batching_domain,
     decomposes_now,
@@ -68,49 +71,58 @@ def test_a_factor_whose_decomposition_depends_on_the_rank_is_decomposed_alone() 
     assert batching_domain(plan, plan.route((0, "g"))) == 0
 
 
-def batches_per_rank(missing: set[tuple[int, str]]) -> dict[int, dict[Any, list[Any]]]:
-    """Per rank, per (width, domain): the factors batched together and their dampings."""
+def batches_per_rank(
+    missing: set[tuple[int, str]], monkeypatch: pytest.MonkeyPatch
+) -> dict[int, dict[str, list[Any]]]:
+    """Per rank, what the decomposition step's grouping (``decompose_factors``' first
+    attempts, batching every width) hands to the batched solver ("batched": one list per
+    call) and to the one-at-a-time one ("alone"): ``(factor, damping)`` each."""
     plan = mixed_plan()
     shifts = torch.full((2, 2), 0.01)
-    result: dict[int, dict[Any, list[Any]]] = {}
+    calls: dict[str, list[Any]] = {}
+
+    def batched(requests: Any, method: str, dtype: torch.dtype) -> list[None]:
+        calls["batched"].append([(keys[id(r)], r.damping) for r in requests])
+        return [None] * len(requests)
+
+    def alone(request: Any, method: str, dtype: torch.dtype, **kwargs: Any) -> None:
+        calls["alone"].append((keys[id(request)], request.damping))
+
+    monkeypatch.setattr(decomposition, "_decompose_batch", batched)
+    monkeypatch.setattr(decomposition, "_try_decompose", alone)
+    result: dict[int, dict[str, list[Any]]] = {}
     for rank in range(2):
         layers = layers_for(rank, plan, missing)
         mine = [route for route in plan.factors if decomposes_now(plan, rank, layers, route)]
-        groups: dict[Any, list[Any]] = {}
-        for route in mine:
-            request = factor_request(plan, layers, route, shifts, damping=1e-3)
-            width = layers[route.layer].factor(route.side).shape[0]
-            groups.setdefault((width, request.domain), []).append((route.key, request.damping))
-        result[rank] = groups
+        requests = [factor_request(plan, layers, route, shifts, 1e-3) for route in mine]
+        keys = {id(request): route.key for request, route in zip(requests, mine, strict=True)}
+        calls = {"batched": [], "alone": []}
+        decomposition._first_attempts(requests, "inverse", torch.float32, sys.maxsize)
+        result[rank] = calls
     return result
 
 
-def test_every_workers_batches_are_the_same_on_every_worker_before_a_factor_exists() -> None:
+def test_every_workers_batches_are_the_same_on_every_worker_before_a_factor_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Layer 0's ``G`` does not exist yet (its backward has not run): rank 0, which keeps it,
     skips layer 0's ``A``; rank 1 cannot know and decomposes it. Before the domains depended
     on the plan, rank 1 batched it with layer 1's ``A`` and rank 0 did not: layer 1's ``A``
     then came out of two different batches, a round-off apart."""
-    batches = batches_per_rank(missing={(0, "g")})
-    shared = {
-        rank: {key: members for key, members in groups.items() if key[1] == EVERY_WORKER}
-        for rank, groups in batches.items()
-    }
-    assert (
-        shared[0]
-        == shared[1]
-        == {(5, EVERY_WORKER): [((1, "a"), 1e-3)], (3, EVERY_WORKER): [((1, "g"), 1e-3)]}
-    )
-    # Layer 0's A: skipped by rank 0, alone (with no float64 shift recomputation) on rank 1.
-    assert (5, ("alone", (0, "a"))) not in batches[0]
-    assert batches[1][(5, ("alone", (0, "a")))] == [((0, "a"), None)]
+    batches = batches_per_rank({(0, "g")}, monkeypatch)
+    every_worker = [[((1, "a"), 1e-3)], [((1, "g"), 1e-3)]]
+    assert batches[0]["batched"] == every_worker
+    # Layer 0's A: skipped by rank 0; alone on rank 1, with no float64 shift recomputation.
+    assert sorted(batches[1]["batched"]) == sorted([*every_worker, [((0, "a"), None)]])
+    assert batches[0]["alone"] == batches[1]["alone"] == []
 
 
-def test_with_every_factor_present_the_mixed_layer_still_decomposes_alone_everywhere() -> None:
-    batches = batches_per_rank(missing=set())
-    for rank in range(2):
-        assert batches[rank][(5, ("alone", (0, "a")))] == [((0, "a"), None)]
-        assert batches[rank][(5, EVERY_WORKER)] == [((1, "a"), 1e-3)]
-    # Rank 0 decomposes layer 0's G, which it keeps with the layer's A: the shift can be
+def test_with_every_factor_present_the_mixed_layer_still_decomposes_alone_everywhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batches = batches_per_rank(set(), monkeypatch)
+    every_worker = [[((0, "a"), None)], [((1, "a"), 1e-3)], [((1, "g"), 1e-3)]]
+    # Rank 0 also decomposes layer 0's G, which it keeps with the layer's A: the shift can be
     # recomputed in float64 there.
-    assert batches[0][(3, 0)] == [((0, "g"), 1e-3)]
-    assert (3, 0) not in batches[1]
+    assert sorted(batches[0]["batched"]) == sorted([*every_worker, [((0, "g"), 1e-3)]])
+    assert sorted(batches[1]["batched"]) == sorted(every_worker)

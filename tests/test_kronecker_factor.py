@@ -181,8 +181,8 @@ def test_a_cholesky_inverse_is_stored_row_major_and_exactly_symmetric(
     [
         (torch.float64, "cpu"),
         (torch.float32, "cpu"),
-        on_cuda(torch.float64, CUDA_TEST_DEVICE.type),
-        on_cuda(torch.float32, CUDA_TEST_DEVICE.type),
+        on_cuda(torch.float64, str(CUDA_TEST_DEVICE)),
+        on_cuda(torch.float32, str(CUDA_TEST_DEVICE)),
     ],
 )
 def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry(
@@ -191,16 +191,17 @@ def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry(
     # Oracle: π = sqrt(tr(A)/d_A ÷ tr(G)/d_G) (1 when either mean is not positive), shifts
     # √γ·π and √γ/π, in float64 Python arithmetic (torch divides a number by a tensor
     # through its reciprocal: an ulp apart, so to the dtype's round-off); each layer's own
-    # tikhonov_shift to the last bit, in float32 and on a GPU too (its kernels vectorise the
-    # table's operations, which must not change a bit).
-    means = torch.tensor(
-        [[2.5, 0.4], [1e-3, 7.0], [0.0, 3.0], [4.0, -1.0], [3.0, 3.0], [7e-5, 2e4]],
-        dtype=dtype,
-        device=device,
-    )
+    # tikhonov_shift to the last bit, in float32 and on a GPU too. 60 rows: the CPU's
+    # vectorised loops (16 float32 or 8 float64 values a step) and their scalar tails both run
+    # on the table, where each layer's own shift takes the scalar path.
+    special = [[2.5, 0.4], [1e-3, 7.0], [0.0, 3.0], [4.0, -1.0], [3.0, 3.0], [7e-5, 2e4]]
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.exp(8 * torch.rand(48, 2, generator=generator, dtype=torch.float64) - 4)
+    means = torch.cat([torch.tensor(special * 2, dtype=torch.float64), spread])
+    means = means.to(dtype=dtype, device=device)
     damping = 3e-3
     table = shift_table(means, damping)
-    assert table.shape == (6, 2) and table.dtype == dtype and table.device == means.device
+    assert table.shape == (60, 2) and table.dtype == dtype and table.device == means.device
     root = math.sqrt(damping)
     relative = {torch.float64: 1e-15, torch.float32: 1e-6}[dtype]
     for row, (mean_a, mean_g) in enumerate(means.tolist()):

@@ -266,6 +266,10 @@ def test_pad_sharing_gradients_gives_each_layer_one_owner_and_broadcasts_gradien
             "allreduced",
         ),
         (
+            lambda: Placement(2, "none", layer_owner_routes([(3, 4)], [EVERY_WORKER])),
+            "never exchanged",
+        ),
+        (
             lambda: Placement(
                 2,
                 "step",

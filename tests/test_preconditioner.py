@@ -1078,6 +1078,38 @@ def test_a_compiled_shared_layer_with_in_place_outputs_steps_as_eager_in_one_gra
     assert dynamo_trouble() == {}
 
 
+def test_a_compiled_layers_output_kept_by_a_users_hook_feeds_g_as_eager() -> None:
+    """A forward hook registered before the preconditioner keeps the first layer's output
+    for a penalty term: its gradient is part of that layer's ``G`` in eager mode (the tensor
+    hook sees every use of the output), and compiled too (dkfac's hook runs first, so the
+    user's hook keeps the tensor whose backward adds ``G``). Linear layers: bit for bit."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(eager)
+    kept: dict[str, list[torch.Tensor]] = {"compiled": [], "eager": []}
+    for net, key in ((model, "compiled"), (eager, "eager")):
+        net[1].register_forward_hook(
+            lambda module, inputs, output, key=key: kept[key].append(output)
+        )
+    compiled = aot_eager(model)
+    pres = [dkfac.KFACPreconditioner(net) for net in (compiled, eager)]
+    for step in range(3):
+        for net, key, pre in zip((compiled, eager), ("compiled", "eager"), pres, strict=True):
+            net.zero_grad()
+            x, y = batch(step, dtype=torch.float32)
+            loss = F.cross_entropy(net(x), y) + kept[key].pop().square().mean()
+            loss.backward()
+            pre.step()
+    assert dynamo_trouble() == {}
+    for mine, theirs in zip(pres[0].layers, pres[1].layers, strict=True):
+        for side in ("a", "g"):
+            assert torch.equal(mine.factor(side), theirs.factor(side)), (mine.name, side)
+    for mine, theirs in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_hooks_into_the_graph_and_steps_as_eager() -> None:
     """The default backend (Inductor: generated C++ on CPU, about 10 s to compile here)."""

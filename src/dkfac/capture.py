@@ -105,8 +105,13 @@ class StatisticsCapture:
             model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
         ]
+        # First among the module's forward hooks: while compiling, this hook replaces the
+        # output (DeferredStatistics.watch_g), and a user's hook keeping an output for a loss
+        # must keep the replacement, or its gradient would not reach G.
         self._handles += [
-            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
+            layer.block.module.register_forward_hook(
+                functools.partial(self._forward_hook, index), prepend=True
+            )
             for index, layer in enumerate(self._layers)
         ]
 

@@ -190,7 +190,10 @@ class _GStatisticOnBackward(torch.autograd.Function):
     What a hook on the output would do, as a function TorchDynamo traces: a tensor hook whose
     closure mutates a buffer fails to compile in TorchDynamo 2.11 once the buffer is used
     twice in one graph (a layer called more than once per pass: "referenced nonexistent
-    value"). The output is returned detached, not as a view: a view made inside a custom
+    value"). The forward hook returns its result in place of the layer's output, so only
+    gradients that flow through the result reach ``G``: the hook runs before the module's
+    other forward hooks (``prepend``). The result is ``output.detach()``: the same memory and
+    version counter, but not a view in autograd's sense, since a view made inside a custom
     function may not be modified in place (an in-place ReLU after a convolution).
     """
 

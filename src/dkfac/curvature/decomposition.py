@@ -50,12 +50,13 @@ def _host_values(values: Sequence[Tensor]) -> list[int]:
 class FactorRequest:
     """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift.
 
-    ``damping`` (``"inverse"`` only, when both factors of the layer are held here) lets a
-    float64 retry recompute the shift from float64 traces instead of reusing the one
-    computed in the failed dtype. ``domain``: which workers decompose this factor; batched
-    decompositions put a factor only with others of its domain, so every worker that
-    decomposes it batches it the same way (a batch's results depend on its other members
-    by round-off).
+    ``damping`` (``"inverse"`` only, when every worker that decomposes the factor holds both
+    factors of the layer) lets a float64 retry recompute the shift from float64 traces
+    instead of reusing the one computed in the failed dtype. ``domain``: what the factor may
+    be batched with (the strategy's choice: who decomposes it, or a key of its own, for a
+    factor whose companions could differ between workers); batched decompositions put a
+    factor only with others of its domain, so every worker that decomposes it batches it
+    the same way (a batch's results depend on its other members by round-off).
     """
 
     layer: LayerCurvature

@@ -64,8 +64,10 @@ def batching_domain(plan: Placement, route: FactorRoute) -> Hashable:
 
     A batch's results depend on its members by round-off, so a factor every worker
     decomposes may only be batched with companions that are the same on every worker. They
-    are when every worker keeps the layer's other factor (:func:`decomposes_now` then decides
-    alike everywhere); otherwise a worker keeping it could leave out a factor that the others
+    are when every worker keeps the layer's other factor: factors every worker decomposes are
+    exchanged (:class:`~dkfac.strategies.plan.Placement` refuses them unexchanged), so each
+    exists on all workers or on none, and :func:`decomposes_now` decides alike everywhere.
+    Otherwise a worker keeping the other factor could leave out a factor that the others
     decompose, and such a factor is decomposed alone. A factor one rank decomposes is
     batched with that rank's own (its results are sent from there).
     """

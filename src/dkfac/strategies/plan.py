@@ -141,6 +141,12 @@ class Placement:
             deciders = self.deciders(route)
             if not all(self.holds_factor(route, rank) for rank in deciders):
                 raise ValueError(f"factor {route.key} is decomposed where it is not kept")
+            if self.exchange == "none" and self.world_size > 1 and len(deciders) > 1:
+                # Each worker would decompose its own statistics' factor: replicas that
+                # differ, and batches of them too (decomposition_requests.batching_domain).
+                raise ValueError(
+                    f"factor {route.key} is decomposed by every worker but never exchanged"
+                )
         for share in self.decompositions:
             if not share.units or share.source not in share.group:
                 raise ValueError(

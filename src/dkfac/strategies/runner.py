@@ -279,9 +279,13 @@ class PlacementRunner:
         return method == "inverse" and self.placement.exchanges_traces()
 
     def share_traces(self, means: Tensor) -> None:
-        """Allreduce the ``(L, 2)`` trace means (each value from one rank, zeros elsewhere)."""
+        """Allreduce the ``(L, 2)`` trace means (each value from one rank, zeros elsewhere).
+
+        In their own dtype whatever ``comm_dtype`` says: ``L × 2`` values, and the shifts are
+        then the single worker's to the bit.
+        """
         with self.recorder.phase("inverse_comm"):
-            self._comm().allreduce([means], phase="inverse_comm").wait()
+            self._comm().allreduce([means], phase="inverse_comm", exact=True).wait()
 
     def _my_shares(self) -> list[DecompositionShare]:
         return [share for share in self.placement.decompositions if self.rank in share.group]
