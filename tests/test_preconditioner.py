@@ -17,6 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import dkfac
+from dkfac import deferred_statistics
 from dkfac.curvature.inverse import EigenInverse
 from dynamo_trouble import dynamo_trouble
 from host_reads import HostReadSpy
@@ -1011,18 +1012,20 @@ def compiled_and_eager_steps(
     """``steps`` K-FAC steps of a compiled model and of its eager copy, side by side.
 
     Returns the two preconditioners (compiled first), the compiled model's parameters' module
-    and the eager model. Each step runs ``accumulation_steps`` micro-batches. ``build``: a
-    float64 convolutional model other than :func:`small_model` (``conv`` must be True).
+    and the eager model. Each step runs ``accumulation_steps`` micro-batches. ``build``: the
+    model, instead of :func:`small_model` (``conv``) or three Linear layers; in float64 with
+    ``conv`` (compared to round-off), float32 otherwise (bit for bit).
     """
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     dtype = torch.float64 if conv else torch.float32
-    eager = (
-        (build() if build is not None else small_model()).to(dtype)
-        if conv
-        else nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
-    )
+    if build is not None:
+        eager = build().to(dtype)
+    elif conv:
+        eager = small_model(dtype)
+    else:
+        eager = nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
     model = copy.deepcopy(eager)
     compiled = compile_model(model)
     options = {"factor_dtype": dtype, "inv_dtype": dtype, **options}
@@ -1070,7 +1073,22 @@ def test_a_compiled_model_has_eager_names_and_steps_as_eager_in_one_graph(conv: 
     pres[1].load_state_dict(pres[0].state_dict())  # interchangeable with the eager model's
 
 
-def test_a_compiled_shared_layer_with_in_place_outputs_steps_as_eager_in_one_graph() -> None:
+# The two ways compiled hooks watch an output's gradient, each tested on any torch: a hook
+# on it (torch >= 2.13) and an identity function put in its place (before 2.13, where
+# TorchDynamo fails on the hook of a layer called twice per pass).
+@pytest.fixture
+def output_function(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    chosen: bool = request.param
+    if not chosen and not deferred_statistics.TENSOR_HOOKS_SHARE_BUFFERS:
+        pytest.skip(f"torch {torch.__version__} < 2.13 compiles output hooks badly; unused there")
+    monkeypatch.setattr(deferred_statistics, "TENSOR_HOOKS_SHARE_BUFFERS", not chosen)
+    return chosen
+
+
+@pytest.mark.parametrize("output_function", [False, True], indirect=True)
+def test_a_compiled_shared_layer_with_in_place_outputs_steps_as_eager_in_one_graph(
+    output_function: bool,
+) -> None:
     """The compiled hooks of a layer called twice per pass, its outputs modified in place:
     the same parameters as the eager model (float64, to round-off as for any convolution),
     no graph break, no frame run eagerly."""
@@ -1078,23 +1096,34 @@ def test_a_compiled_shared_layer_with_in_place_outputs_steps_as_eager_in_one_gra
     assert dynamo_trouble() == {}
 
 
-def test_a_compiled_layers_output_kept_by_a_users_hook_feeds_g_as_eager() -> None:
-    """A forward hook registered before the preconditioner keeps the first layer's output
-    for a penalty term: its gradient is part of that layer's ``G`` in eager mode (the tensor
-    hook sees every use of the output), and compiled too (dkfac's hook runs first, so the
-    user's hook keeps the tensor whose backward adds ``G``). Linear layers: bit for bit."""
+@pytest.mark.parametrize("output_function", [False, True], indirect=True)
+def test_a_compiled_layers_output_kept_by_a_users_hook_feeds_g_as_eager(
+    output_function: bool,
+) -> None:
+    """A forward hook keeps the first layer's output for a penalty term: its gradient is part
+    of that layer's ``G`` in eager mode (the output's hook sees every use), and compiled too:
+    with a hook on the output (registered before the preconditioner here), or with the
+    identity function in the output's place if the user's hook is registered after dkfac's
+    (it then keeps the replacement). Linear layers: bit for bit."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
     model = copy.deepcopy(eager)
     kept: dict[str, list[torch.Tensor]] = {"compiled": [], "eager": []}
-    for net, key in ((model, "compiled"), (eager, "eager")):
-        net[1].register_forward_hook(
-            lambda module, inputs, output, key=key: kept[key].append(output)
-        )
+
+    def keep_outputs() -> None:
+        for net, key in ((model, "compiled"), (eager, "eager")):
+            net[1].register_forward_hook(
+                lambda module, inputs, output, key=key: kept[key].append(output)
+            )
+
+    if not output_function:
+        keep_outputs()
     compiled = aot_eager(model)
     pres = [dkfac.KFACPreconditioner(net) for net in (compiled, eager)]
+    if output_function:
+        keep_outputs()
     for step in range(3):
         for net, key, pre in zip((compiled, eager), ("compiled", "eager"), pres, strict=True):
             net.zero_grad()
@@ -1108,6 +1137,47 @@ def test_a_compiled_layers_output_kept_by_a_users_hook_feeds_g_as_eager() -> Non
             assert torch.equal(mine.factor(side), theirs.factor(side)), (mine.name, side)
     for mine, theirs in zip(model.parameters(), eager.parameters(), strict=True):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("output_function", [True], indirect=True)
+def test_forward_hooks_before_a_compiled_preconditioner_are_named_where_they_miss_g(
+    output_function: bool,
+) -> None:
+    """Before torch 2.13 an output's hook kept by a forward hook registered before dkfac's
+    is not the tensor whose gradient feeds ``G``: the preconditioner names those layers."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model[2].register_forward_hook(lambda module, inputs, output: None)
+    with pytest.warns(RuntimeWarning, match=r"layers \['2'\] have forward hooks registered"):
+        dkfac.KFACPreconditioner(aot_eager(model))
+
+
+class CheckpointedMiddle(nn.Module):
+    """Three Linear layers, the middle one under non-reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(2 * 5 * 5, 8)
+        self.middle = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def segment(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.middle(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x.flatten(1)))
+        h = torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=False)
+        return self.head(h)  # type: ignore[arg-type]
+
+
+def test_a_compiled_model_with_a_checkpointed_segment_steps_as_eager() -> None:
+    """Activation checkpointing inside a compiled model: TorchDynamo does not put the hooks'
+    side effects inside its checkpoint operator and breaks the graph there (the segment's
+    hooks then run eagerly); the factors and parameters are the eager model's, bit for bit."""
+    pres, _, _ = compiled_and_eager_steps(False, aot_eager, build=CheckpointedMiddle)
+    for mine, theirs in zip(pres[0].layers, pres[1].layers, strict=True):
+        for side in ("a", "g"):
+            assert torch.equal(mine.factor(side), theirs.factor(side)), (mine.name, side)
 
 
 @pytest.mark.slow

@@ -105,13 +105,8 @@ class StatisticsCapture:
             model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
         ]
-        # First among the module's forward hooks: while compiling, this hook replaces the
-        # output (DeferredStatistics.watch_g), and a user's hook keeping an output for a loss
-        # must keep the replacement, or its gradient would not reach G.
         self._handles += [
-            layer.block.module.register_forward_hook(
-                functools.partial(self._forward_hook, index), prepend=True
-            )
+            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
             for index, layer in enumerate(self._layers)
         ]
 
@@ -202,7 +197,7 @@ class StatisticsCapture:
     def _forward_hook(
         self, index: int, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> Tensor | None:
-        # Returns the output to use instead (compiled: DeferredStatistics.watch_g) or None.
+        # Returns the output to use instead (DeferredStatistics.watch_g, torch < 2.13) or None.
         # The hook holds the layer's index, not the layer: a deep copy of the model then
         # copies no K-FAC state, and its hooks (module is the copy) do nothing.
         layer = self._layers[index]

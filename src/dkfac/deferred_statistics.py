@@ -5,8 +5,8 @@ changes Python state in the backward pass cannot be traced (the output-gradient 
 eager path adds to a layer's :class:`~dkfac.curvature.statistics.FactorStatistics` and tells
 the strategy), and state the forward hook reads that grows from step to step (a pass counter,
 a running sum) makes TorchDynamo recompile. So, while compiling, the hooks only do tensor
-work: each call's ``Σ a aᵀ`` and (from the backward of an identity function the forward hook
-puts on the output, :class:`_GStatisticOnBackward`) ``Σ dy dyᵀ`` are added into
+work: each call's ``Σ a aᵀ`` and (from its output's gradient hook; before torch 2.13 from
+an identity function the forward hook puts in place of the output) ``Σ dy dyᵀ`` are added into
 one buffer per layer and factor, made before the window on the eager side, and the forward
 hook records the call (layer, pass, the input's and output's shapes). At the window's
 ``step()``, :meth:`DeferredStatistics.fold` adds each buffer to its layer as the eager hooks
@@ -25,6 +25,7 @@ the same factors, without the overlap.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from dkfac.curvature.blocks import FactorStatistic
 from dkfac.curvature.layer import LayerCurvature
@@ -42,6 +44,11 @@ StatisticListener = Callable[[LayerCurvature, str], None]
 MAX_COUNTED_SHAPES = 1024
 #: The ``GradScaler``'s loss scale of the window (read only when there is something to fold).
 LossScale = Callable[[], float | None]
+#: Whether TorchDynamo compiles tensor hooks that mutate one buffer more than once per graph
+#: (a layer called more than once per pass). Before 2.13 (2.11 and 2.12 checked) it fails
+#: ("referenced nonexistent value"); there the output gradient's statistic comes from an
+#: identity function put in place of the layer's output (:class:`_GStatisticOnBackward`).
+TENSOR_HOOKS_SHARE_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class DeferredStatistics:
         # (layer, side, shape, dtype) -> (rows, examples) of one call, as its block counts them.
         self._counts: dict[tuple[int, str, torch.Size, torch.dtype], tuple[int, int]] = {}
         self.prepared = False
+        self._output_function = not TENSOR_HOOKS_SHARE_BUFFERS
 
     def prepare(self, captured: Collection[int]) -> None:
         """Make the zeroed buffers of the layers this worker captures (by index), eagerly.
@@ -79,6 +87,8 @@ class DeferredStatistics:
         needs a new preconditioner.
         """
         self.prepared = True
+        if self._output_function:
+            self._warn_about_earlier_hooks(captured)
         for index, layer in enumerate(self._layers):
             if index not in captured:
                 continue
@@ -92,19 +102,51 @@ class DeferredStatistics:
         self._sums[index, "a"].add_(self._layers[index].a_statistic(x).total)
         self._calls.append(_Call(index, "a", pass_id, x.shape, x.dtype))
 
-    def watch_g(self, index: int, pass_id: int, output: Tensor) -> Tensor:
-        """While compiling: ``output`` to use instead, which adds ``Σ dy dyᵀ`` of its gradient.
+    def watch_g(self, index: int, pass_id: int, output: Tensor) -> Tensor | None:
+        """While compiling: add ``Σ dy dyᵀ`` of ``output``'s gradient when it comes.
 
         Tensor work on buffers made outside the graph only: TorchDynamo traces it into the
-        backward graph.
+        backward graph. Returns the tensor to use in place of ``output`` (torch < 2.13:
+        :class:`_GStatisticOnBackward`), or None (a hook on ``output`` sees every use of it).
         """
         layer, total = self._layers[index], self._sums[index, "g"]
         calls = self._backward_calls[index]
         self._calls.append(_Call(index, "g", pass_id, output.shape, output.dtype))
-        result: Tensor = _GStatisticOnBackward.apply(  # type: ignore[no-untyped-call]
-            output, total, calls, layer
-        )
-        return result
+        if self._output_function:
+            result: Tensor = _GStatisticOnBackward.apply(  # type: ignore[no-untyped-call]
+                output, total, calls, layer
+            )
+            return result
+
+        def add_g(grad: Tensor) -> None:
+            total.add_(layer.g_statistic(grad).total)
+            calls.add_(1)
+
+        output.register_hook(add_g)  # type: ignore[no-untyped-call]
+        return None
+
+    def _warn_about_earlier_hooks(self, captured: Collection[int]) -> None:
+        """Name the layers whose forward hooks, registered before dkfac's, see the raw output.
+
+        With the identity function in place of a layer's output, a gradient that reaches the
+        layer only through a tensor such a hook keeps (an auxiliary loss on a feature) is
+        missing from ``G`` while compiling. Hooks registered later see the replacement.
+        """
+        hooked = [
+            self._layers[index].name
+            for index in captured
+            if self._layers[index].block.module._forward_hooks
+        ]
+        if hooked:
+            warnings.warn(
+                f"torch {torch.__version__} < 2.13 under torch.compile: layers {hooked} have "
+                "forward hooks registered before the preconditioner; an output such a hook "
+                "keeps is not the one K-FAC's G statistic watches, so a gradient through it "
+                "alone is left out of G. Register those hooks after building the "
+                "preconditioner, or use torch >= 2.13.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def discard(self) -> None:
         """Forget the window's calls and zero the buffers (a restored state, a removal)."""
@@ -187,14 +229,13 @@ class DeferredStatistics:
 class _GStatisticOnBackward(torch.autograd.Function):
     """The identity on a layer's output whose backward adds ``Σ dy dyᵀ`` into a buffer.
 
-    What a hook on the output would do, as a function TorchDynamo traces: a tensor hook whose
-    closure mutates a buffer fails to compile in TorchDynamo 2.11 once the buffer is used
-    twice in one graph (a layer called more than once per pass: "referenced nonexistent
-    value"). The forward hook returns its result in place of the layer's output, so only
-    gradients that flow through the result reach ``G``: the hook runs before the module's
-    other forward hooks (``prepend``). The result is ``output.detach()``: the same memory and
-    version counter, but not a view in autograd's sense, since a view made inside a custom
-    function may not be modified in place (an in-place ReLU after a convolution).
+    What a hook on the output does, as a function TorchDynamo before 2.13 can trace (see
+    :data:`TENSOR_HOOKS_SHARE_BUFFERS`). The forward hook returns its result in place of the
+    layer's output, so only gradients that flow through the result reach ``G``: forward hooks
+    registered after dkfac's see it, those registered before see the raw output (a warning
+    names their layers). The result is ``output.detach()``: the same memory and version
+    counter, but not a view in autograd's sense, since a view made inside a custom function
+    may not be modified in place (an in-place ReLU after a convolution).
     """
 
     @staticmethod
