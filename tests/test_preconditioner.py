@@ -1139,16 +1139,33 @@ def test_a_compiled_layers_output_kept_by_a_users_hook_feeds_g_as_eager(
         assert torch.equal(mine.grad, theirs.grad)
 
 
-@pytest.mark.parametrize("output_function", [True], indirect=True)
+@pytest.mark.parametrize("output_function", [False, True], indirect=True)
 def test_forward_hooks_before_a_compiled_preconditioner_are_named_where_they_miss_g(
     output_function: bool,
 ) -> None:
-    """Before torch 2.13 an output's hook kept by a forward hook registered before dkfac's
-    is not the tensor whose gradient feeds ``G``: the preconditioner names those layers."""
+    """Before torch 2.13 an output kept by a forward hook registered before dkfac's is not
+    the tensor whose gradient feeds ``G``: the preconditioner names those layers, pointing
+    at the caller. Nothing is said with a hook on the output (torch >= 2.13: dkfac's hook
+    runs first), nor for hooks registered afterwards or another preconditioner's."""
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     model[2].register_forward_hook(lambda module, inputs, output: None)
-    with pytest.warns(RuntimeWarning, match=r"layers \['2'\] have forward hooks registered"):
-        dkfac.KFACPreconditioner(aot_eager(model))
+    compiled = aot_eager(model)
+    if output_function:
+        with pytest.warns(RuntimeWarning, match=r"layers \['2'\] have forward hooks") as caught:
+            first = dkfac.KFACPreconditioner(compiled)
+        assert [w.filename for w in caught] == [__file__]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            first = dkfac.KFACPreconditioner(compiled)
+    first.remove()
+    quiet = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre = dkfac.KFACPreconditioner(aot_eager(quiet))
+        quiet[0].register_forward_hook(lambda module, inputs, output: None)
+        dkfac.KFACPreconditioner(aot_eager(quiet), skip_layers=("0",))  # only '2': dkfac's
+    pre.remove()
 
 
 class CheckpointedMiddle(nn.Module):

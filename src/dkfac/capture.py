@@ -97,18 +97,54 @@ class StatisticsCapture:
         self._recomputing: tuple[int, int] | None = None
         # Statistics of compiled forward passes, added to the layers at the window's step().
         self._deferred = DeferredStatistics(self._layers)
+        captured = [index for index, layer in enumerate(self._layers) if strategy.captures(layer)]
         if compiled:
-            self._deferred.prepare(
-                [index for index, layer in enumerate(self._layers) if strategy.captures(layer)]
-            )
+            self._deferred.prepare(captured)
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._pass_starts, with_kwargs=True),
             model.register_forward_hook(self._pass_ends, always_call=True),
         ]
+        # First among a layer's forward hooks, so G is the gradient of the layer's own output
+        # whatever later hooks make of it, and, compiling with the identity function in its
+        # place (torch < 2.13), later hooks keep the replacement. Except there: TorchDynamo
+        # 2.11 then fails on its own guards for the hooks ("'function' object has no
+        # attribute 'args'"), so dkfac's hook goes last and earlier hooks are named instead.
+        first = not (compiled and self._deferred.output_function)
+        if not first:
+            self._warn_about_earlier_hooks(captured)
         self._handles += [
-            layer.block.module.register_forward_hook(functools.partial(self._forward_hook, index))
+            layer.block.module.register_forward_hook(
+                functools.partial(self._forward_hook, index), prepend=first
+            )
             for index, layer in enumerate(self._layers)
         ]
+
+    def _warn_about_earlier_hooks(self, captured: Sequence[int]) -> None:
+        """Name the layers whose forward hooks run before dkfac's on the identity-function path.
+
+        Such a hook sees the layer's raw output, not the tensor whose gradient feeds ``G``
+        while compiling: a gradient that reaches the layer only through an output it keeps (an
+        auxiliary loss on a feature) is left out of ``G``. Hooks of another preconditioner's
+        capture are not counted (theirs chain correctly).
+        """
+        hooked = [
+            self._layers[index].name
+            for index in captured
+            if any(
+                not isinstance(getattr(getattr(hook, "func", None), "__self__", None), type(self))
+                for hook in self._layers[index].block.module._forward_hooks.values()
+            )
+        ]
+        if hooked:
+            warnings.warn(
+                f"torch {torch.__version__} < 2.13 under torch.compile: layers {hooked} have "
+                "forward hooks registered before the preconditioner; an output such a hook "
+                "keeps is not the one K-FAC's G statistic watches, so a gradient through it "
+                "alone is left out of G. Register those hooks after building the "
+                "preconditioner, or use torch >= 2.13.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     @contextmanager
     def resumed_after(self) -> Iterator[None]:

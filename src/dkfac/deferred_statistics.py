@@ -25,7 +25,6 @@ the same factors, without the overlap.
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -45,9 +44,10 @@ MAX_COUNTED_SHAPES = 1024
 #: The ``GradScaler``'s loss scale of the window (read only when there is something to fold).
 LossScale = Callable[[], float | None]
 #: Whether TorchDynamo compiles tensor hooks that mutate one buffer more than once per graph
-#: (a layer called more than once per pass). Before 2.13 (2.11 and 2.12 checked) it fails
-#: ("referenced nonexistent value"); there the output gradient's statistic comes from an
+#: (a layer called more than once per pass). Before 2.13 it fails ("referenced nonexistent
+#: value": 2.11.0 and 2.12.1 checked); there the output gradient's statistic comes from an
 #: identity function put in place of the layer's output (:class:`_GStatisticOnBackward`).
+#: 2.13 pre-releases and source builds (``2.13.0a0``) count as before 2.13: the safe side.
 TENSOR_HOOKS_SHARE_BUFFERS = TorchVersion(torch.__version__) >= "2.13"
 
 
@@ -78,7 +78,8 @@ class DeferredStatistics:
         # (layer, side, shape, dtype) -> (rows, examples) of one call, as its block counts them.
         self._counts: dict[tuple[int, str, torch.Size, torch.dtype], tuple[int, int]] = {}
         self.prepared = False
-        self._output_function = not TENSOR_HOOKS_SHARE_BUFFERS
+        #: Whether compiled hooks watch ``G`` through :class:`_GStatisticOnBackward`.
+        self.output_function = not TENSOR_HOOKS_SHARE_BUFFERS
 
     def prepare(self, captured: Collection[int]) -> None:
         """Make the zeroed buffers of the layers this worker captures (by index), eagerly.
@@ -87,8 +88,6 @@ class DeferredStatistics:
         needs a new preconditioner.
         """
         self.prepared = True
-        if self._output_function:
-            self._warn_about_earlier_hooks(captured)
         for index, layer in enumerate(self._layers):
             if index not in captured:
                 continue
@@ -112,7 +111,7 @@ class DeferredStatistics:
         layer, total = self._layers[index], self._sums[index, "g"]
         calls = self._backward_calls[index]
         self._calls.append(_Call(index, "g", pass_id, output.shape, output.dtype))
-        if self._output_function:
+        if self.output_function:
             result: Tensor = _GStatisticOnBackward.apply(  # type: ignore[no-untyped-call]
                 output, total, calls, layer
             )
@@ -124,29 +123,6 @@ class DeferredStatistics:
 
         output.register_hook(add_g)  # type: ignore[no-untyped-call]
         return None
-
-    def _warn_about_earlier_hooks(self, captured: Collection[int]) -> None:
-        """Name the layers whose forward hooks, registered before dkfac's, see the raw output.
-
-        With the identity function in place of a layer's output, a gradient that reaches the
-        layer only through a tensor such a hook keeps (an auxiliary loss on a feature) is
-        missing from ``G`` while compiling. Hooks registered later see the replacement.
-        """
-        hooked = [
-            self._layers[index].name
-            for index in captured
-            if self._layers[index].block.module._forward_hooks
-        ]
-        if hooked:
-            warnings.warn(
-                f"torch {torch.__version__} < 2.13 under torch.compile: layers {hooked} have "
-                "forward hooks registered before the preconditioner; an output such a hook "
-                "keeps is not the one K-FAC's G statistic watches, so a gradient through it "
-                "alone is left out of G. Register those hooks after building the "
-                "preconditioner, or use torch >= 2.13.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     def discard(self) -> None:
         """Forget the window's calls and zero the buffers (a restored state, a removal)."""
@@ -232,10 +208,12 @@ class _GStatisticOnBackward(torch.autograd.Function):
     What a hook on the output does, as a function TorchDynamo before 2.13 can trace (see
     :data:`TENSOR_HOOKS_SHARE_BUFFERS`). The forward hook returns its result in place of the
     layer's output, so only gradients that flow through the result reach ``G``: forward hooks
-    registered after dkfac's see it, those registered before see the raw output (a warning
-    names their layers). The result is ``output.detach()``: the same memory and version
-    counter, but not a view in autograd's sense, since a view made inside a custom function
-    may not be modified in place (an in-place ReLU after a convolution).
+    that run after dkfac's see it; those that run before (registered before the
+    preconditioner, with ``prepend``, or for every module) see the raw output (the
+    preconditioner names the layers with earlier hooks of their own). The result is
+    ``output.detach()``: the same memory and version counter, but not a view in autograd's
+    sense, since a view made inside a custom function may not be modified in place (an
+    in-place ReLU after a convolution).
     """
 
     @staticmethod
