@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (one layer at a time instead of equal shapes batched; bf16 statistics; bf16
+#      (one layer at a time instead of equal shapes batched; factors folded one at a time
+#      instead of stacked by shape; bf16 statistics; bf16
 #      statistics and preconditioning with statistics from half, and from an eighth, of the
 #      batch: dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
@@ -28,13 +29,13 @@
 set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
-TF32_S=${TF32_S:-150}
+TF32_S=${TF32_S:-165}
 DEFAULT_S=${DEFAULT_S:-80}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-75}
 LAUNCHES_S=${LAUNCHES_S:-30}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-SUITE_S=${SUITE_S:-185}
+SUITE_S=${SUITE_S:-170}
 SUITE_ARGS=${SUITE_ARGS:--m "not slow" tests}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
@@ -52,8 +53,9 @@ fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
 half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
 eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
 alone='{"batched_preconditioning": false}'
+unstacked='{"batched_factor_updates": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
-  --variant "dkfac-alone=$alone" --variant 'dkfac-bdec={"batched_decompositions": true}'
+  --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant 'dkfac-bdec={"batched_decompositions": true}'
   --variant 'dkfac-bdec576={"batched_decompositions": 576}')
 bench() {  # seconds, name, then gpu_overhead.py's arguments
   local seconds=$1 name=$2
@@ -66,7 +68,7 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments
   grep -A30 "^resnet50" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-unstacked_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
   --configs dkfac_inverse_1_1,dkfac-alone_inverse_1_1,dkfac-bdec_inverse_1_1,dkfac-bdec576_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 if [ "$CHANNELS_LAST_S" -gt 0 ]; then
@@ -80,7 +82,7 @@ timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resne
 echo "exit $?"; tail -3 "$OUT/breakdown.log" | cut -c1-600
 echo "== operators per kind of step: ResNet-50, batch 128, inverse"
 timeout -s INT "$LAUNCHES_S" python3 benchmarks/step_launches.py --model resnet50 --batch 128 \
-  --variant "batched={}" --variant "alone=$alone" --out "$OUT/step_launches.json" \
+  --variant "batched={}" --variant "alone=$alone" --variant "unstacked=$unstacked" --out "$OUT/step_launches.json" \
   > "$OUT/step_launches.log" 2>&1
 echo "exit $?"; tail -12 "$OUT/step_launches.log"
 echo "== pixel Grams two ways: ResNet-50, batch 128"

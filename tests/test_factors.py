@@ -18,7 +18,7 @@ from dkfac.curvature.blocks import Conv2dBlock
 from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
-from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 from dkfac.curvature.running_average import running_average, running_averages
 
 
@@ -379,6 +379,96 @@ def test_many_factors_fold_together_exactly_as_one_at_a_time(
             assert torch.isnan(new).all()
 
 
+def _stacking_case(
+    dtype: torch.dtype, device: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Averages, sums and counts of 11 factors of 3 shapes (a diagonal one too), in mixed
+    order, with every case of the rule inside the stacks: a NaN or Inf sum, an average with
+    no estimate, both bad, and factors with no statistics (count 0)."""
+    torch.manual_seed(0)
+    shapes = [(5, 5), (3, 3), (5, 5), (7,), (5, 5), (3, 3), (5, 5), (7,), (3, 3), (5, 5), (3, 3)]
+    runnings = [torch.randn(s, dtype=torch.float64).to(device, dtype) for s in shapes]
+    totals = [(torch.randn(s, dtype=torch.float64) * 40).to(device, dtype) for s in shapes]
+    totals[2][1, 3] = float("nan")
+    totals[5][0, 0] = float("-inf")
+    totals[7][6] = float("inf")
+    runnings[4].fill_(float("nan"))
+    runnings[8].fill_(float("nan"))
+    totals[8][2, 1] = float("nan")
+    counts = torch.tensor([3, 8, 5, 2, 1, 0, 6, 4, 9, 0, 70000], dtype=torch.float64)
+    return runnings, totals, counts.to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
+    dtype: torch.dtype, device: str
+) -> None:
+    # Stacking changes which operation computes an entry, never its arithmetic: stacks of
+    # whole groups, stacks split in chunks (100 bytes: at most 2 of the 5x5 float32 factors)
+    # and one factor at a time must agree bit for bit; each with the one-factor formula
+    # (running_average of total / count, divided in float32 at least), and that with the
+    # float64 oracle 0.9·running + 0.1·total/count where all is finite.
+    runnings, totals, counts = _stacking_case(dtype, device)
+    present = counts > 0
+    results = {}
+    for stack_bytes in (0, 100, 1 << 20):
+        results[stack_bytes] = running_averages(
+            runnings, totals, 0.9, present, counts.clamp_min(1.0), stack_bytes
+        )
+    flags = [True, True, False, True, True, False, True, False, False, True, True]
+    for folded, batch_ok in results.values():
+        assert batch_ok.tolist() == flags
+        for new, other in zip(folded, results[0][0], strict=True):
+            torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
+    wide = torch.promote_types(dtype, torch.float32)
+    for index, new in enumerate(results[1 << 20][0]):
+        old, total, count = runnings[index], totals[index], float(counts[index])
+        if count == 0:
+            assert torch.equal(new, old)  # no statistics: kept
+            continue
+        batch = (total.to(wide) / count).to(dtype)
+        torch.testing.assert_close(
+            new, running_average(old, batch, 0.9), rtol=0, atol=0, equal_nan=True
+        )
+        if index in (0, 1, 3, 6, 10):
+            expected = 0.9 * old.double() + 0.1 * total.double() / count
+            tolerance = {torch.float64: 1e-14, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+            torch.testing.assert_close(new.double(), expected, rtol=tolerance, atol=tolerance)
+        elif index in (2, 7):
+            assert torch.equal(new, old)  # non-finite batch dropped
+        elif index == 4:
+            assert torch.equal(new, batch)  # no estimate yet: the batch
+        else:
+            assert torch.isnan(new).all()  # both bad: still no estimate
+
+
+def test_a_second_stacked_fold_takes_the_averages_stack_without_copying_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # After a stacked fold each average is a row of one stack; folding the same factors
+    # again stacks only the sums. Oracle for the values: the same two folds one at a time.
+    runnings, totals, counts = _stacking_case(torch.float32, "cpu")
+    present, divisors = counts > 0, counts.clamp_min(1.0)
+    first, _ = running_averages(runnings, totals, 0.9, present, divisors, 1 << 20)
+    stacked: list[torch.Tensor] = []
+    original = torch.stack
+
+    def spy(tensors: list[torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+        stacked.extend(tensors)
+        return original(tensors, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "stack", spy)
+    second, _ = running_averages(first, totals, 0.9, present, divisors, 1 << 20)
+    monkeypatch.undo()
+    assert not any(any(t is average for t in stacked) for average in first)
+    assert any(any(t is total for t in stacked) for total in totals)  # the sums were stacked
+    alone, _ = running_averages(runnings, totals, 0.9, present, divisors, 0)
+    alone, _ = running_averages(alone, totals, 0.9, present, divisors, 0)
+    for new, other in zip(second, alone, strict=True):
+        torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("batch_dtype", [torch.float64, torch.bfloat16])
 def test_a_batch_of_another_dtype_folds_promoted_as_before(batch_dtype: torch.dtype) -> None:
     # A running factor loaded with another factor_dtype meets batches of the layer's dtype:
@@ -388,7 +478,7 @@ def test_a_batch_of_another_dtype_folds_promoted_as_before(batch_dtype: torch.dt
     factors = [KroneckerFactor("a", 4, batch_dtype), KroneckerFactor("a", 4, batch_dtype)]
     factors[0].running = running.clone()
     factors[1].running = running.clone()
-    fold_batches(factors, [batch, batch.clone()], 0.9)
+    fold_sums(factors, [batch, batch.clone()], torch.ones(2, dtype=torch.float64), 0.9)
     wide = torch.promote_types(torch.float32, batch_dtype)
     expected = 0.9 * running.double() + 0.1 * batch.double()
     for factor in factors:
@@ -396,7 +486,8 @@ def test_a_batch_of_another_dtype_folds_promoted_as_before(batch_dtype: torch.dt
         torch.testing.assert_close(factor.value().double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_fold_batches_counts_dropped_batches_like_fold() -> None:
+@pytest.mark.parametrize("stack_bytes", [0, 1 << 20])
+def test_fold_sums_counts_dropped_batches_like_fold(stack_bytes: int) -> None:
     def factors() -> list[KroneckerFactor]:
         made = [KroneckerFactor("a", 3, torch.float32) for _ in range(3)]
         for factor in made:
@@ -405,8 +496,9 @@ def test_fold_batches_counts_dropped_batches_like_fold() -> None:
 
     batches = [torch.ones(3, 3), torch.full((3, 3), float("nan")), torch.zeros(3, 3)]
     together, alone = factors(), factors()
-    fold_batches(together, batches, 0.5)
-    fold_batches(together, batches, 0.5)
+    ones = torch.ones(3, dtype=torch.float64)
+    fold_sums(together, batches, ones, 0.5, stack_bytes=stack_bytes)
+    fold_sums(together, batches, ones, 0.5, stack_bytes=stack_bytes)
     for factor, batch in zip(alone, batches, strict=True):
         factor.fold(batch, 0.5)
         factor.fold(batch, 0.5)

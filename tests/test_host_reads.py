@@ -17,13 +17,13 @@ from torch import nn
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_summed
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 from host_reads import HostReadSpy
 
 STRATEGIES = ("dkfac", "kaisa", "spd", "pad", "dp")
 
 
-def test_fold_summed_is_fold_where_counted_and_keeps_the_average_where_not() -> None:
+def test_fold_sums_is_fold_where_counted_and_keeps_the_average_where_not() -> None:
     torch.manual_seed(0)
     decay = 0.9
     running = torch.randn(4, 4)
@@ -31,7 +31,7 @@ def test_fold_summed_is_fold_where_counted_and_keeps_the_average_where_not() -> 
     factors = [KroneckerFactor("a", 4, torch.float32) for _ in totals]
     for factor in factors:
         factor.running = running.clone()
-    fold_summed(factors, totals, torch.tensor([3.0, 0.0], dtype=torch.float64), decay)
+    fold_sums(factors, totals, torch.tensor([3.0, 0.0], dtype=torch.float64), decay)
     # Oracle: the running-average formula in float64, then the uncounted factor untouched.
     expected = running.double() * decay + (totals[0].double() / 3) * (1 - decay)
     torch.testing.assert_close(factors[0].running.double(), expected, rtol=1e-6, atol=1e-6)
@@ -46,12 +46,12 @@ def test_fold_summed_is_fold_where_counted_and_keeps_the_average_where_not() -> 
     bad = [torch.full((4, 4), float("inf")), torch.full((4, 4), float("nan"))]
     before = [factor.value().clone() for factor in factors]
     factors[0].take_nonfinite_count(), factors[1].take_nonfinite_count()
-    fold_summed(factors, bad, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
+    fold_sums(factors, bad, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
     assert all(torch.equal(f.value(), old) for f, old in zip(factors, before, strict=True))
     assert [int(f.take_nonfinite_count()) for f in factors] == [1, 0]
     # A first estimate (no running average yet) takes the host path: nothing for count 0.
     fresh = [KroneckerFactor("g", 4, torch.float32) for _ in totals]
-    fold_summed(fresh, totals, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
+    fold_sums(fresh, totals, torch.tensor([2.0, 0.0], dtype=torch.float64), decay)
     assert torch.equal(fresh[0].running, totals[0] / 2.0)
     assert fresh[1].running is None
 
@@ -107,13 +107,13 @@ def test_steps_without_decompositions_read_nothing_on_two_workers() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fold_summed_divides_16_bit_sums_as_the_host_path_does(dtype: torch.dtype) -> None:
+def test_fold_sums_divides_16_bit_sums_as_the_host_path_does(dtype: torch.dtype) -> None:
     """A count above float16's range (65504) must not turn the batch factor into zeros."""
     total = torch.full((2, 2), 1000.0, dtype=dtype)
     count = torch.tensor(131072.0, dtype=torch.float64)
     counted = KroneckerFactor("a", 2, dtype)
     counted.running = torch.ones(2, 2, dtype=dtype)
-    fold_summed([counted], [total], count.reshape(1), 0.5)
+    fold_sums([counted], [total], count.reshape(1), 0.5)
     host = KroneckerFactor("a", 2, dtype)
     host.running = torch.ones(2, 2, dtype=dtype)
     host.fold(total / 131072.0, 0.5)

@@ -32,7 +32,7 @@ from dkfac.curvature.inverse import (
     tikhonov_shifts,
     trace_mean,
 )
-from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_batches
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 
 
 def spd(d: int, seed: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def test_a_factor_folds_batches_drops_nonfinite_ones_and_counts_them() -> None:
 
 def test_dropped_batches_are_counted_over_many_folds_until_read() -> None:
     # 150 folds between two reads (more than the flags kept before they are summed), every
-    # third batch with an Inf, some folded alone and some with others (fold_batches): the
+    # third batch with an Inf, some folded alone and some with others (fold_sums, stacked): the
     # count read is the number of dropped batches, exactly; then it starts again from zero.
     factor, other = KroneckerFactor("a", 3, torch.float64), KroneckerFactor("a", 3, torch.float64)
     dropped = 0
@@ -75,7 +75,8 @@ def test_dropped_batches_are_counted_over_many_folds_until_read() -> None:
         if step % 2:
             factor.fold(batch, 0.9)
         else:
-            fold_batches([factor, other], [batch, spd(3, 1000 + step)], 0.9)
+            ones = torch.ones(2, dtype=torch.float64)
+            fold_sums([factor, other], [batch, spd(3, 1000 + step)], ones, 0.9, stack_bytes=1 << 20)
     count = factor.take_nonfinite_count()
     assert count is not None and count.dtype == torch.int64 and int(count) == dropped == 50
     assert int(other.take_nonfinite_count()) == 0  # type: ignore[arg-type]

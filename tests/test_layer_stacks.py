@@ -76,9 +76,21 @@ def storages(pre: dkfac.KFACPreconditioner, names: tuple[str, ...]) -> set[int]:
     }
 
 
+def factor_storages(pre: dkfac.KFACPreconditioner, side: str) -> dict[tuple[int, ...], set[int]]:
+    """Per running-factor shape, the storages those factors live in."""
+    found: dict[tuple[int, ...], set[int]] = {}
+    for layer in pre.layers:
+        factor = layer.factor(side)
+        assert factor is not None
+        found.setdefault(tuple(factor.shape), set()).add(factor.untyped_storage().data_ptr())
+    return found
+
+
+@pytest.mark.parametrize("folds", [False, True])
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
-def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str) -> None:
-    """Four steps, a decomposition every second (restacked each time), running factors."""
+def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str, folds: bool) -> None:
+    """Four steps, a decomposition every second (restacked each time), running factors
+    (``folds``: equal-shaped factors folded as stacks, their averages rows of one stack)."""
     model, decay, damping = repeated_model(), 0.7, 0.02
     pre = dkfac.KFACPreconditioner(
         model,
@@ -90,6 +102,7 @@ def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str) -> 
         factor_decay=decay,
         inv_update_steps=2,
         batched_preconditioning=True,
+        batched_factor_updates=folds,
     )
     names = kfac_names(model)
     running: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -111,6 +124,12 @@ def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str) -> 
             want = direction(*decomposed[n], grads[n], damping)
             assert_close(grad_matrix(model[int(n)]), want, rtol=1e-9, what=f"step {step} {n}")
         stacks_seen.append(storages(pre, EQUAL))
+        # A: layers 2, 4, 6 and 8 are 7 wide; G: layers 0, 2, 4 and 6 are 6 wide. The first
+        # estimates are each factor's own batch; from the second fold on they are stacked.
+        by_shape = {(7, 7): factor_storages(pre, "a")[(7, 7)]}
+        by_shape[(6, 6)] = factor_storages(pre, "g")[(6, 6)]
+        stacked = folds and step > 0
+        assert all(len(seen) == (1 if stacked else 4) for seen in by_shape.values()), by_shape
         sgd_(model)
     # The three equal layers' inverses live in one stack: as many storages as one inverse has
     # tensors. (Steps 2 and 3 precondition from the new decomposition: the oracle checks it.)
@@ -345,7 +364,9 @@ def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:
         assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["batched_preconditioning", "batched_decompositions"])
+@pytest.mark.parametrize(
+    "name", ["batched_preconditioning", "batched_decompositions", "batched_factor_updates"]
+)
 def test_batching_options_must_be_a_bool_or_none(name: str) -> None:
     with pytest.raises(ValueError, match=f"{name}=1 is not allowed"):
         dkfac.KFACPreconditioner(repeated_model(), **{name: 1})
@@ -375,7 +396,11 @@ def worker_run(
     ddp = nn.parallel.DistributedDataParallel(repeated_model())
     local = 8 // world_size
     shard = slice(rank * local, (rank + 1) * local)
-    batched = {"batched_preconditioning": True, "batched_decompositions": True}
+    batched = {
+        "batched_preconditioning": True,
+        "batched_decompositions": True,
+        "batched_factor_updates": True,
+    }
     options = {**options, **batched, "check_replicas_every": 1}
     return trained(ddp, options, shard)
 

@@ -152,6 +152,7 @@ class KFACConfig:
     max_factor_dim: int | None = 8192
     batched_preconditioning: bool | None = None
     batched_decompositions: bool | int | None = None
+    batched_factor_updates: bool | None = None
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
     #: chooser that picks it at construction.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
@@ -185,9 +186,14 @@ class KFACConfig:
 
     def batching(self, device: torch.device) -> Batching:
         """What runs batched on ``device`` (the options' ``None``: their GPU defaults)."""
+        on_gpu = device.type == "cuda"
         layers = self.batched_preconditioning
-        layers = device.type == "cuda" if layers is None else layers
-        return Batching(layers, batched_decompositions_up_to(self.batched_decompositions, device))
+        folds = self.batched_factor_updates
+        return Batching(
+            on_gpu if layers is None else layers,
+            batched_decompositions_up_to(self.batched_decompositions, device),
+            on_gpu if folds is None else folds,
+        )
 
     def __post_init__(self) -> None:
         if self.inverse_method not in INVERSE_METHODS:
@@ -236,6 +242,8 @@ class KFACConfig:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
         if self.batched_preconditioning is not None:
             check_bool("batched_preconditioning", self.batched_preconditioning, "None (on a GPU), ")
+        if self.batched_factor_updates is not None:
+            check_bool("batched_factor_updates", self.batched_factor_updates, "None (on a GPU), ")
         check_switch_or_int("batched_decompositions", self.batched_decompositions, low=2)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:

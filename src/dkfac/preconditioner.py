@@ -133,6 +133,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             (every size), False, or the widest factors batched; ``None`` (default): the
             device's default, none for now (on an H200 faster on ResNet-32's factors, slower on
             ResNet-50's, as whole-model totals; docs/benchmarks.md).
+        batched_factor_updates: equal-shaped factors folded into their running averages by
+            stacked operations, a few per shape instead of a few per factor (the same
+            result, bit for bit); ``None`` (default): on a GPU, where the host's launches
+            were the cost of a factor step.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -178,6 +182,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         max_factor_dim: int | None = 8192,
         batched_preconditioning: bool | None = None,
         batched_decompositions: bool | int | None = None,
+        batched_factor_updates: bool | None = None,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
@@ -213,6 +218,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             max_factor_dim=max_factor_dim,
             batched_preconditioning=batched_preconditioning,
             batched_decompositions=batched_decompositions,
+            batched_factor_updates=batched_factor_updates,
         )
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)

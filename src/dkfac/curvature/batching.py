@@ -1,7 +1,7 @@
 """Which of one worker's equal-shaped curvature work runs batched.
 
-``KFACPreconditioner``'s ``batched_preconditioning`` and ``batched_decompositions``, resolved
-for its device.
+``KFACPreconditioner``'s ``batched_preconditioning``, ``batched_decompositions`` and
+``batched_factor_updates``, resolved for its device.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ class Batching:
             (:class:`~dkfac.curvature.layer_stacks.LayerStacks`).
         decompositions: equal-size factors up to this wide decomposed by batched calls
             (:func:`~dkfac.curvature.decomposition.decompose_factors`; 0: none).
+        factor_updates: equal-shaped factors folded into their running averages by stacked
+            operations (:func:`~dkfac.curvature.running_average.running_averages`).
     """
 
     preconditioning: bool = False
     decompositions: int = 0
+    factor_updates: bool = False
 
 
 def batched_decompositions_up_to(option: bool | int | None, device: torch.device) -> int:

@@ -18,6 +18,7 @@ from dkfac.curvature.factor_side import factor_shape
 from dkfac.curvature.finite import all_finite
 from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.running_average import running_average, running_averages
+from dkfac.curvature.staging import host_floats
 from dkfac.curvature.statistics import FactorStatistics
 
 #: Dropped-batch flags a factor keeps before summing them (reads are at decompositions).
@@ -102,64 +103,80 @@ def _one_launch_each(runnings: Sequence[Tensor | None], batches: Sequence[Tensor
     return same and len({t.device for t in [*batches, *runnings] if t is not None}) == 1
 
 
-def fold_batches(
-    factors: Sequence[KroneckerFactor], batches: Sequence[Tensor], decay: float
-) -> None:
-    """``factor.fold(batch, decay)`` for each pair, with shared launches where possible.
+def window_sums(
+    factors: Sequence[KroneckerFactor], loss_reduction: str
+) -> tuple[list[KroneckerFactor], list[Tensor], list[int]]:
+    """The factors with statistics in this window, their sums and counts.
 
-    Once every factor has a running average on one device, the finiteness checks and blends
-    of all factors run together (:func:`~dkfac.curvature.running_average.running_averages`); the
-    result is the same, bit for bit, as folding one factor at a time.
+    Each batch factor is ``sum / count`` (:meth:`~.statistics.FactorStatistics.summed`). The
+    scaling of ``G``'s sums (``N²``, mean loss) is one shared operation for all factors.
     """
-    runnings = [factor.running for factor in factors]
-    if not factors or not _one_launch_each(runnings, batches):
-        for factor, batch in zip(factors, batches, strict=True):
-            factor.fold(batch, decay)
-        return
-    held = [running for running in runnings if running is not None]
-    folded, batch_ok = running_averages(held, batches, decay)
-    bad = (~batch_ok).to(torch.int64)
-    for index, (factor, running) in enumerate(zip(factors, folded, strict=True)):
-        factor._count_nonfinite(bad[index])
-        factor.running = running
-
-
-def fold_windows(factors: Sequence[KroneckerFactor], loss_reduction: str, decay: float) -> None:
-    """Fold each factor's window (those with statistics) with :func:`fold_batches`."""
     windows = [factor for factor in factors if factor.statistics.has_statistics]
-    batches = [factor.statistics.batch_factor(loss_reduction) for factor in windows]
-    fold_batches(windows, batches, decay)
+    raws = [factor.statistics.raw_total() for factor in windows]
+    scales = [factor.statistics.total_scale(loss_reduction) for factor in windows]
+    scaled = [index for index, scale in enumerate(scales) if scale != 1]
+    if scaled:
+        products = torch._foreach_mul([raws[i] for i in scaled], [scales[i] for i in scaled])
+        for index, product in zip(scaled, products, strict=True):
+            raws[index] = product
+    return windows, raws, [factor.statistics.count for factor in windows]
 
 
-def fold_summed(
-    factors: Sequence[KroneckerFactor], totals: Sequence[Tensor], counts: Tensor, decay: float
+def fold_sums(
+    factors: Sequence[KroneckerFactor],
+    totals: Sequence[Tensor],
+    counts: Tensor,
+    decay: float,
+    host_counts: Sequence[float] | None = None,
+    stack_bytes: int = 0,
 ) -> None:
-    """Fold each factor's summed statistics ``totals[i] / counts[i]`` where ``counts[i] > 0``.
+    """Fold each factor's batch ``totals[i] / counts[i]`` where ``counts[i] > 0``.
 
     Once every factor has an estimate this runs on the device with no host read (the steps
-    that update factors but decompose nothing then never wait for the GPU): a factor whose
-    device count is 0 keeps its average, as if nothing were folded, and the others fold
-    exactly as ``fold(total / count)`` would (bit for bit; sums are divided in at least
-    float32, as dividing by a Python number is: a float16 count overflows above 65504). The
-    first estimates read the counts once.
+    that update factors but decompose nothing then never wait for the GPU), in shared
+    launches (:func:`~dkfac.curvature.running_average.running_averages`, equal-shaped factors
+    stacked up to ``stack_bytes``): a factor whose count is 0 keeps its average, as if nothing
+    were folded, and the others fold exactly as ``fold(total / count)`` would (bit for bit;
+    sums are divided in at least float32, as dividing by a Python number is: a float16 count
+    overflows above 65504). The first estimates go one at a time and read the counts once,
+    unless ``host_counts`` gives them.
+
+    Args:
+        factors: the factors.
+        totals: their sums.
+        counts: their float64 counts on the sums' device.
+        decay: ``ε``.
+        host_counts: the same counts on the host, when the caller has them.
+        stack_bytes: see :func:`~dkfac.curvature.running_average.running_averages`.
     """
     if not factors:
         return
     runnings = [factor.running for factor in factors]
     if not _one_launch_each(runnings, totals):
-        for factor, total, count in zip(factors, totals, counts.tolist(), strict=True):
+        known = counts.tolist() if host_counts is None else host_counts
+        for factor, total, count in zip(factors, totals, known, strict=True):
             if count > 0:
                 factor.fold(total / count, decay)
         return
     present = counts > 0
-    divisors = counts.clamp_min(1.0)
-    batches = []
-    for index, total in enumerate(totals):
-        wide = torch.promote_types(total.dtype, torch.float32)
-        batches.append((total.to(wide) / divisors[index].to(wide)).to(total.dtype))
     held = [running for running in runnings if running is not None]
-    folded, batch_ok = running_averages(held, batches, decay, present)
+    folded, batch_ok = running_averages(
+        held, totals, decay, present, counts.clamp_min(1.0), stack_bytes
+    )
     bad = (present & ~batch_ok).to(torch.int64)
     for index, (factor, running) in enumerate(zip(factors, folded, strict=True)):
         factor._count_nonfinite(bad[index])
         factor.running = running
+
+
+def fold_counted(
+    factors: Sequence[KroneckerFactor],
+    totals: Sequence[Tensor],
+    counts: Sequence[float],
+    decay: float,
+    stack_bytes: int = 0,
+) -> None:
+    """:func:`fold_sums` with the counts on the host (copied to the device, never read back)."""
+    if factors:
+        device_counts = host_floats(counts, totals[0].device)
+        fold_sums(factors, totals, device_counts, decay, counts, stack_bytes)

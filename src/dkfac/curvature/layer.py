@@ -193,10 +193,6 @@ class LayerCurvature:
         summed = self.factors[side].statistics.summed(loss_reduction)
         return summed.total, summed.count
 
-    def batch_factor(self, side: str, loss_reduction: str) -> Tensor:
-        """The normalised factor ``side`` of the window (see :mod:`.statistics`)."""
-        return self.factors[side].statistics.batch_factor(loss_reduction)
-
     def zeros(self, side: str) -> Tensor:
         """A zero factor ``side`` (what a worker without statistics contributes)."""
         return self.factors[side].zeros(self.block.weight.device)

@@ -2,7 +2,9 @@
 
 A worker folds each batch factor into its running average ``ε·running + (1−ε)·batch``; a batch
 with a NaN or Inf is left out and a running average that is not finite yet counts as "no
-estimate", all without reading anything back from the device.
+estimate", all without reading anything back from the device. Many factors fold in shared
+operations, and equal-shaped ones, stacked, in one operation per shape
+(:func:`running_averages`): a factor step on a GPU was bound by the host's launches.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.finite import all_finite, finite_flags
+
+#: Bytes of one stack of equal-shaped factors folded together at most (each of the stacked
+#: sums, averages and blends), when ``batched_factor_updates`` is on.
+FOLD_STACK_BYTES = 256 * 2**20
 
 
 def running_average(
@@ -40,37 +46,183 @@ def running_averages(
     batches: Sequence[Tensor],
     decay: float,
     present: Tensor | None = None,
+    divisors: Tensor | None = None,
+    stack_bytes: int = 0,
 ) -> tuple[list[Tensor], Tensor]:
     """:func:`running_average` of many running factors at once (each must exist).
 
     The factor updates of a model are many matrices with a few elementwise passes each; here
-    they share their launches (finiteness of all batches and averages, the blend of all) and
-    each factor adds only its choice between blend, batch and old value, so a step that
-    updates factors costs the device little and the host a few operations per factor.
+    they share their launches: the finiteness of all batches and of all averages is checked
+    together, and with ``stack_bytes`` the factors of one shape and dtype are stacked (in
+    chunks of at most that many bytes), so each chunk's division, blend and two selects are
+    one operation each instead of one per factor. On a GPU the host launches every operation,
+    and a factor step's ~100 factors made it wait for the host (docs/benchmarks.md). The result
+    is the same, bit for bit, whatever the stacking: every operation is elementwise.
 
     Args:
         runnings: the running factors.
         batches: the batch factors, one per running factor (same shape and dtype: mixed
-            pairs go through :func:`running_average`, which promotes).
+            pairs go through :func:`running_average`, which promotes), or with ``divisors``
+            their sums.
         decay: ``ε``.
         present: device booleans, one per factor: whether it has a batch at all (a factor
             without one keeps its value, decided on the device); None: all have one.
+        divisors: device counts, one per factor: batch ``i`` is ``batches[i] / divisors[i]``,
+            divided in at least float32 (a float16 count overflows above 65504) and rounded
+            back to the batch's dtype; None: the batches are factors already.
+        stack_bytes: the most bytes a stack of equal-shaped factors may take (one of its
+            copies: the stacked sums, averages and blends take three); 0: one factor at a
+            time. The averages that a stacked fold returns are views of one stack, and a
+            later fold of the same factors stacks them again without a copy.
 
     Returns:
         The new running factors and the device booleans "batch ``i`` was finite".
     """
-    batch_ok = finite_flags(batches)
-    usable = batch_ok if present is None else batch_ok & present
-    running_ok = finite_flags(runnings)
+    chunks = _chunks(runnings, batches, stack_bytes)
+    order = [index for chunk in chunks for index in chunk.indices]
+    if divisors is not None:  # one conversion and one gather per dtype, not per factor
+        cast: dict[torch.dtype, Tensor] = {}
+        for chunk in chunks:
+            if chunk.wide not in cast:
+                cast[chunk.wide] = _gathered(divisors.to(chunk.wide), order)
+            chunk.divide(cast[chunk.wide])
+    # Every per-factor vector below is in the chunks' order: each chunk's part is a slice.
+    batch_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.batches)])
+    running_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.runnings)])
+    usable = batch_ok if present is None else batch_ok & _gathered(present, order)
     both = usable & running_ok
-    result = list(torch._foreach_lerp(list(runnings), list(batches), 1.0 - decay))
-    for i, (blend, batch, running) in enumerate(zip(result, batches, runnings, strict=True)):
-        fallback = torch.where(usable[i], batch, running)
-        if blend.is_contiguous():
-            # Into the blend's own fresh buffer, flat: the CPU's where with a 0-dim condition
-            # is slower on shaped tensors and into new memory (page faults), 15-25% here.
-            flat = blend.view(-1)
-            torch.where(both[i], flat, fallback.reshape(-1), out=flat)
+    blends = torch._foreach_lerp(
+        [chunk.runnings for chunk in chunks], [chunk.batches for chunk in chunks], 1.0 - decay
+    )
+    result: list[Tensor] = list(runnings)
+    for chunk, blend in zip(chunks, blends, strict=True):
+        folded = chunk.select(blend, usable, both)
+        for index, average in zip(chunk.indices, folded, strict=True):
+            result[index] = average
+    position = [0] * len(order)
+    for place, index in enumerate(order):
+        position[index] = place
+    return result, _gathered(batch_ok, position)
+
+
+def _gathered(values: Tensor, indices: Sequence[int]) -> Tensor:
+    """``values[indices]``: ``values`` itself in order, one stack of views otherwise."""
+    if list(indices) == list(range(len(values))):
+        return values
+    return torch.stack([values[index] for index in indices])
+
+
+def _chunks(
+    runnings: Sequence[Tensor], batches: Sequence[Tensor], stack_bytes: int
+) -> list[_Chunk]:
+    """The factors as chunks of one shape and dtype, of at most ``stack_bytes`` (0: one each).
+
+    A factor larger than ``stack_bytes`` is a chunk of its own.
+    """
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[list[int]]] = {}
+    for index, tensor in enumerate(batches):
+        if stack_bytes <= 0:
+            groups[((index,), tensor.dtype)] = [[index]]
+            continue
+        chunks = groups.setdefault((tuple(tensor.shape), tensor.dtype), [[]])
+        size = tensor.numel() * tensor.element_size()
+        if chunks[-1] and (len(chunks[-1]) + 1) * size > stack_bytes:
+            chunks.append([])
+        chunks[-1].append(index)
+    made: list[_Chunk] = []
+    wide: dict[torch.dtype, torch.dtype] = {}
+    for (_, dtype), chunks in groups.items():
+        if dtype not in wide:
+            wide[dtype] = torch.promote_types(dtype, torch.float32)
+        for indices in chunks:
+            start = sum(len(chunk.indices) for chunk in made)
+            made.append(_Chunk(indices, start, runnings, batches, wide[dtype]))
+    return made
+
+
+def _stacked(tensors: Sequence[Tensor]) -> tuple[Tensor, bool]:
+    """The tensors as one ``(k, *shape)`` tensor, and whether it is a new copy.
+
+    Tensors that are the rows of one stack in order (an earlier stacked fold's averages) are
+    that stack; others are stacked into new memory.
+    """
+    base = tensors[0]._base
+    if base is not None and _are_rows_of(base, tensors):
+        return base, False
+    return torch.stack(list(tensors)), True
+
+
+def _are_rows_of(base: Tensor, tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` are ``base[0]``, ``base[1]``, ... exactly, in that order."""
+    shape = tuple(tensors[0].shape)
+    if tuple(base.shape) != (len(tensors), *shape) or not base.is_contiguous():
+        return False
+    row_bytes = tensors[0].numel() * tensors[0].element_size()
+    return all(
+        tensor._base is base
+        and tuple(tensor.shape) == shape
+        and tensor.is_contiguous()
+        and tensor.data_ptr() == base.data_ptr() + row * row_bytes
+        for row, tensor in enumerate(tensors)
+    )
+
+
+class _Chunk:
+    """Factors of one shape and dtype folded by one operation per step.
+
+    Several factors are rows of stacks; one factor is worked on flat (a 0-dim condition over
+    flat tensors is the CPU's fastest ``where``, 15-25% faster than shaped ones here).
+
+    Attributes:
+        indices: the factors, in the caller's numbering.
+        start: where the chunk's factors begin in the per-factor vectors (chunks' order).
+        wide: the dtype a sum is divided in (its own, at least float32).
+    """
+
+    def __init__(
+        self,
+        indices: list[int],
+        start: int,
+        runnings: Sequence[Tensor],
+        batches: Sequence[Tensor],
+        wide: torch.dtype,
+    ) -> None:
+        self.indices, self.start, self.wide = indices, start, wide
+        self.shape = runnings[indices[0]].shape
+        self.alone = len(indices) == 1
+        if self.alone:
+            self.runnings = runnings[indices[0]].reshape(-1)
+            self.batches, self._own = batches[indices[0]].reshape(-1), False
         else:
-            result[i] = torch.where(both[i], blend, fallback)
-    return result, batch_ok
+            self.runnings, _ = _stacked([runnings[index] for index in indices])
+            self.batches, self._own = _stacked([batches[index] for index in indices])
+
+    def rows(self, stack: Tensor) -> list[Tensor]:
+        """One tensor per factor: the flat factor, or the stack's rows."""
+        return [stack] if self.alone else list(stack.unbind(0))
+
+    def _part(self, values: Tensor) -> Tensor:
+        """This chunk's entries of a per-factor vector, shaped to broadcast over its rows."""
+        if self.alone:
+            return values[self.start]
+        part = values[self.start : self.start + len(self.indices)]
+        return part.view(-1, *[1] * (self.batches.dim() - 1))
+
+    def divide(self, counts: Tensor) -> None:
+        """Divide each factor's sum by its count, in :attr:`wide` (``counts`` in it)."""
+        dtype = self.batches.dtype
+        if self._own and self.wide == dtype:
+            self.batches.div_(self._part(counts))
+        else:
+            self.batches = (self.batches.to(self.wide) / self._part(counts)).to(dtype)
+            self._own = True
+
+    def select(self, blend: Tensor, usable: Tensor, both: Tensor) -> list[Tensor]:
+        """Each factor's new average: the blend, else a finite batch, else the old average."""
+        usable, both = self._part(usable), self._part(both)
+        if self._own:
+            fallback = torch.where(usable, self.batches, self.runnings, out=self.batches)
+        else:
+            fallback = torch.where(usable, self.batches, self.runnings)
+        torch.where(both, blend, fallback, out=blend)
+        return [blend.view(self.shape)] if self.alone else list(blend.unbind(0))

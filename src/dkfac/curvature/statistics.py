@@ -155,21 +155,21 @@ class FactorStatistics:
             raise RuntimeError(f"factor {self.side.upper()}: no complete window to read")
         return self._total
 
-    def batch_factor(self, loss_reduction: str) -> Tensor:
-        """The normalised factor of the window: ``A = Σ a aᵀ/R``, ``G`` as in docs/math.md."""
-        summed = self.summed(loss_reduction)
-        return summed.total / summed.count
-
     def summed(self, loss_reduction: str) -> SummedFactor:
         """The window's :class:`SummedFactor` (nothing handed over)."""
         return self._summed(self.raw_total(), self.examples, self._rows, loss_reduction)
 
+    def total_scale(self, loss_reduction: str) -> int:
+        """What :meth:`summed` multiplies the raw sum by: ``N²`` (``G``, mean loss), else 1."""
+        return self._scale(self.examples, loss_reduction)
+
+    def _scale(self, examples: int, loss_reduction: str) -> int:
+        return examples * examples if self.side == "g" and loss_reduction == "mean" else 1
+
     def _summed(self, raw: Tensor, examples: int, rows: int, loss_reduction: str) -> SummedFactor:
-        if self.side == "a":
-            return SummedFactor(raw, rows)
-        if loss_reduction == "mean":
-            return SummedFactor(raw * (examples * examples), examples)
-        return SummedFactor(raw, examples)
+        scale = self._scale(examples, loss_reduction)
+        total = raw if scale == 1 else raw * scale
+        return SummedFactor(total, rows if self.side == "a" else examples)
 
     # -- handing over early --------------------------------------------------------------
     @property

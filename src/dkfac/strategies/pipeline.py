@@ -32,8 +32,8 @@ from torch import Tensor
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
-from dkfac.comm.staging import host_floats
 from dkfac.curvature.factor_side import packed_factor_values, sent_symmetric
+from dkfac.curvature.staging import host_floats
 from dkfac.curvature.statistics import SummedFactor
 
 

@@ -27,14 +27,15 @@ from torch import Tensor
 from dkfac.comm.communicator import Communicator
 from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
-from dkfac.comm.staging import host_floats
 from dkfac.curvature.batching import Batching
 from dkfac.curvature.decomposition import decompose_factors
 from dkfac.curvature.factor_side import sent_symmetric
 from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, shift_table
-from dkfac.curvature.kronecker_factor import fold_batches, fold_summed, fold_windows
+from dkfac.curvature.kronecker_factor import fold_counted, fold_sums, window_sums
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.layer_stacks import LayerStacks
+from dkfac.curvature.running_average import FOLD_STACK_BYTES
+from dkfac.curvature.staging import host_floats
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
     DecompositionsByFactor,
@@ -124,7 +125,8 @@ class PlacementRunner:
                 for route in self.placement.factors
                 if fold and self.placement.holds_factor(route, self.rank)
             ]
-            fold_windows(held, loss_reduction, decay)
+            windows, totals, counts = window_sums(held, loss_reduction)
+            fold_counted(windows, totals, counts, decay, self._stack_bytes)
         elif self.placement.exchange == "step":
             self._exchange_at_step(layers, decay, loss_reduction, fold)
         else:
@@ -150,7 +152,7 @@ class PlacementRunner:
         self.send_factor_sums(totals, counts_tensor)
         if fold:
             factors = [layers[route.layer].factors[route.side] for route in self.placement.factors]
-            fold_summed(factors, totals, counts_tensor, decay)
+            fold_sums(factors, totals, counts_tensor, decay, stack_bytes=self._stack_bytes)
 
     def counts_buffer(self, device: torch.device) -> Tensor:
         """The float64 counts (rows or examples) of every factor, zero, in exchange order."""
@@ -192,11 +194,17 @@ class PlacementRunner:
             lambda slot: layers[slot.layer].zeros(slot.side), profile, late
         )
         kept = [  # folded in shared launches (a GPU is launch-bound one factor at a time)
-            (layers[r.layer].factors[r.side], f.total / f.count)
+            (layers[r.layer].factors[r.side], f)
             for r, f in zip(routes, received, strict=True)
             if fold and f.count > 0 and self.placement.holds_factor(r, self.rank)
         ]
-        fold_batches([held for held, _ in kept], [batch for _, batch in kept], decay)
+        totals, counts = [f.total for _, f in kept], [f.count for _, f in kept]
+        fold_counted([factor for factor, _ in kept], totals, counts, decay, self._stack_bytes)
+
+    @property
+    def _stack_bytes(self) -> int:
+        """Bytes of equal-shaped factors folded by shared operations (0: one at a time)."""
+        return FOLD_STACK_BYTES if self.batching.factor_updates else 0
 
     # -- decompositions ----------------------------------------------------------------------
     def decompose_and_share(
