@@ -84,6 +84,41 @@ def test_dropped_batches_are_counted_over_many_folds_until_read() -> None:
     assert int(factor.take_nonfinite_count()) == 0  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_an_empty_batch_leaves_every_factor_as_it_was_and_drops_nothing(stacked: bool) -> None:
+    # A window of zero rows and examples has no estimate: each factor keeps its average (bit
+    # for bit), nothing counts as a dropped non-finite batch (before, 0/0 did), and the next
+    # batch folds in again.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3), torch.nn.Tanh()
+    ).double()
+    pre = dkfac.KFACPreconditioner(
+        model,
+        factor_dtype=torch.float64,
+        factor_update_steps=1,
+        inv_update_steps=100,
+        factor_decay=0.9,
+        batched_factor_updates=stacked,
+    )
+
+    def step(rows: int) -> list[torch.Tensor]:
+        model.zero_grad()
+        x = torch.randn(rows, 4, dtype=torch.float64)
+        (model(x) ** 2).sum().backward()
+        pre.step()
+        return [layer.factor(side).clone() for layer in pre.layers for side in "ag"]  # type: ignore[union-attr]
+
+    step(5)
+    before = step(6)
+    assert all(torch.equal(a, b) for a, b in zip(step(0), before, strict=True))
+    counts = [layer.factors[side].take_nonfinite_count() for layer in pre.layers for side in "ag"]
+    assert all(count is None or int(count) == 0 for count in counts)
+    after = step(5)
+    assert all(bool(torch.isfinite(factor).all()) for factor in after)
+    assert not any(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
 def test_a_factor_without_an_average_says_so() -> None:
     with pytest.raises(RuntimeError, match="factor A has no running average"):
         KroneckerFactor("a", 3, torch.float32).value()
