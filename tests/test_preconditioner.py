@@ -402,6 +402,40 @@ def test_remove_detaches_every_hook() -> None:
         pre.step()
 
 
+@pytest.mark.parametrize("user_hook_first", [True, False])
+def test_g_is_the_gradient_of_a_layers_own_output_whatever_a_users_hook_returns(
+    user_hook_first: bool,
+) -> None:
+    """A user's forward hook replaces a layer's output by ``3·y + 1`` (registered before or
+    after the preconditioner): ``G`` is still ``Σ dy dyᵀ / N`` of the layer's own output ``y``
+    (dkfac's hook runs first), and ``A`` its input's. Oracle: the same float64 model without
+    dkfac, ``y.retain_grad()`` through the same replacement (the replacement's own gradient
+    is 3 times smaller: a hook that saw it would give ``G`` 9 times smaller)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return 3 * output + 1
+
+    if user_hook_first:
+        model[0].register_forward_hook(hook)
+    pre = dkfac.KFACPreconditioner(model, factor_dtype=torch.float64, loss_reduction="sum")
+    if not user_hook_first:
+        model[0].register_forward_hook(hook)
+    (model(x) ** 2).sum().backward()
+    pre.step()
+    y = x @ model[0].weight.detach().t() + model[0].bias.detach()
+    y.requires_grad_(True)
+    z = torch.tanh(3 * y + 1) @ model[2].weight.detach().t() + model[2].bias.detach()
+    (z**2).sum().backward()
+    assert y.grad is not None
+    layer = pre.layers[0]
+    torch.testing.assert_close(layer.factor("g"), y.grad.t() @ y.grad / 6, rtol=1e-12, atol=0)
+    rows = torch.cat([x, torch.ones(6, 1, dtype=torch.float64)], dim=1)
+    torch.testing.assert_close(layer.factor("a"), rows.t() @ rows / 6, rtol=1e-12, atol=0)
+
+
 def test_eval_and_no_grad_forwards_are_not_captured() -> None:
     model = small_model()
     pre = dkfac.KFACPreconditioner(model)
