@@ -19,7 +19,7 @@ from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
-from dkfac.curvature.running_average import running_average, running_averages
+from dkfac.curvature.running_average import _chunks, running_average, running_averages
 
 
 def brute_force_patch_gram(
@@ -405,17 +405,24 @@ def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
     dtype: torch.dtype, device: str
 ) -> None:
     # Stacking changes which operation computes an entry, never its arithmetic: stacks of
-    # whole groups, stacks split in chunks (100 bytes: at most 2 of the 5x5 float32 factors)
-    # and one factor at a time must agree bit for bit; each with the one-factor formula
-    # (running_average of total / count, divided in float32 at least), and that with the
-    # float64 oracle 0.9·running + 0.1·total/count where all is finite.
+    # whole groups, stacks split in chunks of two 5x5 factors, and one factor at a time must
+    # agree bit for bit; each with the one-factor formula (running_average of the sum divided
+    # by its device count in float32 at least), and that with the float64 oracle
+    # 0.9·running + 0.1·total/count where all is finite. Neither the averages nor the sums
+    # given are written.
     runnings, totals, counts = _stacking_case(dtype, device)
+    given = [t.clone() for t in runnings + totals]
     present = counts > 0
+    pair = 2 * 25 * totals[0].element_size()  # bytes of two 5x5 factors
+    five = [chunk.indices for chunk in _chunks(runnings, totals, pair) if chunk.shape == (5, 5)]
+    assert five == [[0, 2], [4, 6], [9]]
     results = {}
-    for stack_bytes in (0, 100, 1 << 20):
+    for stack_bytes in (0, pair, 1 << 20):
         results[stack_bytes] = running_averages(
             runnings, totals, 0.9, present, counts.clamp_min(1.0), stack_bytes
         )
+    for mine, before in zip(runnings + totals, given, strict=True):
+        torch.testing.assert_close(mine, before, rtol=0, atol=0, equal_nan=True)
     flags = [True, True, False, True, True, False, True, False, False, True, True]
     for folded, batch_ok in results.values():
         assert batch_ok.tolist() == flags
@@ -423,16 +430,16 @@ def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
             torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
     wide = torch.promote_types(dtype, torch.float32)
     for index, new in enumerate(results[1 << 20][0]):
-        old, total, count = runnings[index], totals[index], float(counts[index])
+        old, total, count = runnings[index], totals[index], counts[index]
         if count == 0:
             assert torch.equal(new, old)  # no statistics: kept
             continue
-        batch = (total.to(wide) / count).to(dtype)
+        batch = (total.to(wide) / count.to(wide)).to(dtype)
         torch.testing.assert_close(
             new, running_average(old, batch, 0.9), rtol=0, atol=0, equal_nan=True
         )
         if index in (0, 1, 3, 6, 10):
-            expected = 0.9 * old.double() + 0.1 * total.double() / count
+            expected = 0.9 * old.double() + 0.1 * total.double() / float(count)
             tolerance = {torch.float64: 1e-14, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
             torch.testing.assert_close(new.double(), expected, rtol=tolerance, atol=tolerance)
         elif index in (2, 7):
@@ -443,14 +450,31 @@ def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
             assert torch.isnan(new).all()  # both bad: still no estimate
 
 
+def test_stacked_factors_without_divisors_fold_and_leave_the_batches_alone() -> None:
+    # Batches that are factors already (no counts): stacked and one at a time agree bit for
+    # bit, and the caller's batches are not written (the selects write only into copies).
+    runnings, totals, _ = _stacking_case(torch.float32, "cpu")
+    given = [t.clone() for t in totals]
+    stacked, ok = running_averages(runnings, totals, 0.9, stack_bytes=1 << 20)
+    alone, ok_alone = running_averages(runnings, totals, 0.9)
+    assert torch.equal(ok, ok_alone)
+    for new, other in zip(stacked, alone, strict=True):
+        torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
+    for mine, before in zip(totals, given, strict=True):
+        torch.testing.assert_close(mine, before, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_second_stacked_fold_takes_the_averages_stack_without_copying_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # After a stacked fold each average is a row of one stack; folding the same factors
-    # again stacks only the sums. Oracle for the values: the same two folds one at a time.
+    # again stacks only the sums, and writes the new averages elsewhere (the first fold's
+    # stack, which a state_dict may hold, is unchanged). The same rows in another order are
+    # stacked anew. Oracle for the values: the same folds one at a time.
     runnings, totals, counts = _stacking_case(torch.float32, "cpu")
     present, divisors = counts > 0, counts.clamp_min(1.0)
     first, _ = running_averages(runnings, totals, 0.9, present, divisors, 1 << 20)
+    held = [average.clone() for average in first]
     stacked: list[torch.Tensor] = []
     original = torch.stack
 
@@ -463,9 +487,19 @@ def test_a_second_stacked_fold_takes_the_averages_stack_without_copying_it(
     monkeypatch.undo()
     assert not any(any(t is average for t in stacked) for average in first)
     assert any(any(t is total for t in stacked) for total in totals)  # the sums were stacked
+    for average, before in zip(first, held, strict=True):
+        torch.testing.assert_close(average, before, rtol=0, atol=0, equal_nan=True)
     alone, _ = running_averages(runnings, totals, 0.9, present, divisors, 0)
     alone, _ = running_averages(alone, totals, 0.9, present, divisors, 0)
     for new, other in zip(second, alone, strict=True):
+        torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
+    # The five 5x5 averages, rows of one stack, given with the first two swapped: stacked anew.
+    order = [2, 0, 4, 6, 9]
+    swapped, _ = running_averages(
+        [first[i] for i in order], [totals[i] for i in order], 0.9, stack_bytes=1 << 20
+    )
+    one_by_one, _ = running_averages([first[i] for i in order], [totals[i] for i in order], 0.9)
+    for new, other in zip(swapped, one_by_one, strict=True):
         torch.testing.assert_close(new, other, rtol=0, atol=0, equal_nan=True)
 
 

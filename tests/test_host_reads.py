@@ -56,20 +56,32 @@ def test_fold_sums_is_fold_where_counted_and_keeps_the_average_where_not() -> No
     assert fresh[1].running is None
 
 
-def _reads_per_step(rank: int, world: int) -> dict[str, list[list[tuple[str, str]]]]:
+def _reads_per_step(rank: int, world: int, stacked: bool) -> dict[str, list[list[tuple[str, str]]]]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(16, 3, 8, 8, generator=generator)
     y = torch.randint(0, 10, (16,), generator=generator)
     result: dict[str, list[list[tuple[str, str]]]] = {}
     for strategy in STRATEGIES:
-        model = nn.Sequential(
-            nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 3 * 3, 10)
+        model = nn.Sequential(  # two equal-shaped layers: stacked folds when ``stacked``
+            nn.Conv2d(3, 8, 3, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(8 * 3 * 3, 10),
+            nn.Tanh(),
+            nn.Linear(10, 10),
+            nn.Tanh(),
+            nn.Linear(10, 10),
         )
         ddp = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         pre = dkfac.KFACPreconditioner(
-            ddp, strategy=strategy, factor_update_steps=2, inv_update_steps=4, lr=0.1
+            ddp,
+            strategy=strategy,
+            factor_update_steps=2,
+            inv_update_steps=4,
+            lr=0.1,
+            batched_factor_updates=stacked,
         )
         reads = []
         with pytest.MonkeyPatch.context() as patch:
@@ -87,9 +99,11 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[list[tuple[str, str
     return result
 
 
-def test_steps_without_decompositions_read_nothing_on_two_workers() -> None:
-    """Steps 1-3 (factors at 2, decompositions at 0 and 4) on two gloo workers."""
-    results: list[Any] = run_workers(_reads_per_step, world_size=2, timeout=180)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_steps_without_decompositions_read_nothing_on_two_workers(stacked: bool) -> None:
+    """Steps 1-3 (factors at 2, decompositions at 0 and 4) on two gloo workers, factors
+    folded one at a time or stacked."""
+    results: list[Any] = run_workers(_reads_per_step, world_size=2, args=(stacked,), timeout=180)
     for rank, by_strategy in enumerate(results):
         for strategy, reads in by_strategy.items():
             where = f"rank {rank}, {strategy}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 from typing import Any
 
@@ -135,6 +136,55 @@ def test_stacked_layers_precondition_as_the_float64_oracle_says(method: str, fol
     # tensors. (Steps 2 and 3 precondition from the new decomposition: the oracle checks it.)
     tensors = 2 if method == "inverse" else 4
     assert all(len(seen) == tensors for seen in stacks_seen)
+
+
+class SometimesSkipped(nn.Module):
+    """:func:`repeated_model` whose fourth layer (one of the equal ones) can be skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = repeated_model()
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, module in enumerate(self.net):
+            if not (self.skip and index in (4, 5)):
+                x = module(x)
+        return x
+
+
+def test_a_layer_skipped_in_a_window_keeps_its_factors_in_the_new_stack() -> None:
+    """A factor step where one of four equal-shaped layers does not run: its factors keep
+    their values (bit for bit as folding one at a time, which leaves it alone) and move into
+    the new stack with the others, so no earlier stack stays alive for it."""
+    runs = []
+    for stacked in (False, True):
+        model = SometimesSkipped()
+        pre = dkfac.KFACPreconditioner(
+            model, factor_dtype=DT, inv_update_steps=100, batched_factor_updates=stacked
+        )
+        seen = []
+        for step, skip in enumerate([False, False, True, False, True, True, False]):
+            model.skip = skip
+            x, t = batch(step)
+            model.zero_grad()
+            batch_loss(model(x), t).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the skipped layer's "no statistics" notes
+                pre.step()
+            seen.append([layer.factor(side).clone() for layer in pre.layers for side in "ag"])  # type: ignore[union-attr]
+            if stacked and step > 0:
+                a_stacks, g_stacks = (
+                    factor_storages(pre, "a")[(7, 7)],
+                    factor_storages(pre, "g")[(6, 6)],
+                )
+                assert len(a_stacks) == 1 and len(g_stacks) == 1, (step, a_stacks, g_stacks)
+        runs.append(seen)
+    for step, (alone, stacked_run) in enumerate(zip(*runs, strict=True)):
+        for mine, theirs in zip(stacked_run, alone, strict=True):
+            assert torch.equal(mine, theirs), step
+    skipped = 2 * 2  # the skipped layer's A and G (third K-FAC layer)
+    assert torch.equal(runs[1][2][skipped], runs[1][1][skipped])  # kept on the skipped step
 
 
 def one_and_batched_runs(

@@ -17,7 +17,7 @@ from torch import Tensor
 from dkfac.curvature.factor_side import factor_shape
 from dkfac.curvature.finite import all_finite
 from dkfac.curvature.inverse import trace_mean
-from dkfac.curvature.running_average import running_average, running_averages
+from dkfac.curvature.running_average import divided, running_average, running_averages
 from dkfac.curvature.staging import host_floats
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -136,10 +136,9 @@ def fold_sums(
     that update factors but decompose nothing then never wait for the GPU), in shared
     launches (:func:`~dkfac.curvature.running_average.running_averages`, equal-shaped factors
     stacked up to ``stack_bytes``): a factor whose count is 0 keeps its average, as if nothing
-    were folded, and the others fold exactly as ``fold(total / count)`` would (bit for bit;
-    sums are divided in at least float32, as dividing by a Python number is: a float16 count
-    overflows above 65504). The first estimates go one at a time and read the counts once,
-    unless ``host_counts`` gives them.
+    were folded, and the others fold exactly as ``fold(divided(total, count))`` would, bit
+    for bit (:func:`~dkfac.curvature.running_average.divided`). The first estimates go one at
+    a time and read the counts once, unless ``host_counts`` gives them.
 
     Args:
         factors: the factors.
@@ -154,9 +153,9 @@ def fold_sums(
     runnings = [factor.running for factor in factors]
     if not _one_launch_each(runnings, totals):
         known = counts.tolist() if host_counts is None else host_counts
-        for factor, total, count in zip(factors, totals, known, strict=True):
-            if count > 0:
-                factor.fold(total / count, decay)
+        for index, (factor, total) in enumerate(zip(factors, totals, strict=True)):
+            if known[index] > 0:
+                factor.fold(divided(total, counts[index]), decay)
         return
     present = counts > 0
     held = [running for running in runnings if running is not None]
@@ -175,8 +174,20 @@ def fold_counted(
     counts: Sequence[float],
     decay: float,
     stack_bytes: int = 0,
+    idle: Sequence[KroneckerFactor] = (),
 ) -> None:
-    """:func:`fold_sums` with the counts on the host (copied to the device, never read back)."""
+    """:func:`fold_sums` with the counts on the host (copied to the device, never read back).
+
+    ``idle``: the other factors this worker holds (no batch this window). When stacking, those
+    with an average are folded along with count 0 (each keeps its value): every row of a
+    stack is then replaced at each fold and the old stack freed, where a factor left out
+    would keep its whole old stack alive.
+    """
+    if stack_bytes > 0:
+        kept = [factor for factor in idle if factor.running is not None]
+        factors = [*factors, *kept]
+        totals = [*totals, *(factor.value() for factor in kept)]
+        counts = [*counts, *([0.0] * len(kept))]
     if factors:
         device_counts = host_floats(counts, totals[0].device)
         fold_sums(factors, totals, device_counts, decay, counts, stack_bytes)

@@ -41,6 +41,18 @@ def running_average(
     return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
 
 
+def divided(sums: Tensor, counts: Tensor) -> Tensor:
+    """``sums / counts``, divided in at least float32 and rounded back to the sums' dtype.
+
+    ``counts`` is on the sums' device and broadcasts. A float16 count overflows above 65504,
+    hence the wider division; and the count is a device tensor, not a Python number, which a
+    GPU would multiply by as a rounded reciprocal: every path that folds a factor divides
+    this one way, so its bits do not depend on whether it was stacked or came first.
+    """
+    wide = torch.promote_types(sums.dtype, torch.float32)
+    return (sums.to(wide) / counts.to(wide)).to(sums.dtype)
+
+
 def running_averages(
     runnings: Sequence[Tensor],
     batches: Sequence[Tensor],
@@ -67,9 +79,9 @@ def running_averages(
         decay: ``ε``.
         present: device booleans, one per factor: whether it has a batch at all (a factor
             without one keeps its value, decided on the device); None: all have one.
-        divisors: device counts, one per factor: batch ``i`` is ``batches[i] / divisors[i]``,
-            divided in at least float32 (a float16 count overflows above 65504) and rounded
-            back to the batch's dtype; None: the batches are factors already.
+        divisors: device counts, one per factor: batch ``i`` is
+            ``divided(batches[i], divisors[i])`` (:func:`divided`); None: the batches are
+            factors already.
         stack_bytes: the most bytes a stack of equal-shaped factors may take (one of its
             copies: the stacked sums, averages and blends take three); 0: one factor at a
             time. The averages that a stacked fold returns are views of one stack, and a
@@ -131,12 +143,13 @@ def _chunks(
         chunks[-1].append(index)
     made: list[_Chunk] = []
     wide: dict[torch.dtype, torch.dtype] = {}
+    start = 0
     for (_, dtype), chunks in groups.items():
         if dtype not in wide:
             wide[dtype] = torch.promote_types(dtype, torch.float32)
         for indices in chunks:
-            start = sum(len(chunk.indices) for chunk in made)
             made.append(_Chunk(indices, start, runnings, batches, wide[dtype]))
+            start += len(indices)
     return made
 
 
@@ -172,11 +185,17 @@ class _Chunk:
 
     Several factors are rows of stacks; one factor is worked on flat (a 0-dim condition over
     flat tensors is the CPU's fastest ``where``, 15-25% faster than shaped ones here).
+    :meth:`divide` (if the batches are sums) comes before :meth:`select`.
 
     Attributes:
         indices: the factors, in the caller's numbering.
         start: where the chunk's factors begin in the per-factor vectors (chunks' order).
         wide: the dtype a sum is divided in (its own, at least float32).
+        shape: one factor's shape.
+        alone: whether the chunk is one factor (flat tensors, no stack).
+        runnings: the averages: the flat factor, or a ``(k, *shape)`` stack (never written).
+        batches: the batches (or sums) the same way; written in place only when ``_own``
+            (a stack or quotient made here, never the caller's tensor).
     """
 
     def __init__(
@@ -210,12 +229,10 @@ class _Chunk:
 
     def divide(self, counts: Tensor) -> None:
         """Divide each factor's sum by its count, in :attr:`wide` (``counts`` in it)."""
-        dtype = self.batches.dtype
-        if self._own and self.wide == dtype:
+        if self._own and self.wide == self.batches.dtype:  # as divided(), in place
             self.batches.div_(self._part(counts))
         else:
-            self.batches = (self.batches.to(self.wide) / self._part(counts)).to(dtype)
-            self._own = True
+            self.batches, self._own = divided(self.batches, self._part(counts)), True
 
     def select(self, blend: Tensor, usable: Tensor, both: Tensor) -> list[Tensor]:
         """Each factor's new average: the blend, else a finite batch, else the old average."""

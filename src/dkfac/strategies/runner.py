@@ -78,6 +78,7 @@ class PlacementRunner:
         self.comm = comm
         self.batching = batching if batching is not None else Batching()
         self.stacks = LayerStacks(self.batching.preconditioning)
+        self._stack_bytes = FOLD_STACK_BYTES if self.batching.factor_updates else 0  # 0: alone
         layouts = placement.group_layouts()
         if (layouts or placement.exchange != "none") and comm is None:
             raise ValueError("a placement that sends data needs a communicator")
@@ -126,7 +127,8 @@ class PlacementRunner:
                 if fold and self.placement.holds_factor(route, self.rank)
             ]
             windows, totals, counts = window_sums(held, loss_reduction)
-            fold_counted(windows, totals, counts, decay, self._stack_bytes)
+            idle = [factor for factor in held if not factor.statistics.has_statistics]
+            fold_counted(windows, totals, counts, decay, self._stack_bytes, idle)
         elif self.placement.exchange == "step":
             self._exchange_at_step(layers, decay, loss_reduction, fold)
         else:
@@ -193,18 +195,16 @@ class PlacementRunner:
         received = self.pipeline.finish(
             lambda slot: layers[slot.layer].zeros(slot.side), profile, late
         )
-        kept = [  # folded in shared launches (a GPU is launch-bound one factor at a time)
+        held = [
             (layers[r.layer].factors[r.side], f)
             for r, f in zip(routes, received, strict=True)
-            if fold and f.count > 0 and self.placement.holds_factor(r, self.rank)
+            if fold and self.placement.holds_factor(r, self.rank)
         ]
+        kept = [(factor, f) for factor, f in held if f.count > 0]
+        idle = [factor for factor, f in held if f.count == 0]
         totals, counts = [f.total for _, f in kept], [f.count for _, f in kept]
-        fold_counted([factor for factor, _ in kept], totals, counts, decay, self._stack_bytes)
-
-    @property
-    def _stack_bytes(self) -> int:
-        """Bytes of equal-shaped factors folded by shared operations (0: one at a time)."""
-        return FOLD_STACK_BYTES if self.batching.factor_updates else 0
+        factors = [factor for factor, _ in kept]
+        fold_counted(factors, totals, counts, decay, self._stack_bytes, idle)
 
     # -- decompositions ----------------------------------------------------------------------
     def decompose_and_share(
