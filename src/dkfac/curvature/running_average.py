@@ -41,15 +41,16 @@ def running_average(
     return torch.where(batch_ok, torch.where(running_ok, updated, batch), running)
 
 
-def divided(sums: Tensor, counts: Tensor) -> Tensor:
+def divided(sums: Tensor, counts: Tensor, wide: torch.dtype | None = None) -> Tensor:
     """``sums / counts``, divided in at least float32 and rounded back to the sums' dtype.
 
     ``counts`` is on the sums' device and broadcasts. A float16 count overflows above 65504,
     hence the wider division; and the count is a device tensor, not a Python number, which a
     GPU would multiply by as a rounded reciprocal: every path that folds a factor divides
     this one way, so its bits do not depend on whether it was stacked or came first.
+    ``wide``: that dtype, when the caller knows it (a lookup torch dispatches, per factor).
     """
-    wide = torch.promote_types(sums.dtype, torch.float32)
+    wide = torch.promote_types(sums.dtype, torch.float32) if wide is None else wide
     return (sums.to(wide) / counts.to(wide)).to(sums.dtype)
 
 
@@ -232,7 +233,7 @@ class _Chunk:
         if self._own and self.wide == self.batches.dtype:  # as divided(), in place
             self.batches.div_(self._part(counts))
         else:
-            self.batches, self._own = divided(self.batches, self._part(counts)), True
+            self.batches, self._own = divided(self.batches, self._part(counts), self.wide), True
 
     def select(self, blend: Tensor, usable: Tensor, both: Tensor) -> list[Tensor]:
         """Each factor's new average: the blend, else a finite batch, else the old average."""
