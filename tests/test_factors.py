@@ -19,7 +19,12 @@ from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
-from dkfac.curvature.running_average import _chunks, running_average, running_averages
+from dkfac.curvature.running_average import (
+    _chunk_plan,
+    _waves,
+    running_average,
+    running_averages,
+)
 
 
 def brute_force_patch_gram(
@@ -414,8 +419,11 @@ def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
     given = [t.clone() for t in runnings + totals]
     present = counts > 0
     pair = 2 * 25 * totals[0].element_size()  # bytes of two 5x5 factors
-    five = [chunk.indices for chunk in _chunks(runnings, totals, pair) if chunk.shape == (5, 5)]
-    assert five == [[0, 2], [4, 6], [9]]
+    plan = _chunk_plan(totals, pair)
+    assert [spec.indices for spec in plan if spec.shape == (5, 5)] == [[0, 2], [4, 6], [9]]
+    # Stacked one wave at a time, each wave's stacked sums within the bound: three waves.
+    waves = _waves(plan, pair)
+    assert len(waves) == 3 and all(sum(s.stacked_bytes for s in w) <= pair for w in waves)
     results = {}
     for stack_bytes in (0, pair, 1 << 20):
         results[stack_bytes] = running_averages(

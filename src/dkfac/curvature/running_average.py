@@ -10,6 +10,7 @@ operations, and equal-shaped ones, stacked, in one operation per shape
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,39 +84,50 @@ def running_averages(
         divisors: device counts, one per factor: batch ``i`` is
             ``divided(batches[i], divisors[i])`` (:func:`divided`); None: the batches are
             factors already.
-        stack_bytes: the most bytes a stack of equal-shaped factors may take (one of its
-            copies: the stacked sums, averages and blends take three); 0: one factor at a
-            time. The averages that a stacked fold returns are views of one stack, and a
-            later fold of the same factors stacks them again without a copy.
+        stack_bytes: the most bytes a stack of equal-shaped factors may take, and the stacks
+            of sums made at once (stacked averages as many more at a first fold, the blends
+            are the new averages); 0: one factor at a time. The averages that a stacked fold
+            returns are views of one stack, and a later fold of the same factors stacks them
+            again without a copy.
 
     Returns:
         The new running factors and the device booleans "batch ``i`` was finite".
     """
-    chunks = _chunks(runnings, batches, stack_bytes)
-    order = [index for chunk in chunks for index in chunk.indices]
-    if divisors is not None:  # one conversion and one gather per dtype, not per factor
-        cast: dict[torch.dtype, Tensor] = {}
-        for chunk in chunks:
-            if chunk.wide not in cast:
-                cast[chunk.wide] = _gathered(divisors.to(chunk.wide), order)
-            chunk.divide(cast[chunk.wide])
-    # Every per-factor vector below is in the chunks' order: each chunk's part is a slice.
-    batch_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.batches)])
-    running_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.runnings)])
-    usable = batch_ok if present is None else batch_ok & _gathered(present, order)
-    both = usable & running_ok
-    blends = torch._foreach_lerp(
-        [chunk.runnings for chunk in chunks], [chunk.batches for chunk in chunks], 1.0 - decay
-    )
+    plan = _chunk_plan(batches, stack_bytes)
+    order = [index for spec in plan for index in spec.indices]
+    cast: dict[torch.dtype, Tensor] = {}  # one conversion and gather per dtype, not per factor
+    if divisors is not None:
+        for spec in plan:
+            if spec.wide not in cast:
+                cast[spec.wide] = _gathered(divisors.to(spec.wide), order)
+    present = None if present is None else _gathered(present, order)
     result: list[Tensor] = list(runnings)
-    for chunk, blend in zip(chunks, blends, strict=True):
-        folded = chunk.select(blend, usable, both)
-        for index, average in zip(chunk.indices, folded, strict=True):
-            result[index] = average
+    oks = []
+    for wave in _waves(plan, stack_bytes):
+        # The stacks of one wave at a time (each wave's stacked copies at most about
+        # stack_bytes): a model's every factor stacked at once would be one more copy of
+        # all of them. Per-factor vectors are in the chunks' order, each chunk's a slice.
+        chunks = [_Chunk(spec, runnings, batches) for spec in wave]
+        if divisors is not None:
+            for chunk in chunks:
+                chunk.divide(cast[chunk.spec.wide])
+        batch_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.batches)])
+        running_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.runnings)])
+        start, end = wave[0].start, wave[-1].start + len(wave[-1].indices)
+        usable = batch_ok if present is None else batch_ok & present[start:end]
+        both = usable & running_ok
+        blends = torch._foreach_lerp(
+            [chunk.runnings for chunk in chunks], [chunk.batches for chunk in chunks], 1.0 - decay
+        )
+        for chunk, blend in zip(chunks, blends, strict=True):
+            folded = chunk.select(blend, usable, both, start)
+            for index, average in zip(chunk.spec.indices, folded, strict=True):
+                result[index] = average
+        oks.append(batch_ok)
     position = [0] * len(order)
     for place, index in enumerate(order):
         position[index] = place
-    return result, _gathered(batch_ok, position)
+    return result, _gathered(oks[0] if len(oks) == 1 else torch.cat(oks), position)
 
 
 def _gathered(values: Tensor, indices: Sequence[int]) -> Tensor:
@@ -125,9 +137,25 @@ def _gathered(values: Tensor, indices: Sequence[int]) -> Tensor:
     return torch.stack([values[index] for index in indices])
 
 
-def _chunks(
-    runnings: Sequence[Tensor], batches: Sequence[Tensor], stack_bytes: int
-) -> list[_Chunk]:
+class _ChunkSpec(NamedTuple):
+    """Factors of one shape and dtype folded together (see :func:`_chunk_plan`).
+
+    Attributes:
+        indices: the factors, in the caller's numbering.
+        start: where they begin in the per-factor vectors (the chunks' order).
+        shape: one factor's shape.
+        wide: the dtype a sum is divided in (its own, at least float32).
+        stacked_bytes: the bytes of its stacked sums (0: one factor, no stack).
+    """
+
+    indices: list[int]
+    start: int
+    shape: tuple[int, ...]
+    wide: torch.dtype
+    stacked_bytes: int
+
+
+def _chunk_plan(batches: Sequence[Tensor], stack_bytes: int) -> list[_ChunkSpec]:
     """The factors as chunks of one shape and dtype, of at most ``stack_bytes`` (0: one each).
 
     A factor larger than ``stack_bytes`` is a chunk of its own.
@@ -142,16 +170,33 @@ def _chunks(
         if chunks[-1] and (len(chunks[-1]) + 1) * size > stack_bytes:
             chunks.append([])
         chunks[-1].append(index)
-    made: list[_Chunk] = []
+    plan: list[_ChunkSpec] = []
     wide: dict[torch.dtype, torch.dtype] = {}
     start = 0
     for (_, dtype), chunks in groups.items():
         if dtype not in wide:
             wide[dtype] = torch.promote_types(dtype, torch.float32)
         for indices in chunks:
-            made.append(_Chunk(indices, start, runnings, batches, wide[dtype]))
+            first = batches[indices[0]]
+            size = first.numel() * first.element_size() if len(indices) > 1 else 0
+            plan.append(
+                _ChunkSpec(indices, start, tuple(first.shape), wide[dtype], size * len(indices))
+            )
             start += len(indices)
-    return made
+    return plan
+
+
+def _waves(plan: Sequence[_ChunkSpec], stack_bytes: int) -> list[list[_ChunkSpec]]:
+    """Consecutive chunks whose stacked sums add up to at most ``stack_bytes`` (one at least)."""
+    waves: list[list[_ChunkSpec]] = [[]]
+    held = 0
+    for spec in plan:
+        if waves[-1] and held + spec.stacked_bytes > stack_bytes:
+            waves.append([])
+            held = 0
+        waves[-1].append(spec)
+        held += spec.stacked_bytes
+    return waves
 
 
 def _stacked(tensors: Sequence[Tensor]) -> tuple[Tensor, bool]:
@@ -182,65 +227,66 @@ def _are_rows_of(base: Tensor, tensors: Sequence[Tensor]) -> bool:
 
 
 class _Chunk:
-    """Factors of one shape and dtype folded by one operation per step.
+    """One chunk's factors, folded by one operation per step.
 
     Several factors are rows of stacks; one factor is worked on flat (a 0-dim condition over
     flat tensors is the CPU's fastest ``where``, 15-25% faster than shaped ones here).
     :meth:`divide` (if the batches are sums) comes before :meth:`select`.
 
     Attributes:
-        indices: the factors, in the caller's numbering.
-        start: where the chunk's factors begin in the per-factor vectors (chunks' order).
-        wide: the dtype a sum is divided in (its own, at least float32).
-        shape: one factor's shape.
-        alone: whether the chunk is one factor (flat tensors, no stack).
+        spec: the chunk.
+        alone: whether it is one factor (flat tensors, no stack).
         runnings: the averages: the flat factor, or a ``(k, *shape)`` stack (never written).
         batches: the batches (or sums) the same way; written in place only when ``_own``
             (a stack or quotient made here, never the caller's tensor).
     """
 
     def __init__(
-        self,
-        indices: list[int],
-        start: int,
-        runnings: Sequence[Tensor],
-        batches: Sequence[Tensor],
-        wide: torch.dtype,
+        self, spec: _ChunkSpec, runnings: Sequence[Tensor], batches: Sequence[Tensor]
     ) -> None:
-        self.indices, self.start, self.wide = indices, start, wide
-        self.shape = runnings[indices[0]].shape
-        self.alone = len(indices) == 1
+        self.spec = spec
+        self.alone = len(spec.indices) == 1
         if self.alone:
-            self.runnings = runnings[indices[0]].reshape(-1)
-            self.batches, self._own = batches[indices[0]].reshape(-1), False
+            self.runnings = runnings[spec.indices[0]].reshape(-1)
+            self.batches, self._own = batches[spec.indices[0]].reshape(-1), False
         else:
-            self.runnings, _ = _stacked([runnings[index] for index in indices])
-            self.batches, self._own = _stacked([batches[index] for index in indices])
+            self.runnings, _ = _stacked([runnings[index] for index in spec.indices])
+            self.batches, self._own = _stacked([batches[index] for index in spec.indices])
 
     def rows(self, stack: Tensor) -> list[Tensor]:
         """One tensor per factor: the flat factor, or the stack's rows."""
         return [stack] if self.alone else list(stack.unbind(0))
 
-    def _part(self, values: Tensor) -> Tensor:
-        """This chunk's entries of a per-factor vector, shaped to broadcast over its rows."""
+    def _part(self, values: Tensor, offset: int = 0) -> Tensor:
+        """This chunk's entries of a per-factor vector, shaped to broadcast over its rows.
+
+        The vector begins at factor ``offset`` of the chunks' order.
+        """
+        start = self.spec.start - offset
         if self.alone:
-            return values[self.start]
-        part = values[self.start : self.start + len(self.indices)]
+            return values[start]
+        part = values[start : start + len(self.spec.indices)]
         return part.view(-1, *[1] * (self.batches.dim() - 1))
 
     def divide(self, counts: Tensor) -> None:
-        """Divide each factor's sum by its count, in :attr:`wide` (``counts`` in it)."""
-        if self._own and self.wide == self.batches.dtype:  # as divided(), in place
+        """Divide each factor's sum by its count (``counts``: every factor's, in ``wide``)."""
+        wide = self.spec.wide
+        if self._own and wide == self.batches.dtype:  # as divided(), in place
             self.batches.div_(self._part(counts))
         else:
-            self.batches, self._own = divided(self.batches, self._part(counts), self.wide), True
+            self.batches, self._own = divided(self.batches, self._part(counts), wide), True
 
-    def select(self, blend: Tensor, usable: Tensor, both: Tensor) -> list[Tensor]:
-        """Each factor's new average: the blend, else a finite batch, else the old average."""
-        usable, both = self._part(usable), self._part(both)
+    def select(self, blend: Tensor, usable: Tensor, both: Tensor, offset: int) -> list[Tensor]:
+        """Each factor's new average: the blend, else a finite batch, else the old average.
+
+        ``usable`` and ``both`` are the flags of the factors from ``offset`` on.
+        """
+        usable, both = self._part(usable, offset), self._part(both, offset)
         if self._own:
             fallback = torch.where(usable, self.batches, self.runnings, out=self.batches)
         else:
             fallback = torch.where(usable, self.batches, self.runnings)
         torch.where(both, blend, fallback, out=blend)
-        return [blend.view(self.shape)] if self.alone else list(blend.unbind(0))
+        if self.alone:
+            return [blend.view(self.spec.shape)]
+        return list(blend.unbind(0))
