@@ -681,6 +681,31 @@ def test_nan_batch_is_dropped_counted_and_reported_while_it_persists() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_batches_dropped_between_decompositions_are_all_counted(stacked: bool) -> None:
+    """Factors folded every step, decomposed every third: two NaN batches between two
+    decompositions are counted twice per factor when the next decomposition reads them (the
+    counts of several folds summed where they are read), and a clean window adds nothing."""
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, inv_update_steps=3, batched_factor_updates=stacked, **F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(7):
+        x, y = batch(step)
+        if step in (1, 2):
+            x[0, 0, 0, 0] = float("nan")
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad = torch.nan_to_num(p.grad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reported: tested above
+            pre.step()
+        if step == 2:  # read at the decompositions of steps 0, 3 and 6 only
+            assert all(h.nonfinite_batches == 0 for h in pre.health().layers.values())
+    counts = {name: h.nonfinite_batches for name, h in pre.health().layers.items()}
+    assert counts == {"0": 4, "4": 4, "6": 4}
+
+
 def test_nan_before_first_decomposition_passes_gradient_unchanged() -> None:
     model = nn.Sequential(nn.Linear(3, 2)).double()
     pre = dkfac.KFACPreconditioner(model, kl_clip=None, **F64)

@@ -100,14 +100,16 @@ def decompose_factors(
     """
     if not requests:
         return []
-    dropped = [request.layer.take_nonfinite_count(request.side) for request in requests]
+    # Each factor's dropped-batch counts (one per fold since the last read) are read with the
+    # rest and summed on the host: summing them on the device took two launches per factor.
+    dropped = [request.layer.take_nonfinite_flags(request.side) for request in requests]
     results = _first_attempts(requests, method, dtype, batch_up_to)
     attempted = {index: result for index, result in enumerate(results) if result is not None}
     values = finite_factors(requests)
-    values += [count for count in dropped if count is not None]
+    values += [flag for flags in dropped for flag in flags]
     values += [result.ok for result in attempted.values()]
     host = _host_values(values)
-    count, reported = len(requests), sum(count is not None for count in dropped)
+    count, reported = len(requests), sum(len(flags) for flags in dropped)
     finite, dropped_host = host[:count], iter(host[count : count + reported])
     ok = dict(zip(attempted, host[count + reported :], strict=True))
     # Trouble is counted per factor and reported once per layer and kind for this call.
@@ -120,8 +122,8 @@ def decompose_factors(
     for index, (request, factor_ok, drops) in enumerate(
         zip(requests, finite, dropped, strict=True)
     ):
-        if drops is not None:
-            tally(request.layer, "nonfinite_batches", next(dropped_host))
+        if drops:
+            tally(request.layer, "nonfinite_batches", sum(next(dropped_host) for _ in drops))
         if not factor_ok:
             tally(request.layer, "nonfinite_factors")
             results[index] = None

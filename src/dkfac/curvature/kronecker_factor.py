@@ -64,9 +64,18 @@ class KroneckerFactor:
         if len(self._nonfinite) >= _PENDING_FLAGS:  # bounded between decompositions
             self._nonfinite = [torch.stack(self._nonfinite).sum()]
 
+    def take_nonfinite_flags(self) -> list[Tensor]:
+        """The device counts of dropped batches kept since the last call (0-dim int64).
+
+        Their sum is the count; the caller sums them where it reads them (one read for every
+        factor's, no launch per factor).
+        """
+        flags, self._nonfinite = self._nonfinite, []
+        return flags
+
     def take_nonfinite_count(self) -> Tensor | None:
         """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
-        flags, self._nonfinite = self._nonfinite, []
+        flags = self.take_nonfinite_flags()
         if not flags:
             return None
         return flags[0] if len(flags) == 1 else torch.stack(flags).sum()

@@ -315,6 +315,6 @@ class LayerCurvature:
         """How often each kind of numerical trouble happened to this layer on this worker."""
         return LayerHealth(**self._trouble)
 
-    def take_nonfinite_count(self, side: str) -> Tensor | None:
-        """Device count of non-finite batches of factor ``side`` dropped since the last call."""
-        return self.factors[side].take_nonfinite_count()
+    def take_nonfinite_flags(self, side: str) -> list[Tensor]:
+        """Device counts of factor ``side``'s dropped batches since the last call (summed)."""
+        return self.factors[side].take_nonfinite_flags()
