@@ -31,6 +31,7 @@ from dkfac.curvature.inverse import (
     tikhonov_shift,
     tikhonov_shifts,
     trace_mean,
+    trace_means,
 )
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 
@@ -191,6 +192,29 @@ def test_a_diagonal_a_preconditions_as_the_dense_diagonal_matrix(method: str) ->
         vec = torch.linalg.solve(curvature, grad.t().reshape(-1))  # column-major vec
         torch.testing.assert_close(results[1], vec.reshape(4, 3).t(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trace_means_of_many_factors_are_each_factors_own(dtype: torch.dtype, device: str) -> None:
+    # Matrices of several sizes (one transposed, not contiguous), a diagonal factor held as
+    # a vector and a bf16 factor: the vector of trace means equals each factor's trace_mean
+    # bit for bit, and the float64 oracle tr(F)/d to the dtype's round-off.
+    gen = torch.Generator().manual_seed(3)
+    factors = [torch.randn(d, d, generator=gen, dtype=torch.float64) for d in (1, 5, 33, 300)]
+    factors[2] = factors[2].t()
+    factors.append(torch.rand(7, generator=gen, dtype=torch.float64) + 0.5)
+    factors.append(torch.randn(9, 9, generator=gen, dtype=torch.float64).bfloat16().double())
+    stored = [f.to(device, torch.float32) for f in factors[:-1]]
+    stored.append(factors[-1].to(device, torch.bfloat16))
+    means = trace_means(stored, dtype)
+    assert means.dtype == dtype and means.shape == (len(stored),)
+    for index, (mean, factor, oracle) in enumerate(zip(means, stored, factors, strict=True)):
+        assert torch.equal(mean, trace_mean(factor, dtype)), index
+        diagonal = oracle if oracle.dim() == 1 else torch.diagonal(oracle)
+        want = diagonal.sum() / oracle.shape[0]
+        tolerance = {torch.float32: 1e-6, torch.float64: 1e-7}[dtype]  # stored in float32
+        torch.testing.assert_close(mean.double().cpu(), want, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])

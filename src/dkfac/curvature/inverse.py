@@ -32,6 +32,7 @@ from torch import Tensor
 
 from dkfac.curvature.factor_decomposition import FactorDecomposition, decompose_factor
 from dkfac.curvature.gram import CUDA_MM_OUT_DTYPE
+from dkfac.curvature.staging import host_floats
 
 #: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
 FACTOR_SIDES: tuple[str, str] = ("a", "g")
@@ -65,9 +66,19 @@ def shift_table(means: Tensor, damping: float) -> Tensor:
 
 def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
     """``tr(F) / d`` of a factor in ``dtype`` (the input of ``π``); a vector is a diagonal."""
-    values = matrix.to(dtype)
-    diagonal = values if values.dim() == 1 else torch.diagonal(values)
-    return diagonal.sum() / matrix.shape[0]
+    return trace_means([matrix], dtype)[0]
+
+
+def trace_means(factors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """:func:`trace_mean` of each factor (all on one device), one vector in ``dtype``.
+
+    One sum per factor, of its diagonal converted to ``dtype`` (not the whole matrix); the
+    divisions are one operation for all, by the dimensions as a device tensor (a GPU would
+    multiply by a Python divisor's rounded reciprocal): one value, whichever way it is asked.
+    """
+    sums = [(f if f.dim() == 1 else torch.diagonal(f)).to(dtype).sum() for f in factors]
+    dims = host_floats([f.shape[0] for f in factors], sums[0].device).to(dtype)
+    return torch.stack(sums) / dims
 
 
 def combine_factors(

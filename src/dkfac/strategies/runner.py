@@ -30,7 +30,7 @@ from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.batching import Batching
 from dkfac.curvature.decomposition import decompose_factors
 from dkfac.curvature.factor_side import sent_symmetric
-from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, shift_table
+from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, shift_table, trace_means
 from dkfac.curvature.kronecker_factor import fold_counted, fold_sums, window_sums
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.layer_stacks import LayerStacks
@@ -270,10 +270,13 @@ class PlacementRunner:
         else:
             needed = {route.layer for route in mine}
             wanted = [route for route in plan.factors if route.layer in needed]
-        for route in wanted:
-            factor = layers[route.layer].factors[route.side]
-            if factor.running is not None:
-                means[route.layer, FACTOR_SIDES.index(route.side)] = factor.trace_mean(dtype)
+        known = [r for r in wanted if layers[r.layer].factors[r.side].running is not None]
+        if known:  # the (L, 2) table in one stack: no write per factor
+            values = trace_means([layers[r.layer].factors[r.side].value() for r in known], dtype)
+            entries = list(means.view(-1).unbind())
+            for route, value in zip(known, values.unbind(), strict=True):
+                entries[2 * route.layer + FACTOR_SIDES.index(route.side)] = value
+            means = torch.stack(entries).view_as(means)
         if exchange:
             self.share_traces(means)
         return means
