@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac.curvature.factors as factors_module
+import dkfac.curvature.running_average as running_average_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
 from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
@@ -456,6 +459,34 @@ def test_stacked_folds_equal_folds_one_at_a_time_bit_for_bit(
             assert torch.equal(new, batch)  # no estimate yet: the batch
         else:
             assert torch.isnan(new).all()  # both bad: still no estimate
+
+
+def test_a_wave_of_stacks_is_freed_before_the_next_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stacks of one wave at a time: when a chunk of wave w is stacked, no stack made for an
+    # earlier wave is alive any more (the bound on a step's extra memory). Three waves.
+    runnings, totals, counts = _stacking_case(torch.float32, "cpu")
+    pair = 2 * 25 * totals[0].element_size()
+    waves = _waves(_chunk_plan(totals, pair), pair)
+    wave_of = {spec.start: w for w, wave in enumerate(waves) for spec in wave}
+    made: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+    original = running_average_module._Chunk.__init__
+
+    def spy(chunk: Any, spec: Any, *args: Any) -> None:
+        wave = wave_of[spec.start]
+        alive = [w for w, ref in made if w < wave and ref() is not None]
+        assert alive == [], (wave, alive)
+        original(chunk, spec, *args)
+        if not chunk.alone:
+            made.extend((wave, weakref.ref(t)) for t in (chunk.batches, chunk.runnings))
+
+    monkeypatch.setattr(running_average_module._Chunk, "__init__", spy)
+    running_averages(runnings, totals, 0.9, counts > 0, counts.clamp_min(1.0), pair)
+    assert {w for w, _ in made} == {0, 1, 2}
+
+
+def test_no_factors_fold_to_nothing() -> None:
+    folded, ok = running_averages([], [], 0.9, stack_bytes=1 << 20)
+    assert folded == [] and ok.shape == (0,)
 
 
 def test_stacked_factors_without_divisors_fold_and_leave_the_batches_alone() -> None:

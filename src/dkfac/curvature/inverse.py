@@ -76,9 +76,12 @@ def trace_means(factors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
     divisions are one operation for all, by the dimensions as a device tensor (a GPU would
     multiply by a Python divisor's rounded reciprocal): one value, whichever way it is asked.
     """
+    if not factors:
+        return torch.zeros(0, dtype=dtype)
     sums = [(f if f.dim() == 1 else torch.diagonal(f)).to(dtype).sum() for f in factors]
-    dims = host_floats([f.shape[0] for f in factors], sums[0].device).to(dtype)
-    return torch.stack(sums) / dims
+    wide = torch.promote_types(dtype, torch.float32)  # a 16-bit dim would round (1025: 1024)
+    dims = host_floats([f.shape[0] for f in factors], sums[0].device).to(wide)
+    return (torch.stack(sums).to(wide) / dims).to(dtype)
 
 
 def combine_factors(

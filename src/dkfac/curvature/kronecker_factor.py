@@ -23,6 +23,8 @@ from dkfac.curvature.statistics import FactorStatistics
 
 #: Dropped-batch flags a factor keeps before summing them (reads are at decompositions).
 _PENDING_FLAGS = 64
+#: Dropped-batch flags a decomposition reads one by one at most (more are summed first).
+_READ_ALONE = 4
 
 
 class KroneckerFactor:
@@ -68,9 +70,13 @@ class KroneckerFactor:
         """The device counts of dropped batches kept since the last call (0-dim int64).
 
         Their sum is the count; the caller sums them where it reads them (one read for every
-        factor's, no launch per factor).
+        factor's, no launch per factor). More than :data:`_READ_ALONE` are summed here first:
+        each value read costs the host a view and a place in the read's stack, and a factor
+        folded every step between rare decompositions keeps up to :data:`_PENDING_FLAGS`.
         """
         flags, self._nonfinite = self._nonfinite, []
+        if len(flags) > _READ_ALONE:
+            flags = [torch.stack(flags).sum()]
         return flags
 
     def take_nonfinite_count(self) -> Tensor | None:

@@ -9,7 +9,7 @@ operations, and equal-shaped ones, stacked, in one operation per shape
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -94,6 +94,8 @@ def running_averages(
         The new running factors and the device booleans "batch ``i`` was finite".
     """
     plan = _chunk_plan(batches, stack_bytes)
+    if not plan:
+        return [], torch.ones(0, dtype=torch.bool)
     order = [index for spec in plan for index in spec.indices]
     cast: dict[torch.dtype, Tensor] = {}  # one conversion and gather per dtype, not per factor
     if divisors is not None:
@@ -105,29 +107,49 @@ def running_averages(
     oks = []
     for wave in _waves(plan, stack_bytes):
         # The stacks of one wave at a time (each wave's stacked copies at most about
-        # stack_bytes): a model's every factor stacked at once would be one more copy of
-        # all of them. Per-factor vectors are in the chunks' order, each chunk's a slice.
-        chunks = [_Chunk(spec, runnings, batches) for spec in wave]
-        if divisors is not None:
-            for chunk in chunks:
-                chunk.divide(cast[chunk.spec.wide])
-        batch_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.batches)])
-        running_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.runnings)])
-        start, end = wave[0].start, wave[-1].start + len(wave[-1].indices)
-        usable = batch_ok if present is None else batch_ok & present[start:end]
-        both = usable & running_ok
-        blends = torch._foreach_lerp(
-            [chunk.runnings for chunk in chunks], [chunk.batches for chunk in chunks], 1.0 - decay
-        )
-        for chunk, blend in zip(chunks, blends, strict=True):
-            folded = chunk.select(blend, usable, both, start)
-            for index, average in zip(chunk.spec.indices, folded, strict=True):
+        # stack_bytes; _fold_wave's own, freed when it returns): a model's every factor
+        # stacked at once would be one more copy of all of them.
+        averages, batch_ok = _fold_wave(wave, runnings, batches, decay, present, cast)
+        for spec, folded in zip(wave, averages, strict=True):
+            for index, average in zip(spec.indices, folded, strict=True):
                 result[index] = average
         oks.append(batch_ok)
     position = [0] * len(order)
     for place, index in enumerate(order):
         position[index] = place
     return result, _gathered(oks[0] if len(oks) == 1 else torch.cat(oks), position)
+
+
+def _fold_wave(
+    wave: Sequence[_ChunkSpec],
+    runnings: Sequence[Tensor],
+    batches: Sequence[Tensor],
+    decay: float,
+    present: Tensor | None,
+    divisors: Mapping[torch.dtype, Tensor],
+) -> tuple[list[list[Tensor]], Tensor]:
+    """One wave's new averages (per chunk) and its batches' finiteness (the chunks' order).
+
+    ``present`` and ``divisors`` (per dtype; none: the batches are factors) are every
+    factor's, in the chunks' order: each chunk's part is a slice.
+    """
+    chunks = [_Chunk(spec, runnings, batches) for spec in wave]
+    if divisors:
+        for chunk in chunks:
+            chunk.divide(divisors[chunk.spec.wide])
+    batch_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.batches)])
+    running_ok = finite_flags([row for chunk in chunks for row in chunk.rows(chunk.runnings)])
+    start, end = wave[0].start, wave[-1].start + len(wave[-1].indices)
+    usable = batch_ok if present is None else batch_ok & present[start:end]
+    both = usable & running_ok
+    blends = torch._foreach_lerp(
+        [chunk.runnings for chunk in chunks], [chunk.batches for chunk in chunks], 1.0 - decay
+    )
+    averages = [
+        chunk.select(blend, usable, both, start)
+        for chunk, blend in zip(chunks, blends, strict=True)
+    ]
+    return averages, batch_ok
 
 
 def _gathered(values: Tensor, indices: Sequence[int]) -> Tensor:
@@ -188,6 +210,8 @@ def _chunk_plan(batches: Sequence[Tensor], stack_bytes: int) -> list[_ChunkSpec]
 
 def _waves(plan: Sequence[_ChunkSpec], stack_bytes: int) -> list[list[_ChunkSpec]]:
     """Consecutive chunks whose stacked sums add up to at most ``stack_bytes`` (one at least)."""
+    if not plan:
+        return []
     waves: list[list[_ChunkSpec]] = [[]]
     held = 0
     for spec in plan:

@@ -275,7 +275,7 @@ class PlacementRunner:
             values = trace_means([layers[r.layer].factors[r.side].value() for r in known], dtype)
             entries = list(means.view(-1).unbind())
             for route, value in zip(known, values.unbind(), strict=True):
-                entries[2 * route.layer + FACTOR_SIDES.index(route.side)] = value
+                entries[len(FACTOR_SIDES) * route.layer + FACTOR_SIDES.index(route.side)] = value
             means = torch.stack(entries).view_as(means)
         if exchange:
             self.share_traces(means)
