@@ -130,6 +130,26 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return label, parse_options(options)
 
 
+def labelled_options(text: str) -> tuple[str, dict[str, Any]]:
+    """``LABEL=JSON`` with any label: a run's label and its KFACPreconditioner keywords."""
+    label, sep, options = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL=JSON")
+    return label, parse_options(options)
+
+
+def add_variant_argument(parser: argparse.ArgumentParser) -> None:
+    """``--variant LABEL=JSON`` (repeatable; :func:`labelled_options`), for per-step probes."""
+    parser.add_argument(
+        "--variant",
+        type=labelled_options,
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="a run with more KFACPreconditioner keywords (repeatable; default: dkfac's defaults)",
+    )
+
+
 def configurations(
     libraries: list[str], variants: dict[str, dict[str, Any]] | None = None
 ) -> list[Configuration]:

@@ -38,9 +38,9 @@ import dkfac
 from gpu_overhead import (
     MODELS,
     add_model_arguments,
+    add_variant_argument,
     environment,
     fresh_model,
-    parse_options,
     write_report,
 )
 
@@ -172,13 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch=4)
     parser.add_argument("--method", default="inverse", choices=("eigen", "inverse"))
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="LABEL=JSON",
-        help="a run with more KFACPreconditioner keywords (repeatable; default: dkfac's defaults)",
-    )
+    add_variant_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -187,12 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     image_size = args.image_size or MODELS[args.model].image_size
-    variants: dict[str, dict[str, Any]] = {}
-    for text in args.variant or ["dkfac={}"]:
-        label, _, options = text.partition("=")
-        if not label or not options:
-            raise SystemExit(f"--variant {text!r}: expected LABEL=JSON")
-        variants[label] = parse_options(options)
+    variants: dict[str, dict[str, Any]] = dict(args.variant) or {"dkfac": {}}
     common = (args.model, device, image_size, args.batch, args.method)
     results: dict[str, Any] = {
         "environment": environment(device),

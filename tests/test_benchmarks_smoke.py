@@ -598,3 +598,35 @@ def test_pixel_grams_keeps_the_shapes_it_measured_when_cut_short(
     assert report["complete"] is False and len(report["shapes"]) == 1
     assert report["shapes"][0]["shape"] == list(calls[0])
     assert report["totals_ms"]["highest"]["copy"] > 0
+
+
+def test_host_time_thins_the_model_and_times_every_kind_of_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/host_time.py: the thinned model keeps every layer (kinds, kernels, strides)
+    with its channels divided, and the amortised time weighs the step kinds' medians by a
+    (10, 100) schedule's shares (oracle: 0.9, 0.09 and 0.01 of the three sums)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("host_time", monkeypatch)
+    model = bench.MODELS["resnet32"].build(10)
+    thin = bench.thinned(bench.MODELS["resnet32"].build(10), 8, 10)
+    pairs = list(zip(model.modules(), thin.modules(), strict=True))
+    assert all(type(a) is type(b) for a, b in pairs)
+    for wide, narrow in pairs:
+        if isinstance(wide, torch.nn.Conv2d):
+            assert (narrow.kernel_size, narrow.stride, narrow.padding) == (
+                wide.kernel_size,
+                wide.stride,
+                wide.padding,
+            )
+            assert narrow.out_channels == wide.out_channels // 8
+    out = tmp_path / "host.json"
+    argv = ["--models", "resnet32", "--steps", "100", "--gpu-paths", "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())["models"]["resnet32"]
+    kinds = result["variants"]["dkfac"]
+    assert set(kinds) == {"plain", "factors", "decomposition"}
+    sums = {kind: sum(parts.values()) for kind, parts in kinds.items()}
+    expected = 0.9 * sums["plain"] + 0.09 * sums["factors"] + 0.01 * sums["decomposition"]
+    assert result["amortised_ms"]["dkfac"] == pytest.approx(expected)
+    assert result["amortised_ms"]["sgd"] == pytest.approx(sum(result["sgd"]["plain"].values()))

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dkfac.curvature.factors as factors_module
 import dkfac.curvature.running_average as running_average_module
+import dkfac.curvature.shifted_gram_plan as plan_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
-from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
+from dkfac.curvature.factors import conv2d_patch_gram
 from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
@@ -28,6 +28,7 @@ from dkfac.curvature.running_average import (
     running_average,
     running_averages,
 )
+from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
 
 
 def brute_force_patch_gram(
@@ -232,6 +233,46 @@ def test_the_pixel_gram_takes_per_example_products_from_four_positions_per_chann
         assert matrix_products(lambda: pixel_gram(rows, torch.float32, True)) == ["mm"]
 
 
+@pytest.mark.parametrize(
+    ("kernel", "dilation", "pad", "shape", "expected"),
+    [
+        # 3x3, padding 1: 13 shifts in 3 kernel rows; 8 border groups, 4 corners and 4 edges.
+        ((3, 3), (1, 1), (1, 1, 1, 1), (2, 3, 6, 6), ["bmm"] * 5 + ["mm"]),
+        # Non-square: the edges are 2 pairs of sizes 4 and 3 besides the corners.
+        ((3, 3), (1, 1), (1, 1, 1, 1), (2, 3, 5, 6), ["bmm"] * 6 + ["mm"]),
+        # 5x3, dilation (1, 2): 5 kernel rows of shifts.
+        ((5, 3), (1, 2), (2, 2, 2, 2), (1, 2, 7, 8), None),
+    ],
+)
+def test_shifted_products_take_one_launch_per_kernel_row_and_group_size(
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    shape: tuple[int, int, int, int],
+    expected: list[str] | None,
+) -> None:
+    # On a GPU a small model's factor step waits for the host, which prepares each launch:
+    # the shifted products of one kernel row share a batched product, and so do the border
+    # groups of one size (results: test_patch_gram_matches_brute_force_on_random_configurations).
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def gram(with_ones: bool) -> tuple[torch.Tensor, int]:
+        return conv2d_patch_gram(
+            x, kernel=kernel, dilation=dilation, stride=(1, 1), pad=pad, with_ones=with_ones
+        )
+
+    products = matrix_products(lambda: gram(False))
+    if expected is None:  # the rows of shifts: kh of them, then the groups and the weights
+        assert products[: kernel[0]] == ["bmm"] * kernel[0] and products[-1] == "mm"
+    else:
+        assert products == expected
+    for with_ones in (False, True):
+        got, rows = gram(with_ones)
+        want, want_rows = brute_force_patch_gram(x, kernel, dilation, (1, 1), pad, with_ones)
+        assert rows == want_rows
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def unfold_patch_gram(x: torch.Tensor, conv: nn.Conv2d) -> tuple[torch.Tensor, int]:
     """Σ a aᵀ (plus the bias 1) over the ``F.unfold`` patches of ``conv``'s input, in float64."""
     assert not isinstance(conv.padding, str)
@@ -257,16 +298,16 @@ def test_conv_a_factor_over_alternating_input_sizes_never_uses_a_stale_plan(
     sizes = [(4, 5), (5, 4), (4, 7), (6, 5), (3, 3), (7, 4), (5, 6), (2, 9), (9, 2), (6, 6)]
     assert len(sizes) > bound
     order = sizes + sizes[::-1] + sizes[::2] + sizes[1::2] + [sizes[0], sizes[-1]] * 3
-    planned: list[factors_module.ConvGeometry] = []
-    plan = factors_module.plan_shifted_gram
+    planned: list[plan_module.ConvGeometry] = []
+    plan = plan_module.plan_shifted_gram
 
     def counting_plan(
-        geometry: factors_module.ConvGeometry, device: torch.device
-    ) -> factors_module.ShiftedGramPlan:
+        geometry: plan_module.ConvGeometry, device: torch.device
+    ) -> plan_module.ShiftedGramPlan:
         planned.append(geometry)
         return plan(geometry, device)
 
-    monkeypatch.setattr(factors_module, "plan_shifted_gram", counting_plan)
+    monkeypatch.setattr(plan_module, "plan_shifted_gram", counting_plan)
     generator = torch.Generator().manual_seed(0)
     for step, (h, w) in enumerate(order):
         x = torch.randn(1 + step % 3, 2, h, w, dtype=torch.float64, generator=generator)

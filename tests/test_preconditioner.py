@@ -895,7 +895,7 @@ def test_factor_steps_of_conv_layers_read_nothing_back_from_the_device(
     # Step 0 plans each stride-1 layer's patch Gram once (on the CPU), which the spy sees:
     # it does see host reads made inside the hooks.
     first = step(0)
-    assert any(module == "dkfac.curvature.factors" for _, module in first), first
+    assert any(module == "dkfac.curvature.shifted_gram_plan" for _, module in first), first
     # Factor-update steps without decompositions: the hooks and step() read nothing back
     # (KL clipping's ν stays on the device).
     assert step(1) == []

@@ -187,32 +187,78 @@ def discover_layers(
     return layers, skipped
 
 
-def check_layers_unchanged(
-    model: nn.Module, paths: Sequence[str], layers: Sequence[LayerCurvature]
-) -> None:
-    """Raise if a preconditioned layer was replaced or resized since it was discovered.
+class LayerWatch:
+    """Raises if a preconditioned layer was replaced or resized since it was discovered.
+
+    Checked at every step, so it must cost little: walking each layer's module path through
+    ``nn.Module.__getattr__`` took ~0.4 ms a step for ResNet-32's 34 layers on this
+    project's CPU, a plain step's largest host cost after the products. The watch keeps
+    every parent-child link on the layers' paths (each once: ``layer1`` is on many paths)
+    and checks that each parent still holds its child, then each layer's weight. Only if a
+    link changed does it walk the paths as before: a container replaced by one holding the
+    same layers is still the same model there, and its links are then taken afresh.
 
     Args:
         model: the unwrapped model.
         paths: each layer's module path, as discovered.
         layers: the preconditioned layers.
-
-    Raises:
-        RuntimeError: the module at a layer's path, its weight or the weight's shape changed.
     """
-    for layer, path in zip(layers, paths, strict=True):
-        block = layer.block
-        try:
-            current: nn.Module | None = model.get_submodule(path)
-        except AttributeError:
-            current = None
-        if (
-            current is not block.module
-            or getattr(current, "weight", None) is not block.weight
-            or tuple(block.weight.shape) != block.weight_shape
+
+    def __init__(
+        self, model: nn.Module, paths: Sequence[str], layers: Sequence[LayerCurvature]
+    ) -> None:
+        self.paths = list(paths)
+        self._model = model
+        self._layers = list(layers)
+        self._links = self._current_links()
+
+    def _current_links(self) -> list[tuple[nn.Module, str, nn.Module]] | None:
+        """``(parent, name, child)`` of every link on the paths; None if a path is not one."""
+        links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+        for path, layer in zip(self.paths, self._layers, strict=True):
+            module = self._model
+            for name in path.split(".") if path else ():
+                child = module._modules.get(name)
+                if child is None:
+                    return None  # not a registered submodule's name: walked every step
+                links[(id(module), name)] = (module, name, child)
+                module = child
+            if module is not layer.block.module:
+                return None
+        return list(links.values())
+
+    def check(self) -> None:
+        """Raise if a layer's module, its weight or the weight's shape changed.
+
+        Raises:
+            RuntimeError: the module at a layer's path, its weight or the weight's shape
+                changed.
+        """
+        if self._links is not None and all(
+            parent._modules.get(name) is child for parent, name, child in self._links
         ):
-            raise RuntimeError(
-                f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
-                "was replaced or resized. Build the preconditioner after the model is final "
-                "(call pre.remove() and create a new one)"
-            )
+            for layer in self._layers:
+                _check_weight(layer, layer.block.module)
+            return
+        for layer, path in zip(self._layers, self.paths, strict=True):
+            try:
+                current: nn.Module | None = self._model.get_submodule(path)
+            except AttributeError:
+                current = None
+            _check_weight(layer, current)
+        self._links = self._current_links()
+
+
+def _check_weight(layer: LayerCurvature, current: nn.Module | None) -> None:
+    """Raise unless ``current`` is ``layer``'s module, with its weight of its shape."""
+    block = layer.block
+    if (
+        current is not block.module
+        or getattr(current, "weight", None) is not block.weight
+        or tuple(block.weight.shape) != block.weight_shape
+    ):
+        raise RuntimeError(
+            f"the model changed after KFACPreconditioner was built: layer {layer.name!r} "
+            "was replaced or resized. Build the preconditioner after the model is final "
+            "(call pre.remove() and create a new one)"
+        )

@@ -15,7 +15,7 @@ from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
-from dkfac.layer_discovery import check_layers_unchanged, discover_layers, is_compiled, unwrap_model
+from dkfac.layer_discovery import LayerWatch, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
@@ -224,8 +224,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         self._model = unwrap_model(model)
         self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
         discovered, self._skipped = discover_layers(self._model, self.config, blocks)
-        self._paths = [path for path, _ in discovered]
         self._layers = [layer for _, layer in discovered]
+        self._watch = LayerWatch(self._model, [path for path, _ in discovered], self._layers)
         # Attached without a number, the optimizer's steps delimit the windows: any number of
         # passes (pipelined strategies then expect as many as the window before).
         expected = accumulation_steps or (None if optimizer is not None else 1)
@@ -286,7 +286,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         """
         hooked = self._hook is not None and not self._hook.running
         refuse_step_call(self._adaptive is not None, inputs, targets, self._removed, hooked)
-        check_layers_unchanged(self._model, self._paths, self._layers)
+        self._watch.check()
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
             batch = None if self._adaptive is None else self._adaptive.model_batch(inputs, targets)

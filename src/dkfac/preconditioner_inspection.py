@@ -13,6 +13,7 @@ from dkfac.comm import StepRecorder
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.health import Health
+from dkfac.layer_discovery import LayerWatch
 from dkfac.layer_table import SkippedModule, format_layer_table
 from dkfac.layer_usage import LayerUsage
 from dkfac.strategies import Strategy
@@ -26,7 +27,7 @@ class PreconditionerInspection:
 
     config: KFACConfig
     _model: nn.Module
-    _paths: list[str]
+    _watch: LayerWatch
     _layers: list[LayerCurvature]
     _skipped: list[SkippedModule]
     _strategy: Strategy
@@ -135,7 +136,7 @@ class PreconditionerInspection:
         )
         lines = format_layer_table(
             self._model,
-            dict(zip(self._paths, self._layers, strict=True)),
+            dict(zip(self._watch.paths, self._layers, strict=True)),
             self._skipped,
             self._strategy.plan(),
             silent=self._usage.silent,

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.curvature.factors import ShiftedGramPlans, conv2d_patch_gram
+from dkfac.curvature.factors import conv2d_patch_gram
 from dkfac.curvature.gram import HIGHEST, GramPrecision, gram_with_ones, pixel_gram
+from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
 
 
 class UnsupportedLayerError(ValueError):

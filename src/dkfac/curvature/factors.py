@@ -6,10 +6,6 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -20,6 +16,12 @@ from dkfac.curvature.gram import (
     fill_border,
     gram_with_ones,
     pixel_gram,
+)
+from dkfac.curvature.shifted_gram_plan import (
+    ConvGeometry,
+    ShiftedGramPlan,
+    ShiftedGramPlans,
+    plan_shifted_gram,
 )
 
 
@@ -118,156 +120,6 @@ def _strided_patch_gram(
     return bordered_gram(reordered.reshape(size, size), sums, flat.shape[0]), flat.shape[0]
 
 
-class ConvGeometry(NamedTuple):
-    """What the index plan of a stride-1 patch Gram depends on (not the batch or channels)."""
-
-    height: int
-    width: int
-    kernel: tuple[int, int]
-    dilation: tuple[int, int]
-    pad: tuple[int, int, int, int]
-
-
-@dataclass(frozen=True)
-class ShiftedGramPlan:
-    """Index data of :func:`_shifted_patch_gram` for one geometry, already on the device.
-
-    Everything here depends on the geometry only, so it is computed once on the CPU (where
-    ``unique``, ``nonzero`` and friends cost no device synchronisation) and reused by every
-    factor update; the Gram itself then runs without reading anything back from the device.
-
-    Attributes:
-        geometry: the geometry this plan is for.
-        h_out: output height (``<= 0``: the convolution has no output position).
-        w_out: output width.
-        hp: height of the zero-padded position layout of one example.
-        wp: width of that layout.
-        shifts: kernel offset differences ``(D1, D2)`` with one GEMM each.
-        offsets: ``(S,)`` position offset of each shift in the flat layout.
-        offset_list: the same offsets as Python ints (GEMM operand slices).
-        max_offset: the largest offset (zero rows appended to the layout).
-        border: ``(B,)`` flat layout positions of the border pixels some window misses,
-            grouped by which windows miss them.
-        group_sizes: pixels in each border group.
-        border_patterns: ``(kh·kw, G)`` bool: does the window of offset ``u`` miss group ``g``.
-        inside: ``(kh·kw, H, W)`` bool: pixel inside the output window of offset ``u``.
-        which: shift index of each Gram block filled from a shifted product.
-        first: first kernel offset of each such block.
-        second: second kernel offset of each such block.
-    """
-
-    geometry: ConvGeometry
-    h_out: int
-    w_out: int
-    hp: int
-    wp: int
-    shifts: tuple[tuple[int, int], ...]
-    offsets: Tensor
-    offset_list: tuple[int, ...]
-    max_offset: int
-    border: Tensor
-    group_sizes: tuple[int, ...]
-    border_patterns: Tensor
-    inside: Tensor
-    which: Tensor
-    first: Tensor
-    second: Tensor
-
-
-def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: int) -> Tensor:
-    """``mask[i, r]``: image row ``r`` lies outside the output window of kernel offset ``i``.
-
-    With stride 1, offset ``i`` sees image rows ``[d·i − pad_before, d·i − pad_before + out)``.
-    """
-    start = torch.arange(kernel)[:, None] * dilation - pad_before
-    rows = torch.arange(size)[None, :]
-    return (rows < start) | (rows >= start + out)
-
-
-def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan:
-    """Compute the index plan of a stride-1 patch Gram on the CPU and move it to ``device``.
-
-    The only device work is the copy of a few small index tensors; call it once per geometry
-    (see :class:`ShiftedGramPlans`).
-    """
-    h, w, (kh, kw), (dh, dw), (left, right, top, bottom) = geometry
-    h_out = h + top + bottom - dh * (kh - 1)
-    w_out = w + left + right - dw * (kw - 1)
-    hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
-    shifts = tuple((d1, d2) for d1 in range(kh) for d2 in range(-kw + 1, kw) if d1 > 0 or d2 >= 0)
-    offset_list = tuple(dh * d1 * wp + dw * d2 for d1, d2 in shifts)
-    # Positions some window misses, grouped by which offsets miss them: a border row or
-    # column of the image, or a corner.
-    row_out = _window_mask(h, kh, dh, top, h_out)  # (kh, h)
-    col_out = _window_mask(w, kw, dw, left, w_out)  # (kw, w)
-    missed = (row_out[:, None, :, None] | col_out[None, :, None, :]).flatten(0, 1)  # (U, h, w)
-    patterns, group_of = torch.unique(missed.flatten(1), dim=1, return_inverse=True)
-    border_groups = [g for g in range(patterns.shape[1]) if bool(patterns[:, g].any())]
-    positions = [(group_of == g).nonzero().squeeze(1) for g in border_groups]
-    border = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
-    which, first, second = [], [], []
-    for index_s, (d1, d2) in enumerate(shifts):
-        for i in range(max(0, -d1), min(kh, kh - d1)):
-            for j in range(max(0, -d2), min(kw, kw - d2)):
-                which.append(index_s)
-                first.append(i * kw + j)
-                second.append((i + d1) * kw + (j + d2))
-
-    def here(values: Tensor | list[int]) -> Tensor:
-        tensor = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
-        return tensor.to(device)
-
-    return ShiftedGramPlan(
-        geometry=geometry,
-        h_out=h_out,
-        w_out=w_out,
-        hp=hp,
-        wp=wp,
-        shifts=shifts,
-        offsets=here(list(offset_list)),
-        offset_list=offset_list,
-        max_offset=max(offset_list),
-        border=here((border // w) * wp + border % w),
-        group_sizes=tuple(len(p) for p in positions),
-        border_patterns=here(patterns[:, border_groups]),
-        inside=here(~missed),
-        which=here(which),
-        first=here(first),
-        second=here(second),
-    )
-
-
-class ShiftedGramPlans:
-    """One layer's cache of :class:`ShiftedGramPlan`, keyed by geometry and device.
-
-    A layer sees one input size in most models; the cache keeps the most recent
-    :data:`MAX_PLANS` so that varying sizes (multi-scale training) cannot grow it unboundedly.
-    """
-
-    MAX_PLANS = 8
-
-    def __init__(self) -> None:
-        self._plans: dict[tuple[ConvGeometry, torch.device], ShiftedGramPlan] = {}
-
-    def get(self, geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan:
-        """The plan for ``geometry`` on ``device``, computed on first use."""
-        key = (geometry, device)
-        plan = self._plans.pop(key, None)
-        if plan is None:
-            plan = plan_shifted_gram(geometry, device)
-            if len(self._plans) >= self.MAX_PLANS:
-                del self._plans[next(iter(self._plans))]
-        self._plans[key] = plan  # most recently used last
-        return plan
-
-    def cached(self, geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan | None:
-        """The plan for ``geometry`` on ``device`` if one was made, else ``None`` (makes none)."""
-        return self._plans.get((geometry, device))
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-
 def _shifted_patch_gram(
     x: Tensor,
     plan: ShiftedGramPlan,
@@ -279,13 +131,16 @@ def _shifted_patch_gram(
 
     Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
     input with itself shifted by ``d·D``, summed over the output window of offset ``u``. Over
-    the whole image that correlation depends on ``D`` only, so it is one GEMM per ``D``
+    the whole image that correlation depends on ``D`` only, so it is one product per ``D``
     (``((2kh−1)(2kw−1)+1)/2`` of them instead of ``(kh·kw)²`` blocks, the rest by symmetry);
     each block then subtracts the image positions its window misses, which lie in a few rows
     and columns at the border. The input is laid out once, cast to ``operand`` in the same
-    copy, as a flat zero-padded ``(positions, C)`` matrix, so every shifted GEMM operand is a
-    strided view (no copy) and a shifted position outside the image reads a zero. All index
-    data comes from ``plan``: nothing is read back from the device here.
+    copy, as a flat zero-padded ``(positions, C)`` matrix, so every shifted operand is a
+    strided view (no copy) and a shifted position outside the image reads a zero. The
+    products of shifts of one kernel row are one batched product of overlapping views
+    (``plan.shift_runs``), the border groups' of one size another (``plan.group_runs``): a
+    3x3 kernel takes 5 launches for its 21 products. All index data comes from ``plan``:
+    nothing is read back from the device here.
     """
     n, c, h, w = x.shape
     out_dtype = precision.output_dtype(operand)
@@ -296,42 +151,51 @@ def _shifted_patch_gram(
     if h_out <= 0 or w_out <= 0:
         return x.new_zeros(size + with_ones, size + with_ones, dtype=out_dtype), 0
     span = n * hp * wp
-    shifts = plan.shifts
-    # Positions-major layout: a GEMM reads it transposed for free, and gathering positions
+    shifts = len(plan.shifts)
+    # Positions-major layout: a product reads it transposed for free, and gathering positions
     # gathers contiguous channel vectors.
     flat = x.new_zeros(span + plan.max_offset, c, dtype=operand)
     image = flat[:span].view(n, hp, wp, c)[:, :h, :w]
     image.copy_(x.permute(0, 2, 3, 1))  # cast to the operands' dtype in the same copy
+    flat = precision.as_read(flat)
     base = flat[:span].t()
-    full = x.new_empty(len(shifts), c, c, dtype=out_dtype)  # each product written in place
-    for index_s, offset in enumerate(plan.offset_list):
-        precision.mm(base, flat[offset : offset + span], out=full[index_s])
+    full = x.new_empty(shifts, c, c, dtype=out_dtype)  # each product written in place
+    for run in plan.shift_runs:
+        # A run's operands overlap: run.step positions apart. flat is a tensor of its own
+        # (storage offset 0; asking it would break torch.compile's graph).
+        shifted = flat.as_strided((run.items, span, c), (run.step * c, c, 1), run.start * c)
+        out = full[run.first : run.first + run.items]
+        precision.bmm(base.expand(run.items, c, span), shifted, out=out)
 
     # The Gram's blocks from their shifted products: only the blocks it needs, gathered.
     chosen = full[plan.which]
-    # Each border group's correction is one GEMM contracting over all its positions and
-    # examples.
+    # Each border group's correction contracts over all its positions and examples; the
+    # groups of one size in one batched product.
     if plan.group_sizes:
-        sizes = [size_g * n for size_g in plan.group_sizes]
-        index = (plan.border[:, None] + torch.arange(n, device=x.device) * (hp * wp)).flatten()
+        index, shifted_index = plan.border_rows(n)
         at_border = flat[index]  # (B·N, C)
-        shifted = flat[index[:, None] + plan.offsets].flatten(1)  # (B·N, S·C)
-        bounds = [0, *itertools.accumulate(sizes)]
-        per_group = full.new_empty(len(sizes), c, len(shifts) * c)  # (G, C, S·C)
-        for group, (i, j) in enumerate(itertools.pairwise(bounds)):
-            precision.mm(at_border[i:j].t(), shifted[i:j], out=per_group[group])
-        weights = plan.border_patterns.to(out_dtype)  # (U, G)
-        corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, len(shifts), c)
+        shifted_rows = flat[shifted_index].flatten(1)  # (B·N, S·C)
+        per_group = full.new_empty(len(plan.group_sizes), c, shifts * c)  # (G, C, S·C)
+        for run in plan.group_runs:
+            rows_per_group = run.step * n
+            stop = (run.start + run.items * run.step) * n
+            precision.bmm(
+                at_border[run.start * n : stop].view(run.items, rows_per_group, c).mT,
+                shifted_rows[run.start * n : stop].view(run.items, rows_per_group, -1),
+                out=per_group[run.first : run.first + run.items],
+            )
+        weights = plan.in_dtype("border_patterns", out_dtype)  # (U, G)
+        corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, shifts, c)
         chosen.sub_(corrections.permute(2, 0, 1, 3)[plan.which, plan.first])
     # Written straight into the Gram's (c, u) order: block (u, u') is a strided view of it.
-    out = full.new_empty(size + with_ones, size + with_ones)
-    gram = out[:size, :size]
+    gram_out = full.new_empty(size + with_ones, size + with_ones)
+    gram = gram_out[:size, :size]
     blocks = gram.view(c, kh * kw, c, kh * kw).permute(1, 3, 0, 2)  # (u, u', c, c')
     blocks[plan.second, plan.first] = chosen.transpose(1, 2)
     blocks[plan.first, plan.second] = chosen
     if with_ones:
         # Bias row: the patch sums, i.e. channel sums over each offset's window.
-        inside = plan.inside.to(out_dtype)  # (kh·kw, h, w)
+        inside = plan.in_dtype("inside", out_dtype)  # (kh·kw, h, w)
         sums = torch.einsum("hwc,uhw->cu", image.sum(0, dtype=out_dtype), inside).reshape(-1)
-        fill_border(out, sums, rows)
-    return out, rows
+        fill_border(gram_out, sums, rows)
+    return gram_out, rows

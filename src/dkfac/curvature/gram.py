@@ -70,13 +70,30 @@ class GramPrecision:
             return torch.mm(a, b, out_dtype=torch.float32, out=out)
         return a.float() @ b.float() if out is None else torch.mm(a.float(), b.float(), out=out)
 
-    def bmm(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a @ b`` of two batches of operand matrices, as :meth:`mm` forms each product."""
+    def bmm(self, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+        """``a @ b`` of two batches of operand matrices, as :meth:`mm` forms each product.
+
+        ``out``: where to write it, as in :meth:`mm`.
+        """
         if self.name != "bf16":
-            return torch.bmm(a, b)
+            return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
         if a.device.type == "cuda" and CUDA_MM_OUT_DTYPE:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        return torch.bmm(a.float(), b.float())
+            if out is None:
+                return torch.bmm(a, b, out_dtype=torch.float32)
+            return torch.bmm(a, b, out_dtype=torch.float32, out=out)
+        wide_a, wide_b = a.float(), b.float()
+        return torch.bmm(wide_a, wide_b) if out is None else torch.bmm(wide_a, wide_b, out=out)
+
+    def as_read(self, operands: Tensor) -> Tensor:
+        """``operands`` as the products read them: widened to float32 where bf16 is emulated.
+
+        For a layout that many products read through overlapping views (the shifted
+        products of a convolution's patch Gram): widened once, instead of each view being
+        widened, and materialised, by :meth:`mm` or :meth:`bmm`.
+        """
+        if self.name == "bf16" and not (operands.device.type == "cuda" and CUDA_MM_OUT_DTYPE):
+            return operands.float()
+        return operands
 
     def output_dtype(self, operands: torch.dtype) -> torch.dtype:
         """Dtype of the products of operands of dtype ``operands``."""

@@ -1,0 +1,242 @@
+"""Host time per kind of K-FAC step: what a GPU waits for when a model's kernels are small.
+
+On a GPU, a small model's step (ResNet-32 at batch 128 takes ~9 ms on an H100) is bound by
+the host: Python and the dispatch of each operator, not the kernels. dkfac's share of such a
+step is its host time. This measures it on the CPU by running a model's own structure
+(every layer, hook and operator call) with its channels divided by ``--thin`` (default: its
+narrowest width, so that equal widths stay equal) and tiny inputs, so that the arithmetic
+left is negligible: what a step takes is then host time. Per kind of step
+of a ``(10, 100)`` schedule: the forward-backward pass (capturing statistics or not),
+``pre.step()`` and the optimizer's step, medians over the run; and the amortised host time
+per iteration against SGD's, side by side in one run. Variants (``--variant LABEL=JSON``)
+are more ``KFACPreconditioner`` keywords; ``--gpu-paths`` turns on what dkfac's defaults turn
+on for a GPU only (the batched preconditioning and folds), so the host work of the GPU's code
+paths is what is timed (a few device-dependent details, e.g. the finiteness checks, stay
+the CPU's).
+
+Usage::
+
+    python benchmarks/host_time.py --models resnet32,resnet50 --gpu-paths \
+        --out benchmarks/results/host_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dkfac
+from gpu_overhead import MODELS, add_variant_argument, environment, write_report
+
+#: The schedule timed: factors every 10 steps, decompositions every 100.
+FACTOR_STEPS, DECOMPOSITION_STEPS = 10, 100
+#: Keywords that select the code paths dkfac's defaults take on a GPU.
+GPU_PATHS = {"batched_preconditioning": True, "batched_factor_updates": True}
+KINDS = ("plain", "factors", "decomposition")
+
+
+def thinned(module: nn.Module, divisor: int, num_classes: int) -> nn.Module:
+    """``module`` with every convolution, batch norm and linear layer ``divisor`` times narrower.
+
+    The image's 3 input channels stay; a layer keeps at least one channel; the classifier
+    keeps ``num_classes`` outputs. Layers are replaced in place, so the structure (the layer
+    count, their kinds, kernels and strides) is the model's own.
+    """
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Conv2d):
+            inputs = child.in_channels if child.in_channels == 3 else child.in_channels // divisor
+            replacement: nn.Module = nn.Conv2d(
+                max(inputs, 1),
+                max(child.out_channels // divisor, 1),
+                child.kernel_size,
+                child.stride,
+                child.padding,
+                child.dilation,
+                bias=child.bias is not None,
+            )
+        elif isinstance(child, nn.BatchNorm2d):
+            replacement = nn.BatchNorm2d(max(child.num_features // divisor, 1))
+        elif isinstance(child, nn.Linear):
+            replacement = nn.Linear(max(child.in_features // divisor, 1), num_classes)
+        else:
+            thinned(child, divisor, num_classes)
+            continue
+        setattr(module, name, replacement)
+    return module
+
+
+def narrowest(module: nn.Module) -> int:
+    """The fewest output channels of ``module``'s convolutions (the default divisor).
+
+    Dividing every width by it keeps equal widths equal (they are its multiples in ResNets),
+    so layers of one shape are stacked and batched as in the full-width model.
+    """
+    return min(m.out_channels for m in module.modules() if isinstance(m, nn.Conv2d))
+
+
+def median_ms(seconds: list[float]) -> float:
+    """The median of ``seconds``, in milliseconds."""
+    return statistics.median(seconds) * 1e3
+
+
+def kind_of(step: int) -> str:
+    """Which kind of step ``step`` of the schedule is."""
+    if step % DECOMPOSITION_STEPS == 0:
+        return "decomposition"
+    return "factors" if step % FACTOR_STEPS == 0 else "plain"
+
+
+def time_run(
+    model_name: str,
+    thin: int,
+    batch: int,
+    image_size: int,
+    steps: int,
+    options: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Median host times of SGD (``options`` None) or of one dkfac configuration's step kinds."""
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    classes = max(spec.num_classes // thin, 2)  # ResNet-50's 1000 would be its widest layer
+    model = thinned(spec.build(spec.num_classes), thin, classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, image_size, image_size, generator=generator)
+    y = torch.randint(0, classes, (batch,), generator=generator)
+
+    def forward_backward() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    def timed(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    samples: dict[str, dict[str, list[float]]] = {}
+    pre = None
+    if options is not None:
+        pre = dkfac.KFACPreconditioner(
+            model,
+            inverse_method="inverse",
+            factor_update_steps=FACTOR_STEPS,
+            inv_update_steps=DECOMPOSITION_STEPS,
+            **options,
+        )
+    # The first window (its first estimates and index plans) is warm-up, not timed.
+    for step in range(DECOMPOSITION_STEPS + steps):
+        kind = "plain" if pre is None else kind_of(step)
+        parts = {"forward_backward": timed(forward_backward)}
+        if pre is not None:
+            parts["kfac_step"] = timed(pre.step)
+        parts["optimizer"] = timed(optimizer.step)
+        if step >= DECOMPOSITION_STEPS:
+            for part, seconds in parts.items():
+                samples.setdefault(kind, {}).setdefault(part, []).append(seconds)
+    if pre is not None:
+        pre.remove()
+    return {
+        kind: {part: median_ms(values) for part, values in parts.items()}
+        for kind, parts in samples.items()
+    }
+
+
+def amortised_ms(kinds: dict[str, dict[str, float]]) -> float:
+    """Host time per iteration of the schedule, from each kind's medians."""
+    if set(kinds) == {"plain"}:
+        return sum(kinds["plain"].values())
+    share = {
+        "decomposition": 1 / DECOMPOSITION_STEPS,
+        "factors": 1 / FACTOR_STEPS - 1 / DECOMPOSITION_STEPS,
+    }
+    share["plain"] = 1 - share["factors"] - share["decomposition"]
+    return sum(share[kind] * sum(parts.values()) for kind, parts in kinds.items())
+
+
+def table(model: str, result: dict[str, Any]) -> str:
+    """One row per run: medians per kind of step and the amortised host time."""
+    sgd = amortised_ms(result["sgd"])
+    lines = [
+        f"{model} (channels / {result['thin']}, batch {result['batch']}, "
+        f"{result['image_size']}x{result['image_size']}), host ms",
+        "| run | plain: pass + step() | factor step: pass + step() | decomposition step() "
+        "| amortised (vs SGD) |",
+        "|---|---|---|---|---|",
+        f"| SGD | {sgd:.2f} | | | {sgd:.2f} |",
+    ]
+    for label, kinds in result["variants"].items():
+        plain, factors = (
+            f"{kinds[kind]['forward_backward']:.2f} + {kinds[kind]['kfac_step']:.2f}"
+            for kind in ("plain", "factors")
+        )
+        total = amortised_ms(kinds)
+        lines.append(
+            f"| {label} | {plain} | {factors} | "
+            f"{kinds['decomposition']['kfac_step']:.1f} | {total:.2f} ({total / sgd - 1:+.1%}) |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="resnet32,resnet50", help="comma-separated")
+    parser.add_argument(
+        "--thin", type=int, default=0, help="channel divisor (default: the narrowest width)"
+    )
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=200, help="timed steps after the warm-up")
+    parser.add_argument(
+        "--gpu-paths", action="store_true", help="every run takes dkfac's GPU code paths"
+    )
+    add_variant_argument(parser)
+    parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    args = parser.parse_args(argv)
+    if args.thin < 0 or args.batch < 1 or args.steps < DECOMPOSITION_STEPS:
+        parser.error(f"--thin >= 0, --batch >= 1 and --steps >= {DECOMPOSITION_STEPS} needed")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # one thread: no intra-op pool's wake-ups in the host time
+    variants: dict[str, dict[str, Any]] = dict(args.variant) or {"dkfac": {}}
+    if args.gpu_paths:
+        variants = {label: {**GPU_PATHS, **options} for label, options in variants.items()}
+    report: dict[str, Any] = {
+        "environment": environment(torch.device("cpu")),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "options": variants,
+        "models": {},
+    }
+    for model_name in args.models.split(","):
+        spec = MODELS[model_name]
+        thin = args.thin or narrowest(spec.build(spec.num_classes))
+        common = (model_name, thin, args.batch, args.image_size, args.steps)
+        result = {
+            "thin": thin,
+            "batch": args.batch,
+            "image_size": args.image_size,
+            "sgd": time_run(*common, None),
+            "variants": {label: time_run(*common, options) for label, options in variants.items()},
+        }
+        result["amortised_ms"] = {"sgd": amortised_ms(result["sgd"])} | {
+            label: amortised_ms(kinds) for label, kinds in result["variants"].items()
+        }
+        report["models"][model_name] = result
+        print(table(model_name, result), flush=True)
+        write_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
