@@ -14,12 +14,15 @@
 #      decompose its warm factors; the operators each kind of step issues (step_launches.py);
 #      the pixel Grams of ResNet-50's statistics both ways (pixel_grams.py: per-example
 #      products of channel planes against one product of a channel-major copy);
-#   5. `make test`'s selection (`-m "not slow"`, the cuda-marked tests included) in one pass,
+#   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults and one layer at a time (a small
+#      model's step waits for the host), and host_time.py on this machine's CPU: the host
+#      time per kind of step of ResNet-32's and ResNet-50's structures, channels divided;
+#   6. the cuda-marked tests, then the rest of `make test`'s selection (`-m "not slow"`),
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
-#      SUITE_ARGS replaces the selection (e.g. `-m cuda tests`).
-# The boxes add up to 540 s by default (one command may run 600); on an H200 (2026-11-28) the
-# install and parts 1, 2 and 4 (without its decompositions) took 210 s together, part 5 ~250 s,
-# part 3 needs ~60 s for two rows.
+#      SUITE_ARGS replaces the second selection.
+# The boxes add up to 550 s by default (one command may run 600); on an H200 (2026-11-28) the
+# install and parts 1, 2 and 4 (without its decompositions) took 210 s together, the whole
+# suite ~250 s, part 3 needs ~60 s for two rows.
 # Uses the machine's own python3 with torch (no network there: the project is installed
 # without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
 # as $KFAC_PYTORCH, or from the network where there is one).
@@ -29,14 +32,17 @@
 set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
-TF32_S=${TF32_S:-165}
-DEFAULT_S=${DEFAULT_S:-80}
+TF32_S=${TF32_S:-150}
+DEFAULT_S=${DEFAULT_S:-75}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-75}
 LAUNCHES_S=${LAUNCHES_S:-30}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-SUITE_S=${SUITE_S:-170}
-SUITE_ARGS=${SUITE_ARGS:--m "not slow" tests}
+RESNET32_S=${RESNET32_S:-30}
+HOST_TIME_S=${HOST_TIME_S:-20}
+CUDA_TESTS_S=${CUDA_TESTS_S:-60}
+SUITE_S=${SUITE_S:-90}
+SUITE_ARGS=${SUITE_ARGS:--m "not slow and not cuda" tests}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,15 +63,15 @@ unstacked='{"batched_factor_updates": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
   --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant 'dkfac-bdec={"batched_decompositions": true}'
   --variant 'dkfac-bdec576={"batched_decompositions": 576}')
-bench() {  # seconds, name, then gpu_overhead.py's arguments
-  local seconds=$1 name=$2
+bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 unless set)
+  local seconds=$1 name=$2 model=${MODEL:-resnet50}
   shift 2
   echo "== $name"
-  timeout -s INT "$seconds" python3 benchmarks/gpu_overhead.py --models resnet50 \
+  timeout -s INT "$seconds" python3 benchmarks/gpu_overhead.py --models "$model" \
     --out "$OUT/$name" --install-kfac-pytorch "$KFAC_PYTORCH" --host-waits "" "$@" \
     > "$OUT/$name.log" 2>&1
   echo "exit $?"
-  grep -A30 "^resnet50" "$OUT/$name.log" | head -30
+  grep -A30 "^$model" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
   --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-unstacked_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
@@ -89,9 +95,21 @@ echo "== pixel Grams two ways: ResNet-50, batch 128"
 timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet50 --batch 128 \
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
-echo "== the suite: $SUITE_ARGS, $WORKERS workers"
+MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
+  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100
+echo "== host time per kind of step on this CPU (channels divided)"
+timeout -s INT "$HOST_TIME_S" python3 benchmarks/host_time.py --models resnet32,resnet50 \
+  --gpu-paths --out "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
+echo "exit $?"; grep -v "^ " "$OUT/host_time.log" | tail -10
+suite() {  # name, seconds, then pytest's selection
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*, $WORKERS workers"
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -s INT "$seconds" python3 -m pytest -q \
+    -p no:cacheprovider -rs -n "$WORKERS" --junitxml "$OUT/$name.xml" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "$name exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$name.log" | tail -25
+}
+suite cuda_tests "$CUDA_TESTS_S" -m cuda tests
 eval "suite_args=($SUITE_ARGS)"
-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -s INT "$SUITE_S" python3 -m pytest -q \
-  -p no:cacheprovider -rs -n "$WORKERS" --junitxml "$OUT/suite.xml" "${suite_args[@]}" \
-  > "$OUT/suite.log" 2>&1
-echo "suite exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/suite.log" | tail -25
+suite suite "$SUITE_S" "${suite_args[@]}"

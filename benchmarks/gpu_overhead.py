@@ -122,12 +122,12 @@ def parse_options(text: str) -> dict[str, Any]:
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """``LABEL=JSON`` (``--variant``): a dkfac variant's label and its keyword options."""
-    label, sep, options = text.partition("=")
-    if not sep or not label.startswith("dkfac-") or "_" in label:
+    label, options = labelled_options(text)
+    if not label.startswith("dkfac-") or "_" in label:
         raise argparse.ArgumentTypeError(
             f"--variant {text!r}: expected LABEL=JSON with LABEL 'dkfac-<name>' (no '_')"
         )
-    return label, parse_options(options)
+    return label, options
 
 
 def labelled_options(text: str) -> tuple[str, dict[str, Any]]:

@@ -40,19 +40,24 @@ from gpu_overhead import MODELS, add_variant_argument, environment, write_report
 #: The schedule timed: factors every 10 steps, decompositions every 100.
 FACTOR_STEPS, DECOMPOSITION_STEPS = 10, 100
 #: Keywords that select the code paths dkfac's defaults take on a GPU.
-GPU_PATHS = {"batched_preconditioning": True, "batched_factor_updates": True}
+GPU_PATHS = (("batched_preconditioning", True), ("batched_factor_updates", True))
 KINDS = ("plain", "factors", "decomposition")
 
 
-def thinned(module: nn.Module, divisor: int, num_classes: int) -> nn.Module:
+def thinned(module: nn.Module, divisor: int) -> nn.Module:
     """``module`` with every convolution, batch norm and linear layer ``divisor`` times narrower.
 
-    The image's 3 input channels stay; a layer keeps at least one channel; the classifier
-    keeps ``num_classes`` outputs. Layers are replaced in place, so the structure (the layer
-    count, their kinds, kernels and strides) is the model's own.
+    The image's 3 input channels stay; a layer keeps at least one channel and a linear layer
+    at least two outputs (the classifier's classes). Layers are replaced in place, so the
+    structure (the layer count, their kinds, kernels, strides and padding) is the model's own.
+
+    Raises:
+        ValueError: a grouped convolution (its groups would not divide the new widths).
     """
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Conv2d):
+            if child.groups != 1:
+                raise ValueError(f"thinned: {name!r} is a grouped convolution")
             inputs = child.in_channels if child.in_channels == 3 else child.in_channels // divisor
             replacement: nn.Module = nn.Conv2d(
                 max(inputs, 1),
@@ -62,13 +67,18 @@ def thinned(module: nn.Module, divisor: int, num_classes: int) -> nn.Module:
                 child.padding,
                 child.dilation,
                 bias=child.bias is not None,
+                padding_mode=child.padding_mode,
             )
         elif isinstance(child, nn.BatchNorm2d):
             replacement = nn.BatchNorm2d(max(child.num_features // divisor, 1))
         elif isinstance(child, nn.Linear):
-            replacement = nn.Linear(max(child.in_features // divisor, 1), num_classes)
+            replacement = nn.Linear(
+                max(child.in_features // divisor, 1),
+                max(child.out_features // divisor, 2),
+                bias=child.bias is not None,
+            )
         else:
-            thinned(child, divisor, num_classes)
+            thinned(child, divisor)
             continue
         setattr(module, name, replacement)
     return module
@@ -106,8 +116,8 @@ def time_run(
     """Median host times of SGD (``options`` None) or of one dkfac configuration's step kinds."""
     spec = MODELS[model_name]
     torch.manual_seed(0)
-    classes = max(spec.num_classes // thin, 2)  # ResNet-50's 1000 would be its widest layer
-    model = thinned(spec.build(spec.num_classes), thin, classes)
+    classes = max(spec.num_classes // thin, 2)  # the classifier's, as thinned() makes it
+    model = thinned(spec.build(spec.num_classes), thin)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, image_size, image_size, generator=generator)
@@ -211,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # one thread: no intra-op pool's wake-ups in the host time
     variants: dict[str, dict[str, Any]] = dict(args.variant) or {"dkfac": {}}
     if args.gpu_paths:
-        variants = {label: {**GPU_PATHS, **options} for label, options in variants.items()}
+        variants = {label: {**dict(GPU_PATHS), **options} for label, options in variants.items()}
     report: dict[str, Any] = {
         "environment": environment(torch.device("cpu")),
         "argv": sys.argv[1:] if argv is None else argv,

@@ -609,7 +609,7 @@ def test_host_time_thins_the_model_and_times_every_kind_of_step(
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = load_benchmark("host_time", monkeypatch)
     model = bench.MODELS["resnet32"].build(10)
-    thin = bench.thinned(bench.MODELS["resnet32"].build(10), 8, 10)
+    thin = bench.thinned(bench.MODELS["resnet32"].build(10), 8)
     pairs = list(zip(model.modules(), thin.modules(), strict=True))
     assert all(type(a) is type(b) for a, b in pairs)
     for wide, narrow in pairs:

@@ -273,6 +273,39 @@ def test_shifted_products_take_one_launch_per_kernel_row_and_group_size(
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_compiled_patch_gram_is_not_specialised_on_the_batch_size() -> None:
+    # The plan caches border rows per batch size for eager calls; a traced call must not
+    # even look them up (a lookup keyed by the size pins the graph to it: one recompilation
+    # per batch size, as the review of the cache found).
+    from torch._dynamo.utils import counters
+
+    plans = ShiftedGramPlans()
+
+    def gram(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return conv2d_patch_gram(
+            x,
+            kernel=(3, 3),
+            dilation=(1, 1),
+            stride=(1, 1),
+            pad=(1, 1, 1, 1),
+            with_ones=True,
+            plans=plans,
+        )
+
+    gram(torch.randn(4, 2, 5, 5, dtype=torch.float64))  # the plan, and eager cache entries
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(gram, backend="eager", dynamic=True)
+    for n in (4, 4, 5, 6, 7, 4):
+        x = torch.randn(n, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        got, rows = compiled(x)
+        want, want_rows = brute_force_patch_gram(x, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), True)
+        assert rows == want_rows
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def unfold_patch_gram(x: torch.Tensor, conv: nn.Conv2d) -> tuple[torch.Tensor, int]:
     """Σ a aᵀ (plus the bias 1) over the ``F.unfold`` patches of ``conv``'s input, in float64."""
     assert not isinstance(conv.padding, str)

@@ -2,10 +2,14 @@
 
 :class:`dkfac.layer_discovery.LayerWatch` checks the parent-child links on the layers' paths
 instead of walking each path; these tests change the model every way a user can after
-building the preconditioner and compare with what walking the paths says.
+building the preconditioner and expect what walking the paths (the check before the watch)
+says: the same refusal naming the same layer, or acceptance.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +38,9 @@ def stepped(model: nn.Module, pre: dkfac.KFACPreconditioner) -> None:
 CHANGED = r"the model changed after KFACPreconditioner was built: layer '{}'"
 
 
-def test_an_unchanged_model_passes_without_walking_the_paths(monkeypatch) -> None:
+def test_an_unchanged_model_passes_without_walking_the_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model = nested_model()
     pre = dkfac.KFACPreconditioner(model)
 
@@ -55,10 +61,15 @@ def test_an_unchanged_model_passes_without_walking_the_paths(monkeypatch) -> Non
         (lambda m: setattr(m[0][0], "weight", nn.Parameter(torch.randn(5, 4))), "0.0"),
         (lambda m: setattr(m[0][0].weight, "data", torch.randn(5, 2)), "0.0"),  # resized
         (lambda m: delattr(m[0], "2"), "0.2"),
+        # An instance attribute shadowing the registered module: getattr (and a forward
+        # calling self.<name>) sees the shadow.
+        (lambda m: m[0].__dict__.__setitem__("2", nn.Linear(5, 5)), "0.2"),
     ],
-    ids=["layer", "ancestor", "inner-container-entry", "weight", "resized", "deleted"],
+    ids=["layer", "ancestor", "inner-container-entry", "weight", "resized", "deleted", "shadow"],
 )
-def test_every_change_to_a_layer_is_refused_with_its_name(change, name) -> None:
+def test_every_change_to_a_layer_is_refused_with_its_name(
+    change: Callable[[nn.Module], Any], name: str
+) -> None:
     model = nested_model()
     pre = dkfac.KFACPreconditioner(model)
     stepped(model, pre)
@@ -90,13 +101,15 @@ def test_a_model_that_is_itself_the_layer_is_watched() -> None:
         watch.check()
 
 
-def test_profiler_ranges_are_opened_only_while_a_profiler_runs(monkeypatch) -> None:
+def test_profiler_ranges_are_opened_only_while_a_profiler_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model = nested_model()
     pre = dkfac.KFACPreconditioner(model)
     opened: list[str] = []
     real = torch.profiler.record_function
 
-    def counting(name: str, *args, **kwargs):
+    def counting(name: str, *args: Any, **kwargs: Any) -> Any:
         opened.append(name)
         return real(name, *args, **kwargs)
 

@@ -194,7 +194,8 @@ class LayerWatch:
     ``nn.Module.__getattr__`` took ~0.4 ms a step for ResNet-32's 34 layers on this
     project's CPU, a plain step's largest host cost after the products. The watch keeps
     every parent-child link on the layers' paths (each once: ``layer1`` is on many paths)
-    and checks that each parent still holds its child, then each layer's weight. Only if a
+    and checks that each parent still holds its child (and that no instance attribute of
+    that name shadows it, as ``getattr`` would see), then each layer's weight. Only if a
     link changed does it walk the paths as before: a container replaced by one holding the
     same layers is still the same model there, and its links are then taken afresh.
 
@@ -235,7 +236,8 @@ class LayerWatch:
                 changed.
         """
         if self._links is not None and all(
-            parent._modules.get(name) is child for parent, name, child in self._links
+            parent._modules.get(name) is child and name not in parent.__dict__
+            for parent, name, child in self._links
         ):
             for layer in self._layers:
                 _check_weight(layer, layer.block.module)

@@ -93,7 +93,9 @@ class StepRecorder:
         While a profiler runs, the block is also a ``dkfac/<name>`` range for
         ``torch.profiler`` (and its TensorBoard view). Otherwise no range is opened: a
         ``record_function`` costs two operator calls (~4 µs of host time), and the capture
-        times every layer's statistics, twice per layer on a factor step. Inside a region
+        times every layer's statistics, twice per layer on a factor step (a tool that
+        observes ``RecordFunction`` without the profiler, e.g. an execution-trace observer
+        alone, no longer sees these ranges). Inside a region
         that ``torch.compile`` traces (the layers' hooks of a compiled model) nothing is
         timed: a clock read there would break the graph.
         """

@@ -95,15 +95,18 @@ class ShiftedGramPlan:
 
         ``(B·N,)`` pixel-major (a group's rows are consecutive) and ``(B·N, S)``. Kept for the
         latest batch size: the same for every factor update at that size. Under
-        ``torch.compile`` they are made in the graph instead (no Python state to trace).
+        ``torch.compile`` they are made in the graph instead, and the cache is not even
+        looked up: a lookup keyed by the batch size would specialise the graph on it (one
+        recompilation per batch size, tested).
         """
-        cached = self._derived.get(("rows", examples))
+        compiling = torch.compiler.is_compiling()
+        cached = None if compiling else self._derived.get(("rows", examples))
         if cached is not None:
             return cached, self._derived[("shifted", examples)]
         per_example = torch.arange(examples, device=self.border.device) * (self.hp * self.wp)
         rows = (self.border[:, None] + per_example).flatten()
         shifted = rows[:, None] + self.offsets
-        if not torch.compiler.is_compiling():
+        if not compiling:
             for key in [key for key in self._derived if key[0] in ("rows", "shifted")]:
                 del self._derived[key]
             self._derived[("rows", examples)] = rows
@@ -217,6 +220,9 @@ class ShiftedGramPlans:
 
     A layer sees one input size in most models; the cache keeps the most recent
     :data:`MAX_PLANS` so that varying sizes (multi-scale training) cannot grow it unboundedly.
+    Each plan also keeps its border rows for the latest batch size
+    (:meth:`ShiftedGramPlan.border_rows`: ``B·N·(S+1)`` int64, e.g. ~6 MB for a 3x3 kernel
+    on 56x56 inputs at batch 256) and its 0/1 weights per dtype.
     """
 
     MAX_PLANS = 8
