@@ -149,7 +149,8 @@ def _shifted_patch_gram(
     rows = n * h_out * w_out
     size = c * kh * kw
     if h_out <= 0 or w_out <= 0:
-        return x.new_zeros(size + with_ones, size + with_ones, dtype=out_dtype), 0
+        side = size + int(with_ones)
+        return x.new_zeros(side, side, dtype=out_dtype), 0
     span = n * hp * wp
     shifts = len(plan.shifts)
     # Positions-major layout: a product reads it transposed for free, and gathering positions
@@ -188,7 +189,9 @@ def _shifted_patch_gram(
         corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, shifts, c)
         chosen.sub_(corrections.permute(2, 0, 1, 3)[plan.which, plan.first])
     # Written straight into the Gram's (c, u) order: block (u, u') is a strided view of it.
-    gram_out = full.new_empty(size + with_ones, size + with_ones)
+    # int(): torch 2.11's symbolic shapes cannot add a bool to a dynamic size.
+    side = size + int(with_ones)
+    gram_out = full.new_empty(side, side)
     gram = gram_out[:size, :size]
     blocks = gram.view(c, kh * kw, c, kh * kw).permute(1, 3, 0, 2)  # (u, u', c, c')
     blocks[plan.second, plan.first] = chosen.transpose(1, 2)
