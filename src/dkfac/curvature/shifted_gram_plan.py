@@ -10,6 +10,7 @@ by the host, which prepares every launch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -134,16 +135,15 @@ def _window_mask(size: int, kernel: int, dilation: int, pad_before: int, out: in
     return (rows < start) | (rows >= start + out)
 
 
-def _shift_runs(shifts: tuple[tuple[int, int], ...], offsets: list[int], dw: int) -> list[Run]:
-    """Runs of shifts of one ``D1`` (their ``D2`` consecutive, so offsets step by ``dw``)."""
+def _runs(keys: list[int], starts: list[int], steps: list[int]) -> tuple[Run, ...]:
+    """Runs of consecutive items of equal key: each starts at its first item's start and step."""
     runs: list[Run] = []
-    for index, (d1, _) in enumerate(shifts):
-        last = runs[-1] if runs else None
-        if last is not None and shifts[last.first][0] == d1:
-            runs[-1] = last._replace(items=last.items + 1)
+    for index, key in enumerate(keys):
+        if runs and keys[runs[-1].first] == key:
+            runs[-1] = runs[-1]._replace(items=runs[-1].items + 1)
         else:
-            runs.append(Run(index, 1, offsets[index], dw))
-    return runs
+            runs.append(Run(index, 1, starts[index], steps[index]))
+    return tuple(runs)
 
 
 def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGramPlan:
@@ -174,14 +174,6 @@ def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGr
         torch.cat([positions[g] for g in groups]) if groups else torch.zeros(0, dtype=torch.long)
     )
     group_sizes = tuple(len(positions[g]) for g in groups)
-    group_runs: list[Run] = []
-    row = 0
-    for index, size in enumerate(group_sizes):
-        if group_runs and group_runs[-1].step == size:
-            group_runs[-1] = group_runs[-1]._replace(items=group_runs[-1].items + 1)
-        else:
-            group_runs.append(Run(index, 1, row, size))
-        row += size
     which, first, second = [], [], []
     for index_s, (d1, d2) in enumerate(shifts):
         for i in range(max(0, -d1), min(kh, kh - d1)):
@@ -201,12 +193,17 @@ def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGr
         hp=hp,
         wp=wp,
         shifts=shifts,
-        shift_runs=tuple(_shift_runs(shifts, offset_list, dw)),
+        # Shifts of one D1 (their D2 consecutive: offsets step by dw); groups of one size.
+        shift_runs=_runs([d1 for d1, _ in shifts], offset_list, [dw] * len(shifts)),
         offsets=here(offset_list),
         max_offset=max(offset_list),
         border=here((border // w) * wp + border % w),
         group_sizes=group_sizes,
-        group_runs=tuple(group_runs),
+        group_runs=_runs(
+            list(group_sizes),
+            [0, *itertools.accumulate(group_sizes)][: len(group_sizes)],
+            list(group_sizes),
+        ),
         border_patterns=here(patterns[:, groups]) if groups else here(patterns[:, :0]),
         inside=here(~missed),
         which=here(which),
