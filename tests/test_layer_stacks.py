@@ -12,12 +12,14 @@ import copy
 import gc
 import warnings
 import weakref
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
@@ -481,3 +483,49 @@ def test_two_workers_batched_equal_the_single_process_run(options: dict[str, Any
     for got in ranks:
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+class _OperatorCalls(TorchDispatchMode):
+    """Counts the ATen operator calls (views included) made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def plain_step_calls(layers: int) -> Counter[str]:
+    """Operator calls of a plain step (no factor, no decomposition) of ``layers`` equal layers."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(6, 6, bias=False), nn.Tanh()]
+    model = nn.Sequential(*blocks)
+    pre = dkfac.KFACPreconditioner(
+        model, factor_update_steps=10, inv_update_steps=10, batched_preconditioning=True
+    )
+    x = torch.randn(5, 6)
+    counted = _OperatorCalls()
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        if step == 1:
+            with counted:
+                pre.step()
+        else:
+            pre.step()
+    return counted.calls
+
+
+def test_a_plain_step_costs_four_operator_calls_per_stacked_layer() -> None:
+    # A small model's step on a GPU is host time, each operator call a few microseconds
+    # (docs/benchmarks.md, "Host time of small steps"). Per layer a plain step needs the
+    # gradient's matrix view, the direction's view in the weight's shape and, on the CPU, the
+    # KL term's product and sum; its stack's rows come from one unbind, not an indexing call
+    # each, and a layer without bias is one view, not a column slice and a view.
+    four, eight = plain_step_calls(4), plain_step_calls(8)
+    added = eight - four
+    assert added == Counter({"view": 8, "mul": 4, "sum": 4}), added

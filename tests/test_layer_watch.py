@@ -15,9 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 import dkfac
 from dkfac.layer_discovery import LayerWatch, discover_layers
+
+
+class Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
 
 
 def nested_model() -> nn.Module:
@@ -64,8 +70,22 @@ def test_an_unchanged_model_passes_without_walking_the_paths(
         # An instance attribute shadowing the registered module: getattr (and a forward
         # calling self.<name>) sees the shadow.
         (lambda m: m[0].__dict__.__setitem__("2", nn.Linear(5, 5)), "0.2"),
+        # The same for the weight: the registered parameter is still there, unused.
+        (lambda m: m[0][0].__dict__.__setitem__("weight", torch.randn(5, 4)), "0.0"),
+        # A parametrization moves the registered weight away and computes one per access.
+        (lambda m: parametrize.register_parametrization(m[0][0], "weight", Doubled()), "0.0"),
     ],
-    ids=["layer", "ancestor", "inner-container-entry", "weight", "resized", "deleted", "shadow"],
+    ids=[
+        "layer",
+        "ancestor",
+        "inner-container-entry",
+        "weight",
+        "resized",
+        "deleted",
+        "shadow",
+        "weight-shadow",
+        "weight-parametrized",
+    ],
 )
 def test_every_change_to_a_layer_is_refused_with_its_name(
     change: Callable[[nn.Module], Any], name: str

@@ -254,6 +254,15 @@ class LayerWatch:
 def _check_weight(layer: LayerCurvature, current: nn.Module | None) -> None:
     """Raise unless ``current`` is ``layer``'s module, with its weight of its shape."""
     block = layer.block
+    # A registered weight that no instance attribute shadows is what getattr returns, read
+    # without nn.Module.__getattr__ (a step checks every layer).
+    if (
+        current is block.module
+        and current._parameters.get("weight") is block.weight
+        and "weight" not in vars(current)
+        and block.weight.shape == block.weight_shape
+    ):
+        return
     if (
         current is not block.module
         or getattr(current, "weight", None) is not block.weight

@@ -106,7 +106,7 @@ class KroneckerBlock(ABC):
 
     def has_grad(self) -> bool:
         """Whether every preconditioned parameter has a gradient."""
-        return all(p.grad is not None for p in self.parameters())
+        return self.weight.grad is not None and (self.bias is None or self.bias.grad is not None)
 
     def grad_matrix(self) -> Tensor:
         """The weight gradient as a ``(d_G, d_A)`` matrix, bias gradient as the last column."""
@@ -120,11 +120,10 @@ class KroneckerBlock(ABC):
 
     def split_matrix(self, matrix: Tensor) -> list[Tensor]:
         """A ``(d_G, d_A)`` matrix as tensors shaped like :meth:`parameters` (views)."""
-        columns = self.a_dim - (1 if self.bias is not None else 0)
-        parts = [matrix[:, :columns].reshape(self.weight_shape)]
-        if self.bias is not None:
-            parts.append(matrix[:, columns])
-        return parts
+        if self.bias is None:  # the whole matrix: one view (a plain step asks once per layer)
+            return [matrix.reshape(self.weight_shape)]
+        columns = self.a_dim - 1
+        return [matrix[:, :columns].reshape(self.weight_shape), matrix[:, columns]]
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a ``(d_G, d_A)`` matrix back into the parameters' ``.grad`` (in place)."""

@@ -146,6 +146,7 @@ class KroneckerInverse(ABC):
 
     def __init__(self) -> None:
         self._rounded: dict[str, Tensor] | None = None
+        self._layout: tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device], ...] = ()
 
     def precondition(self, grad: Tensor, damping: float, precision: str = "highest") -> Tensor:
         """``(A ⊗ G + damping)⁻¹``-like product with the ``(d_G, d_A)`` gradient matrix.
@@ -176,6 +177,18 @@ class KroneckerInverse(ABC):
         if self._rounded is None:
             self._rounded = {k: t.to(torch.bfloat16) for k, t in self.tensors().items()}
         return self._rounded
+
+    def layout(self) -> tuple[tuple[str, tuple[int, ...], torch.dtype, torch.device], ...]:
+        """Each tensor's name, shape, dtype and device, in :meth:`tensors` order.
+
+        Made on the first call and kept: an inverse's tensors are fixed when it is made (a new
+        decomposition makes a new inverse), and a plain step asks once per layer.
+        """
+        if not self._layout:
+            self._layout = tuple(
+                (name, tuple(t.shape), t.dtype, t.device) for name, t in self.tensors().items()
+            )
+        return self._layout
 
     def held_tensors(self) -> list[Tensor]:
         """Every tensor this inverse keeps: :meth:`tensors` and, once made, their bf16 copies."""

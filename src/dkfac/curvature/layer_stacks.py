@@ -46,10 +46,13 @@ def stack_signature(layer: LayerCurvature, grad: Tensor) -> Hashable | None:
     inverse = layer.inverse
     if inverse is None:
         return None
-    tensors = tuple(
-        (name, tuple(t.shape), t.dtype, t.device) for name, t in inverse.tensors().items()
+    return (
+        inverse.method,
+        layer.precondition_precision,
+        inverse.layout(),
+        tuple(grad.shape),
+        grad.dtype,
     )
-    return (inverse.method, layer.precondition_precision, tensors, tuple(grad.shape), grad.dtype)
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,8 @@ class LayerStacks:
                 damping,
                 members[0].precondition_precision,
             )
-            for index, position in enumerate(positions):
-                results[position] = product[index]
+            for position, row in zip(positions, product.unbind(0), strict=True):
+                results[position] = row  # one unbind: no indexing call per layer
         return results
 
     def _stack_for(self, members: Sequence[LayerCurvature]) -> KroneckerInverse | None:

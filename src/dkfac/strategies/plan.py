@@ -256,7 +256,7 @@ class Placement:
 
     def holds_inverse(self, layer: int, rank: int) -> bool:
         """Whether ``rank`` holds ``layer``'s inverse (and so preconditions it)."""
-        return all(self.holds_decomposition((layer, side), rank) for side in FACTOR_SIDES)
+        return rank in self._inverse_holders[layer]
 
     def inverse_holders(self, layer: int) -> frozenset[int]:
         """The ranks that hold ``layer``'s inverse (the same answer on every rank)."""
@@ -266,7 +266,11 @@ class Placement:
     def _inverse_holders(self) -> list[frozenset[int]]:
         ranks = range(self.world_size)
         return [
-            frozenset(r for r in ranks if self.holds_inverse(layer, r))
+            frozenset(
+                r
+                for r in ranks
+                if all(self.holds_decomposition((layer, side), r) for side in FACTOR_SIDES)
+            )
             for layer in range(self.layer_count)
         ]
 

@@ -351,12 +351,13 @@ class PlacementRunner:
         """
         results, plan = list(grads), self.placement
         with self.recorder.phase("precondition"):
-            held = [p for p, index in enumerate(indices) if plan.holds_inverse(index, self.rank)]
+            holders = [plan.inverse_holders(index) for index in indices]
+            held = [p for p, ranks in enumerate(holders) if self.rank in ranks]
             done = self.stacks.precondition(
                 [layers[p] for p in held],
                 [grads[p] for p in held],
                 damping,
-                [plan.inverse_holders(indices[p]) for p in held],
+                [holders[p] for p in held],
             )
             for p, result in zip(held, done, strict=True):
                 results[p] = result
