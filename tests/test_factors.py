@@ -18,9 +18,14 @@ import dkfac.curvature.running_average as running_average_module
 import dkfac.curvature.shifted_gram_plan as plan_module
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.blocks import Conv2dBlock
-from dkfac.curvature.factors import conv2d_patch_gram
+from dkfac.curvature.factors import conv2d_patch_gram, conv2d_patch_grams
 from dkfac.curvature.finite import all_finite, finite_flags
-from dkfac.curvature.gram import PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL, gram_with_ones, pixel_gram
+from dkfac.curvature.gram import (
+    PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL,
+    GramPrecision,
+    gram_with_ones,
+    pixel_gram,
+)
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 from dkfac.curvature.running_average import (
     _chunk_plan,
@@ -271,6 +276,99 @@ def test_shifted_products_take_one_launch_per_kernel_row_and_group_size(
         want, want_rows = brute_force_patch_gram(x, kernel, dilation, (1, 1), pad, with_ones)
         assert rows == want_rows
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_patch_grams_of_several_inputs_each_match_brute_force(seed: int) -> None:
+    # Several inputs of one shape in one set of launches (their layouts one after another):
+    # each Gram against its own brute-force patches, and against the one-input path.
+    rng = random.Random(1000 + seed)
+    kernel = (rng.randint(1, 4), rng.randint(1, 4))
+    dilation = (rng.randint(1, 2), rng.randint(1, 2))
+    stride = (1, 1) if seed % 4 else (rng.randint(1, 3), 2)
+    pad = tuple(rng.randint(0, 3) for _ in range(4))
+    h = max(rng.randint(1, 7), dilation[0] * (kernel[0] - 1) + 1 - pad[2] - pad[3])
+    w = max(rng.randint(1, 7), dilation[1] * (kernel[1] - 1) + 1 - pad[0] - pad[1])
+    shape = (rng.randint(1, 3), rng.randint(1, 3), h, w)
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(1 + seed % 6)]
+    with_ones = bool(seed % 2)
+    options: dict[str, Any] = {
+        "kernel": kernel,
+        "dilation": dilation,
+        "stride": stride,
+        "pad": pad,
+        "with_ones": with_ones,
+        "plans": ShiftedGramPlans(),
+    }
+    grams, rows = conv2d_patch_grams(xs, **options)
+    assert len(grams) == len(xs)
+    for x, got in zip(xs, grams, strict=True):
+        expected, want_rows = brute_force_patch_gram(x, kernel, dilation, stride, pad, with_ones)
+        assert rows == want_rows
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        alone, _ = conv2d_patch_gram(x, **options)
+        torch.testing.assert_close(got, alone, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize(("inputs", "shift_products"), [(2, 6), (4, 12), (5, 13), (9, 13)])
+def test_several_inputs_take_one_launch_per_shift_and_group_size(
+    inputs: int, shift_products: int
+) -> None:
+    # A 3x3 kernel on 6x6 inputs: 13 shifts in 3 kernel rows, so a product per row of each
+    # input up to 4 inputs, one per shift for all of them from 5 on; then one per group size
+    # (edges, corners) and the weights' product, whatever the number of inputs.
+    xs = [torch.randn(2, 3, 6, 6, dtype=torch.float64) for _ in range(inputs)]
+    options: dict[str, Any] = {
+        "kernel": (3, 3),
+        "dilation": (1, 1),
+        "stride": (1, 1),
+        "pad": (1, 1, 1, 1),
+    }
+    products = matrix_products(lambda: conv2d_patch_grams(xs, with_ones=False, **options))
+    assert products == ["bmm"] * (shift_products + 2) + ["mm"]
+    for with_ones in (False, True):
+        grams, _ = conv2d_patch_grams(xs, with_ones=with_ones, **options)
+        for x, got in zip(xs, grams, strict=True):
+            want, _ = brute_force_patch_gram(x, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), with_ones)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("inputs", [3, 6])
+def test_several_inputs_in_bf16_operands_match_their_rounded_values(inputs: int) -> None:
+    # statistics_precision="bf16": each Gram is that of its bfloat16-rounded input, summed in
+    # float32 (oracle: float64 brute force of the rounded values).
+    generator = torch.Generator().manual_seed(inputs)
+    xs = [torch.randn(2, 3, 5, 6, generator=generator) for _ in range(inputs)]
+    grams, _ = conv2d_patch_grams(
+        xs,
+        kernel=(3, 3),
+        dilation=(1, 1),
+        stride=(1, 1),
+        pad=(1, 1, 1, 1),
+        with_ones=True,
+        precision=GramPrecision("bf16"),
+        dtype=torch.float32,
+    )
+    for x, got in zip(xs, grams, strict=True):
+        rounded = x.to(torch.bfloat16).double()
+        want, _ = brute_force_patch_gram(rounded, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), True)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_grams_refuse_inputs_of_different_shapes_or_dtypes() -> None:
+    options: dict[str, Any] = {
+        "kernel": (3, 3),
+        "dilation": (1, 1),
+        "stride": (1, 1),
+        "pad": (1, 1, 1, 1),
+        "with_ones": False,
+    }
+    x = torch.randn(2, 3, 6, 6)
+    for others in ([], [x, torch.randn(2, 3, 6, 5)], [x, x.double()]):
+        with pytest.raises(ValueError, match="one or more inputs of one shape and dtype"):
+            conv2d_patch_grams(others, **options)
 
 
 def test_a_compiled_patch_gram_is_not_specialised_on_the_batch_size(

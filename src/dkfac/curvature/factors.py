@@ -6,6 +6,8 @@ so they avoid copies and exploit symmetry where PyTorch lets them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -56,13 +58,65 @@ def conv2d_patch_gram(
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
         number of patches ``N·H_out·W_out``.
     """
+    grams, rows = conv2d_patch_grams(
+        [x],
+        kernel=kernel,
+        dilation=dilation,
+        stride=stride,
+        pad=pad,
+        with_ones=with_ones,
+        plans=plans,
+        precision=precision,
+        dtype=dtype,
+    )
+    return grams[0], rows
+
+
+def conv2d_patch_grams(
+    xs: Sequence[Tensor],
+    *,
+    kernel: tuple[int, int],
+    dilation: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int, int, int],
+    with_ones: bool,
+    plans: ShiftedGramPlans | None = None,
+    precision: GramPrecision = HIGHEST,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[Tensor], int]:
+    """:func:`conv2d_patch_gram` of each of ``xs``, inputs of one shape, dtype and device.
+
+    A stride-1 convolution's Grams are formed together, in the launches one of them takes
+    (:func:`shifted_patch_grams`): on a GPU a small model's factor step waits for the host,
+    which prepares every launch. The other paths take each input in turn.
+
+    Returns:
+        The Grams in the order of ``xs`` (with stride 1, views of one stacked tensor), and
+        the number of patches of each.
+
+    Raises:
+        ValueError: no inputs, or inputs of different shapes, dtypes or devices.
+    """
+    if not xs or any(
+        x.shape != xs[0].shape or x.dtype != xs[0].dtype or x.device != xs[0].device for x in xs
+    ):
+        raise ValueError("conv2d_patch_grams needs one or more inputs of one shape and dtype")
+    x = xs[0]
     statistics_dtype = x.dtype if dtype is None else dtype
     if kernel == (1, 1) and pad == (0, 0, 0, 0):
         # A 1x1 convolution's patches are its input pixels (every stride-th): their Gram, no
         # plan or blocks (one copy of the input instead of a zeroed layout, a copy and block
         # scatters, or im2col).
-        pixels = x if stride == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
-        return pixel_gram(pixels, statistics_dtype, with_ones, precision)
+        pixel_grams = [
+            pixel_gram(
+                each if stride == (1, 1) else each[:, :, :: stride[0], :: stride[1]],
+                statistics_dtype,
+                with_ones,
+                precision,
+            )
+            for each in xs
+        ]
+        return [gram for gram, _ in pixel_grams], pixel_grams[0][1]
     operand = precision.operand_dtype(statistics_dtype)
     if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
@@ -72,14 +126,18 @@ def conv2d_patch_gram(
                 if plans is None
                 else plans.get(geometry, x.device)
             )
-            return _shifted_patch_gram(x, plan, with_ones, precision, operand)
+            return shifted_patch_grams(xs, plan, with_ones, precision, operand)
         # Inside torch.compile's tracing, making a plan (unique, nonzero: data-dependent
         # shapes) would break the graph; one made before, outside it, traces whole. Without
         # one, the im2col product (same Gram, other rounding) does.
         cached = None if plans is None else plans.cached(geometry, x.device)
         if cached is not None:
-            return _shifted_patch_gram(x, cached, with_ones, precision, operand)
-    return _strided_patch_gram(x, kernel, dilation, stride, pad, with_ones, precision, operand)
+            return shifted_patch_grams(xs, cached, with_ones, precision, operand)
+    strided = [
+        _strided_patch_gram(each, kernel, dilation, stride, pad, with_ones, precision, operand)
+        for each in xs
+    ]
+    return [gram for gram, _ in strided], strided[0][1]
 
 
 def _strided_patch_gram(
@@ -120,85 +178,107 @@ def _strided_patch_gram(
     return bordered_gram(reordered.reshape(size, size), sums, flat.shape[0]), flat.shape[0]
 
 
-def _shifted_patch_gram(
-    x: Tensor,
+def shifted_patch_grams(
+    xs: Sequence[Tensor],
     plan: ShiftedGramPlan,
     with_ones: bool,
     precision: GramPrecision,
     operand: torch.dtype,
-) -> tuple[Tensor, int]:
-    """Patch Gram of a stride-1 convolution without materialising im2col.
+) -> tuple[list[Tensor], int]:
+    """Patch Grams of stride-1 convolution inputs of one shape, without materialising im2col.
 
-    Block ``(u, u+D)`` of the Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
+    Block ``(u, u+D)`` of a Gram (kernel offsets ``u`` and ``u+D``) is the correlation of the
     input with itself shifted by ``d·D``, summed over the output window of offset ``u``. Over
     the whole image that correlation depends on ``D`` only, so it is one product per ``D``
     (``((2kh−1)(2kw−1)+1)/2`` of them instead of ``(kh·kw)²`` blocks, the rest by symmetry);
     each block then subtracts the image positions its window misses, which lie in a few rows
-    and columns at the border. The input is laid out once, cast to ``operand`` in the same
+    and columns at the border. Each input is laid out once, cast to ``operand`` in the same
     copy, as a flat zero-padded ``(positions, C)`` matrix, so every shifted operand is a
-    strided view (no copy) and a shifted position outside the image reads a zero. The
-    products of shifts of one kernel row are one batched product of overlapping views
-    (``plan.shift_runs``), the border groups' of one size another (``plan.group_runs``): a
-    3x3 kernel takes 5 launches for its 21 products. All index data comes from ``plan``:
-    nothing is read back from the device here.
+    strided view (no copy) and a shifted position outside the image reads a zero.
+
+    Launches: an input's products of shifts of one kernel row are one batched product of
+    overlapping views (``plan.shift_runs``); from more inputs than shifts per run (their
+    layouts one after another), one batched product per shift over all of them instead
+    (a 3x3 kernel: 3 launches an input, or 13 for any number). Every other step (border
+    groups of one size, corrections, assembly) is one launch for all inputs. All index data
+    comes from ``plan``: nothing is read back from the device here.
     """
+    layers = len(xs)
+    x = xs[0]
     n, c, h, w = x.shape
     out_dtype = precision.output_dtype(operand)
     kh, kw = plan.geometry.kernel
     h_out, w_out, hp, wp = plan.h_out, plan.w_out, plan.hp, plan.wp
     rows = n * h_out * w_out
     size = c * kh * kw
-    if h_out <= 0 or w_out <= 0:
-        side = size + int(with_ones)
-        return x.new_zeros(side, side, dtype=out_dtype), 0
-    span = n * hp * wp
-    shifts = len(plan.shifts)
-    # Positions-major layout: a product reads it transposed for free, and gathering positions
-    # gathers contiguous channel vectors.
-    flat = x.new_zeros(span + plan.max_offset, c, dtype=operand)
-    image = flat[:span].view(n, hp, wp, c)[:, :h, :w]
-    image.copy_(x.permute(0, 2, 3, 1))  # cast to the operands' dtype in the same copy
-    flat = precision.as_read(flat)
-    base = flat[:span].t()
-    full = x.new_empty(shifts, c, c, dtype=out_dtype)  # each product written in place
-    for run in plan.shift_runs:
-        # A run's operands overlap: run.step positions apart. flat is a tensor of its own
-        # (storage offset 0; asking it would break torch.compile's graph).
-        shifted = flat.as_strided((run.items, span, c), (run.step * c, c, 1), run.start * c)
-        out = full[run.first : run.first + run.items]
-        precision.bmm(base.expand(run.items, c, span), shifted, out=out)
-
-    # The Gram's blocks from their shifted products: only the blocks it needs, gathered.
-    chosen = full[plan.which]
-    # Each border group's correction contracts over all its positions and examples; the
-    # groups of one size in one batched product.
-    if plan.group_sizes:
-        index, shifted_index = plan.border_rows(n)
-        at_border = flat[index]  # (B·N, C)
-        shifted_rows = flat[shifted_index].flatten(1)  # (B·N, S·C)
-        per_group = full.new_empty(len(plan.group_sizes), c, shifts * c)  # (G, C, S·C)
-        for run in plan.group_runs:
-            rows_per_group = run.step * n
-            stop = (run.start + run.items * run.step) * n
-            precision.bmm(
-                at_border[run.start * n : stop].view(run.items, rows_per_group, c).mT,
-                shifted_rows[run.start * n : stop].view(run.items, rows_per_group, -1),
-                out=per_group[run.first : run.first + run.items],
-            )
-        weights = plan.in_dtype("border_patterns", out_dtype)  # (U, G)
-        corrections = (weights @ per_group.flatten(1)).view(kh * kw, c, shifts, c)
-        chosen.sub_(corrections.permute(2, 0, 1, 3)[plan.which, plan.first])
-    # Written straight into the Gram's (c, u) order: block (u, u') is a strided view of it.
     # int(): torch 2.11's symbolic shapes cannot add a bool to a dynamic size.
     side = size + int(with_ones)
-    gram_out = full.new_empty(side, side)
-    gram = gram_out[:size, :size]
-    blocks = gram.view(c, kh * kw, c, kh * kw).permute(1, 3, 0, 2)  # (u, u', c, c')
-    blocks[plan.second, plan.first] = chosen.transpose(1, 2)
+    if h_out <= 0 or w_out <= 0:
+        return [x.new_zeros(side, side, dtype=out_dtype) for _ in xs], 0
+    span = n * hp * wp
+    length = plan.length(n)
+    shifts = len(plan.shifts)
+    # Positions-major layouts: a product reads one transposed for free, and gathering
+    # positions gathers contiguous channel vectors.
+    flat = x.new_zeros(layers, length, c, dtype=operand)
+    image = flat[:, :span].view(layers, n, hp, wp, c)[:, :, :h, :w]
+    # Cast to the operands' dtype in the same copy (one input: broadcast over the layer dim).
+    inputs = x if layers == 1 else torch.stack(list(xs))
+    image.copy_(inputs.permute(0, 2, 3, 1) if layers == 1 else inputs.permute(0, 1, 3, 4, 2))
+    flat = precision.as_read(flat)
+    # flat is a tensor of its own (storage offset 0; asking it would break torch.compile's
+    # graph): each layout's first span positions, transposed.
+    base = flat.as_strided((layers, c, span), (length * c, 1, c))
+    if layers * len(plan.shift_runs) <= shifts:  # a product per run of each input
+        by_input = x.new_empty(layers, shifts, c, c, dtype=out_dtype)  # written in place
+        for layer, layer_base in enumerate(base.unbind(0)):
+            for run in plan.shift_runs:
+                # A run's operands overlap: run.step positions apart.
+                shifted = flat.as_strided(
+                    (run.items, span, c), (run.step * c, c, 1), (layer * length + run.start) * c
+                )
+                out = by_input[layer, run.first : run.first + run.items]
+                precision.bmm(layer_base.expand(run.items, c, span), shifted, out=out)
+        full = by_input.transpose(0, 1)
+    else:  # a product per shift of all inputs
+        full = x.new_empty(shifts, layers, c, c, dtype=out_dtype)
+        for run in plan.shift_runs:
+            for item in range(run.items):
+                offset = (run.start + item * run.step) * c
+                shifted = flat.as_strided((layers, span, c), (length * c, c, 1), offset)
+                precision.bmm(base, shifted, out=full[run.first + item])
+
+    # The Gram's blocks from their shifted products: only the blocks it needs, gathered.
+    chosen = full[plan.which]  # (P, layers, C, C)
+    # Each border group's correction contracts over all its positions and examples; the
+    # groups of one size, of every layout, in one batched product.
+    if plan.group_sizes:
+        index, shifted_index = plan.border_rows(n) if layers == 1 else plan.border_rows(n, layers)
+        table = flat.view(layers * length, c)
+        at_border = table[index]  # (B·N·layers, C): group by group, layout by layout
+        shifted_rows = table[shifted_index].flatten(1)  # (B·N·layers, S·C)
+        per_group = full.new_empty(len(plan.group_sizes) * layers, c, shifts * c)
+        for run in plan.group_runs:
+            rows_per_group = run.step * n
+            begin, stop = run.start * n * layers, (run.start + run.items * run.step) * n * layers
+            batch = run.items * layers
+            precision.bmm(
+                at_border[begin:stop].view(batch, rows_per_group, c).mT,
+                shifted_rows[begin:stop].view(batch, rows_per_group, -1),
+                out=per_group[run.first * layers : run.first * layers + batch],
+            )
+        weights = plan.in_dtype("border_patterns", out_dtype)  # (U, G)
+        corrections = weights @ per_group.view(len(plan.group_sizes), -1)
+        by_shift = corrections.view(kh * kw, layers, c, shifts, c).permute(3, 0, 1, 2, 4)
+        chosen.sub_(by_shift[plan.which, plan.first])
+    # Written straight into the Grams' (c, u) order: block (u, u') is a strided view.
+    grams = full.new_empty(layers, side, side)
+    blocks = grams[:, :size, :size].view(layers, c, kh * kw, c, kh * kw).permute(2, 4, 0, 1, 3)
+    blocks[plan.second, plan.first] = chosen.transpose(-1, -2)
     blocks[plan.first, plan.second] = chosen
     if with_ones:
         # Bias row: the patch sums, i.e. channel sums over each offset's window.
         inside = plan.in_dtype("inside", out_dtype)  # (kh·kw, h, w)
-        sums = torch.einsum("hwc,uhw->cu", image.sum(0, dtype=out_dtype), inside).reshape(-1)
-        fill_border(gram_out, sums, rows)
-    return gram_out, rows
+        sums = torch.einsum("lhwc,uhw->lcu", image.sum(1, dtype=out_dtype), inside)
+        fill_border(grams, sums.reshape(layers, -1), rows)
+    return list(grams.unbind(0)), rows

@@ -130,11 +130,14 @@ def bordered_gram(core: Tensor, sums: Tensor, count: int) -> Tensor:
 
 
 def fill_border(out: Tensor, sums: Tensor, count: int) -> None:
-    """Write a bordered Gram's last row and column: ``sums``, and ``count`` at the corner."""
-    d = out.shape[0] - 1
-    out[d, :d] = sums
-    out[:d, d] = sums
-    out[d, d] = count
+    """Write a bordered Gram's last row and column: ``sums``, and ``count`` at the corner.
+
+    ``out`` may be a stack of Grams (leading dims), ``sums`` then one row per Gram.
+    """
+    d = out.shape[-1] - 1
+    out[..., d, :d] = sums
+    out[..., :d, d] = sums
+    out[..., d, d] = count
 
 
 #: Positions per channel from which a channels-first tensor's pixel Gram is summed over

@@ -87,32 +87,45 @@ class ShiftedGramPlan:
     first: Tensor
     second: Tensor
     # Derived tensors made on first use: per batch size (the latest one) and per dtype.
-    _derived: dict[tuple[str, object], Tensor] = field(
+    _derived: dict[tuple[object, ...], Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
 
-    def border_rows(self, examples: int) -> tuple[Tensor, Tensor]:
-        """Flat layout rows of the border pixels of ``examples`` examples, and of their shifts.
+    def border_rows(self, examples: int, layers: int = 1) -> tuple[Tensor, Tensor]:
+        """Layout rows of the border pixels of ``examples`` examples, and of their shifts.
 
-        ``(B·N,)`` pixel-major (a group's rows are consecutive) and ``(B·N, S)``. Kept for the
-        latest batch size: the same for every factor update at that size. Under
-        ``torch.compile`` they are made in the graph instead, and the cache is not even
-        looked up: a lookup keyed by the batch size would specialise the graph on it (one
-        recompilation per batch size, tested).
+        ``(B·N,)`` pixel-major (a group's rows are consecutive) and ``(B·N, S)``. For
+        ``layers`` layouts of ``length(examples)`` positions each, one after another
+        (:func:`~dkfac.curvature.factors.shifted_patch_grams`), the rows of every layout:
+        group by group, within a group layout by layout, so that a run of equal-sized groups
+        is one batched product over all layouts. Kept for the latest batch size: the same
+        for every factor update at that size. Under ``torch.compile`` they are made in the
+        graph instead, and the cache is not even looked up: a lookup keyed by the batch size
+        would specialise the graph on it (one recompilation per batch size, tested).
         """
         compiling = torch.compiler.is_compiling()
-        cached = None if compiling else self._derived.get(("rows", examples))
+        cached = None if compiling else self._derived.get(("rows", examples, layers))
         if cached is not None:
-            return cached, self._derived[("shifted", examples)]
+            return cached, self._derived[("shifted", examples, layers)]
         per_example = torch.arange(examples, device=self.border.device) * (self.hp * self.wp)
         rows = (self.border[:, None] + per_example).flatten()
+        if layers > 1:
+            starts = torch.arange(layers, device=rows.device) * self.length(examples)
+            by_layout = rows[None, :] + starts[:, None]  # (layers, B·N)
+            groups = torch.split(by_layout, [size * examples for size in self.group_sizes], dim=1)
+            rows = torch.cat([group.flatten() for group in groups])
         shifted = rows[:, None] + self.offsets
         if not compiling:
             for key in [key for key in self._derived if key[0] in ("rows", "shifted")]:
-                del self._derived[key]
-            self._derived[("rows", examples)] = rows
-            self._derived[("shifted", examples)] = shifted
+                if key[1] != examples:
+                    del self._derived[key]
+            self._derived[("rows", examples, layers)] = rows
+            self._derived[("shifted", examples, layers)] = shifted
         return rows, shifted
+
+    def length(self, examples: int) -> int:
+        """Positions in the flat layout of ``examples`` examples (zero rows past the last)."""
+        return examples * self.hp * self.wp + self.max_offset
 
     def in_dtype(self, name: str, dtype: torch.dtype) -> Tensor:
         """``border_patterns`` or ``inside`` as ``dtype`` (0 or 1), made once per dtype."""
