@@ -10,9 +10,9 @@ of a ``(10, 100)`` schedule: the forward-backward pass (capturing statistics or 
 ``pre.step()`` and the optimizer's step, medians over the run; and the amortised host time
 per iteration against SGD's, side by side in one run. Variants (``--variant LABEL=JSON``)
 are more ``KFACPreconditioner`` keywords; ``--gpu-paths`` turns on what dkfac's defaults turn
-on for a GPU only (the batched preconditioning and folds), so the host work of the GPU's code
-paths is what is timed (a few device-dependent details, e.g. the finiteness checks, stay
-the CPU's).
+on for a GPU only (the batched preconditioning, folds and input statistics), so the host
+work of the GPU's code paths is what is timed (a few device-dependent details, e.g. the
+finiteness checks, stay the CPU's).
 
 Usage::
 
@@ -40,7 +40,11 @@ from gpu_overhead import MODELS, add_variant_argument, environment, write_report
 #: The schedule timed: factors every 10 steps, decompositions every 100.
 FACTOR_STEPS, DECOMPOSITION_STEPS = 10, 100
 #: Keywords that select the code paths dkfac's defaults take on a GPU.
-GPU_PATHS = (("batched_preconditioning", True), ("batched_factor_updates", True))
+GPU_PATHS = (
+    ("batched_preconditioning", True),
+    ("batched_factor_updates", True),
+    ("batched_statistics", True),
+)
 KINDS = ("plain", "factors", "decomposition")
 
 

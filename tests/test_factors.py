@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dkfac.curvature.running_average as running_average_module
 import dkfac.curvature.shifted_gram_plan as plan_module
 from devices import CUDA_TEST_DEVICE, on_cuda
-from dkfac.curvature.blocks import Conv2dBlock
+from dkfac.curvature.conv_blocks import Conv2dBlock
 from dkfac.curvature.factors import conv2d_patch_gram, conv2d_patch_grams
 from dkfac.curvature.finite import all_finite, finite_flags
 from dkfac.curvature.gram import (
@@ -25,6 +25,7 @@ from dkfac.curvature.gram import (
     GramPrecision,
     gram_with_ones,
     pixel_gram,
+    pixel_grams,
 )
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
 from dkfac.curvature.running_average import (
@@ -213,6 +214,30 @@ def matrix_products(fn: Callable[[], object]) -> list[str]:
     with Products():
         fn()
     return names
+
+
+@pytest.mark.parametrize("with_ones", [False, True])
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6), (2, 3, 7), (3, 5, 2, 2), (4, 5)])
+def test_pixel_grams_of_several_inputs_sum_each_ones_channel_vectors(
+    shape: tuple[int, ...], with_ones: bool
+) -> None:
+    # Several inputs in one stacked copy and product: channels-first (per-example planes where
+    # they pay, else rows), channels-last, a transposed layout, float32 cast to float64; and
+    # inputs of different layouts (one at a time). Each against its own vectors' sum.
+    generator = torch.Generator().manual_seed(4)
+    xs = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(3)]
+    layouts: list[list[torch.Tensor]] = [xs, [x.float() for x in xs]]
+    layouts.append([x.movedim(1, -1).contiguous().movedim(-1, 1) for x in xs])
+    if len(shape) == 4:
+        layouts.append([x.transpose(2, 3).contiguous().transpose(2, 3) for x in xs])
+    layouts.append([xs[0], layouts[2][1], xs[2]])
+    for inputs in layouts:
+        grams, rows = pixel_grams(inputs, torch.float64, with_ones)
+        assert rows == xs[0].numel() // shape[1] and len(grams) == len(inputs)
+        for x, got in zip(inputs, grams, strict=True):
+            assert got.dtype == torch.float64
+            expected = outer_product_sum(x, with_ones)
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from dkfac.curvature.statistics import kept_examples, whole_call_estimate
 from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
+from dkfac.pending_inputs import PendingInputs
 from dkfac.strategies import Strategy
 
 
@@ -73,8 +74,11 @@ class StatisticsCapture:
         capturing: bool,
         statistics_fraction: float = 1.0,
         compiled: bool = False,
+        batched: bool = False,
     ) -> None:
         self.capturing = capturing
+        # Eager inputs held until their statistics are formed together (batched_statistics).
+        self._pending = PendingInputs() if batched else None
         self._fraction = statistics_fraction
         self._model = model
         self._layers = list(layers)
@@ -156,7 +160,8 @@ class StatisticsCapture:
             self.capturing = capturing
 
     def fold_deferred(self) -> None:
-        """Add what compiled forward passes captured in this window to the layers."""
+        """Add what compiled forward passes, or held eager inputs, gave this window."""
+        self._form_pending()
 
         def heard(layer: LayerCurvature, side: str) -> None:
             self._strategy.statistic_added(layer, side, self._loss_reduction)
@@ -166,6 +171,8 @@ class StatisticsCapture:
     def discard_window(self) -> None:
         """Forget what compiled passes captured in this window (a state was restored)."""
         self._deferred.discard()
+        if self._pending is not None:
+            self._pending.discard()
         self.end_window()
 
     def end_window(self) -> None:
@@ -184,6 +191,8 @@ class StatisticsCapture:
             handle.remove()
         self._handles.clear()
         self._removed = True
+        if self._pending is not None:
+            self._pending.discard()
         self._deferred.release()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StatisticsCapture:
@@ -197,6 +206,8 @@ class StatisticsCapture:
     # -- passes -------------------------------------------------------------------------------
     def _pass_starts(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if module is self._model:  # not a deep copy's
+            if self._pass["depth"] == 0:
+                self._form_pending()  # the previous pass's inputs, before this one's are made
             if self._pass["depth"] == 0 and self.capturing:
                 self._pass["number"] += 1
                 rows = batch_rows(args, kwargs)
@@ -277,13 +288,22 @@ class StatisticsCapture:
             if output.requires_grad:
                 return self._deferred.watch_g(index, pass_id, output)
             return None
-        with self._recorder.phase("factor_compute"):
-            if kept == examples or not layer.block.a_from_part:
-                layer.accumulate_a(x, pass_id)
-            else:
-                part, weight = whole_call_estimate(layer.a_statistic(x[:kept]), examples, kept)
-                layer.add_statistic("a", part, pass_id, None, weight)
-        self._strategy.statistic_added(layer, "a", self._loss_reduction)
+        pending = self._pending
+        # A call recomputed in the backward pass (checkpointing) is formed at once.
+        if pending is not None and current_backward_id() is None:
+            held = pending.hold(layer, x, pass_id, examples, kept)
+            if held and pending.over_budget():
+                self._form_pending()
+        else:
+            held = False
+        if not held:
+            with self._recorder.phase("factor_compute"):
+                if kept == examples or not layer.block.a_from_part:
+                    layer.accumulate_a(x, pass_id)
+                else:
+                    part, weight = whole_call_estimate(layer.a_statistic(x[:kept]), examples, kept)
+                    layer.add_statistic("a", part, pass_id, None, weight)
+            self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
             hook = functools.partial(self._output_grad_hook, layer, pass_id, examples, kept)
@@ -318,10 +338,19 @@ class StatisticsCapture:
             )
         return examples, kept
 
+    def _form_pending(self) -> None:
+        """Form the held inputs' statistics (:mod:`dkfac.pending_inputs`), then announce them."""
+        if self._pending:
+            with self._recorder.phase("factor_compute"):
+                layers = self._pending.form()
+            for layer in layers:
+                self._strategy.statistic_added(layer, "a", self._loss_reduction)
+
     def _output_grad_hook(
         self, layer: LayerCurvature, pass_id: int, examples: int, kept: int, grad: Tensor
     ) -> None:
         if not self._removed:
+            self._form_pending()  # the backward pass began: the forward's inputs are complete
             with self._recorder.phase("factor_compute"):
                 if kept == examples:
                     layer.accumulate_g(grad, pass_id, self._loss_scale())

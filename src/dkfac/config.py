@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -153,8 +153,8 @@ class KFACConfig:
     batched_preconditioning: bool | None = None
     batched_decompositions: bool | int | None = None
     batched_factor_updates: bool | None = None
-    #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or the
-    #: chooser that picks it at construction.
+    batched_statistics: bool | None = None
+    #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or its chooser.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
     damping_at: FloatSchedule = field(init=False, repr=False)
@@ -187,12 +187,11 @@ class KFACConfig:
     def batching(self, device: torch.device) -> Batching:
         """What runs batched on ``device`` (the options' ``None``: their GPU defaults)."""
         on_gpu = device.type == "cuda"
-        layers = self.batched_preconditioning
-        folds = self.batched_factor_updates
         return Batching(
-            on_gpu if layers is None else layers,
+            on_gpu if self.batched_preconditioning is None else self.batched_preconditioning,
             batched_decompositions_up_to(self.batched_decompositions, device),
-            on_gpu if folds is None else folds,
+            on_gpu if self.batched_factor_updates is None else self.batched_factor_updates,
+            on_gpu if self.batched_statistics is None else self.batched_statistics,
         )
 
     def __post_init__(self) -> None:
@@ -240,10 +239,9 @@ class KFACConfig:
         check_int("check_replicas_every", self.check_replicas_every, low=0)
         if self.max_factor_dim is not None:
             check_int("max_factor_dim", self.max_factor_dim, low=1)
-        if self.batched_preconditioning is not None:
-            check_bool("batched_preconditioning", self.batched_preconditioning, "None (on a GPU), ")
-        if self.batched_factor_updates is not None:
-            check_bool("batched_factor_updates", self.batched_factor_updates, "None (on a GPU), ")
+        for name in ("batched_preconditioning", "batched_factor_updates", "batched_statistics"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name), "None (on a GPU), ")
         check_switch_or_int("batched_decompositions", self.batched_decompositions, low=2)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
@@ -396,3 +394,7 @@ class KFACConfig:
                 f"damping={self.damping!r} is not allowed with adaptive: expected a number "
                 f"in [min_damping, max_damping] = [{low!r}, {high!r}] (the initial damping)"
             )
+
+
+#: The names of KFACConfig's arguments (those of ``KFACPreconditioner`` that it takes).
+CONFIG_FIELDS = frozenset(f.name for f in fields(KFACConfig) if f.init)

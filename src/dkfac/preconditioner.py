@@ -11,7 +11,7 @@ from torch import nn
 from dkfac.adaptive import AdaptiveOptions, AdaptiveStep, ModelBatch
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
-from dkfac.config import Hyperparameter, IntHyperparameter, KFACConfig
+from dkfac.config import CONFIG_FIELDS, Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
@@ -137,6 +137,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             stacked operations, a few per shape instead of a few per factor (the same
             result, bit for bit); ``None`` (default): on a GPU, where the host's launches
             were the cost of a factor step.
+        batched_statistics: the forward hooks hold the layers' inputs, and the ``A``
+            statistics of equal-shaped layers are formed together when the backward pass
+            begins (:mod:`dkfac.pending_inputs`; equal to one at a time up to round-off);
+            ``None`` (default): on a GPU.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -183,6 +187,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         batched_preconditioning: bool | None = None,
         batched_decompositions: bool | int | None = None,
         batched_factor_updates: bool | None = None,
+        batched_statistics: bool | None = None,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
@@ -190,36 +195,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         check_blocks(blocks)
         if lr is None:  # the optimizer's rate, once the hook below exists
             lr = 0.1 if optimizer is None else (lambda step: self._hook_lr(step))
-        self.config = KFACConfig(
-            strategy=strategy,
-            inverse_method=inverse_method,
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            lr=lr,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            accumulation_steps=accumulation_steps,
-            skip_layers=skip_layers,
-            loss_reduction=loss_reduction,
-            factor_dtype=factor_dtype,
-            statistics_precision=statistics_precision,
-            statistics_fraction=statistics_fraction,
-            precondition_precision=precondition_precision,
-            inv_dtype=inv_dtype,
-            grad_worker_fraction=grad_worker_fraction,
-            bucket_cap_mb=bucket_cap_mb,
-            comm_dtype=comm_dtype,
-            profile_steps=profile_steps,
-            cost_model=cost_model,
-            share=share,
-            check_replicas_every=check_replicas_every,
-            adaptive=adaptive,
-            max_factor_dim=max_factor_dim,
-            batched_preconditioning=batched_preconditioning,
-            batched_decompositions=batched_decompositions,
-            batched_factor_updates=batched_factor_updates,
-        )
+        # Every argument named like a KFACConfig field is that field (validated there).
+        arguments = {name: value for name, value in locals().items() if name in CONFIG_FIELDS}
+        self.config = KFACConfig(**arguments)
         self._recorder = StepRecorder()
         self._model = unwrap_model(model)
         self._strategy, self._choice = start_strategy(self.config, self._model, self._recorder)
@@ -262,6 +240,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             capturing=self._is_factor_step(0),
             statistics_fraction=self.config.statistics_fraction,
             compiled=is_compiled(model),
+            batched=self.config.batching(device).statistics,
         )
 
     # -- the step -------------------------------------------------------------------------------

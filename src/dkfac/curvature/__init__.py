@@ -5,12 +5,12 @@ Nothing in this package talks to other processes; everything is testable in floa
 
 from dkfac.curvature.block_types import BlockRegistration, make_block, register_block
 from dkfac.curvature.blocks import (
-    Conv2dBlock,
     FactorStatistic,
     KroneckerBlock,
     LinearBlock,
     UnsupportedLayerError,
 )
+from dkfac.curvature.conv_blocks import Conv2dBlock
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.embedding import EmbeddingBlock
 from dkfac.curvature.factor_decomposition import (

@@ -1,7 +1,7 @@
 """Which of one worker's equal-shaped curvature work runs batched.
 
-``KFACPreconditioner``'s ``batched_preconditioning``, ``batched_decompositions`` and
-``batched_factor_updates``, resolved for its device.
+``KFACPreconditioner``'s ``batched_preconditioning``, ``batched_decompositions``,
+``batched_factor_updates`` and ``batched_statistics``, resolved for its device.
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ class Batching:
             (:func:`~dkfac.curvature.decomposition.decompose_factors`; 0: none).
         factor_updates: equal-shaped factors folded into their running averages by stacked
             operations (:func:`~dkfac.curvature.running_average.running_averages`).
+        statistics: the ``A`` statistics of equal-shaped layers' inputs formed together
+            (:mod:`dkfac.pending_inputs`).
     """
 
     preconditioning: bool = False
     decompositions: int = 0
     factor_updates: bool = False
+    statistics: bool = False
 
 
 def batched_decompositions_up_to(option: bool | int | None, device: torch.device) -> int:

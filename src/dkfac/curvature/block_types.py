@@ -8,13 +8,12 @@ from types import TracebackType
 from torch import nn
 
 from dkfac.curvature.blocks import (
-    Conv1dBlock,
-    Conv2dBlock,
     KroneckerBlock,
     LinearBlock,
     TransposedLinearBlock,
     is_transposed_linear,
 )
+from dkfac.curvature.conv_blocks import Conv1dBlock, Conv2dBlock
 from dkfac.curvature.embedding import EmbeddingBlock
 
 #: A user's block for a module type: called with the module, returns its block.

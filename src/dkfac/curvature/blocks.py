@@ -23,16 +23,18 @@ is exact.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dkfac.curvature.factors import conv2d_patch_gram
-from dkfac.curvature.gram import HIGHEST, GramPrecision, gram_with_ones, pixel_gram
-from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
+from dkfac.curvature.gram import (
+    HIGHEST,
+    GramPrecision,
+    fill_border,
+    gram_with_ones,
+)
 
 
 class UnsupportedLayerError(ValueError):
@@ -92,6 +94,22 @@ class KroneckerBlock(ABC):
     def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ a aᵀ`` over the rows of the input ``x`` (in ``dtype``)."""
 
+    def a_batch_key(self, x: Tensor) -> Hashable | None:
+        """What another call must share for :meth:`a_statistics` to take both (``None``: alone).
+
+        Equal keys mean equal statistics formulas (the block's settings) and equal inputs'
+        shapes, dtypes and devices, whichever layer's block computes them.
+        """
+        return None
+
+    def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
+        """:meth:`a_statistic` of each of ``xs`` (of equal :meth:`a_batch_key`), in one go.
+
+        A block that can form them in fewer launches than one at a time overrides this: on a
+        GPU a small model's factor step waits for the host, which prepares every launch.
+        """
+        return [self.a_statistic(x, dtype) for x in xs]
+
     @abstractmethod
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
@@ -146,6 +164,25 @@ class LinearBlock(KroneckerBlock):
         total = gram_with_ones(rows, self.has_bias, self.precision)
         return FactorStatistic(total, rows.shape[0], examples)
 
+    def a_batch_key(self, x: Tensor) -> Hashable | None:
+        """Linear inputs of one shape stack into one batched product."""
+        key = ("linear", self.has_bias, self.precision, tuple(x.shape), x.dtype, x.device)
+        return key if x.dim() > 1 else None
+
+    def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
+        """:meth:`a_statistic` of each input: one stacked copy and one batched product."""
+        inputs = torch.stack(list(xs))
+        rows = self.precision.operands(inputs.reshape(len(xs), -1, inputs.shape[-1]), dtype)
+        core = self.precision.bmm(rows.mT, rows)
+        totals = core
+        if self.has_bias:
+            d = core.shape[-1]
+            totals = core.new_empty(len(xs), d + 1, d + 1)
+            totals[:, :d, :d] = core
+            fill_border(totals, self.precision.sum_rows(rows, (1,)), rows.shape[1])
+        examples = int(xs[0].shape[0])
+        return [FactorStatistic(total, rows.shape[1], examples) for total in totals.unbind(0)]
+
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over all rows of ``dy``."""
         rows = self.precision.operands(dy.reshape(-1, dy.shape[-1]), dtype)
@@ -177,124 +214,6 @@ def set_gradients(
     torch._foreach_copy_(grads, parts)
     if scale is not None:
         torch._foreach_mul_(grads, scale)
-
-
-def _same_padding(kernel: tuple[int, int], dilation: tuple[int, int]) -> tuple[int, int, int, int]:
-    """F.pad widths ``(left, right, top, bottom)`` that PyTorch uses for ``padding='same'``."""
-    pads: list[int] = []
-    for k, d in zip(reversed(kernel), reversed(dilation), strict=True):
-        total = d * (k - 1)
-        pads += [total // 2, total - total // 2]
-    return pads[0], pads[1], pads[2], pads[3]
-
-
-def refuse_grouped(module: nn.Conv1d | nn.Conv2d) -> None:
-    """Refuse a grouped convolution (its weight is not one Kronecker-factored block).
-
-    Raises:
-        UnsupportedLayerError: ``groups != 1``.
-    """
-    if module.groups != 1:
-        raise UnsupportedLayerError(
-            f"grouped convolution (groups={module.groups}) is not supported; add its name "
-            "to skip_layers to train it with the plain gradient"
-        )
-
-
-class Conv2dBlock(KroneckerBlock):
-    """``nn.Conv2d`` with the KFC approximation (Grosse & Martens 2016).
-
-    Rows are output positions of every example; ``a`` is the input patch seen by one output
-    position, in PyTorch's weight order ``(c_in, kh, kw)``. Supports stride, dilation, integer,
-    ``'same'``/``'valid'`` padding and every ``padding_mode``; grouped convolutions are refused.
-    """
-
-    kind = "Conv2d"
-    batched_dims = 4
-
-    def __init__(self, module: nn.Conv2d) -> None:
-        refuse_grouped(module)
-        super().__init__(module)
-        self.conv = module
-        kernel = (int(module.kernel_size[0]), int(module.kernel_size[1]))
-        dilation = (int(module.dilation[0]), int(module.dilation[1]))
-        if isinstance(module.padding, str):
-            self.pad = _same_padding(kernel, dilation) if module.padding == "same" else (0, 0, 0, 0)
-        else:
-            ph, pw = int(module.padding[0]), int(module.padding[1])
-            self.pad = (pw, pw, ph, ph)
-        self.kernel = kernel
-        self.dilation = dilation
-        self.stride = (int(module.stride[0]), int(module.stride[1]))
-        # Stride-1 index plans per input size: computed once, so the forward hook of a
-        # factor-update step reads nothing back from the device.
-        self.gram_plans = ShiftedGramPlans()
-
-    def padded_input(self, x: Tensor) -> Tensor:
-        """The input as the convolution sees it after padding (``padding_mode`` respected)."""
-        if not any(self.pad):
-            return x
-        mode = self.conv.padding_mode
-        return F.pad(x, self.pad, mode="constant" if mode == "zeros" else mode)
-
-    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
-        """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
-        if x.dim() == 3:  # unbatched (C, H, W)
-            x = x.unsqueeze(0)
-        zero_padded = self.conv.padding_mode == "zeros"
-        total, rows = conv2d_patch_gram(
-            x if zero_padded else self.padded_input(x),
-            kernel=self.kernel,
-            dilation=self.dilation,
-            stride=self.stride,
-            pad=self.pad if zero_padded else (0, 0, 0, 0),
-            with_ones=self.has_bias,
-            plans=self.gram_plans,
-            precision=self.precision,
-            dtype=dtype,
-        )
-        return FactorStatistic(total, rows, int(x.shape[0]))
-
-    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
-        """``Σ dy dyᵀ`` over every output position of every example."""
-        if dy.dim() == 3:
-            dy = dy.unsqueeze(0)
-        total, rows = pixel_gram(dy, dtype, with_ones=False, precision=self.precision)
-        return FactorStatistic(total, rows, int(dy.shape[0]))
-
-
-class Conv1dBlock(Conv2dBlock):
-    """``nn.Conv1d`` as a Conv2d of height 1: the same patches, rows and factors.
-
-    An input ``(N, C, L)`` is ``(N, C, 1, L)`` to a ``(1, k)`` kernel; the weight
-    ``(out, in, k)`` flattens to the same ``(c_in, k)`` patch order.
-    """
-
-    kind = "Conv1d"
-    batched_dims = 3
-
-    def __init__(self, module: nn.Conv1d) -> None:
-        refuse_grouped(module)
-        KroneckerBlock.__init__(self, module)
-        self.conv = module  # type: ignore[assignment]  # padding_mode is all it is read for
-        kernel, dilation = (1, int(module.kernel_size[0])), (1, int(module.dilation[0]))
-        if isinstance(module.padding, str):
-            self.pad = _same_padding(kernel, dilation) if module.padding == "same" else (0, 0, 0, 0)
-        else:
-            self.pad = (int(module.padding[0]), int(module.padding[0]), 0, 0)
-        self.kernel, self.dilation = kernel, dilation
-        self.stride = (1, int(module.stride[0]))
-        self.gram_plans = ShiftedGramPlans()
-
-    def a_statistic(self, x: Tensor, dtype: torch.dtype) -> FactorStatistic:
-        """``Σ a aᵀ`` over every output position's patch (plus the bias 1)."""
-        x = x.unsqueeze(0) if x.dim() == 2 else x  # unbatched (C, L)
-        return super().a_statistic(x.unsqueeze(2), dtype)
-
-    def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
-        """``Σ dy dyᵀ`` over every output position of every example."""
-        dy = dy.unsqueeze(0) if dy.dim() == 2 else dy
-        return super().g_statistic(dy.unsqueeze(2), dtype)
 
 
 class TransposedLinearBlock(LinearBlock):

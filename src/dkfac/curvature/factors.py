@@ -18,6 +18,7 @@ from dkfac.curvature.gram import (
     fill_border,
     gram_with_ones,
     pixel_gram,
+    pixel_grams,
 )
 from dkfac.curvature.shifted_gram_plan import (
     ConvGeometry,
@@ -107,16 +108,18 @@ def conv2d_patch_grams(
         # A 1x1 convolution's patches are its input pixels (every stride-th): their Gram, no
         # plan or blocks (one copy of the input instead of a zeroed layout, a copy and block
         # scatters, or im2col).
-        pixel_grams = [
+        if stride == (1, 1):
+            return pixel_grams(xs, statistics_dtype, with_ones, precision)
+        strided_pixels = [
             pixel_gram(
-                each if stride == (1, 1) else each[:, :, :: stride[0], :: stride[1]],
+                each[:, :, :: stride[0], :: stride[1]],
                 statistics_dtype,
                 with_ones,
                 precision,
             )
             for each in xs
         ]
-        return [gram for gram, _ in pixel_grams], pixel_grams[0][1]
+        return [gram for gram, _ in strided_pixels], strided_pixels[0][1]
     operand = precision.operand_dtype(statistics_dtype)
     if stride == (1, 1):
         geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)

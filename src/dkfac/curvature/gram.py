@@ -206,6 +206,48 @@ def pixel_gram(
     return gram_with_ones(rows, with_ones, precision), int(rows.shape[0])
 
 
+def pixel_grams(
+    xs: Sequence[Tensor], dtype: torch.dtype, with_ones: bool, precision: GramPrecision = HIGHEST
+) -> tuple[list[Tensor], int]:
+    """:func:`pixel_gram` of each of ``xs`` (one shape, dtype and device), in one product.
+
+    The inputs are stacked in one copy, cast to the operands' dtype in it: contiguous
+    channels-first ones as their per-example ``(C, positions)`` planes where those pay, the
+    others as channel vectors (rows). Inputs of different strides (layouts) take
+    :func:`pixel_gram` one at a time, as does a single input or a traced call.
+
+    Returns:
+        The Grams in the order of ``xs`` (views of one stack), and the vectors of each.
+    """
+    x = xs[0]
+    if len(xs) == 1 or torch.compiler.is_compiling() or any(e.stride() != x.stride() for e in xs):
+        alone = [pixel_gram(each, dtype, with_ones, precision) for each in xs]
+        return [gram for gram, _ in alone], alone[0][1]
+    layers, examples, channels = len(xs), x.shape[0], x.shape[1]
+    operand = precision.operand_dtype(dtype)
+    if x.is_contiguous() and x.numel() and _per_example(x, None):
+        planes = torch.empty((layers, *x.shape), dtype=operand, device=x.device)
+        torch.stack(list(xs), out=planes)  # the stack and the cast in one copy
+        flat = planes.view(layers * examples, channels, -1)
+        products = precision.bmm(flat, flat.mT)
+        core = products.view(layers, examples, channels, channels).sum(dim=1)
+        vectors = planes.view(layers, examples, channels, -1)
+        count, sums = examples * vectors.shape[3], precision.sum_rows(vectors, (1, 3))
+    else:
+        last = x.movedim(1, -1).shape
+        rows = torch.empty((layers, *last), dtype=operand, device=x.device)
+        torch.stack([each.movedim(1, -1) for each in xs], out=rows)
+        rows = rows.view(layers, -1, channels)
+        core = precision.bmm(rows.mT, rows)
+        count, sums = rows.shape[1], precision.sum_rows(rows, (1,))
+    if not with_ones:
+        return list(core.unbind(0)), count
+    grams = core.new_empty(layers, channels + 1, channels + 1)
+    grams[:, :channels, :channels] = core
+    fill_border(grams, sums, count)
+    return list(grams.unbind(0)), count
+
+
 def _per_example(x: Tensor, forced: bool | None) -> bool:
     """Whether ``x``'s pixel Gram sums per-example products (see :func:`pixel_gram`)."""
     return per_example_products_pay(x.shape) if forced is None else forced

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,16 @@ class LayerCurvature:
         """
         with torch.autocast(self.block.weight.device.type, enabled=False):
             return self._in_factor_dtype(self.block.a_statistic(x.detach(), self.factor_dtype))
+
+    def a_statistics(self, xs: Sequence[Tensor]) -> list[FactorStatistic]:
+        """:meth:`a_statistic` of inputs of equal ``block.a_batch_key``, formed together.
+
+        Any layer whose block gives the same key and whose ``factor_dtype`` is the same gives
+        the same statistics: one layer computes those of a group of layers.
+        """
+        with torch.autocast(self.block.weight.device.type, enabled=False):
+            totals = self.block.a_statistics([x.detach() for x in xs], self.factor_dtype)
+        return [self._in_factor_dtype(statistic) for statistic in totals]
 
     def g_statistic(self, dy: Tensor) -> FactorStatistic:
         """The output-gradient statistic of one backward call (as :meth:`a_statistic`)."""

@@ -1,0 +1,127 @@
+"""Layer inputs held from the forward pass until their ``A`` statistics are formed together.
+
+On a GPU a small model's factor step waits for the host, which prepares every launch; a
+convolution's ``A`` takes a dozen or more (docs/benchmarks.md, "Host time of small steps").
+The forward hook meets one layer at a time, so with ``batched_statistics`` it holds each
+input instead, and the held inputs are formed when the backward pass begins (at the first
+output-gradient hook), before the next forward pass, or at ``step()``: those of equal-shaped
+layers with equal settings in the launches of one (:meth:`KroneckerBlock.a_statistics`),
+then added to their layers and announced in the order they were held.
+
+Autograd keeps most of these inputs until the backward pass anyway (a weight's gradient
+needs its layer's input); where it does not (activation checkpointing), holding them costs
+memory, so once :data:`PENDING_INPUT_BYTES` are held they are formed at once, in the forward
+pass. An input changed in place after its layer's call cannot give its statistic any more:
+that is an error, not a silently wrong factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dkfac.curvature.blocks import FactorStatistic
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.statistics import whole_call_estimate
+
+#: Bytes of held inputs at which they are formed at once. Also the most inputs one group
+#: stacks: its transient copies (the stack and, for a convolution, the layouts) are about
+#: twice this.
+PENDING_INPUT_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One forward call's input (its kept part), and what its statistic is added with."""
+
+    layer: LayerCurvature
+    x: Tensor
+    version: int
+    pass_id: int
+    examples: int
+    kept: int
+    key: Hashable
+
+
+class PendingInputs:
+    """The inputs held since their statistics were last formed (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._held: list[_Held] = []
+        self._bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(
+        self, layer: LayerCurvature, x: Tensor, pass_id: int, examples: int, kept: int
+    ) -> bool:
+        """Hold the first ``kept`` of ``examples`` examples of ``x``, a call's input.
+
+        Returns:
+            Whether it is held; ``False``: its block forms it alone (do it now).
+        """
+        if kept != examples and not layer.block.a_from_part:
+            kept = examples  # the whole call, as the eager hook computes it
+        part = x if kept == examples else x[:kept]
+        key = layer.block.a_batch_key(part)
+        if key is None:
+            return False
+        part = part.detach()  # the same storage and version counter, no graph
+        held = _Held(layer, part, part._version, pass_id, examples, kept, (key, layer.factor_dtype))
+        self._held.append(held)
+        self._bytes += part.numel() * part.element_size()
+        return True
+
+    def over_budget(self) -> bool:
+        """Whether the held inputs reached :data:`PENDING_INPUT_BYTES`."""
+        return self._bytes >= PENDING_INPUT_BYTES
+
+    def form(self) -> list[LayerCurvature]:
+        """Form and add every held input's statistic; the layers, in the order held.
+
+        Raises:
+            RuntimeError: an input was changed in place after its layer's call.
+        """
+        held, self._held, self._bytes = self._held, [], 0
+        for entry in held:
+            if entry.x._version != entry.version:
+                raise RuntimeError(
+                    f"layer {entry.layer.name!r}: its input was changed in place after the "
+                    "layer's forward call, before K-FAC formed its statistic from it; do not "
+                    "change a layer's input in place, or pass batched_statistics=False"
+                )
+        groups: dict[Hashable, list[int]] = {}
+        for position, entry in enumerate(held):
+            groups.setdefault(entry.key, []).append(position)
+        formed: dict[int, FactorStatistic] = {}
+        for positions in groups.values():
+            for chunk in _chunks(positions, held):
+                statistics = held[chunk[0]].layer.a_statistics([held[p].x for p in chunk])
+                formed.update(zip(chunk, statistics, strict=True))
+        for position, entry in enumerate(held):
+            statistic, weight = whole_call_estimate(formed[position], entry.examples, entry.kept)
+            entry.layer.add_statistic("a", statistic, entry.pass_id, None, weight)
+        return [entry.layer for entry in held]
+
+    def discard(self) -> None:
+        """Forget the held inputs (the window's statistics are being dropped)."""
+        self._held, self._bytes = [], 0
+
+
+def _chunks(positions: list[int], held: list[_Held]) -> list[list[int]]:
+    """``positions`` in order, cut where their inputs would pass :data:`PENDING_INPUT_BYTES`."""
+    chunks: list[list[int]] = []
+    size = 0
+    for position in positions:
+        x = held[position].x
+        entry_bytes = x.numel() * x.element_size()
+        if chunks and size + entry_bytes <= PENDING_INPUT_BYTES:
+            chunks[-1].append(position)
+            size += entry_bytes
+        else:
+            chunks.append([position])
+            size = entry_bytes
+    return chunks

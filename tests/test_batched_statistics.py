@@ -1,0 +1,229 @@
+"""``batched_statistics``: layer inputs held from the forward pass, ``A`` formed together.
+
+Oracles: explicit patches and ``torch.func`` per-example gradients in float64
+(:func:`test_oracle_numerics.oracle_layer_factors`), and the run that forms each statistic in
+its forward hook (itself checked against that oracle), equal to round-off: a group's batched
+products may add in another order. Across workers, the single-process run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dkfac
+import dkfac.pending_inputs as pending_module
+from distributed_harness import run_workers
+from dkfac.curvature.layer import LayerCurvature
+from test_oracle_numerics import (
+    DT,
+    assert_factors,
+    batch_loss,
+    kfac_layers,
+    make_pre,
+    oracle_layer_factors,
+    sgd_,
+)
+
+#: Layers 2 and 4 (3x3, bias) have equal statistics, and so do 10 and 12 (1x1) and 17, 19
+#: and 21 (Linear layers of 5 inputs: A does not depend on the outputs); 0 (another input
+#: width), 6 (no bias) and 15 are formed alone, 8 (stride 2) in its hook.
+
+
+def equal_layers_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, padding=1, bias=False),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, stride=2, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(27, 5),
+        nn.Tanh(),
+        nn.Linear(5, 5),
+        nn.Tanh(),
+        nn.Linear(5, 5),
+        nn.Tanh(),
+        nn.Linear(5, 4),
+    ).to(DT)
+
+
+def batch(step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(50 + step)
+    x = torch.randn(n, 2, 6, 6, dtype=DT, generator=generator)
+    return x, torch.randint(0, 4, (n,), generator=generator)
+
+
+def formed_groups(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Records the layers of every :meth:`LayerCurvature.a_statistics` call (a group's)."""
+    groups: list[list[str]] = []
+    real = LayerCurvature.a_statistics
+
+    def recorded(self: LayerCurvature, xs: Sequence[torch.Tensor]) -> Any:
+        groups.append([self.name] + ["?"] * (len(xs) - 1))
+        return real(self, xs)
+
+    monkeypatch.setattr(LayerCurvature, "a_statistics", recorded)
+    return groups
+
+
+def test_equal_layers_statistics_formed_together_are_the_float64_oracles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = equal_layers_model()
+    x, t = batch(0)
+    expected = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
+    groups = formed_groups(monkeypatch)
+    pre = make_pre(model, batched_statistics=True)
+    batch_loss(model(x), t).backward()
+    pre.step()
+    assert_factors(pre, expected)
+    # One call per group, the first layer of each forming the others' statistics too; the
+    # layers without an equal one alone (the stride-2 convolution in its hook).
+    together = sorted(group for group in groups if len(group) > 1)
+    assert together == [["10", "?"], ["17", "?", "?"], ["2", "?"]]
+    assert sorted(group[0] for group in groups if len(group) == 1) == ["0", "15", "6"]
+
+
+def trained(
+    model: nn.Module, options: dict[str, Any], passes: Callable[[nn.Module, int], None]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Three factor windows of ``passes`` and SGD; the factors left."""
+    pre = make_pre(model, factor_decay=0.7, **options)
+    for step in range(3):
+        passes(model, step)
+        pre.step()
+        sgd_(model)
+    return {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+
+
+def one_pass(model: nn.Module, step: int) -> None:
+    x, t = batch(step)
+    batch_loss(model(x), t).backward()
+
+
+def two_passes(model: nn.Module, step: int) -> None:  # gradient accumulation
+    for part in range(2):
+        x, t = batch(10 * step + part)
+        (batch_loss(model(x), t) / 2).backward()
+
+
+def checkpointed(model: nn.Module, step: int) -> None:
+    x, t = batch(step)
+    assert isinstance(model, nn.Sequential)
+    head = checkpoint(model[:6], x, use_reentrant=False)
+    batch_loss(model[6:](head), t).backward()
+
+
+def forward_twice_then_backward(model: nn.Module, step: int) -> None:
+    # Two forward passes held before one backward pass of both.
+    x, t = batch(step)
+    y, u = batch(100 + step)
+    (batch_loss(model(x), t) + batch_loss(model(y), u)).backward()
+
+
+@pytest.mark.parametrize(
+    ("passes", "options"),
+    [
+        (one_pass, {}),
+        (two_passes, {"accumulation_steps": 2}),
+        (checkpointed, {}),
+        (forward_twice_then_backward, {"accumulation_steps": 2}),
+        (one_pass, {"statistics_fraction": 0.5}),
+        (one_pass, {"inverse_method": "inverse", "kl_clip": 0.01}),
+    ],
+    ids=["one-pass", "accumulation", "checkpoint", "two-forwards", "fraction", "inverse"],
+)
+def test_batched_statistics_equal_those_formed_in_the_hooks(
+    passes: Callable[[nn.Module, int], None], options: dict[str, Any]
+) -> None:
+    want = trained(equal_layers_model(), {**options, "batched_statistics": False}, passes)
+    got = trained(equal_layers_model(), {**options, "batched_statistics": True}, passes)
+    assert set(got) == set(want)
+    for name, (a, g) in want.items():
+        torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
+
+
+def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A budget of one input: each held input is formed at once (no group), same factors.
+    want = trained(equal_layers_model(), {"batched_statistics": False}, one_pass)
+    monkeypatch.setattr(pending_module, "PENDING_INPUT_BYTES", 1)
+    groups = formed_groups(monkeypatch)
+    got = trained(equal_layers_model(), {"batched_statistics": True}, one_pass)
+    assert groups and all(len(group) == 1 for group in groups)
+    for name, (a, g) in want.items():
+        torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
+
+
+def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(DT)
+    pre = make_pre(model, batched_statistics=True)
+    x = torch.randn(4, 3, dtype=DT)
+    with torch.no_grad():
+        model[0].weight.requires_grad_(False)
+    out = model(x)
+    x.add_(1.0)  # the first layer's input, held, not needed by autograd (no weight grad)
+    with pytest.raises(RuntimeError, match=r"layer '0': its input was changed in place"):
+        out.sum().backward()
+    pre.remove()
+
+
+def test_batched_statistics_must_be_a_bool_or_none() -> None:
+    with pytest.raises(ValueError, match="batched_statistics"):
+        dkfac.KFACPreconditioner(equal_layers_model(), batched_statistics="yes")  # type: ignore[arg-type]
+
+
+def worker_run(rank: int, world_size: int, options: dict[str, Any]) -> list[torch.Tensor]:
+    ddp = nn.parallel.DistributedDataParallel(equal_layers_model())
+    local = 4 // world_size
+    pre = make_pre(ddp, batched_statistics=True, check_replicas_every=1, **options)
+    for step in range(3):
+        x, t = batch(step)
+        batch_loss(
+            ddp(x[rank * local : (rank + 1) * local]), t[rank * local : (rank + 1) * local]
+        ).backward()
+        pre.step()
+        sgd_(ddp)
+    pre.remove()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"strategy": "dkfac"}, {"strategy": "spd", "inverse_method": "inverse"}],
+)
+def test_two_workers_with_batched_statistics_equal_the_single_process_run(
+    options: dict[str, Any],
+) -> None:
+    """SPD hands factors to its pipeline as their statistics come in: here all of ``A``'s
+    when the backward pass begins, in the order they were held, on every worker."""
+    model = equal_layers_model()
+    pre = make_pre(model, **{k: v for k, v in options.items() if k != "strategy"})
+    for step in range(3):
+        one_pass(model, step)
+        pre.step()
+        sgd_(model)
+    want = [p.detach().clone() for p in model.parameters()]
+    ranks = run_workers(worker_run, 2, (options,))
+    for got in ranks:
+        for mine, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
