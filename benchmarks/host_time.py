@@ -16,7 +16,7 @@ finiteness checks, stay the CPU's).
 
 Usage::
 
-    python benchmarks/host_time.py --models resnet32,resnet50 --gpu-paths \
+    python benchmarks/host_time.py --models resnet32,resnet50 --gpu-paths --rounds 5 \
         --out benchmarks/results/host_time.json
 """
 
@@ -164,6 +164,34 @@ def time_run(
     }
 
 
+def timed_rounds(
+    common: tuple[Any, ...], variants: dict[str, dict[str, Any]], rounds: int
+) -> list[dict[str, Any]]:
+    """``rounds`` runs of SGD and every variant, the variants' order rotated each round.
+
+    Runs minutes apart on a shared machine vary by more than the differences timed (SGD's
+    step read 6.2-7.3 ms in one session); medians over interleaved rounds, in which no
+    variant always runs first, compare them under the same conditions.
+    """
+    labels = list(variants)
+    timed: list[dict[str, Any]] = []
+    for index in range(rounds):
+        shift = index % len(labels)
+        order = labels[shift:] + labels[:shift]
+        this_round = {"sgd": time_run(*common, None)}
+        this_round |= {label: time_run(*common, variants[label]) for label in order}
+        timed.append(this_round)
+    return timed
+
+
+def median_of_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each kind's and part's median over the rounds."""
+    return {
+        kind: {part: statistics.median(r[kind][part] for r in rounds) for part in parts}
+        for kind, parts in rounds[0].items()
+    }
+
+
 def amortised_ms(kinds: dict[str, dict[str, float]]) -> float:
     """Host time per iteration of the schedule, from each kind's medians."""
     if set(kinds) == {"plain"}:
@@ -210,13 +238,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200, help="timed steps after the warm-up")
     parser.add_argument(
+        "--rounds", type=int, default=1, help="interleaved rounds; cells are their medians"
+    )
+    parser.add_argument(
         "--gpu-paths", action="store_true", help="every run takes dkfac's GPU code paths"
     )
     add_variant_argument(parser)
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.thin < 0 or args.batch < 1 or args.steps < DECOMPOSITION_STEPS:
-        parser.error(f"--thin >= 0, --batch >= 1 and --steps >= {DECOMPOSITION_STEPS} needed")
+    if args.thin < 0 or args.batch < 1 or args.rounds < 1 or args.steps < DECOMPOSITION_STEPS:
+        parser.error(
+            f"--thin >= 0, --batch >= 1, --rounds >= 1 and --steps >= {DECOMPOSITION_STEPS} needed"
+        )
     return args
 
 
@@ -236,12 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = MODELS[model_name]
         thin = args.thin or narrowest(spec.build(spec.num_classes))
         common = (model_name, thin, args.batch, args.image_size, args.steps)
+        rounds = timed_rounds(common, variants, args.rounds)
         result = {
             "thin": thin,
             "batch": args.batch,
             "image_size": args.image_size,
-            "sgd": time_run(*common, None),
-            "variants": {label: time_run(*common, options) for label, options in variants.items()},
+            "sgd": median_of_rounds([timed["sgd"] for timed in rounds]),
+            "variants": {
+                label: median_of_rounds([timed[label] for timed in rounds]) for label in variants
+            },
+            "rounds": rounds,
         }
         result["amortised_ms"] = {"sgd": amortised_ms(result["sgd"])} | {
             label: amortised_ms(kinds) for label, kinds in result["variants"].items()

@@ -621,9 +621,17 @@ def test_host_time_thins_the_model_and_times_every_kind_of_step(
             )
             assert narrow.out_channels == wide.out_channels // 8
     out = tmp_path / "host.json"
-    argv = ["--models", "resnet32", "--steps", "100", "--gpu-paths", "--out", str(out)]
-    assert bench.main(argv) == 0
+    argv = ["--models", "resnet32", "--steps", "100", "--gpu-paths", "--rounds", "2"]
+    argv += ["--variant", "dkfac={}", "--variant", 'hooks={"batched_statistics": false}']
+    assert bench.main([*argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())["models"]["resnet32"]
+    # Two rounds, the variants' order rotated; each cell their median (here: the mean).
+    assert [list(timed) for timed in result["rounds"]] == [
+        ["sgd", "dkfac", "hooks"],
+        ["sgd", "hooks", "dkfac"],
+    ]
+    first, second = (timed["dkfac"]["plain"]["kfac_step"] for timed in result["rounds"])
+    assert result["variants"]["dkfac"]["plain"]["kfac_step"] == pytest.approx((first + second) / 2)
     kinds = result["variants"]["dkfac"]
     assert set(kinds) == {"plain", "factors", "decomposition"}
     sums = {kind: sum(parts.values()) for kind, parts in kinds.items()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic
+from dkfac.curvature.chunks import cut_by_size
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import whole_call_estimate
 
@@ -72,7 +73,7 @@ class PendingInputs:
         part = part.detach()  # the same storage and version counter, no graph
         held = _Held(layer, part, part._version, pass_id, examples, kept, (key, layer.factor_dtype))
         self._held.append(held)
-        self._bytes += part.numel() * part.element_size()
+        self._bytes += _bytes(part)
         return True
 
     def over_budget(self) -> bool:
@@ -98,7 +99,7 @@ class PendingInputs:
             groups.setdefault(entry.key, []).append(position)
         formed: dict[int, FactorStatistic] = {}
         for positions in groups.values():
-            for chunk in _chunks(positions, held):
+            for chunk in cut_by_size(positions, lambda p: _bytes(held[p].x), PENDING_INPUT_BYTES):
                 statistics = held[chunk[0]].layer.a_statistics([held[p].x for p in chunk])
                 formed.update(zip(chunk, statistics, strict=True))
         for position, entry in enumerate(held):
@@ -111,17 +112,6 @@ class PendingInputs:
         self._held, self._bytes = [], 0
 
 
-def _chunks(positions: list[int], held: list[_Held]) -> list[list[int]]:
-    """``positions`` in order, cut where their inputs would pass :data:`PENDING_INPUT_BYTES`."""
-    chunks: list[list[int]] = []
-    size = 0
-    for position in positions:
-        x = held[position].x
-        entry_bytes = x.numel() * x.element_size()
-        if chunks and size + entry_bytes <= PENDING_INPUT_BYTES:
-            chunks[-1].append(position)
-            size += entry_bytes
-        else:
-            chunks.append([position])
-            size = entry_bytes
-    return chunks
+def _bytes(tensor: Tensor) -> int:
+    """The bytes of ``tensor``'s elements."""
+    return tensor.numel() * tensor.element_size()

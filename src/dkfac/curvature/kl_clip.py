@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dkfac.curvature.chunks import cut_by_size
+
 #: Entries of the products ``V ⊙ ∇`` one shared launch forms at most (on an accelerator): the
 #: products and their concatenation are held at once, twice this many entries.
 _CHUNK = 1 << 24
@@ -14,18 +16,11 @@ _CHUNK = 1 << 24
 
 def _chunks(pairs: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
     """``pairs`` in order, cut where the entries would pass :data:`_CHUNK` (one device each)."""
-    chunks: list[list[tuple[Tensor, Tensor]]] = []
-    size = 0
-    for pair in pairs:
-        entries = pair[0].numel()
-        fits = chunks and size + entries <= _CHUNK and chunks[-1][0][0].device == pair[0].device
-        if fits:
-            chunks[-1].append(pair)
-            size += entries
-        else:
-            chunks.append([pair])
-            size = entries
-    return chunks
+
+    def one_device(first: tuple[Tensor, Tensor], pair: tuple[Tensor, Tensor]) -> bool:
+        return first[0].device == pair[0].device
+
+    return cut_by_size(pairs, lambda pair: pair[0].numel(), _CHUNK, one_device)
 
 
 def kl_clip_scale(
