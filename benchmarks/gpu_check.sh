@@ -35,10 +35,10 @@ KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
 TF32_S=${TF32_S:-150}
 DEFAULT_S=${DEFAULT_S:-75}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
-BREAKDOWN_S=${BREAKDOWN_S:-75}
+BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-30}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-RESNET32_S=${RESNET32_S:-30}
+RESNET32_S=${RESNET32_S:-40}
 HOST_TIME_S=${HOST_TIME_S:-20}
 CUDA_TESTS_S=${CUDA_TESTS_S:-60}
 SUITE_S=${SUITE_S:-90}
@@ -60,8 +60,10 @@ half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statis
 eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
 alone='{"batched_preconditioning": false}'
 unstacked='{"batched_factor_updates": false}'
+hooks='{"batched_statistics": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
-  --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant 'dkfac-bdec={"batched_decompositions": true}'
+  --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant "dkfac-hooks=$hooks"
+  --variant 'dkfac-bdec={"batched_decompositions": true}'
   --variant 'dkfac-bdec576={"batched_decompositions": 576}')
 bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 unless set)
   local seconds=$1 name=$2 model=${MODEL:-resnet50}
@@ -88,7 +90,8 @@ timeout -s INT "$BREAKDOWN_S" python3 benchmarks/gpu_breakdown.py --models resne
 echo "exit $?"; tail -3 "$OUT/breakdown.log" | cut -c1-600
 echo "== operators per kind of step: ResNet-50, batch 128, inverse"
 timeout -s INT "$LAUNCHES_S" python3 benchmarks/step_launches.py --model resnet50 --batch 128 \
-  --variant "batched={}" --variant "alone=$alone" --variant "unstacked=$unstacked" --out "$OUT/step_launches.json" \
+  --variant "batched={}" --variant "alone=$alone" --variant "unstacked=$unstacked" \
+  --variant "hooks=$hooks" --out "$OUT/step_launches.json" \
   > "$OUT/step_launches.log" 2>&1
 echo "exit $?"; tail -12 "$OUT/step_launches.log"
 echo "== pixel Grams two ways: ResNet-50, batch 128"
@@ -96,7 +99,7 @@ timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
 MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
 echo "== host time per kind of step on this CPU (channels divided)"
 timeout -s INT "$HOST_TIME_S" python3 benchmarks/host_time.py --models resnet32,resnet50 \
   --gpu-paths --out "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
