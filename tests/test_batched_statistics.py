@@ -20,6 +20,9 @@ import dkfac
 import dkfac.pending_inputs as pending_module
 from distributed_harness import run_workers
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.d_kfac import DKFACStrategy
+from dkfac.strategies.pad import PADStrategy
+from dkfac.strategies.spd import SPDStrategy
 from test_oracle_numerics import (
     DT,
     assert_factors,
@@ -227,3 +230,16 @@ def test_two_workers_with_batched_statistics_equal_the_single_process_run(
     for got in ranks:
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_statistics_are_batched_by_default_on_a_gpu_unless_the_hooks_start_sends() -> None:
+    # SPD and PAD hand factors to their pipeline from the hooks: forming A when the backward
+    # pass begins would start their sends later, so their default keeps the hooks' timing.
+    assert SPDStrategy.starts_work_from_hooks and PADStrategy.starts_work_from_hooks
+    assert not DKFACStrategy.starts_work_from_hooks
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    default = dkfac.KFACConfig()
+    assert default.batching(gpu).statistics and not default.batching(cpu).statistics
+    assert not default.batching(gpu, hooks_start_work=True).statistics
+    forced = dkfac.KFACConfig(batched_statistics=True)
+    assert forced.batching(cpu, hooks_start_work=True).statistics

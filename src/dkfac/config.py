@@ -184,14 +184,14 @@ class KFACConfig:
             )
         return self.strategy
 
-    def batching(self, device: torch.device) -> Batching:
-        """What runs batched on ``device`` (the options' ``None``: their GPU defaults)."""
-        on_gpu = device.type == "cuda"
+    def batching(self, device: torch.device, hooks_start_work: bool = False) -> Batching:
+        """What runs batched on ``device`` (``None``: GPU defaults; see ``hooks_start_work``)."""
+        on_gpu, statistics = device.type == "cuda", self.batched_statistics
         return Batching(
             on_gpu if self.batched_preconditioning is None else self.batched_preconditioning,
             batched_decompositions_up_to(self.batched_decompositions, device),
             on_gpu if self.batched_factor_updates is None else self.batched_factor_updates,
-            on_gpu if self.batched_statistics is None else self.batched_statistics,
+            (on_gpu and not hooks_start_work) if statistics is None else statistics,
         )
 
     def __post_init__(self) -> None:

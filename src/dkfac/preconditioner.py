@@ -12,6 +12,7 @@ from dkfac.adaptive import AdaptiveOptions, AdaptiveStep, ModelBatch
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import CONFIG_FIELDS, Hyperparameter, IntHyperparameter, KFACConfig
+from dkfac.curvature.batching import Batching
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
@@ -140,7 +141,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         batched_statistics: the forward hooks hold the layers' inputs, and the ``A``
             statistics of equal-shaped layers are formed together when the backward pass
             begins (:mod:`dkfac.pending_inputs`; equal to one at a time up to round-off);
-            ``None`` (default): on a GPU.
+            ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
+            (SPD, PAD: forming ``A`` later would start their sends later).
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -209,7 +211,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         expected = accumulation_steps or (None if optimizer is not None else 1)
         device = self._layers[0].block.weight.device
         self._strategy.setup(
-            self._layers, accumulation_steps=expected or 1, batching=self.config.batching(device)
+            self._layers, accumulation_steps=expected or 1, batching=self._batching(device)
         )
         self._grad_scaler = grad_scaler
         self._steps = 0
@@ -240,7 +242,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             capturing=self._is_factor_step(0),
             statistics_fraction=self.config.statistics_fraction,
             compiled=is_compiled(model),
-            batched=self.config.batching(device).statistics,
+            batched=self._batching(device).statistics,
         )
 
     # -- the step -------------------------------------------------------------------------------
@@ -270,6 +272,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
             batch = None if self._adaptive is None else self._adaptive.model_batch(inputs, targets)
             self._step(batch)
+
+    def _batching(self, device: torch.device) -> Batching:
+        return self.config.batching(device, self._strategy.starts_work_from_hooks)
 
     def _hook_lr(self, step: int) -> float:
         assert self._hook is not None

@@ -42,6 +42,9 @@ class Strategy(ABC):
 
     #: The ``strategy=`` name that selects this class.
     name: ClassVar[str]
+    #: Whether :meth:`statistic_added` starts work (collectives) while the passes go on:
+    #: statistics formed later (``batched_statistics``) would start it later.
+    starts_work_from_hooks: ClassVar[bool] = False
 
     def __init__(self, recorder: StepRecorder, comm: Communicator | None = None) -> None:
         self.recorder = recorder

@@ -61,6 +61,8 @@ class PipelinedStrategy(Strategy):
             fusion plan is re-planned with the alpha-beta merge rule (0: keep the size plan).
     """
 
+    starts_work_from_hooks = True
+
     def __init__(
         self,
         comm: Communicator,
