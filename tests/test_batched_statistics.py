@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import dkfac
 import dkfac.pending_inputs as pending_module
 from distributed_harness import run_workers
+from dkfac.curvature.blocks import FactorStatistic, LinearBlock
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.d_kfac import DKFACStrategy
 from dkfac.strategies.pad import PADStrategy
@@ -243,3 +244,40 @@ def test_statistics_are_batched_by_default_on_a_gpu_unless_the_hooks_start_sends
     assert not default.batching(gpu, hooks_start_work=True).statistics
     forced = dkfac.KFACConfig(batched_statistics=True)
     assert forced.batching(cpu, hooks_start_work=True).statistics
+
+
+class _DoubledA(LinearBlock):
+    """A user's block whose ``A`` is not a Linear layer's: twice it."""
+
+    def a_statistic(self, x: torch.Tensor, dtype: torch.dtype) -> FactorStatistic:
+        statistic = super().a_statistic(x, dtype)
+        return statistic._replace(total=2 * statistic.total)
+
+
+class _Custom(nn.Linear):
+    pass
+
+
+def test_blocks_with_statistics_of_their_own_are_not_batched_as_their_base() -> None:
+    # An embedding (a TransposedLinearBlock with its own A) and a user's LinearBlock subclass
+    # beside Linear layers of the same input width; a forward pass with no backward and one
+    # under torch.inference_mode in between (the held inputs are formed there, outside it).
+    def factors(batched: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 4), _Custom(4, 4), nn.Linear(4, 3)
+        ).to(DT)
+        pre = make_pre(model, blocks={_Custom: _DoubledA}, batched_statistics=batched)
+        x = torch.randint(0, 11, (5, 3))
+        model(x)  # not backpropagated
+        with torch.inference_mode():
+            model(x)
+        model(x).sum().backward()
+        pre.step()
+        return {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+
+    want, got = factors(False), factors(True)
+    assert set(got) == set(want) == {"0", "2", "3", "4"}
+    for name, (a, g) in want.items():
+        torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)

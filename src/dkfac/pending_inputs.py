@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic
@@ -67,6 +68,8 @@ class PendingInputs:
         if kept != examples and not layer.block.a_from_part:
             kept = examples  # the whole call, as the eager hook computes it
         part = x if kept == examples else x[:kept]
+        if part.is_inference():  # no version counter to check: formed at once, as before
+            return False
         key = layer.block.a_batch_key(part)
         if key is None:
             return False
@@ -94,14 +97,21 @@ class PendingInputs:
                     "layer's forward call, before K-FAC formed its statistic from it; do not "
                     "change a layer's input in place, or pass batched_statistics=False"
                 )
+
+        def held_bytes(position: int) -> int:
+            return _bytes(held[position].x)
+
         groups: dict[Hashable, list[int]] = {}
         for position, entry in enumerate(held):
             groups.setdefault(entry.key, []).append(position)
         formed: dict[int, FactorStatistic] = {}
-        for positions in groups.values():
-            for chunk in cut_by_size(positions, lambda p: _bytes(held[p].x), PENDING_INPUT_BYTES):
-                statistics = held[chunk[0]].layer.a_statistics([held[p].x for p in chunk])
-                formed.update(zip(chunk, statistics, strict=True))
+        # Formed where the next pass may start inside torch.inference_mode: the sums must be
+        # ordinary tensors, which later windows add to in place.
+        with torch.inference_mode(False):
+            for positions in groups.values():
+                for chunk in cut_by_size(positions, held_bytes, PENDING_INPUT_BYTES):
+                    statistics = held[chunk[0]].layer.a_statistics([held[p].x for p in chunk])
+                    formed.update(zip(chunk, statistics, strict=True))
         for position, entry in enumerate(held):
             statistic, weight = whole_call_estimate(formed[position], entry.examples, entry.kept)
             entry.layer.add_statistic("a", statistic, entry.pass_id, None, weight)

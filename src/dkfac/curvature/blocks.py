@@ -102,6 +102,14 @@ class KroneckerBlock(ABC):
         """
         return None
 
+    def _a_statistic_of(self, owner: type[KroneckerBlock]) -> bool:
+        """Whether this block's :meth:`a_statistic` is ``owner``'s own.
+
+        ``owner``'s batched :meth:`a_statistics` forms its formula: a subclass with a
+        statistic of its own (an embedding's, a user's) is not batched by it.
+        """
+        return type(self).a_statistic is owner.a_statistic
+
     def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
         """:meth:`a_statistic` of each of ``xs`` (of equal :meth:`a_batch_key`), in one go.
 
@@ -166,8 +174,9 @@ class LinearBlock(KroneckerBlock):
 
     def a_batch_key(self, x: Tensor) -> Hashable | None:
         """Linear inputs of one shape stack into one batched product."""
-        key = ("linear", self.has_bias, self.precision, tuple(x.shape), x.dtype, x.device)
-        return key if x.dim() > 1 else None
+        if x.dim() < 2 or not self._a_statistic_of(LinearBlock):
+            return None
+        return ("linear", self.has_bias, self.precision, tuple(x.shape), x.dtype, x.device)
 
     def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
         """:meth:`a_statistic` of each input: one stacked copy and one batched product."""

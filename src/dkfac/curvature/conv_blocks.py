@@ -99,6 +99,8 @@ class Conv2dBlock(KroneckerBlock):
         """Stride-1, zero-padded inputs of one shape share the shifted products' launches."""
         if x.dim() != 4 or self.stride != (1, 1) or self.conv.padding_mode != "zeros":
             return None
+        if not self._a_statistic_of(Conv2dBlock):  # Conv1d's, a user's subclass
+            return None
         # A 1x1 convolution's pixel Grams are formed per layout (strides): part of the key.
         layout = x.stride() if self.kernel == (1, 1) and not any(self.pad) else None
         settings = (self.kernel, self.dilation, self.pad, self.has_bias, self.precision)
