@@ -167,12 +167,22 @@ def test_batched_statistics_equal_those_formed_in_the_hooks(
 def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A budget of one input: each held input is formed at once (no group), same factors.
+    # A budget of one input: each held input is formed at once, in its forward hook (outside
+    # any backward pass: no autograd graph task runs), one at a time; same factors.
     want = trained(equal_layers_model(), {"batched_statistics": False}, one_pass)
     monkeypatch.setattr(pending_module, "PENDING_INPUT_BYTES", 1)
     groups = formed_groups(monkeypatch)
+    in_backward: list[bool] = []
+    real = pending_module.PendingInputs.form
+
+    def watched(self: pending_module.PendingInputs) -> list[LayerCurvature]:
+        in_backward.append(torch._C._current_graph_task_id() != -1)
+        return real(self)
+
+    monkeypatch.setattr(pending_module.PendingInputs, "form", watched)
     got = trained(equal_layers_model(), {"batched_statistics": True}, one_pass)
     assert groups and all(len(group) == 1 for group in groups)
+    assert in_backward and not any(in_backward)
     for name, (a, g) in want.items():
         torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
@@ -188,6 +198,7 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
     x.add_(1.0)  # the first layer's input, held, not needed by autograd (no weight grad)
     with pytest.raises(RuntimeError, match=r"layer '0': its input was changed in place"):
         out.sum().backward()
+    assert pre._capture._pending  # the refusal dropped nothing held
     pre.remove()
 
 

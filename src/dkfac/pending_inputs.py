@@ -29,8 +29,8 @@ from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import whole_call_estimate
 
 #: Bytes of held inputs at which they are formed at once. Also the most inputs one group
-#: stacks: its transient copies (the stack and, for a convolution, the layouts) are about
-#: twice this.
+#: stacks: its transient copies (the stack, the layouts or cast operands, the border rows'
+#: gathers) are up to three to four times this (counted, not measured on a GPU).
 PENDING_INPUT_BYTES = 128 << 20
 
 
@@ -89,14 +89,14 @@ class PendingInputs:
         Raises:
             RuntimeError: an input was changed in place after its layer's call.
         """
-        held, self._held, self._bytes = self._held, [], 0
-        for entry in held:
+        for entry in self._held:  # checked first: a refusal drops nothing held
             if entry.x._version != entry.version:
                 raise RuntimeError(
                     f"layer {entry.layer.name!r}: its input was changed in place after the "
                     "layer's forward call, before K-FAC formed its statistic from it; do not "
                     "change a layer's input in place, or pass batched_statistics=False"
                 )
+        held, self._held, self._bytes = self._held, [], 0
 
         def held_bytes(position: int) -> int:
             return _bytes(held[position].x)
