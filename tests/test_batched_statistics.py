@@ -8,6 +8,7 @@ products may add in another order. Across workers, the single-process run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dkfac
 import dkfac.pending_inputs as pending_module
-from distributed_harness import run_workers
+from distributed_harness import WorkerFailedError, run_workers
 from dkfac.curvature.blocks import FactorStatistic, LinearBlock
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.d_kfac import DKFACStrategy
@@ -73,13 +74,30 @@ def batch(step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 4, (n,), generator=generator)
 
 
-def formed_groups(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """Records the layers of every :meth:`LayerCurvature.a_statistics` call (a group's)."""
+def formed_groups(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> list[list[str]]:
+    """Records the layers of every :meth:`LayerCurvature.a_statistics` call (a group's).
+
+    Each held input is named by the layer whose forward call received it (its storage: a
+    fraction's part is a view of it), so every member of a group is recorded, not only the
+    layer whose block forms it.
+    """
     groups: list[list[str]] = []
+    inputs: dict[int, str] = {}
+
+    def seen(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            inputs[args[0].untyped_storage().data_ptr()] = name
+
+        return hook
+
+    for name, module in model.named_children():
+        module.register_forward_pre_hook(seen(name))
     real = LayerCurvature.a_statistics
 
     def recorded(self: LayerCurvature, xs: Sequence[torch.Tensor]) -> Any:
-        groups.append([self.name] + ["?"] * (len(xs) - 1))
+        names = [inputs[x.untyped_storage().data_ptr()] for x in xs]
+        assert names[0] == self.name  # the first member's block forms the group
+        groups.append(names)
         return real(self, xs)
 
     monkeypatch.setattr(LayerCurvature, "a_statistics", recorded)
@@ -92,16 +110,14 @@ def test_equal_layers_statistics_formed_together_are_the_float64_oracles(
     model = equal_layers_model()
     x, t = batch(0)
     expected = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
-    groups = formed_groups(monkeypatch)
+    groups = formed_groups(monkeypatch, model)
     pre = make_pre(model, batched_statistics=True)
     batch_loss(model(x), t).backward()
     pre.step()
     assert_factors(pre, expected)
     # One call per group, the first layer of each forming the others' statistics too; the
     # layers without an equal one alone (the stride-2 convolution in its hook).
-    together = sorted(group for group in groups if len(group) > 1)
-    assert together == [["10", "?"], ["17", "?", "?"], ["2", "?"]]
-    assert sorted(group[0] for group in groups if len(group) == 1) == ["0", "15", "6"]
+    assert sorted(groups) == [["0"], ["10", "12"], ["15"], ["17", "19", "21"], ["2", "4"], ["6"]]
 
 
 def trained(
@@ -164,6 +180,65 @@ def test_batched_statistics_equal_those_formed_in_the_hooks(
         torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
 
 
+def window_in_low_precision(
+    batched: bool, options: dict[str, Any], autocast: bool, scaled: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One float32 factor window: two passes (under bf16 autocast, with a GradScaler) with a
+    ``torch.no_grad`` pass and an eval-mode pass between them; the factors after ``step()``.
+
+    One window, no parameter update: under autocast a round-off difference in the weights
+    could round a bf16 activation the other way, which is not what is compared here.
+    """
+    model = equal_layers_model().float()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if scaled else None
+    pre = dkfac.KFACPreconditioner(
+        model,
+        kl_clip=None,
+        accumulation_steps=2,
+        batched_statistics=batched,
+        grad_scaler=scaler,
+        **options,
+    )
+    for part in range(2):
+        x, t = batch(part)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x.float())
+            if autocast:
+                assert out.dtype == torch.bfloat16  # the layers really ran in bf16
+            loss = batch_loss(out.float(), t) / 2
+        with torch.no_grad():  # ignored by K-FAC, and does not disturb what is held
+            model(batch(7)[0].float())
+        model.eval()
+        model(batch(8)[0].float())
+        model.train()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+    pre.step()
+    factors = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+    pre.remove()
+    return factors
+
+
+@pytest.mark.parametrize(
+    ("options", "autocast", "scaled"),
+    [({}, True, False), ({}, True, True), ({"statistics_precision": "bf16"}, False, False)],
+    ids=["autocast-bf16", "autocast-grad-scaler", "bf16-statistics"],
+)
+def test_batched_statistics_in_low_precision_equal_those_formed_in_the_hooks(
+    options: dict[str, Any], autocast: bool, scaled: bool
+) -> None:
+    # The hooks' float32 statistics from bf16 inputs, and bf16 statistics, are checked
+    # against float64 oracles in test_amp.py and test_statistics_precision.py; formed
+    # together they are the same products of the same (bf16) operands, summed in float32 in
+    # another order: equal to float32 round-off.
+    want = window_in_low_precision(False, options, autocast, scaled)
+    got = window_in_low_precision(True, options, autocast, scaled)
+    assert set(got) == set(want)
+    for name, (a, g) in want.items():
+        assert a.dtype == g.dtype == torch.float32
+        torch.testing.assert_close(got[name][0], a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+        torch.testing.assert_close(got[name][1], g, rtol=0, atol=0)  # G is not batched
+
+
 def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -171,7 +246,8 @@ def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
     # any backward pass: no autograd graph task runs), one at a time; same factors.
     want = trained(equal_layers_model(), {"batched_statistics": False}, one_pass)
     monkeypatch.setattr(pending_module, "PENDING_INPUT_BYTES", 1)
-    groups = formed_groups(monkeypatch)
+    model = equal_layers_model()
+    groups = formed_groups(monkeypatch, model)
     in_backward: list[bool] = []
     real = pending_module.PendingInputs.form
 
@@ -180,8 +256,11 @@ def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
         return real(self)
 
     monkeypatch.setattr(pending_module.PendingInputs, "form", watched)
-    got = trained(equal_layers_model(), {"batched_statistics": True}, one_pass)
-    assert groups and all(len(group) == 1 for group in groups)
+    got = trained(model, {"batched_statistics": True}, one_pass)
+    assert all(len(group) == 1 for group in groups)
+    # Every layer that has an equal one was held, and formed alone (3 windows each).
+    held = ["0", "10", "12", "15", "17", "19", "2", "21", "4", "6"]
+    assert sorted(group[0] for group in groups) == sorted(held * 3)
     assert in_backward and not any(in_backward)
     for name, (a, g) in want.items():
         torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
@@ -200,6 +279,33 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
         out.sum().backward()
     assert pre._capture._pending  # the refusal dropped nothing held
     pre.remove()
+
+
+def change_an_input_in_place(rank: int, world_size: int) -> None:
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4))).to(DT)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = make_pre(ddp, strategy="dp", batched_statistics=True)
+    # DP-KFAC: each worker captures half of the layers, layer 1 on rank 1 alone.
+    assert [layer.name for layer in pre.layers if pre._strategy.captures(layer)] == (
+        ["0", "2"] if rank == 0 else ["1", "3"]
+    )
+    with torch.no_grad():
+        model[1].weight.requires_grad_(False)  # autograd then keeps no copy of its input
+    x = torch.randn(4, 3, dtype=DT)
+    hidden = model[0](x)
+    out = model[3](model[2](model[1](hidden)))
+    hidden.add_(1.0)  # layer 1's input
+    out.sum().backward()
+
+
+def test_an_input_changed_in_place_is_refused_on_every_worker() -> None:
+    # Rank 0 does not capture layer 1 but watches its input: both refuse in the backward
+    # pass, instead of rank 0 waiting in DDP's gradient averaging for a rank that failed.
+    refusal = r"RuntimeError: layer '1': its input was changed in place"
+    with pytest.raises(WorkerFailedError) as failed:
+        run_workers(change_an_input_in_place, 2, ())
+    for rank in (0, 1):
+        assert re.search(rf"--- rank {rank}: {refusal}", str(failed.value)), str(failed.value)
 
 
 def test_batched_statistics_must_be_a_bool_or_none() -> None:

@@ -986,6 +986,28 @@ def test_shorthands_become_the_strategys_options_and_unset_ones_keep_its_default
     assert KFACConfig(strategy=given).options is given
 
 
+def test_the_constructors_keywords_are_the_config_fields_with_their_defaults() -> None:
+    # The constructor builds its KFACConfig from its own locals() named like a field: a field
+    # missing from the signature could not be set, and a keyword added to the signature
+    # without a field would be dropped silently.
+    import dataclasses
+    import inspect
+
+    from dkfac.config import CONFIG_FIELDS, KFACConfig
+
+    signature = inspect.signature(dkfac.KFACPreconditioner.__init__).parameters
+    not_fields = {"self", "model", "optimizer", "grad_scaler", "blocks"}
+    assert set(signature) == CONFIG_FIELDS | not_fields
+    for field in dataclasses.fields(KFACConfig):
+        if field.init and field.name != "lr":  # lr: None means the optimizer's, else 0.1
+            assert signature[field.name].default == field.default, field.name
+    model = small_model()
+    pre = dkfac.KFACPreconditioner(model, damping=0.0123, batched_statistics=True, **F64)
+    assert (pre.config.damping, pre.config.batched_statistics) == (0.0123, True)
+    assert pre.config.lr == 0.1
+    pre.remove()
+
+
 def test_deep_copying_what_holds_the_preconditioner_keeps_one_preconditioner() -> None:
     model = small_model()
     pre = dkfac.KFACPreconditioner(model, **F64)

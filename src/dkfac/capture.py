@@ -23,6 +23,7 @@ from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import kept_examples, whole_call_estimate
 from dkfac.deferred_statistics import DeferredStatistics
+from dkfac.layer_hooks import LayerHooks, warn_about_earlier_hooks
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
 from dkfac.pending_inputs import PendingInputs
@@ -76,7 +77,6 @@ class StatisticsCapture:
         compiled: bool = False,
         batched: bool = False,
     ) -> None:
-        self.capturing = capturing
         # Eager inputs held until their statistics are formed together (batched_statistics).
         self._pending = PendingInputs() if batched else None
         self._fraction = statistics_fraction
@@ -88,6 +88,7 @@ class StatisticsCapture:
         self._loss_reduction = loss_reduction
         self._grad_scaler = grad_scaler
         self._removed = False
+        self._compiled = compiled
         self._window_scale: float | None = None
         # Forward passes of the model in this window ("number": a layer's examples count once
         # per pass; calls made outside the model's forward are passes of their own) and the
@@ -115,40 +116,30 @@ class StatisticsCapture:
         # attribute 'args'"), so dkfac's hook goes last and earlier hooks are named instead.
         first = not (compiled and self._deferred.output_function)
         if not first:
-            self._warn_about_earlier_hooks(captured)
-        self._handles += [
-            layer.block.module.register_forward_hook(
-                functools.partial(self._forward_hook, index), prepend=first
-            )
-            for index, layer in enumerate(self._layers)
-        ]
+            named = [(self._layers[i].name, self._layers[i].block.module) for i in captured]
+            warn_about_earlier_hooks(named, type(self), stacklevel=4)
+        modules = [layer.block.module for layer in self._layers]
+        self._layer_hooks = LayerHooks(modules, self._forward_hook, first)
+        self._capturing = False
+        self.capturing = capturing
+        if compiled:
+            self._layer_hooks.attach()
 
-    def _warn_about_earlier_hooks(self, captured: Sequence[int]) -> None:
-        """Name the layers whose forward hooks run before dkfac's on the identity-function path.
+    @property
+    def capturing(self) -> bool:
+        """Whether the hooks collect statistics (the current window is a factor window)."""
+        return self._capturing
 
-        Such a hook sees the layer's raw output, not the tensor whose gradient feeds ``G``
-        while compiling: a gradient that reaches the layer only through an output it keeps (an
-        auxiliary loss on a feature) is left out of ``G``. Hooks of another preconditioner's
-        capture are not counted (theirs chain correctly).
-        """
-        hooked = [
-            self._layers[index].name
-            for index in captured
-            if any(
-                not isinstance(getattr(getattr(hook, "func", None), "__self__", None), type(self))
-                for hook in self._layers[index].block.module._forward_hooks.values()
-            )
-        ]
-        if hooked:
-            warnings.warn(
-                f"torch {torch.__version__} < 2.13 under torch.compile: layers {hooked} have "
-                "forward hooks registered before the preconditioner; an output such a hook "
-                "keeps is not the one K-FAC's G statistic watches, so a gradient through it "
-                "alone is left out of G. Register those hooks after building the "
-                "preconditioner, or use torch >= 2.13.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+    @capturing.setter
+    def capturing(self, capturing: bool) -> None:
+        self._capturing = capturing
+        # Outside factor windows an eager model's layers carry no hook (dkfac.layer_hooks).
+        if self._compiled or self._removed:
+            return
+        if capturing:
+            self._layer_hooks.attach()
+        else:
+            self._layer_hooks.detach()
 
     @contextmanager
     def resumed_after(self) -> Iterator[None]:
@@ -190,6 +181,7 @@ class StatisticsCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._layer_hooks.detach()
         self._removed = True
         if self._pending is not None:
             self._pending.discard()
@@ -271,10 +263,17 @@ class StatisticsCapture:
         if (
             pass_id is None
             or x is None
-            or not self._strategy.captures(layer)
             or not isinstance(output, Tensor)
             or self._usage.is_broadcast(layer.name)  # no exact factor: passed through
         ):
+            return None
+        pending = self._pending
+        in_forward = not torch.compiler.is_compiling() and current_backward_id() is None
+        if not self._strategy.captures(layer):
+            if pending is not None and in_forward:  # so every worker refuses an in-place change
+                pending.hold(layer, x, pass_id, examples, kept, captured=False)
+                if pending.over_budget():
+                    self._form_pending()
             return None
         if torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
@@ -288,9 +287,8 @@ class StatisticsCapture:
             if output.requires_grad:
                 return self._deferred.watch_g(index, pass_id, output)
             return None
-        pending = self._pending
         # A call recomputed in the backward pass (checkpointing) is formed at once.
-        if pending is not None and current_backward_id() is None:
+        if pending is not None and in_forward:
             held = pending.hold(layer, x, pass_id, examples, kept)
             if held and pending.over_budget():
                 self._form_pending()

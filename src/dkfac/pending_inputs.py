@@ -12,7 +12,9 @@ Autograd keeps most of these inputs until the backward pass anyway (a weight's g
 needs its layer's input); where it does not (activation checkpointing), holding them costs
 memory, so once :data:`PENDING_INPUT_BYTES` are held they are formed at once, in the forward
 pass. An input changed in place after its layer's call cannot give its statistic any more:
-that is an error, not a silently wrong factor.
+that is an error, not a silently wrong factor. A worker that does not capture a layer
+(DP-KFAC's other workers) watches its input all the same, counted in the budget, so every
+worker refuses alike instead of the owner alone, leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _Held:
     """One forward call's input (its kept part), and what its statistic is added with."""
 
     layer: LayerCurvature
+    captured: bool  # False: only watched for in-place changes (another worker's layer)
     x: Tensor
     version: int
     pass_id: int
@@ -58,12 +61,27 @@ class PendingInputs:
         return bool(self._held)
 
     def hold(
-        self, layer: LayerCurvature, x: Tensor, pass_id: int, examples: int, kept: int
+        self,
+        layer: LayerCurvature,
+        x: Tensor,
+        pass_id: int,
+        examples: int,
+        kept: int,
+        captured: bool = True,
     ) -> bool:
         """Hold the first ``kept`` of ``examples`` examples of ``x``, a call's input.
 
+        Args:
+            layer: the layer called.
+            x: its input.
+            pass_id: the forward pass of the call.
+            examples: the call's examples.
+            kept: how many of them (the first) feed the statistic.
+            captured: whether this worker captures ``layer``; ``False``: the input is only
+                watched, so a refusal is raised here as on the worker that captures it.
+
         Returns:
-            Whether it is held; ``False``: its block forms it alone (do it now).
+            Whether it is held; ``False``: its block forms it alone (do it now, if captured).
         """
         if kept != examples and not layer.block.a_from_part:
             kept = examples  # the whole call, as the eager hook computes it
@@ -74,7 +92,8 @@ class PendingInputs:
         if key is None:
             return False
         part = part.detach()  # the same storage and version counter, no graph
-        held = _Held(layer, part, part._version, pass_id, examples, kept, (key, layer.factor_dtype))
+        key = (key, layer.factor_dtype)
+        held = _Held(layer, captured, part, part._version, pass_id, examples, kept, key)
         self._held.append(held)
         self._bytes += _bytes(part)
         return True
@@ -84,7 +103,7 @@ class PendingInputs:
         return self._bytes >= PENDING_INPUT_BYTES
 
     def form(self) -> list[LayerCurvature]:
-        """Form and add every held input's statistic; the layers, in the order held.
+        """Form and add every captured input's statistic; their layers, in the order held.
 
         Raises:
             RuntimeError: an input was changed in place after its layer's call.
@@ -96,7 +115,8 @@ class PendingInputs:
                     "layer's forward call, before K-FAC formed its statistic from it; do not "
                     "change a layer's input in place, or pass batched_statistics=False"
                 )
-        held, self._held, self._bytes = self._held, [], 0
+        held = [entry for entry in self._held if entry.captured]
+        self._held, self._bytes = [], 0
 
         def held_bytes(position: int) -> int:
             return _bytes(held[position].x)

@@ -140,7 +140,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             were the cost of a factor step.
         batched_statistics: the forward hooks hold the layers' inputs, and the ``A``
             statistics of equal-shaped layers are formed together when the backward pass
-            begins (:mod:`dkfac.pending_inputs`; equal to one at a time up to round-off);
+            begins (:mod:`dkfac.pending_inputs`; equal to one at a time up to round-off; a
+            layer's input changed in place before then is refused on every worker);
             ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
             (SPD, PAD: forming ``A`` later would start their sends later).
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
