@@ -1,4 +1,4 @@
-"""``batched_statistics``: layer inputs held from the forward pass, ``A`` formed together.
+"""``batched_statistics``: layer inputs and output gradients held, statistics formed together.
 
 Oracles: explicit patches and ``torch.func`` per-example gradients in float64
 (:func:`test_oracle_numerics.oracle_layer_factors`), and the run that forms each statistic in
@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dkfac
-import dkfac.pending_inputs as pending_module
+import dkfac.pending_statistics as pending_module
 from distributed_harness import WorkerFailedError, run_workers
 from dkfac.curvature.blocks import FactorStatistic, LinearBlock
 from dkfac.curvature.layer import LayerCurvature
@@ -74,33 +74,43 @@ def batch(step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, 4, (n,), generator=generator)
 
 
-def formed_groups(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> list[list[str]]:
-    """Records the layers of every :meth:`LayerCurvature.a_statistics` call (a group's).
+def formed_groups(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
+    """Records the layers of every batched statistics call (a group's), by side.
 
-    Each held input is named by the layer whose forward call received it (its storage: a
-    fraction's part is a view of it), so every member of a group is recorded, not only the
-    layer whose block forms it.
+    Each held tensor is named by the layer it was held for (by storage: a fraction's part is
+    a view of it), so every member of a group is recorded, not only the layer whose block
+    forms it.
     """
-    groups: list[list[str]] = []
-    inputs: dict[int, str] = {}
+    groups: dict[str, list[list[str]]] = {"a": [], "g": []}
+    owners: dict[int, str] = {}
+    hold = pending_module.PendingStatistics.hold
 
-    def seen(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            inputs[args[0].untyped_storage().data_ptr()] = name
+    def named(
+        self: pending_module.PendingStatistics,
+        layer: LayerCurvature,
+        side: str,
+        tensor: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> bool:
+        owners[tensor.untyped_storage().data_ptr()] = layer.name
+        return hold(self, layer, side, tensor, *args, **kwargs)
 
-        return hook
+    monkeypatch.setattr(pending_module.PendingStatistics, "hold", named)
 
-    for name, module in model.named_children():
-        module.register_forward_pre_hook(seen(name))
-    real = LayerCurvature.a_statistics
+    def recorder(side: str) -> Callable[..., Any]:
+        real = getattr(LayerCurvature, f"{side}_statistics")
 
-    def recorded(self: LayerCurvature, xs: Sequence[torch.Tensor]) -> Any:
-        names = [inputs[x.untyped_storage().data_ptr()] for x in xs]
-        assert names[0] == self.name  # the first member's block forms the group
-        groups.append(names)
-        return real(self, xs)
+        def recorded(self: LayerCurvature, tensors: Sequence[torch.Tensor]) -> Any:
+            names = [owners[t.untyped_storage().data_ptr()] for t in tensors]
+            assert names[0] == self.name  # the first member's block forms the group
+            groups[side].append(names)
+            return real(self, tensors)
 
-    monkeypatch.setattr(LayerCurvature, "a_statistics", recorded)
+        return recorded
+
+    for side in groups:
+        monkeypatch.setattr(LayerCurvature, f"{side}_statistics", recorder(side))
     return groups
 
 
@@ -110,14 +120,46 @@ def test_equal_layers_statistics_formed_together_are_the_float64_oracles(
     model = equal_layers_model()
     x, t = batch(0)
     expected = {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
-    groups = formed_groups(monkeypatch, model)
+    groups = formed_groups(monkeypatch)
     pre = make_pre(model, batched_statistics=True)
     batch_loss(model(x), t).backward()
     pre.step()
     assert_factors(pre, expected)
     # One call per group, the first layer of each forming the others' statistics too; the
-    # layers without an equal one alone (the stride-2 convolution in its hook).
-    assert sorted(groups) == [["0"], ["10", "12"], ["15"], ["17", "19", "21"], ["2", "4"], ["6"]]
+    # layers without an equal one alone (the stride-2 convolution's A in its hook). G: the
+    # gradients of equal outputs, 6x6 and 3x3 images and 5 features, held in the backward
+    # pass (the last layer's first).
+    assert sorted(groups["a"]) == [
+        ["0"],
+        ["10", "12"],
+        ["15"],
+        ["17", "19", "21"],
+        ["2", "4"],
+        ["6"],
+    ]
+    assert sorted(groups["g"]) == [
+        ["12", "10", "8"],
+        ["19", "17", "15"],
+        ["21"],
+        ["6", "4", "2", "0"],
+    ]
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (3, 2, 5)], ids=["rows", "sequences"])
+def test_linear_output_gradients_formed_together_are_their_dense_grams(
+    shape: tuple[int, ...],
+) -> None:
+    # Σ dy dyᵀ over every row of each gradient (a sequence's positions are rows of one
+    # example), from one stacked product, against the float64 formula on each.
+    block = LinearBlock(nn.Linear(2, 5))
+    generator = torch.Generator().manual_seed(3)
+    dys = [torch.randn(shape, dtype=DT, generator=generator) for _ in range(3)]
+    assert len({block.g_batch_key(dy) for dy in dys}) == 1
+    for dy, statistic in zip(dys, block.g_statistics(dys, DT), strict=True):
+        rows = dy.reshape(-1, 5)
+        torch.testing.assert_close(statistic.total, rows.t() @ rows, rtol=1e-12, atol=1e-14)
+        assert (statistic.rows, statistic.examples) == (rows.shape[0], shape[0])
+    assert block.g_batch_key(torch.randn(5)) is None  # an unbatched call: alone
 
 
 def trained(
@@ -236,32 +278,37 @@ def test_batched_statistics_in_low_precision_equal_those_formed_in_the_hooks(
     for name, (a, g) in want.items():
         assert a.dtype == g.dtype == torch.float32
         torch.testing.assert_close(got[name][0], a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
-        torch.testing.assert_close(got[name][1], g, rtol=0, atol=0)  # G is not batched
+        torch.testing.assert_close(got[name][1], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()))
 
 
-def test_inputs_past_the_byte_budget_are_formed_in_the_forward_pass(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A budget of one input: each held input is formed at once, in its forward hook (outside
-    # any backward pass: no autograd graph task runs), one at a time; same factors.
+def test_what_passes_the_byte_budget_is_formed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A budget of one byte: each held input is formed at once, in its forward hook (outside
+    # any backward pass: no autograd graph task runs), and each output gradient in its
+    # backward hook, one at a time; the same factors.
     want = trained(equal_layers_model(), {"batched_statistics": False}, one_pass)
-    monkeypatch.setattr(pending_module, "PENDING_INPUT_BYTES", 1)
+    monkeypatch.setattr(pending_module, "PENDING_BYTES", 1)
     model = equal_layers_model()
-    groups = formed_groups(monkeypatch, model)
-    in_backward: list[bool] = []
-    real = pending_module.PendingInputs.form
+    groups = formed_groups(monkeypatch)
+    formed: list[tuple[set[str], bool]] = []  # (sides formed, in a backward pass) per call
+    real = pending_module.PendingStatistics.form
 
-    def watched(self: pending_module.PendingInputs) -> list[LayerCurvature]:
-        in_backward.append(torch._C._current_graph_task_id() != -1)
-        return real(self)
+    def watched(
+        self: pending_module.PendingStatistics, side: str | None = None
+    ) -> list[tuple[LayerCurvature, str]]:
+        in_backward = torch._C._current_graph_task_id() != -1
+        held = real(self, side)
+        formed.append(({formed_side for _, formed_side in held}, in_backward))
+        return held
 
-    monkeypatch.setattr(pending_module.PendingInputs, "form", watched)
+    monkeypatch.setattr(pending_module.PendingStatistics, "form", watched)
     got = trained(model, {"batched_statistics": True}, one_pass)
-    assert all(len(group) == 1 for group in groups)
-    # Every layer that has an equal one was held, and formed alone (3 windows each).
+    assert all(len(group) == 1 for side in groups.values() for group in side)
+    # Every input and output gradient that can be was held, and formed alone (3 windows).
     held = ["0", "10", "12", "15", "17", "19", "2", "21", "4", "6"]
-    assert sorted(group[0] for group in groups) == sorted(held * 3)
-    assert in_backward and not any(in_backward)
+    assert sorted(group[0] for group in groups["a"]) == sorted(held * 3)
+    assert sorted(group[0] for group in groups["g"]) == sorted([*held, "8"] * 3)
+    assert ({"a"}, False) in formed and ({"g"}, True) in formed
+    assert set(map(str, formed)) == {str(({"a"}, False)), str(({"g"}, True))}
     for name, (a, g) in want.items():
         torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
@@ -278,6 +325,18 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
     with pytest.raises(RuntimeError, match=r"layer '0': its input was changed in place"):
         out.sum().backward()
     assert pre._capture._pending  # the refusal dropped nothing held
+    pre.remove()
+
+
+def test_an_output_gradient_changed_in_place_before_it_is_formed_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).to(DT)
+    pre = make_pre(model, batched_statistics=True)
+    hidden = model[0](torch.randn(4, 3, dtype=DT))
+    # A hook registered after dkfac's (which holds the gradient) changes it in place.
+    hidden.register_hook(lambda grad: grad.mul_(0.5))
+    model[2](model[1](hidden)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"layer '0': its output gradient was changed in place"):
+        pre.step()
     pre.remove()
 
 
@@ -363,11 +422,15 @@ def test_statistics_are_batched_by_default_on_a_gpu_unless_the_hooks_start_sends
     assert forced.batching(cpu, hooks_start_work=True).statistics
 
 
-class _DoubledA(LinearBlock):
-    """A user's block whose ``A`` is not a Linear layer's: twice it."""
+class _Doubled(LinearBlock):
+    """A user's block whose ``A`` and ``G`` are not a Linear layer's: twice them."""
 
     def a_statistic(self, x: torch.Tensor, dtype: torch.dtype) -> FactorStatistic:
         statistic = super().a_statistic(x, dtype)
+        return statistic._replace(total=2 * statistic.total)
+
+    def g_statistic(self, dy: torch.Tensor, dtype: torch.dtype) -> FactorStatistic:
+        statistic = super().g_statistic(dy, dtype)
         return statistic._replace(total=2 * statistic.total)
 
 
@@ -377,14 +440,15 @@ class _Custom(nn.Linear):
 
 def test_blocks_with_statistics_of_their_own_are_not_batched_as_their_base() -> None:
     # An embedding (a TransposedLinearBlock with its own A) and a user's LinearBlock subclass
-    # beside Linear layers of the same input width; a forward pass with no backward and one
-    # under torch.inference_mode in between (the held inputs are formed there, outside it).
+    # beside Linear layers of the same input width (A) and output width (G); a forward pass
+    # with no backward and one under torch.inference_mode in between (the held inputs are
+    # formed there, outside it).
     def factors(batched: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 4), _Custom(4, 4), nn.Linear(4, 3)
         ).to(DT)
-        pre = make_pre(model, blocks={_Custom: _DoubledA}, batched_statistics=batched)
+        pre = make_pre(model, blocks={_Custom: _Doubled}, batched_statistics=batched)
         x = torch.randint(0, 11, (5, 3))
         model(x)  # not backpropagated
         with torch.inference_mode():

@@ -26,7 +26,7 @@ from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_hooks import LayerHooks, warn_about_earlier_hooks
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
-from dkfac.pending_inputs import PendingInputs
+from dkfac.pending_statistics import PendingStatistics
 from dkfac.strategies import Strategy
 
 
@@ -77,8 +77,9 @@ class StatisticsCapture:
         compiled: bool = False,
         batched: bool = False,
     ) -> None:
-        # Eager inputs held until their statistics are formed together (batched_statistics).
-        self._pending = PendingInputs() if batched else None
+        # Eager inputs and output gradients held until their statistics are formed together
+        # (batched_statistics).
+        self._pending = PendingStatistics() if batched else None
         self._fraction = statistics_fraction
         self._model = model
         self._layers = list(layers)
@@ -271,7 +272,7 @@ class StatisticsCapture:
         in_forward = not torch.compiler.is_compiling() and current_backward_id() is None
         if not self._strategy.captures(layer):
             if pending is not None and in_forward:  # so every worker refuses an in-place change
-                pending.hold(layer, x, pass_id, examples, kept, captured=False)
+                pending.hold(layer, "a", x, pass_id, examples, kept, captured=False)
                 if pending.over_budget():
                     self._form_pending()
             return None
@@ -289,7 +290,7 @@ class StatisticsCapture:
             return None
         # A call recomputed in the backward pass (checkpointing) is formed at once.
         if pending is not None and in_forward:
-            held = pending.hold(layer, x, pass_id, examples, kept)
+            held = pending.hold(layer, "a", x, pass_id, examples, kept)
             if held and pending.over_budget():
                 self._form_pending()
         else:
@@ -336,28 +337,35 @@ class StatisticsCapture:
             )
         return examples, kept
 
-    def _form_pending(self) -> None:
-        """Form the held inputs' statistics (:mod:`dkfac.pending_inputs`), then announce them."""
+    def _form_pending(self, side: str | None = None) -> None:
+        """Form the held statistics (of ``side``; :mod:`dkfac.pending_statistics`), announced."""
         if self._pending:
             with self._recorder.phase("factor_compute"):
-                layers = self._pending.form()
-            for layer in layers:
-                self._strategy.statistic_added(layer, "a", self._loss_reduction)
+                formed = self._pending.form(side)
+            for layer, formed_side in formed:
+                self._strategy.statistic_added(layer, formed_side, self._loss_reduction)
 
     def _output_grad_hook(
         self, layer: LayerCurvature, pass_id: int, examples: int, kept: int, grad: Tensor
     ) -> None:
-        if not self._removed:
-            self._form_pending()  # the backward pass began: the forward's inputs are complete
-            with self._recorder.phase("factor_compute"):
-                if kept == examples:
-                    layer.accumulate_g(grad, pass_id, self._loss_scale())
-                else:
-                    part, weight = whole_call_estimate(
-                        layer.g_statistic(grad[:kept]), examples, kept
-                    )
-                    layer.add_statistic("g", part, pass_id, self._loss_scale(), weight)
-            self._strategy.statistic_added(layer, "g", self._loss_reduction)
+        if self._removed:
+            return
+        pending = self._pending
+        if pending is not None:
+            if pending.holds("a"):  # the backward pass began: the forward's inputs are complete
+                self._form_pending("a")
+            scale = self._loss_scale()
+            if pending.hold(layer, "g", grad, pass_id, examples, kept, grad_scale=scale):
+                if pending.over_budget():
+                    self._form_pending()
+                return
+        with self._recorder.phase("factor_compute"):
+            if kept == examples:
+                layer.accumulate_g(grad, pass_id, self._loss_scale())
+            else:
+                part, weight = whole_call_estimate(layer.g_statistic(grad[:kept]), examples, kept)
+                layer.add_statistic("g", part, pass_id, self._loss_scale(), weight)
+        self._strategy.statistic_added(layer, "g", self._loss_reduction)
 
     def _loss_scale(self) -> float | None:
         """The GradScaler's loss scale, read once per capture window (public ``get_scale()``).

@@ -138,12 +138,13 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             stacked operations, a few per shape instead of a few per factor (the same
             result, bit for bit); ``None`` (default): on a GPU, where the host's launches
             were the cost of a factor step.
-        batched_statistics: the forward hooks hold the layers' inputs, and the ``A``
-            statistics of equal-shaped layers are formed together when the backward pass
-            begins (:mod:`dkfac.pending_inputs`; equal to one at a time up to round-off; a
-            layer's input changed in place before then is refused on every worker);
+        batched_statistics: the hooks hold the layers' inputs and output gradients, and the
+            statistics of equal-shaped layers are formed together: ``A`` when the backward
+            pass begins, ``G`` when the next pass begins or at ``step()``
+            (:mod:`dkfac.pending_statistics`; equal to one at a time up to round-off; a
+            tensor changed in place before then is refused, an input on every worker);
             ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
-            (SPD, PAD: forming ``A`` later would start their sends later).
+            (SPD, PAD: forming them later would start their sends later).
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).

@@ -30,8 +30,8 @@ class Batching:
             (:func:`~dkfac.curvature.decomposition.decompose_factors`; 0: none).
         factor_updates: equal-shaped factors folded into their running averages by stacked
             operations (:func:`~dkfac.curvature.running_average.running_averages`).
-        statistics: the ``A`` statistics of equal-shaped layers' inputs formed together
-            (:mod:`dkfac.pending_inputs`).
+        statistics: the statistics of equal-shaped layers' inputs and output gradients
+            formed together (:mod:`dkfac.pending_statistics`).
     """
 
     preconditioning: bool = False

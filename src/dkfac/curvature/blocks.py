@@ -122,6 +122,18 @@ class KroneckerBlock(ABC):
     def g_statistic(self, dy: Tensor, dtype: torch.dtype) -> FactorStatistic:
         """``Σ dy dyᵀ`` over the rows of the output gradient ``dy`` (in ``dtype``)."""
 
+    def g_batch_key(self, dy: Tensor) -> Hashable | None:
+        """As :meth:`a_batch_key`, for :meth:`g_statistics` of output gradients."""
+        return None
+
+    def _g_statistic_of(self, owner: type[KroneckerBlock]) -> bool:
+        """Whether this block's :meth:`g_statistic` is ``owner``'s own (as ``A``'s)."""
+        return type(self).g_statistic is owner.g_statistic
+
+    def g_statistics(self, dys: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
+        """:meth:`g_statistic` of each of ``dys`` (of equal :meth:`g_batch_key`), in one go."""
+        return [self.g_statistic(dy, dtype) for dy in dys]
+
     def examples(self, x: Tensor) -> int:
         """Examples in one call's input: its dim 0 when batched, else one."""
         return int(x.shape[0]) if x.dim() >= self.batched_dims else 1
@@ -197,6 +209,20 @@ class LinearBlock(KroneckerBlock):
         rows = self.precision.operands(dy.reshape(-1, dy.shape[-1]), dtype)
         examples = int(dy.shape[0]) if dy.dim() > 1 else 1
         return FactorStatistic(self.precision.mm(rows.t(), rows), rows.shape[0], examples)
+
+    def g_batch_key(self, dy: Tensor) -> Hashable | None:
+        """Output gradients of one shape stack into one batched product."""
+        if dy.dim() < 2 or not self._g_statistic_of(LinearBlock):
+            return None
+        return ("linear", self.precision, tuple(dy.shape), dy.dtype, dy.device)
+
+    def g_statistics(self, dys: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
+        """:meth:`g_statistic` of each output gradient: one stacked copy, one batched product."""
+        stacked = torch.stack(list(dys))
+        rows = self.precision.operands(stacked.reshape(len(dys), -1, stacked.shape[-1]), dtype)
+        totals = self.precision.bmm(rows.mT, rows)
+        examples = int(dys[0].shape[0])
+        return [FactorStatistic(total, rows.shape[1], examples) for total in totals.unbind(0)]
 
 
 def set_gradients(

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock, UnsupportedLayerError
 from dkfac.curvature.factors import conv2d_patch_gram, conv2d_patch_grams
-from dkfac.curvature.gram import pixel_gram
+from dkfac.curvature.gram import pixel_gram, pixel_grams
 from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
 
 
@@ -128,6 +128,18 @@ class Conv2dBlock(KroneckerBlock):
             dy = dy.unsqueeze(0)
         total, rows = pixel_gram(dy, dtype, with_ones=False, precision=self.precision)
         return FactorStatistic(total, rows, int(dy.shape[0]))
+
+    def g_batch_key(self, dy: Tensor) -> Hashable | None:
+        """Batched output gradients of one shape and layout share one product (pixel Grams)."""
+        if dy.dim() != 4 or not self._g_statistic_of(Conv2dBlock):  # Conv1d's, a user's
+            return None
+        return ("conv2d", self.precision, dy.stride(), tuple(dy.shape), dy.dtype, dy.device)
+
+    def g_statistics(self, dys: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
+        """:meth:`g_statistic` of each output gradient, in one product (:func:`pixel_grams`)."""
+        totals, rows = pixel_grams(dys, dtype, with_ones=False, precision=self.precision)
+        examples = int(dys[0].shape[0])
+        return [FactorStatistic(total, rows, examples) for total in totals]
 
 
 class Conv1dBlock(Conv2dBlock):

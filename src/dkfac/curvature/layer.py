@@ -153,6 +153,12 @@ class LayerCurvature:
         with torch.autocast(self.block.weight.device.type, enabled=False):
             return self._in_factor_dtype(self.block.g_statistic(dy.detach(), self.factor_dtype))
 
+    def g_statistics(self, dys: Sequence[Tensor]) -> list[FactorStatistic]:
+        """:meth:`g_statistic` of output gradients of equal ``block.g_batch_key``, together."""
+        with torch.autocast(self.block.weight.device.type, enabled=False):
+            totals = self.block.g_statistics([dy.detach() for dy in dys], self.factor_dtype)
+        return [self._in_factor_dtype(statistic) for statistic in totals]
+
     def add_statistic(
         self,
         side: str,
