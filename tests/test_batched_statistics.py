@@ -226,7 +226,8 @@ def window_in_low_precision(
     batched: bool, options: dict[str, Any], autocast: bool, scaled: bool
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One float32 factor window: two passes (under bf16 autocast, with a GradScaler) with a
-    ``torch.no_grad`` pass and an eval-mode pass between them; the factors after ``step()``.
+    ``torch.no_grad`` pass and an eval-mode pass between forward and backward, and an
+    ``torch.inference_mode`` pass after the first backward; the factors after ``step()``.
 
     One window, no parameter update: under autocast a round-off difference in the weights
     could round a bf16 activation the other way, which is not what is compared here.
@@ -254,6 +255,9 @@ def window_in_low_precision(
         model(batch(8)[0].float())
         model.train()
         (loss if scaler is None else scaler.scale(loss)).backward()
+        if part == 0:  # starts a pass: the held G is formed outside it, added to at step()
+            with torch.inference_mode():
+                model(batch(9)[0].float())
     pre.step()
     factors = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
     pre.remove()
@@ -262,8 +266,13 @@ def window_in_low_precision(
 
 @pytest.mark.parametrize(
     ("options", "autocast", "scaled"),
-    [({}, True, False), ({}, True, True), ({"statistics_precision": "bf16"}, False, False)],
-    ids=["autocast-bf16", "autocast-grad-scaler", "bf16-statistics"],
+    [
+        ({}, True, False),
+        ({}, True, True),
+        ({"statistics_precision": "bf16"}, False, False),
+        ({"statistics_fraction": 0.5}, False, True),
+    ],
+    ids=["autocast-bf16", "autocast-grad-scaler", "bf16-statistics", "fraction-grad-scaler"],
 )
 def test_batched_statistics_in_low_precision_equal_those_formed_in_the_hooks(
     options: dict[str, Any], autocast: bool, scaled: bool
@@ -312,6 +321,17 @@ def test_what_passes_the_byte_budget_is_formed_at_once(monkeypatch: pytest.Monke
     for name, (a, g) in want.items():
         torch.testing.assert_close(got[name][0], a, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-14)
+
+
+def test_the_budget_counts_what_a_held_part_keeps_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fraction's part of an output gradient is a view: holding it keeps the whole gradient,
+    # which autograd would have freed, so the budget counts the whole storage.
+    layer = make_pre(nn.Sequential(nn.Linear(3, 4)).to(DT)).layers[0]
+    grad = torch.randn(100, 4, dtype=DT)
+    monkeypatch.setattr(pending_module, "PENDING_BYTES", grad.numel() * 8)
+    pending = pending_module.PendingStatistics()
+    assert pending.hold(layer, "g", grad, 1, examples=100, kept=10)
+    assert pending.over_budget()  # 10 rows' bytes alone would be a tenth of the budget
 
 
 def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:

@@ -114,7 +114,7 @@ class PendingStatistics:
             layer, side, captured, part, part._version, pass_id, examples, kept, key, grad_scale
         )
         self._held.append(held)
-        self._bytes += _bytes(part)
+        self._bytes += _kept_alive(part)
         self._sides[side] += 1
         return True
 
@@ -142,7 +142,7 @@ class PendingStatistics:
                     "or pass batched_statistics=False"
                 )
         self._held = [entry for entry in self._held if side is not None and entry.side != side]
-        self._bytes = sum(_bytes(entry.tensor) for entry in self._held)
+        self._bytes = sum(_kept_alive(entry.tensor) for entry in self._held)
         self._sides = {each: 0 for each in self._sides}
         for entry in self._held:
             self._sides[entry.side] += 1
@@ -155,8 +155,9 @@ class PendingStatistics:
         for position, entry in enumerate(held):
             groups.setdefault(entry.key, []).append(position)
         formed: dict[int, FactorStatistic] = {}
-        # Formed where the next pass may start inside torch.inference_mode: the sums must be
-        # ordinary tensors, which later windows add to in place.
+        # Formed and added where the next pass may start inside torch.inference_mode: the
+        # sums (and a scaled sum that starts a window's total) must be ordinary tensors, which
+        # later windows add to in place.
         with torch.inference_mode(False):
             for positions in groups.values():
                 for chunk in cut_by_size(positions, held_bytes, PENDING_BYTES):
@@ -166,10 +167,12 @@ class PendingStatistics:
                     else:
                         statistics = first.layer.g_statistics(tensors)
                     formed.update(zip(chunk, statistics, strict=True))
-        for position, entry in enumerate(held):
-            statistic, weight = whole_call_estimate(formed[position], entry.examples, entry.kept)
-            layer, scale = entry.layer, entry.grad_scale
-            layer.add_statistic(entry.side, statistic, entry.pass_id, scale, weight)
+            for position, entry in enumerate(held):
+                statistic, weight = whole_call_estimate(
+                    formed[position], entry.examples, entry.kept
+                )
+                layer, scale = entry.layer, entry.grad_scale
+                layer.add_statistic(entry.side, statistic, entry.pass_id, scale, weight)
         return [(entry.layer, entry.side) for entry in held]
 
     def discard(self) -> None:
@@ -179,5 +182,13 @@ class PendingStatistics:
 
 
 def _bytes(tensor: Tensor) -> int:
-    """The bytes of ``tensor``'s elements."""
+    """The bytes of ``tensor``'s elements (what a group's copies of it take)."""
     return tensor.numel() * tensor.element_size()
+
+
+def _kept_alive(tensor: Tensor) -> int:
+    """The bytes holding ``tensor`` keeps alive: its whole storage.
+
+    A fraction's part of a gradient keeps all of it, which autograd would have freed.
+    """
+    return max(tensor.untyped_storage().nbytes(), _bytes(tensor))
