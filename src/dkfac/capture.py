@@ -268,13 +268,16 @@ class StatisticsCapture:
             or self._usage.is_broadcast(layer.name)  # no exact factor: passed through
         ):
             return None
+        # Held only in the forward pass: a call recomputed in the backward pass (checkpointing)
+        # is formed at once, a compiled one by DeferredStatistics.
         pending = self._pending
-        in_forward = not torch.compiler.is_compiling() and current_backward_id() is None
+        if pending is not None and (
+            torch.compiler.is_compiling() or current_backward_id() is not None
+        ):
+            pending = None
         if not self._strategy.captures(layer):
-            if pending is not None and in_forward:  # so every worker refuses an in-place change
-                pending.hold(layer, "a", x, pass_id, examples, kept, captured=False)
-                if pending.over_budget():
-                    self._form_pending()
+            if pending is not None:  # watched, so every worker refuses an in-place change
+                self._hold(pending, layer, "a", x, pass_id, examples, kept, captured=False)
             return None
         if torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
@@ -288,14 +291,7 @@ class StatisticsCapture:
             if output.requires_grad:
                 return self._deferred.watch_g(index, pass_id, output)
             return None
-        # A call recomputed in the backward pass (checkpointing) is formed at once.
-        if pending is not None and in_forward:
-            held = pending.hold(layer, "a", x, pass_id, examples, kept)
-            if held and pending.over_budget():
-                self._form_pending()
-        else:
-            held = False
-        if not held:
+        if pending is None or not self._hold(pending, layer, "a", x, pass_id, examples, kept):
             with self._recorder.phase("factor_compute"):
                 if kept == examples or not layer.block.a_from_part:
                     layer.accumulate_a(x, pass_id)
@@ -337,6 +333,24 @@ class StatisticsCapture:
             )
         return examples, kept
 
+    def _hold(
+        self,
+        pending: PendingStatistics,
+        layer: LayerCurvature,
+        side: str,
+        tensor: Tensor,
+        pass_id: int,
+        examples: int,
+        kept: int,
+        captured: bool = True,
+        grad_scale: float | None = None,
+    ) -> bool:
+        """:meth:`PendingStatistics.hold`; past the byte budget, everything held is formed."""
+        held = pending.hold(layer, side, tensor, pass_id, examples, kept, captured, grad_scale)
+        if held and pending.over_budget():
+            self._form_pending()
+        return held
+
     def _form_pending(self, side: str | None = None) -> None:
         """Form the held statistics (of ``side``; :mod:`dkfac.pending_statistics`), announced."""
         if self._pending:
@@ -355,9 +369,7 @@ class StatisticsCapture:
             if pending.holds("a"):  # the backward pass began: the forward's inputs are complete
                 self._form_pending("a")
             scale = self._loss_scale()
-            if pending.hold(layer, "g", grad, pass_id, examples, kept, grad_scale=scale):
-                if pending.over_budget():
-                    self._form_pending()
+            if self._hold(pending, layer, "g", grad, pass_id, examples, kept, grad_scale=scale):
                 return
         with self._recorder.phase("factor_compute"):
             if kept == examples:
