@@ -377,14 +377,83 @@ def change_an_input_in_place(rank: int, world_size: int) -> None:
     out.sum().backward()
 
 
+def assert_refused_on_both_workers(worker: Callable[[int, int], None], refusal: str) -> None:
+    """``worker`` on two processes fails with ``refusal`` on each of them."""
+    with pytest.raises(WorkerFailedError) as failed:
+        run_workers(worker, 2, ())
+    for rank in (0, 1):
+        assert re.search(rf"--- rank {rank}: {refusal}", str(failed.value)), str(failed.value)
+
+
 def test_an_input_changed_in_place_is_refused_on_every_worker() -> None:
     # Rank 0 does not capture layer 1 but watches its input: both refuse in the backward
     # pass, instead of rank 0 waiting in DDP's gradient averaging for a rank that failed.
     refusal = r"RuntimeError: layer '1': its input was changed in place"
-    with pytest.raises(WorkerFailedError) as failed:
-        run_workers(change_an_input_in_place, 2, ())
-    for rank in (0, 1):
-        assert re.search(rf"--- rank {rank}: {refusal}", str(failed.value)), str(failed.value)
+    assert_refused_on_both_workers(change_an_input_in_place, refusal)
+
+
+def change_an_output_gradient_in_place(rank: int, world_size: int) -> None:
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4))).to(DT)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    pre = make_pre(ddp, strategy="dp", batched_statistics=True)
+    x = torch.randn(4, 3, dtype=DT)
+    hidden = model[1](model[0](x))
+    # A hook registered after dkfac's (which holds the gradient on rank 1, the owner of
+    # layer 1, and watches it on rank 0) changes layer 1's output gradient in place.
+    hidden.register_hook(lambda grad: grad.mul_(0.5))
+    model[3](model[2](hidden)).sum().backward()
+    pre.step()
+
+
+def test_an_output_gradient_changed_in_place_is_refused_on_every_worker() -> None:
+    # Before rank 0 watched the gradients of layers it does not capture, rank 1 alone
+    # refused and rank 0 waited for its preconditioned gradients ("Connection closed").
+    refusal = r"RuntimeError: layer '1': its output gradient was changed in place"
+    assert_refused_on_both_workers(change_an_output_gradient_in_place, refusal)
+
+
+class BumpInBackward(torch.autograd.Function):
+    """The identity on ``x`` whose backward adds one to ``victim`` in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, victim: torch.Tensor) -> torch.Tensor:
+        ctx.victim = victim
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.victim.add_(1.0)
+        return grad, None
+
+
+def input_bumped_in_backward(rank: int, world_size: int) -> torch.Tensor | None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4))).to(DT)
+    pre = make_pre(model, strategy="dp", batched_statistics=True)
+    with torch.no_grad():
+        model[1].weight.requires_grad_(False)  # autograd then keeps no copy of its input
+    x = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    hidden = model[0](x)
+    # Backward: layer 3's output gradient (each worker's first gradient hook), then the
+    # bump of layer 1's input, then layer 2's output gradient (rank 0's first own layer).
+    out = model[3](BumpInBackward.apply(model[2](model[1](hidden)), hidden))
+    out.sum().backward()
+    pre.step()
+    return pre.factors()["1"][0] if "1" in pre.factors() else None
+
+
+def test_an_input_changed_in_place_late_in_the_backward_pass_is_formed_alike_everywhere() -> None:
+    """Every worker forms its held inputs at the backward pass's first gradient hook, its own
+    layer's or a watched one's: the input of layer 1 is formed before the bump on both
+    (before, rank 0 formed at its own layer 2's hook, after the bump, and refused alone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4))).to(DT)
+    x = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        rows = torch.cat([model[0](x), torch.ones(4, 1, dtype=DT)], dim=1)
+    got = run_workers(input_bumped_in_backward, 2, ())
+    assert got[0] is None  # DP-KFAC: layer 1's factors are rank 1's alone
+    torch.testing.assert_close(got[1], rows.t() @ rows / 4, rtol=1e-12, atol=1e-14)
 
 
 def test_batched_statistics_must_be_a_bool_or_none() -> None:

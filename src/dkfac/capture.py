@@ -23,25 +23,11 @@ from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.statistics import kept_examples, whole_call_estimate
 from dkfac.deferred_statistics import DeferredStatistics
-from dkfac.layer_hooks import LayerHooks, warn_about_earlier_hooks
+from dkfac.layer_hooks import LayerHooks, current_backward_id, warn_about_earlier_hooks
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
 from dkfac.pending_statistics import PendingStatistics
 from dkfac.strategies import Strategy
-
-
-def current_backward_id() -> int | None:
-    """An id of the backward pass the autograd engine is running on this thread, else None.
-
-    PyTorch exposes no public "inside backward" query; the engine's graph-task id is what
-    ``torch.utils.checkpoint`` itself uses. Without it (an older build) nothing is recomputed
-    as far as dkfac can tell, and each recomputed call counts as a pass of its own.
-    """
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    if task_id is None:
-        return None
-    current = int(task_id())
-    return None if current == -1 else current
 
 
 class StatisticsCapture:
@@ -60,6 +46,8 @@ class StatisticsCapture:
             statistics are taken (:func:`~dkfac.curvature.statistics.kept_examples`).
         compiled: the model runs under ``torch.compile``: make the buffers of
             :class:`~dkfac.deferred_statistics.DeferredStatistics` now.
+        batched: hold eager inputs and output gradients and form their statistics together
+            (:mod:`dkfac.pending_statistics`; ``batched_statistics``).
     """
 
     def __init__(
@@ -275,11 +263,12 @@ class StatisticsCapture:
             torch.compiler.is_compiling() or current_backward_id() is not None
         ):
             pending = None
-        if not self._strategy.captures(layer):
-            if pending is not None:  # watched, so every worker refuses an in-place change
-                self._hold(pending, layer, "a", x, pass_id, examples, kept, captured=False)
-            return None
-        if torch.compiler.is_compiling():
+        captured = self._strategy.captures(layer)
+        if not captured:  # watched, so every worker refuses an in-place change and forms at
+            if pending is None:  # the same hooks as the others (the first gradient hook)
+                return None
+            self._hold(pending, layer, "a", x, pass_id, examples, kept, captured=False)
+        elif torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
             if not self._deferred.prepared:
                 raise RuntimeError(
@@ -291,7 +280,7 @@ class StatisticsCapture:
             if output.requires_grad:
                 return self._deferred.watch_g(index, pass_id, output)
             return None
-        if pending is None or not self._hold(pending, layer, "a", x, pass_id, examples, kept):
+        elif pending is None or not self._hold(pending, layer, "a", x, pass_id, examples, kept):
             with self._recorder.phase("factor_compute"):
                 if kept == examples or not layer.block.a_from_part:
                     layer.accumulate_a(x, pass_id)
@@ -301,7 +290,9 @@ class StatisticsCapture:
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
-            hook = functools.partial(self._output_grad_hook, layer, pass_id, examples, kept)
+            hook = functools.partial(
+                self._output_grad_hook, layer, pass_id, examples, kept, captured
+            )
             output.register_hook(hook)  # type: ignore[no-untyped-call]
         return None
 
@@ -360,16 +351,24 @@ class StatisticsCapture:
                 self._strategy.statistic_added(layer, formed_side, self._loss_reduction)
 
     def _output_grad_hook(
-        self, layer: LayerCurvature, pass_id: int, examples: int, kept: int, grad: Tensor
+        self,
+        layer: LayerCurvature,
+        pass_id: int,
+        examples: int,
+        kept: int,
+        captured: bool,
+        grad: Tensor,
     ) -> None:
+        # captured=False: another worker's layer, watched (batched_statistics alone).
         if self._removed:
             return
         pending = self._pending
         if pending is not None:
             if pending.holds("a"):  # the backward pass began: the forward's inputs are complete
                 self._form_pending("a")
-            scale = self._loss_scale()
-            if self._hold(pending, layer, "g", grad, pass_id, examples, kept, grad_scale=scale):
+            scale = self._loss_scale() if captured else None
+            held = self._hold(pending, layer, "g", grad, pass_id, examples, kept, captured, scale)
+            if held or not captured:
                 return
         with self._recorder.phase("factor_compute"):
             if kept == examples:

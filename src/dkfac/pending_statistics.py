@@ -15,8 +15,9 @@ layer's input), but not under activation checkpointing, and it frees each output
 once used: holding them costs memory, so once :data:`PENDING_BYTES` are held they are formed
 at once. A tensor changed in place after it was held cannot give its statistic any more: that
 is an error, not a silently wrong factor. A worker that does not capture a layer (DP-KFAC's
-other workers) watches its input all the same, counted in the budget, so every worker refuses
-alike instead of the owner alone, leaving the others waiting in a collective.
+other workers) watches its input and output gradient all the same, counted in the budget, so
+every worker refuses alike instead of the owner alone, leaving the others waiting in a
+collective, and every worker forms what it holds at the same hooks.
 """
 
 from __future__ import annotations
