@@ -352,3 +352,45 @@ def test_gradients_written_back_together_are_rounded_once_each() -> None:
     assert torch.equal(plain.bias.grad, (matrices[1] * scale)[:, 4])
     with pytest.raises(ValueError, match="belongs to two blocks"):
         set_gradients([blocks[1], blocks[1]], [matrices[1], matrices[1]])
+
+
+def test_gradients_written_through_their_matrix_views_are_the_parameter_shaped_products() -> None:
+    """With this step's gradient matrices at hand, a block without bias whose matrix is a
+    view of its weight gradient takes the new matrix through that view (a Linear layer's,
+    a convolution's); one whose matrix was a copy (an embedding's contiguous transpose, a
+    channels-last convolution's), one with a bias, and a bf16 weight with a float32 matrix
+    (rounded once) take it shaped like their parameters. Oracle: ``matrix · ν`` reshaped as
+    the parameter."""
+    torch.manual_seed(0)
+    from dkfac.curvature.block_types import make_block
+
+    channels_last = nn.Conv2d(3, 4, 3, bias=False).to(memory_format=torch.channels_last)
+    bf16 = nn.Linear(5, 3, bias=False)
+    bf16.weight = nn.Parameter(bf16.weight.detach().to(torch.bfloat16))
+    modules = [
+        nn.Linear(5, 3, bias=False),
+        nn.Conv2d(2, 4, 3, bias=False),
+        nn.Embedding(7, 3),
+        channels_last,
+        nn.Linear(4, 2),
+        bf16,
+    ]
+    blocks = [make_block(module) for module in modules]
+    for block in blocks:
+        for parameter in block.parameters():
+            parameter.grad = torch.randn_like(parameter)
+    views = [block.grad_matrix() for block in blocks]
+    shared = [
+        view.data_ptr() == block.weight.grad.data_ptr()  # type: ignore[union-attr]
+        for view, block in zip(views, blocks, strict=True)
+    ]
+    assert shared == [True, True, False, False, False, True]
+    matrices = [torch.randn(view.shape) for view in views]
+    scale = torch.tensor(0.3721)
+    set_gradients(blocks, matrices, scale, views)
+    for block, matrix in zip(blocks, matrices, strict=True):
+        want = block.split_matrix(matrix * scale)
+        for parameter, part in zip(block.parameters(), want, strict=True):
+            assert torch.equal(parameter.grad, part.to(parameter.dtype))
+    with pytest.raises(ValueError, match="belongs to two blocks"):
+        set_gradients(blocks[:1] * 2, matrices[:1] * 2, None, views[:1] * 2)

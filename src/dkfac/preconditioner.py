@@ -12,7 +12,6 @@ from dkfac.adaptive import AdaptiveOptions, AdaptiveStep, ModelBatch
 from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import CONFIG_FIELDS, Hyperparameter, IntHyperparameter, KFACConfig
-from dkfac.curvature.batching import Batching
 from dkfac.curvature.block_types import BlockFactory
 from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
@@ -129,7 +128,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             skipped, with the reason in ``repr(pre)``, instead of allocating gigabytes
             (default 8192: 256 MiB per float32 factor); ``None``: no limit.
         batched_preconditioning: layers of equal shapes preconditioned by batched products
-            (equal to one at a time up to round-off); ``None`` (default): on a GPU.
+            (equal to one at a time up to round-off), and the KL clip's inner products
+            formed in shared launches; ``None`` (default): on a GPU.
         batched_decompositions: factors of equal sizes decomposed by batched calls: True
             (every size), False, or the widest factors batched; ``None`` (default): the
             device's default, none for now (on an H200 faster on ResNet-32's factors, slower on
@@ -212,9 +212,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         # passes (pipelined strategies then expect as many as the window before).
         expected = accumulation_steps or (None if optimizer is not None else 1)
         device = self._layers[0].block.weight.device
-        self._strategy.setup(
-            self._layers, accumulation_steps=expected or 1, batching=self._batching(device)
-        )
+        self._batched = self.config.batching(device, self._strategy.starts_work_from_hooks)
+        self._strategy.setup(self._layers, accumulation_steps=expected or 1, batching=self._batched)
         self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = self._force_inverse = False
@@ -244,7 +243,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             capturing=self._is_factor_step(0),
             statistics_fraction=self.config.statistics_fraction,
             compiled=is_compiled(model),
-            batched=self._batching(device).statistics,
+            batched=self._batched.statistics,
         )
 
     # -- the step -------------------------------------------------------------------------------
@@ -274,9 +273,6 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
             batch = None if self._adaptive is None else self._adaptive.model_batch(inputs, targets)
             self._step(batch)
-
-    def _batching(self, device: torch.device) -> Batching:
-        return self.config.batching(device, self._strategy.starts_work_from_hooks)
 
     def _hook_lr(self, step: int) -> float:
         assert self._hook is not None
@@ -352,8 +348,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                 scale = None
                 if config.kl_clip_at is not None:
                     lr = config.lr_at(k)
-                    scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k))
-                set_gradients([layer.block for layer in active], directions, scale)
+                    # Batched preconditioning (a GPU's default) sums in shared launches too.
+                    shared = self._batched.preconditioning
+                    scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k), shared)
+                set_gradients([layer.block for layer in active], directions, scale, grads)
         counts = not skipped and not self._strategy.profiling  # as measurements, for budgets
         if self._intervals.step_finished(factor_step, self._strategy.largest, record=counts):
             capture_next = self._is_factor_step(k + 1)

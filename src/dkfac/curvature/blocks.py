@@ -226,7 +226,10 @@ class LinearBlock(KroneckerBlock):
 
 
 def set_gradients(
-    blocks: Sequence[KroneckerBlock], matrices: Sequence[Tensor], scale: Tensor | None = None
+    blocks: Sequence[KroneckerBlock],
+    matrices: Sequence[Tensor],
+    scale: Tensor | None = None,
+    grad_matrices: Sequence[Tensor] | None = None,
 ) -> None:
     """Each block's :meth:`~KroneckerBlock.set_grad` of its matrix times ``scale``, together.
 
@@ -234,9 +237,31 @@ def set_gradients(
     (a GPU otherwise takes two small kernels per layer). Each entry is rounded as
     ``set_grad(matrix * scale)`` rounds it: a ``.grad`` of another dtype than its matrix (a
     bf16 weight beside a float32 bias) takes the product, scaled before the cast.
+
+    Args:
+        blocks: the layers' blocks.
+        matrices: their new ``(d_G, d_A)`` gradient matrices.
+        scale: a device scalar all of them are multiplied by, or ``None``.
+        grad_matrices: the blocks' :meth:`~KroneckerBlock.grad_matrix` of this step, if at
+            hand: where one is the whole weight gradient seen through a view (no bias, a
+            contiguous gradient), its matrix is copied into that view, with no reshape.
     """
-    grads, parts = [], []
-    for block, matrix in zip(blocks, matrices, strict=True):
+    grads, parts, parameters = [], [], []
+    for index, (block, matrix) in enumerate(zip(blocks, matrices, strict=True)):
+        weight_grad = block.weight.grad
+        view = None if grad_matrices is None else grad_matrices[index]
+        if (
+            view is not None
+            and weight_grad is not None
+            and block.bias is None
+            and view.data_ptr() == weight_grad.data_ptr()  # a copy would be elsewhere
+            and view.numel() == weight_grad.numel()
+            and (scale is None or weight_grad.dtype == matrix.dtype)
+        ):
+            grads.append(view)
+            parts.append(matrix)
+            parameters.append(block.weight)
+            continue
         for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
             assert parameter.grad is not None
             if scale is not None and parameter.grad.dtype != part.dtype:
@@ -244,7 +269,8 @@ def set_gradients(
             else:
                 grads.append(parameter.grad)
                 parts.append(part)
-    if len({id(grad) for grad in grads}) != len(grads):  # discovery skips tied parameters
+            parameters.append(parameter)
+    if len({id(p) for p in parameters}) != len(parameters):  # discovery skips tied parameters
         raise ValueError("set_gradients: a parameter's gradient belongs to two blocks")
     torch._foreach_copy_(grads, parts)
     if scale is not None:

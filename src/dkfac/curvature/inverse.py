@@ -170,6 +170,8 @@ class KroneckerInverse(ABC):
         else:
             tensors, product = self.bf16_tensors(), bf16_product
         work = next(iter(tensors.values())).dtype
+        if grad.dtype == work:  # no cast to ask for: a plain step preconditions every layer
+            return self._apply(tensors, grad, damping, product)
         return self._apply(tensors, grad.to(work), damping, product).to(grad.dtype)
 
     def bf16_tensors(self) -> dict[str, Tensor]:

@@ -53,8 +53,8 @@ def kl_clip_scale(
         terms = []
         for chunk in _chunks(pairs):
             products = torch._foreach_mul([v for v, _ in chunk], [g for _, g in chunk])
-            flat = torch.cat([product.reshape(-1) for product in products])
+            flat = torch._C._nn.flatten_dense_tensors(list(products))  # cat of views, in C++
             terms.append(flat.sum(dtype=torch.float64).to(device))
-    vg = torch.stack(terms).sum() * (lr * lr)
+    vg = (terms[0] if len(terms) == 1 else torch.stack(terms).sum()) * (lr * lr)
     nu = torch.sqrt(kl_clip / vg.clamp_min(0.0)).clamp(max=1.0)
     return nu.to(grads[0].dtype)

@@ -56,6 +56,35 @@ def stack_signature(layer: LayerCurvature, grad: Tensor) -> Hashable | None:
 
 
 @dataclass(frozen=True)
+class _Grouping:
+    """How one call's layers were preconditioned; it holds while they keep their inverses.
+
+    ``groups``: positions in the call and their stacked inverse (``None``: one at a time).
+    Layers, domains and inverses are compared by identity: a new inverse (a decomposition,
+    a loaded state) or another placement's domains group the layers again. The gradients'
+    shapes and dtypes need no check: a parameter's gradient has its parameter's, and
+    :class:`~dkfac.layer_discovery.LayerWatch` refuses a replaced or resized weight.
+    """
+
+    layers: tuple[LayerCurvature, ...]
+    domains: tuple[Hashable, ...]
+    inverses: tuple[KroneckerInverse | None, ...]
+    groups: tuple[tuple[tuple[int, ...], KroneckerInverse | None], ...]
+
+    def fits(self, layers: Sequence[LayerCurvature], domains: Sequence[Hashable]) -> bool:
+        """Whether a call with ``layers`` and ``domains`` is grouped as this one was."""
+        return (
+            len(layers) == len(self.layers)
+            and all(a is b for a, b in zip(layers, self.layers, strict=True))
+            and all(a is b for a, b in zip(domains, self.domains, strict=True))
+            and all(
+                layer.inverse is inverse
+                for layer, inverse in zip(layers, self.inverses, strict=True)
+            )
+        )
+
+
+@dataclass(frozen=True)
 class _Stack:
     """A stacked inverse, its layers and the per-layer views of it that they hold."""
 
@@ -88,6 +117,7 @@ class LayerStacks:
         self.stack = stack
         self._stacks: dict[tuple[str, ...], _Stack] = {}
         self._stack_of_layer: dict[str, tuple[str, ...]] = {}
+        self._grouping: _Grouping | None = None  # the last call's (a plain step repeats it)
 
     def precondition(
         self,
@@ -105,15 +135,11 @@ class LayerStacks:
             domains: one per layer: only layers of equal domains are stacked together.
         """
         self._drop_unheld()
-        groups: dict[Hashable, list[int]] = {}
-        for position, (layer, grad, domain) in enumerate(zip(layers, grads, domains, strict=True)):
-            signature = stack_signature(layer, grad) if self.stack else None
-            key = (domain, signature) if signature is not None else ("alone", position)
-            groups.setdefault(key, []).append(position)
+        grouping = self._grouping
+        if grouping is None or not grouping.fits(layers, domains):
+            grouping = self._grouping = self._group(layers, grads, domains)
         results: list[Tensor] = list(grads)
-        for positions in groups.values():
-            members = [layers[p] for p in positions]
-            stacked = self._stack_for(members) if len(members) > 1 else None
+        for positions, stacked in grouping.groups:
             if stacked is None:
                 for position in positions:
                     results[position] = layers[position].precondition(grads[position], damping)
@@ -121,11 +147,33 @@ class LayerStacks:
             product = stacked.precondition(
                 torch.stack([grads[p] for p in positions]),
                 damping,
-                members[0].precondition_precision,
+                layers[positions[0]].precondition_precision,
             )
             for position, row in zip(positions, product.unbind(0), strict=True):
                 results[position] = row  # one unbind: no indexing call per layer
         return results
+
+    def _group(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        domains: Sequence[Hashable],
+    ) -> _Grouping:
+        """Group the layers by domain and :func:`stack_signature`, stacking where it pays."""
+        groups: dict[Hashable, list[int]] = {}
+        for position, (layer, grad, domain) in enumerate(zip(layers, grads, domains, strict=True)):
+            signature = stack_signature(layer, grad) if self.stack else None
+            key = (domain, signature) if signature is not None else ("alone", position)
+            groups.setdefault(key, []).append(position)
+        stacked = [
+            (tuple(positions), self._stack_for([layers[p] for p in positions]))
+            if len(positions) > 1
+            else (tuple(positions), None)
+            for positions in groups.values()
+        ]
+        # After _stack_for, which gives stacked layers views as their inverses.
+        inverses = tuple(layer.inverse for layer in layers)
+        return _Grouping(tuple(layers), tuple(domains), inverses, tuple(stacked))
 
     def _stack_for(self, members: Sequence[LayerCurvature]) -> KroneckerInverse | None:
         """The stack of exactly ``members`` (built if one has a new inverse); else ``None``."""
