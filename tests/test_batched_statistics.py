@@ -412,6 +412,30 @@ def test_an_output_gradient_changed_in_place_is_refused_on_every_worker() -> Non
     assert_refused_on_both_workers(change_an_output_gradient_in_place, refusal)
 
 
+def change_a_recomputed_output_gradient_in_place(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(4))).to(DT)
+    pre = make_pre(model, strategy="dp", batched_statistics=True)
+
+    def segment(hidden: torch.Tensor) -> torch.Tensor:
+        out = model[1](hidden)
+        if out.requires_grad:  # the recomputation in the backward pass only
+            out.register_hook(lambda grad: grad.mul_(0.5))
+        return model[2](out)
+
+    x = torch.randn(4, 3, dtype=DT)
+    hidden = checkpoint(segment, model[0](x), use_reentrant=True)
+    model[3](hidden).sum().backward()
+    pre.step()
+
+
+def test_a_recomputed_output_gradient_changed_in_place_is_refused_on_every_worker() -> None:
+    # Reentrant checkpointing recomputes layer 1 in the backward pass, where its input is
+    # formed at once; its output gradient is held by its owner (rank 1) and watched by rank 0.
+    refusal = r"RuntimeError: layer '1': its output gradient was changed in place"
+    assert_refused_on_both_workers(change_a_recomputed_output_gradient_in_place, refusal)
+
+
 class BumpInBackward(torch.autograd.Function):
     """The identity on ``x`` whose backward adds one to ``victim`` in place."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import time
 import warnings
 from typing import Any
@@ -547,3 +548,47 @@ def test_unused_layer_and_nan_statistics_on_one_worker_stay_consistent(strategy:
         for got, want in zip(results[rank]["params"], results[0]["params"], strict=True):
             assert torch.equal(got, want)
     assert any("NaN/Inf" in message for result in results for message in result["warned"])
+
+
+def directions_without_inverses(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    options: dict[str, Any] = {"factor_update_steps": 100, "inv_update_steps": 100}
+    options |= {"kl_clip": 1e-6, "lr": 0.1}
+    pre = dkfac.KFACPreconditioner(
+        ddp, strategy="kaisa", grad_worker_fraction=0.5, comm_dtype=torch.bfloat16, **options
+    )
+    generator = torch.Generator().manual_seed(1)  # the same batch on both workers
+    for step in range(2):
+        x, y = (
+            torch.randn(8, 3, generator=generator),
+            torch.randint(0, 2, (8,), generator=generator),
+        )
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        if step == 1:
+            for layer in pre.layers:
+                layer.inverse = None  # each holder lost its decomposition (a failed one, say)
+            before = [p.grad.detach().clone() for p in model.parameters()]
+        pre.step()
+    return [before, [p.grad.detach().clone() for p in model.parameters()]]
+
+
+def test_a_rounded_broadcast_of_an_unpreconditioned_gradient_leaves_the_kl_terms_alike() -> None:
+    """KAISA with one gradient worker per layer and bf16 transport, both layers' holders
+    without an inverse: each sends its gradient itself, rounded to bf16 on every rank, the
+    holder's own copy too. ν's terms ``⟨V, ∇⟩`` take the unrounded gradient on every rank
+    (before, the holder's broadcast rounded its gradient matrix in place: its ν differed
+    and the replicas drifted apart).
+    Oracle: ``ν·V`` with ``V`` the rounded gradient and ``ν = √(κ / (η² Σ⟨V, ∇⟩))``."""
+    ranks = run_workers(directions_without_inverses, 2, ())
+    before, after = ranks[0]
+    for got in (after, ranks[1][1]):
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(got, after, strict=True))
+    rounded = [g.to(torch.bfloat16).float() for g in before]
+    vg = sum(float((v.double() * g.double()).sum()) for v, g in zip(rounded, before, strict=True))
+    nu = math.sqrt(1e-6 / (0.1 * 0.1 * vg))
+    assert nu < 0.5  # the clip binds
+    for got, v in zip(after, rounded, strict=True):
+        torch.testing.assert_close(got, nu * v, rtol=1e-6, atol=0)

@@ -394,3 +394,25 @@ def test_gradients_written_through_their_matrix_views_are_the_parameter_shaped_p
             assert torch.equal(parameter.grad, part.to(parameter.dtype))
     with pytest.raises(ValueError, match="belongs to two blocks"):
         set_gradients(blocks[:1] * 2, matrices[:1] * 2, None, views[:1] * 2)
+
+
+def test_a_block_that_splits_matrices_its_own_way_is_asked_to() -> None:
+    """Only dkfac's own ``split_matrix`` is known to invert the gradient's matrix view: a
+    block overriding it splits the new matrix itself (oracle: what its split gives)."""
+
+    class Rolled(LinearBlock):
+        """A (contrived) layer whose gradient matrix is its weight's columns rolled by one."""
+
+        def grad_matrix(self) -> torch.Tensor:
+            assert self.weight.grad is not None
+            return self.weight.grad.view(self.g_dim, -1)  # a view; split_matrix disagrees
+
+        def split_matrix(self, matrix: torch.Tensor) -> list[torch.Tensor]:
+            return [matrix.roll(1, dims=1)]
+
+    layer = nn.Linear(4, 3, bias=False)
+    block = Rolled(layer)
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    matrix = torch.randn(3, 4)
+    set_gradients([block], [matrix], None, [block.grad_matrix()])
+    assert torch.equal(layer.weight.grad, matrix.roll(1, dims=1))

@@ -406,6 +406,58 @@ def test_a_stack_whose_layers_all_got_new_inverses_is_forgotten() -> None:
     assert alive() is None and not stacks._stacks
 
 
+def test_the_old_stack_is_freed_before_the_same_layers_are_stacked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a decomposition, preconditioning the same trio again frees its old stack before
+    the new one is built (at most one stack's memory at a time), and a layer preconditioned
+    alone keeps no replaced inverse alive (the grouping refers to inverses weakly)."""
+    _, layers, stacks = branches_stacked()
+    trio = [layers[name] for name in "abc"]
+    old_stack = weakref.ref(stacks._stacks[("a", "b", "c")].stacked)
+    for layer in trio:
+        assert layer.inverse is not None
+        layer.inverse = owned_copy(layer.inverse)  # a decomposition: new objects
+    seen: list[object] = []
+    real_stack = layer_stacks.stack_inverses
+
+    def watched(inverses: Any) -> Any:
+        gc.collect()
+        seen.append(old_stack())
+        return real_stack(inverses)
+
+    monkeypatch.setattr(layer_stacks, "stack_inverses", watched)
+    grads = [torch.randn(4, 5, dtype=DT) for _ in trio]
+    stacks.precondition(trio, grads, 0.01, [0, 0, 0])
+    assert seen == [None]
+    head = layers["head"]
+    stacks.precondition([head], [torch.randn(3, 5, dtype=DT)], 0.01, [0])
+    assert head.inverse is not None
+    old_head = weakref.ref(head.inverse)
+    head.inverse = owned_copy(head.inverse)
+    gc.collect()
+    assert old_head() is None
+
+
+def test_a_grouping_is_made_again_for_another_gradient_dtype_or_a_forgotten_inverse() -> None:
+    """The cached grouping holds only while every layer keeps its gradient's dtype (a model
+    converted in place keeps its parameters) and its inverse. Oracle: each layer alone (its
+    own inverse, or its gradient unchanged without one), in its gradient's dtype."""
+    _, layers, stacks = branches_stacked()
+    trio = [layers[name] for name in "abc"]
+    grads = [torch.randn(4, 5, dtype=DT) for _ in trio]
+    stacks.precondition(trio, grads, 0.01, [0, 0, 0])
+    mixed = [grads[0], grads[1].float(), grads[2]]  # one layer's gradient now float32
+    done = stacks.precondition(trio, mixed, 0.01, [0, 0, 0])
+    assert [got.dtype for got in done] == [DT, torch.float32, DT]
+    torch.testing.assert_close(done[1], trio[1].precondition(mixed[1], 0.01))
+    trio[0].inverse = None  # forgotten (LayerCurvature.forget)
+    done = stacks.precondition(trio, grads, 0.01, [0, 0, 0])
+    assert done[0] is grads[0]
+    for layer, grad, got in zip(trio[1:], grads[1:], done[1:], strict=True):
+        torch.testing.assert_close(got, layer.precondition(grad, 0.01), rtol=1e-12, atol=0)
+
+
 def test_a_loaded_state_is_restacked_and_preconditions_the_same() -> None:
     model = repeated_model()
     options: dict[str, Any] = {"factor_dtype": DT, "inv_dtype": DT, "batched_preconditioning": True}

@@ -265,9 +265,12 @@ class StatisticsCapture:
             pending = None
         captured = self._strategy.captures(layer)
         if not captured:  # watched, so every worker refuses an in-place change and forms at
-            if pending is None:  # the same hooks as the others (the first gradient hook)
+            # the same hooks as the others (the first gradient hook): a recomputed call's
+            # output gradient too, which the owner holds (its input it forms at once).
+            if self._pending is None or torch.compiler.is_compiling():
                 return None
-            self._hold(pending, layer, "a", x, pass_id, examples, kept, captured=False)
+            if pending is not None:
+                self._hold(pending, layer, "a", x, pass_id, examples, kept, captured=False)
         elif torch.compiler.is_compiling():
             # Traced into the model's graph: tensor work only, the bookkeeping at step().
             if not self._deferred.prepared:

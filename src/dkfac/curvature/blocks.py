@@ -244,7 +244,9 @@ def set_gradients(
         scale: a device scalar all of them are multiplied by, or ``None``.
         grad_matrices: the blocks' :meth:`~KroneckerBlock.grad_matrix` of this step, if at
             hand: where one is the whole weight gradient seen through a view (no bias, a
-            contiguous gradient), its matrix is copied into that view, with no reshape.
+            contiguous gradient) and the block splits matrices as dkfac's own blocks do
+            (its :meth:`~KroneckerBlock.split_matrix` the inverse of that view), its matrix is
+            copied into that view, with no reshape.
     """
     grads, parts, parameters = [], [], []
     for index, (block, matrix) in enumerate(zip(blocks, matrices, strict=True)):
@@ -254,6 +256,7 @@ def set_gradients(
             view is not None
             and weight_grad is not None
             and block.bias is None
+            and type(block).split_matrix is KroneckerBlock.split_matrix
             and view.data_ptr() == weight_grad.data_ptr()  # a copy would be elsewhere
             and view.numel() == weight_grad.numel()
             and (scale is None or weight_grad.dtype == matrix.dtype)

@@ -170,9 +170,11 @@ class KroneckerInverse(ABC):
         else:
             tensors, product = self.bf16_tensors(), bf16_product
         work = next(iter(tensors.values())).dtype
-        if grad.dtype == work:  # no cast to ask for: a plain step preconditions every layer
-            return self._apply(tensors, grad, damping, product)
-        return self._apply(tensors, grad.to(work), damping, product).to(grad.dtype)
+        # No cast asked for where none is needed: a plain step preconditions every layer.
+        result = self._apply(
+            tensors, grad if grad.dtype == work else grad.to(work), damping, product
+        )
+        return result if result.dtype == grad.dtype else result.to(grad.dtype)
 
     def bf16_tensors(self) -> dict[str, Tensor]:
         """:meth:`tensors` rounded to bfloat16, made once and kept (``precision="bf16"``)."""

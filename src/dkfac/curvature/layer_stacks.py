@@ -20,6 +20,7 @@ same on each of them), and only layers of one domain are stacked together.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -55,31 +56,45 @@ def stack_signature(layer: LayerCurvature, grad: Tensor) -> Hashable | None:
     )
 
 
+#: What a dead weak reference is compared as: nothing a layer can hold.
+_DEAD = object()
+
+
 @dataclass(frozen=True)
 class _Grouping:
     """How one call's layers were preconditioned; it holds while they keep their inverses.
 
     ``groups``: positions in the call and their stacked inverse (``None``: one at a time).
     Layers, domains and inverses are compared by identity: a new inverse (a decomposition,
-    a loaded state) or another placement's domains group the layers again. The gradients'
-    shapes and dtypes need no check: a parameter's gradient has its parameter's, and
-    :class:`~dkfac.layer_discovery.LayerWatch` refuses a replaced or resized weight.
+    a loaded state) or another placement's domains group the layers again; so does a
+    gradient of another dtype (a model converted in place). A gradient's shape needs no
+    check: it is its parameter's, and :class:`~dkfac.layer_discovery.LayerWatch` refuses a
+    replaced or resized weight. The inverses are referenced weakly: a replaced one is freed
+    when its layer drops it, not when the layers are next preconditioned.
     """
 
     layers: tuple[LayerCurvature, ...]
     domains: tuple[Hashable, ...]
-    inverses: tuple[KroneckerInverse | None, ...]
+    dtypes: tuple[torch.dtype, ...]
+    inverses: tuple[weakref.ref[KroneckerInverse] | None, ...]
     groups: tuple[tuple[tuple[int, ...], KroneckerInverse | None], ...]
 
-    def fits(self, layers: Sequence[LayerCurvature], domains: Sequence[Hashable]) -> bool:
-        """Whether a call with ``layers`` and ``domains`` is grouped as this one was."""
+    def fits(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        domains: Sequence[Hashable],
+    ) -> bool:
+        """Whether a call with ``layers``, ``grads`` and ``domains`` is grouped as this one."""
         return (
             len(layers) == len(self.layers)
             and all(a is b for a, b in zip(layers, self.layers, strict=True))
             and all(a is b for a, b in zip(domains, self.domains, strict=True))
+            and all(g.dtype is d for g, d in zip(grads, self.dtypes, strict=True))
             and all(
-                layer.inverse is inverse
-                for layer, inverse in zip(layers, self.inverses, strict=True)
+                # A dead reference is no match, whatever the layer holds now (even None).
+                layer.inverse is None if ref is None else layer.inverse is (ref() or _DEAD)
+                for layer, ref in zip(layers, self.inverses, strict=True)
             )
         )
 
@@ -134,10 +149,12 @@ class LayerStacks:
             damping: ``γ``.
             domains: one per layer: only layers of equal domains are stacked together.
         """
+        if self._grouping is not None and not self._grouping.fits(layers, grads, domains):
+            self._grouping = None  # its stacks go with the others, before new ones are made
         self._drop_unheld()
+        if self._grouping is None:
+            self._grouping = self._group(layers, grads, domains)
         grouping = self._grouping
-        if grouping is None or not grouping.fits(layers, domains):
-            grouping = self._grouping = self._group(layers, grads, domains)
         results: list[Tensor] = list(grads)
         for positions, stacked in grouping.groups:
             if stacked is None:
@@ -172,8 +189,11 @@ class LayerStacks:
             for positions in groups.values()
         ]
         # After _stack_for, which gives stacked layers views as their inverses.
-        inverses = tuple(layer.inverse for layer in layers)
-        return _Grouping(tuple(layers), tuple(domains), inverses, tuple(stacked))
+        inverses = tuple(
+            None if layer.inverse is None else weakref.ref(layer.inverse) for layer in layers
+        )
+        dtypes = tuple(grad.dtype for grad in grads)
+        return _Grouping(tuple(layers), tuple(domains), dtypes, inverses, tuple(stacked))
 
     def _stack_for(self, members: Sequence[LayerCurvature]) -> KroneckerInverse | None:
         """The stack of exactly ``members`` (built if one has a new inverse); else ``None``."""

@@ -346,8 +346,7 @@ class PlacementRunner:
     ) -> list[Tensor]:
         """Preconditioned gradients of ``layers`` (plan indices ``indices``), on this rank.
 
-        This rank preconditions the layers whose inverse it holds; the others arrive in the
-        planned gradient shares.
+        This rank preconditions the layers whose inverse it holds; the rest arrive in shares.
         """
         results, plan = list(grads), self.placement
         with self.recorder.phase("precondition"):
@@ -360,7 +359,8 @@ class PlacementRunner:
                 [holders[p] for p in held],
             )
             for p, result in zip(held, done, strict=True):
-                results[p] = result
+                # No inverse gives the gradient itself: a rounding broadcast must not alter it.
+                results[p] = result.clone() if result is grads[p] else result
         return self.share_gradients(indices, results)
 
     def share_gradients(self, indices: Sequence[int], results: Sequence[Tensor]) -> list[Tensor]:
