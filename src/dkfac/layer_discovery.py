@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from dkfac.config import KFACConfig
@@ -212,6 +213,11 @@ class LayerWatch:
         self._model = model
         self._layers = list(layers)
         self._links = self._current_links()
+        # What the unchanged model has at each layer: its module, weight and weight shape.
+        self._weights = [
+            (layer.block.module, layer.block.weight, torch.Size(layer.block.weight_shape))
+            for layer in self._layers
+        ]
 
     def _current_links(self) -> list[tuple[nn.Module, str, nn.Module]] | None:
         """``(parent, name, child)`` of every link on the paths; None if a path is not one."""
@@ -235,12 +241,22 @@ class LayerWatch:
             RuntimeError: the module at a layer's path, its weight or the weight's shape
                 changed.
         """
-        if self._links is not None and all(
-            parent._modules.get(name) is child and name not in parent.__dict__
-            for parent, name, child in self._links
+        # A registered weight that no instance attribute shadows is what getattr returns,
+        # read without nn.Module.__getattr__; in one pass over tuples made once (a step
+        # checks every layer). Anything else: each layer checked as below, the first raises.
+        if (
+            self._links is not None
+            and all(
+                parent._modules.get(name) is child and name not in parent.__dict__
+                for parent, name, child in self._links
+            )
+            and all(
+                module._parameters.get("weight") is weight
+                and "weight" not in module.__dict__
+                and weight.shape == shape
+                for module, weight, shape in self._weights
+            )
         ):
-            for layer in self._layers:
-                _check_weight(layer, layer.block.module)
             return
         for layer, path in zip(self._layers, self.paths, strict=True):
             try:
@@ -254,15 +270,6 @@ class LayerWatch:
 def _check_weight(layer: LayerCurvature, current: nn.Module | None) -> None:
     """Raise unless ``current`` is ``layer``'s module, with its weight of its shape."""
     block = layer.block
-    # A registered weight that no instance attribute shadows is what getattr returns, read
-    # without nn.Module.__getattr__ (a step checks every layer).
-    if (
-        current is block.module
-        and current._parameters.get("weight") is block.weight
-        and "weight" not in vars(current)
-        and block.weight.shape == block.weight_shape
-    ):
-        return
     if (
         current is not block.module
         or getattr(current, "weight", None) is not block.weight
