@@ -8,7 +8,8 @@ narrowest width, so that equal widths stay equal) and tiny inputs, so that the a
 left is negligible: what a step takes is then host time. Per kind of step
 of a ``(10, 100)`` schedule: the forward-backward pass (capturing statistics or not),
 ``pre.step()`` and the optimizer's step, medians over the run; and the amortised host time
-per iteration against SGD's, side by side in one run. Variants (``--variant LABEL=JSON``)
+per iteration against SGD's, side by side in one process, their iterations interleaved
+(:func:`time_round`). Variants (``--variant LABEL=JSON``)
 are more ``KFACPreconditioner`` keywords; ``--gpu-paths`` turns on what dkfac's defaults turn
 on for a GPU only (the batched preconditioning, folds and input statistics), so the host
 work of the GPU's code paths is what is timed (a few device-dependent details, e.g. the
@@ -109,80 +110,94 @@ def kind_of(step: int) -> str:
     return "factors" if step % FACTOR_STEPS == 0 else "plain"
 
 
-def time_run(
-    model_name: str,
-    thin: int,
-    batch: int,
-    image_size: int,
-    steps: int,
-    options: dict[str, Any] | None,
+class TimedRun:
+    """One configuration's model, optimizer and preconditioner (SGD's: ``options`` None)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        thin: int,
+        batch: int,
+        image_size: int,
+        options: dict[str, Any] | None,
+    ) -> None:
+        spec = MODELS[model_name]
+        torch.manual_seed(0)
+        classes = max(spec.num_classes // thin, 2)  # the classifier's, as thinned() makes it
+        self.model = thinned(spec.build(spec.num_classes), thin)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(batch, 3, image_size, image_size, generator=generator)
+        self.y = torch.randint(0, classes, (batch,), generator=generator)
+        self.pre = None
+        if options is not None:
+            self.pre = dkfac.KFACPreconditioner(
+                self.model,
+                inverse_method="inverse",
+                factor_update_steps=FACTOR_STEPS,
+                inv_update_steps=DECOMPOSITION_STEPS,
+                **options,
+            )
+        self.samples: dict[str, dict[str, list[float]]] = {}
+
+    def iteration(self, step: int, recorded: bool) -> None:
+        """Step ``step`` of the schedule: its parts timed, kept when ``recorded``."""
+        kind = "plain" if self.pre is None else kind_of(step)
+        parts = {"forward_backward": _timed(self._forward_backward)}
+        if self.pre is not None:
+            parts["kfac_step"] = _timed(self.pre.step)
+        parts["optimizer"] = _timed(self.optimizer.step)
+        if recorded:
+            for part, seconds in parts.items():
+                self.samples.setdefault(kind, {}).setdefault(part, []).append(seconds)
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        """Each kind's and part's median, in milliseconds (the hooks removed)."""
+        if self.pre is not None:
+            self.pre.remove()
+        return {
+            kind: {part: median_ms(values) for part, values in parts.items()}
+            for kind, parts in self.samples.items()
+        }
+
+    def _forward_backward(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(self.model(self.x), self.y).backward()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_round(
+    common: tuple[Any, ...], runs: dict[str, dict[str, Any] | None], steps: int
 ) -> dict[str, Any]:
-    """Median host times of SGD (``options`` None) or of one dkfac configuration's step kinds."""
-    spec = MODELS[model_name]
-    torch.manual_seed(0)
-    classes = max(spec.num_classes // thin, 2)  # the classifier's, as thinned() makes it
-    model = thinned(spec.build(spec.num_classes), thin)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, image_size, image_size, generator=generator)
-    y = torch.randint(0, classes, (batch,), generator=generator)
+    """One round: every run's medians, their iterations interleaved in one process.
 
-    def forward_backward() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-
-    def timed(fn: Callable[[], Any]) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    samples: dict[str, dict[str, list[float]]] = {}
-    pre = None
-    if options is not None:
-        pre = dkfac.KFACPreconditioner(
-            model,
-            inverse_method="inverse",
-            factor_update_steps=FACTOR_STEPS,
-            inv_update_steps=DECOMPOSITION_STEPS,
-            **options,
-        )
+    Each run has a model of its own; step ``s`` of every run is taken before step ``s + 1``
+    of any, in an order rotated from step to step. Runs made one after another, even in
+    rotated order, differed by their process's state: SGD's passes and dkfac's plain passes
+    (the same operators; plain steps carry no layer hook) read 0.3-1.0 ms apart, more than
+    the differences timed, and in one process, interleaved, equal (2026-11-29).
+    """
+    timed = {label: TimedRun(*common, options) for label, options in runs.items()}
+    labels = list(timed)
     # The first window (its first estimates and index plans) is warm-up, not timed.
     for step in range(DECOMPOSITION_STEPS + steps):
-        kind = "plain" if pre is None else kind_of(step)
-        parts = {"forward_backward": timed(forward_backward)}
-        if pre is not None:
-            parts["kfac_step"] = timed(pre.step)
-        parts["optimizer"] = timed(optimizer.step)
-        if step >= DECOMPOSITION_STEPS:
-            for part, seconds in parts.items():
-                samples.setdefault(kind, {}).setdefault(part, []).append(seconds)
-    if pre is not None:
-        pre.remove()
-    return {
-        kind: {part: median_ms(values) for part, values in parts.items()}
-        for kind, parts in samples.items()
-    }
+        shift = step % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            timed[label].iteration(step, recorded=step >= DECOMPOSITION_STEPS)
+    return {label: run.medians() for label, run in timed.items()}
 
 
 def timed_rounds(
-    common: tuple[Any, ...], variants: dict[str, dict[str, Any]], rounds: int
+    common: tuple[Any, ...], variants: dict[str, dict[str, Any]], rounds: int, steps: int
 ) -> list[dict[str, Any]]:
-    """``rounds`` runs of SGD and every variant, their order rotated each round.
-
-    Runs minutes apart on a shared machine vary by more than the differences timed (SGD's
-    step read 6.2-7.3 ms in one session); medians over interleaved rounds, in which no
-    run always comes first, compare them under the same conditions. SGD rotates too: always
-    first, its passes read 0.5-1.0 ms slower than dkfac's plain passes (which run the same
-    operators) on one machine.
-    """
+    """``rounds`` rounds of SGD and every variant (:func:`time_round`), each with new models."""
     runs: dict[str, dict[str, Any] | None] = {"sgd": None, **variants}
-    labels = list(runs)
-    timed: list[dict[str, Any]] = []
-    for index in range(rounds):
-        shift = index % len(labels)
-        order = labels[shift:] + labels[:shift]
-        timed.append({label: time_run(*common, runs[label]) for label in order})
-    return timed
+    return [time_round(common, runs, steps) for _ in range(rounds)]
 
 
 def median_of_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -239,7 +254,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200, help="timed steps after the warm-up")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="interleaved rounds; cells are their medians"
+        "--rounds", type=int, default=1, help="rounds with new models; cells are their medians"
     )
     parser.add_argument(
         "--gpu-paths", action="store_true", help="every run takes dkfac's GPU code paths"
@@ -269,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in args.models.split(","):
         spec = MODELS[model_name]
         thin = args.thin or narrowest(spec.build(spec.num_classes))
-        common = (model_name, thin, args.batch, args.image_size, args.steps)
-        rounds = timed_rounds(common, variants, args.rounds)
+        common = (model_name, thin, args.batch, args.image_size)
+        rounds = timed_rounds(common, variants, args.rounds, args.steps)
         result = {
             "thin": thin,
             "batch": args.batch,

@@ -620,17 +620,28 @@ def test_host_time_thins_the_model_and_times_every_kind_of_step(
                 wide.padding,
             )
             assert narrow.out_channels == wide.out_channels // 8
+    calls: list[tuple[int, int]] = []  # (step, run) in the order taken
+    iteration = bench.TimedRun.iteration
+
+    def recorded(run: Any, step: int, recorded: bool) -> None:
+        calls.append((step, id(run)))
+        iteration(run, step, recorded)
+
+    monkeypatch.setattr(bench.TimedRun, "iteration", recorded)
     out = tmp_path / "host.json"
     argv = ["--models", "resnet32", "--steps", "100", "--gpu-paths", "--rounds", "2"]
     argv += ["--variant", "dkfac={}", "--variant", 'hooks={"batched_statistics": false}']
     assert bench.main([*argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())["models"]["resnet32"]
-    # Two rounds, in the order they ran, SGD's run rotated with the variants' (always first,
-    # SGD's passes read slower); each cell their median (here: the mean).
-    assert [list(timed) for timed in result["rounds"]] == [
-        ["sgd", "dkfac", "hooks"],
-        ["dkfac", "hooks", "sgd"],
-    ]
+    # Two rounds, each timing every run; each cell their median (here: the mean).
+    assert [list(timed) for timed in result["rounds"]] == [["sgd", "dkfac", "hooks"]] * 2
+    # Interleaved: each round's three runs take step s before any takes s + 1, each first in
+    # turn (rotated), 200 steps each (the warm-up window, then the timed ones).
+    first_round = calls[: 3 * 200]
+    assert [step for step, _ in first_round] == [s for s in range(200) for _ in range(3)]
+    orders = [[run for _, run in first_round[3 * s : 3 * s + 3]] for s in range(3)]
+    assert orders[1] == orders[0][1:] + orders[0][:1] and orders[2] == orders[0][2:] + orders[0][:2]
+    assert len(set(orders[0])) == 3
     first, second = (timed["dkfac"]["plain"]["kfac_step"] for timed in result["rounds"])
     assert result["variants"]["dkfac"]["plain"]["kfac_step"] == pytest.approx((first + second) / 2)
     kinds = result["variants"]["dkfac"]
