@@ -177,16 +177,21 @@ def time_round(
     """One round: every run's medians, their iterations interleaved in one process.
 
     Each run has a model of its own; step ``s`` of every run is taken before step ``s + 1``
-    of any, in an order rotated from step to step. Runs made one after another, even in
-    rotated order, differed by their process's state: SGD's passes and dkfac's plain passes
-    (the same operators; plain steps carry no layer hook) read 0.3-1.0 ms apart, more than
-    the differences timed, and in one process, interleaved, equal (2026-11-29).
+    of any, in an order rotated from one step of a kind to the next of that kind (rotated by
+    the step number alone, every factor step of SGD and one variant would come in one order).
+    Runs made one after another, even in rotated order, differed by their process's state:
+    SGD's passes and dkfac's plain passes (the same operators; plain steps carry no layer
+    hook) read up to 1.3 ms apart, more than the differences timed, and in one process,
+    interleaved, within 0.11 ms (2026-11-29).
     """
     timed = {label: TimedRun(*common, options) for label, options in runs.items()}
     labels = list(timed)
+    turns = dict.fromkeys(KINDS, 0)  # steps of each kind taken so far
     # The first window (its first estimates and index plans) is warm-up, not timed.
     for step in range(DECOMPOSITION_STEPS + steps):
-        shift = step % len(labels)
+        kind = kind_of(step)
+        shift = turns[kind] % len(labels)
+        turns[kind] += 1
         for label in labels[shift:] + labels[:shift]:
             timed[label].iteration(step, recorded=step >= DECOMPOSITION_STEPS)
     return {label: run.medians() for label, run in timed.items()}

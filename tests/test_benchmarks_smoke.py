@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 from pathlib import Path
@@ -635,13 +636,16 @@ def test_host_time_thins_the_model_and_times_every_kind_of_step(
     result = json.loads(out.read_text())["models"]["resnet32"]
     # Two rounds, each timing every run; each cell their median (here: the mean).
     assert [list(timed) for timed in result["rounds"]] == [["sgd", "dkfac", "hooks"]] * 2
-    # Interleaved: each round's three runs take step s before any takes s + 1, each first in
-    # turn (rotated), 200 steps each (the warm-up window, then the timed ones).
+    # Interleaved: each round's three runs take step s before any takes s + 1, 200 steps
+    # each (the warm-up window, then the timed ones); from one step of a kind to the next of
+    # that kind (plain, factors, decomposition) the order rotates.
     first_round = calls[: 3 * 200]
     assert [step for step, _ in first_round] == [s for s in range(200) for _ in range(3)]
-    orders = [[run for _, run in first_round[3 * s : 3 * s + 3]] for s in range(3)]
-    assert orders[1] == orders[0][1:] + orders[0][:1] and orders[2] == orders[0][2:] + orders[0][:2]
-    assert len(set(orders[0])) == 3
+    order = [[run for _, run in first_round[3 * s : 3 * s + 3]] for s in range(200)]
+    assert len(set(order[0])) == 3
+    for steps in ((1, 2, 3), (10, 20, 30), (0, 100)):  # plain, factor, decomposition steps
+        for earlier, later in itertools.pairwise(steps):
+            assert order[later] == order[earlier][1:] + order[earlier][:1]
     first, second = (timed["dkfac"]["plain"]["kfac_step"] for timed in result["rounds"])
     assert result["variants"]["dkfac"]["plain"]["kfac_step"] == pytest.approx((first + second) / 2)
     kinds = result["variants"]["dkfac"]

@@ -6,11 +6,13 @@ CAP_NET_ADMIN, no iproute2).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -44,12 +46,17 @@ def host_interfaces() -> set[str]:
 
 @pytest.fixture
 def can_make_namespaces() -> Iterator[None]:
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    interfaces_before = host_interfaces()
-    yield
-    assert host_interfaces() == interfaces_before  # nothing made or left outside
+    # One such test at a time on this machine (`make test` runs tests in several processes):
+    # they compare the machine's namespaces before and after, and a cluster made elsewhere
+    # removes the namespaces a killed creator left, which one of them inspects.
+    with open(Path(tempfile.gettempdir()) / "dkfac-tests-namespaces.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reason = unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        interfaces_before = host_interfaces()
+        yield
+        assert host_interfaces() == interfaces_before  # nothing made or left outside
 
 
 def test_link_shapes_read_tc_units_and_refuse_the_rest() -> None:
