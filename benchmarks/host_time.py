@@ -188,7 +188,7 @@ def time_round(
     Runs made one after another, even in rotated order, differed by their process's state:
     SGD's passes and dkfac's plain passes (the same operators; plain steps carry no layer
     hook) read up to 1.3 ms apart, more than the differences timed, and in one process,
-    interleaved, within 0.11 ms (2026-11-29).
+    interleaved, within 0.2 ms (2026-11-29, docs/benchmarks.md).
     """
     timed = {label: TimedRun(*common, options) for label, options in runs.items()}
     labels = list(timed)
