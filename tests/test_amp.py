@@ -6,6 +6,8 @@
   captured inputs and output gradients (a bfloat16 Gram would be off by ~1e-3).
 * A step whose gradients are not finite (the GradScaler skips it) changes no factor and no
   decomposition; the next finite step makes the postponed decomposition.
+* ``step()`` called inside an autocast region computes exactly what it computes outside one
+  (K-FAC's own products stay in their dtypes), on every kind of step.
 * Only public GradScaler methods are used.
 """
 
@@ -117,6 +119,32 @@ def scaled_step(
     pre.step()
     scaler.step(opt)
     scaler.update()
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.bfloat16), on_cuda(CUDA_TEST_DEVICE.type, torch.float16)],
+)
+def test_step_inside_autocast_computes_what_it_computes_outside(
+    device: str, dtype: torch.dtype
+) -> None:
+    """Factor, decomposition and plain steps alike: every gradient equal bit for bit."""
+    outside, inside = mlp().to(device), mlp().to(device)
+    options = {"factor_update_steps": 2, "inv_update_steps": 2}
+    pre_outside = dkfac.KFACPreconditioner(outside, **options)
+    pre_inside = dkfac.KFACPreconditioner(inside, **options)
+    for step in range(4):  # steps 0 and 2 update and decompose, 1 and 3 are plain steps
+        x, y = (t.to(device) for t in data(step))
+        for model in (outside, inside):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+        pre_outside.step()
+        with torch.autocast(device, dtype=dtype):
+            pre_inside.step()
+        for a, b in zip(outside.parameters(), inside.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert a.grad.dtype == b.grad.dtype == torch.float32
+            assert torch.equal(a.grad, b.grad), f"step {step}"
 
 
 def test_a_step_the_grad_scaler_skips_changes_no_factor_and_no_decomposition() -> None:

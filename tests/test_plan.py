@@ -8,6 +8,7 @@ rules are checked against hand-worked cases.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,8 +19,10 @@ import dkfac
 from distributed_harness import run_workers
 from dkfac.comm.recorder import StepRecorder
 from dkfac.comm.recording import RecordingCommunicator
+from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.strategies.dp import dp_placement, plan_layer_owners
 from dkfac.strategies.factor_placement import choose_share
+from dkfac.strategies.gradient_shares import GradientShares
 from dkfac.strategies.kaisa import kaisa_placement
 from dkfac.strategies.kaisa import plan_layer_owners as kaisa_owners
 from dkfac.strategies.pad import PADStrategy
@@ -417,3 +420,40 @@ def test_one_worker_of_a_distributed_strategy_sends_nothing_that_moves_and_equal
                 assert torch.equal(got, expected), config
             else:  # the factor allreduce repacks symmetric factors (upper triangle)
                 torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=str(config))
+
+
+def test_a_ranks_gradient_route_follows_the_placement_and_the_layers_with_gradients() -> None:
+    """What a rank preconditions and which shares it joins, kept between plain steps: for
+    each call, the plan's own answers (inverse holders, gradient shares), recomputed; a new
+    placement or another set of layers is never answered from the previous call."""
+    stacks = LayerStacks()
+    world = 4
+    first, second = kaisa_placement(DIMS, world, 2), kaisa_placement(DIMS, world, 1)
+    calls = [
+        (first, list(range(len(DIMS)))),
+        (first, list(range(len(DIMS)))),
+        (first, [0, 2]),  # a layer without a gradient this step
+        (second, [0, 2]),
+        (replace(second, buckets=()), [0, 2]),  # re-planned: a new placement object
+        (first, list(range(len(DIMS)))),
+    ]
+    for rank in range(world):
+        shares = GradientShares(rank, StepRecorder(), stacks, lambda: None, {})  # type: ignore[arg-type,return-value]
+        previous: tuple[Any, list[int], Any] | None = None
+        for placement, indices in calls:
+            route = shares.route(placement, indices)
+            holders = [placement.inverse_holders(i) for i in indices]
+            held = tuple(p for p, ranks in enumerate(holders) if rank in ranks)
+            assert route.held == held
+            assert route.domains == tuple(holders[p] for p in held)
+            want = [
+                (share, tuple(indices.index(i) for i in share.layers if i in indices))
+                for share in placement.gradients
+                if rank in share.group
+            ]
+            assert route.shares == tuple((s, p) for s, p in want if p)
+            if previous is not None:  # kept exactly when the placement and layers repeat
+                repeated = previous[0] is placement and previous[1] == indices
+                assert (route is previous[2]) == repeated
+            previous = (placement, indices, route)
+    assert any(kaisa_placement(DIMS, world, 2).gradients)  # shares to route, not only holders

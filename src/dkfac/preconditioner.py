@@ -17,7 +17,7 @@ from dkfac.curvature.blocks import set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.layer_discovery import LayerWatch, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
-from dkfac.mixed_precision import gradients_finite
+from dkfac.mixed_precision import autocast_disabled, gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
 from dkfac.preconditioner_arguments import (
     check_blocks,
@@ -270,7 +270,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         refuse_step_call(self._adaptive is not None, inputs, targets, self._removed, hooked)
         self._watch.check()
         # K-FAC's own arithmetic keeps its dtypes if step() is called inside torch.autocast.
-        with torch.autocast(self._layers[0].block.weight.device.type, enabled=False):
+        with autocast_disabled(self._layers[0].block.weight.device.type):
             batch = None if self._adaptive is None else self._adaptive.model_batch(inputs, targets)
             self._step(batch)
 

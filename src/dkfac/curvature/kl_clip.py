@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +14,8 @@ from dkfac.curvature.chunks import cut_by_size
 #: products and their concatenation are held at once, twice this many entries.
 _CHUNK = 1 << 24
 
+_DEVICE = operator.attrgetter("device")
+
 
 def _chunks(pairs: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
     """``pairs`` in order, cut where the entries would pass :data:`_CHUNK` (one device each)."""
@@ -20,6 +23,9 @@ def _chunks(pairs: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tenso
     def one_device(first: tuple[Tensor, Tensor], pair: tuple[Tensor, Tensor]) -> bool:
         return first[0].device == pair[0].device
 
+    directions = [v for v, _ in pairs]
+    if sum(map(Tensor.numel, directions)) <= _CHUNK and len(set(map(_DEVICE, directions))) == 1:
+        return [pairs]  # the common case, without a Python call per layer
     return cut_by_size(pairs, lambda pair: pair[0].numel(), _CHUNK, one_device)
 
 

@@ -161,8 +161,9 @@ class Strategy(ABC):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
-        indices = [self.index(layer) for layer in layers]
-        return self.runner.precondition(indices, layers, grads, damping)
+        indices = list(map(self._index.__getitem__, map(id, layers)))  # each step: in C
+        runner = self.runner
+        return runner.gradients.precondition(runner.placement, indices, layers, grads, damping)
 
     def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:
         """Compare every layer's decomposition bits across the workers that hold it.

@@ -9,7 +9,7 @@ module does, on one rank, the three phases of any placement:
 * decompositions: decompose the factors this rank is given, broadcast them in the planned
   shares, install every inverse this rank holds;
 * gradients: precondition the layers whose inverse this rank holds, broadcast the results in
-  the planned shares.
+  the planned shares (:class:`~dkfac.strategies.gradient_shares.GradientShares`).
 
 The collectives are issued by :meth:`send_factor_sums`, :meth:`share_traces`,
 :meth:`share_decompositions` and :meth:`share_gradients`, which the dry run calls on a
@@ -43,6 +43,7 @@ from dkfac.strategies.decomposition_payload import (
     valid_flags,
 )
 from dkfac.strategies.decomposition_requests import decomposes_now, factor_request
+from dkfac.strategies.gradient_shares import GradientShares
 from dkfac.strategies.pipeline import FactorPipeline, FactorSlot
 from dkfac.strategies.plan import (
     EVERY_WORKER,
@@ -83,6 +84,7 @@ class PlacementRunner:
         if (layouts or placement.exchange != "none") and comm is None:
             raise ValueError("a placement that sends data needs a communicator")
         self.groups = comm.new_groups(layouts) if comm is not None else {}
+        self.gradients = GradientShares(rank, recorder, self.stacks, self._comm, self.groups)
         self.pipeline: FactorPipeline | None = None
         if comm is not None:  # roots are fixed for the run (re-planning only re-buckets)
             comm.open_lanes(placement.roots(comm.ranks))
@@ -337,63 +339,10 @@ class PlacementRunner:
                 handle.wait()
 
     # -- gradients ---------------------------------------------------------------------------
-    def precondition(
-        self,
-        indices: Sequence[int],
-        layers: Sequence[LayerCurvature],
-        grads: Sequence[Tensor],
-        damping: float,
-    ) -> list[Tensor]:
-        """Preconditioned gradients of ``layers`` (plan indices ``indices``), on this rank.
-
-        This rank preconditions the layers whose inverse it holds; the rest arrive in shares.
-        """
-        results, plan = list(grads), self.placement
-        with self.recorder.phase("precondition"):
-            holders = [plan.inverse_holders(index) for index in indices]
-            held = [p for p, ranks in enumerate(holders) if self.rank in ranks]
-            done = self.stacks.precondition(
-                [layers[p] for p in held],
-                [grads[p] for p in held],
-                damping,
-                [holders[p] for p in held],
-            )
-            for p, result in zip(held, done, strict=True):
-                # No inverse gives the gradient itself: a rounding broadcast must not alter it.
-                results[p] = result.clone() if result is grads[p] else result
-        return self.share_gradients(indices, results)
-
     def share_gradients(self, indices: Sequence[int], results: Sequence[Tensor]) -> list[Tensor]:
         """Broadcast the preconditioned gradients of the planned shares among ``indices``.
 
         Layers not in ``indices`` (no gradient this step, the same on every rank) are left
         out of their shares; a share left empty is not sent.
         """
-        position = {index: p for p, index in enumerate(indices)}
-        shares = [
-            (share, [position[i] for i in share.layers if i in position])
-            for share in self.placement.gradients
-            if self.rank in share.group
-        ]
-        shares = [(share, positions) for share, positions in shares if positions]
-        updated = list(results)
-        if not shares:
-            return updated
-        comm = self._comm()
-        handles: list[CollectiveHandle] = []
-        with self.recorder.phase("grad_comm"):
-            for share, positions in shares:
-                buffers = [
-                    results[p] if share.source == self.rank else torch.empty_like(results[p])
-                    for p in positions
-                ]
-                handles.append(
-                    comm.broadcast(
-                        buffers, share.source, phase="grad_comm", group=self.groups[share.group]
-                    )
-                )
-                for p, buffer in zip(positions, buffers, strict=True):
-                    updated[p] = buffer
-            for handle in handles:
-                handle.wait()
-        return updated
+        return self.gradients.share(self.gradients.route(self.placement, indices), results)
