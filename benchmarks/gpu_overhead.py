@@ -228,8 +228,11 @@ def time_window(
 
     ``channels_last``: the network in that format (the batch must be too).
     """
+    start_memory = 0
     if device.type == "cuda":  # each window's own peak, not the process's so far
+        gc.collect()  # the previous window's model and preconditioner, freed before it starts
         torch.cuda.reset_peak_memory_stats(device)
+        start_memory = torch.cuda.memory_allocated(device)
     x, y = batch
     model, optimizer = fresh_model(spec, device, channels_last)
     pre = kfac_preconditioner(config, model) if config.library else None
@@ -266,6 +269,10 @@ def time_window(
         "amortized_s": seconds / iters,
         "final_loss": float(loss.detach()),
         "peak_memory_bytes": peak,
+        # What the window added at its peak: comparable between windows (the peak alone also
+        # counts what was allocated when it began, the batch and anything not yet freed).
+        "memory_at_start_bytes": start_memory,
+        "peak_above_start_bytes": peak - start_memory if peak else 0,
     }
 
 

@@ -8,9 +8,8 @@ callables are checked each time they are evaluated.
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -20,16 +19,26 @@ from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.batching import Batching, batched_decompositions_up_to
 from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
+from dkfac.schedules import (
+    FloatSchedule,
+    Hyperparameter,
+    IntHyperparameter,
+    IntSchedule,
+    check_multiple,
+)
 from dkfac.strategies.chooser import StrategyChooser
 from dkfac.strategies.registry import StrategyOptions, resolve_options
 from dkfac.update_intervals import AUTO, IntervalBudget, IntervalSettings
 from dkfac.validation import check_bool, check_float, check_int, check_switch_or_int, describe
 
-__all__ = ["KFACConfig", "check_float", "check_int", "check_multiple"]
-
-#: A number, or a function of the K-FAC step (0-based count of completed ``step()`` calls).
-Hyperparameter = float | Callable[[int], float]
-IntHyperparameter = int | Callable[[int], int]
+__all__ = [
+    "Hyperparameter",
+    "IntHyperparameter",
+    "KFACConfig",
+    "check_float",
+    "check_int",
+    "check_multiple",
+]
 
 INVERSE_METHODS: tuple[str, ...] = ("eigen", "inverse")
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
@@ -41,81 +50,6 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
 )
-
-
-def check_multiple(factor_steps: int, inv_steps: int, step: int | None = None) -> None:
-    """Raise a ``ValueError`` unless ``inv_steps`` is a multiple of ``factor_steps``.
-
-    Args:
-        factor_steps: value of ``factor_update_steps``.
-        inv_steps: value of ``inv_update_steps``.
-        step: the K-FAC step both values were returned for (callables), named in the message.
-    """
-    if inv_steps % factor_steps:
-        where = "" if step is None else f" (at step {step})"
-        same = "" if step is None else " at that step"
-        raise ValueError(
-            f"inv_update_steps={inv_steps!r}{where} is not allowed: expected a multiple of "
-            f"factor_update_steps={factor_steps!r}{same} (decomposing factors that have not "
-            "changed would be wasted work)"
-        )
-
-
-def _at_step(step: int) -> str:
-    return f" (returned by the callable at step {step})"
-
-
-@dataclass(frozen=True)
-class FloatSchedule:
-    """A float hyperparameter: a constant or a function of the K-FAC step, range-checked."""
-
-    name: str
-    value: Hyperparameter
-    low: float
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    allowed: str = ""
-
-    def __post_init__(self) -> None:
-        if not callable(self.value):
-            self._check(self.value)
-
-    def _check(self, value: object, where: str = "") -> float:
-        return check_float(
-            self.name,
-            value,
-            low=self.low,
-            high=self.high,
-            low_open=self.low_open,
-            high_open=self.high_open,
-            allowed=self.allowed,
-            where=where,
-        )
-
-    def __call__(self, step: int) -> float:
-        """Value at K-FAC step ``step``; a callable's result is validated like a constant."""
-        if callable(self.value):
-            return self._check(self.value(step), _at_step(step))
-        return float(self.value)
-
-
-@dataclass(frozen=True)
-class IntSchedule:
-    """An integer interval (steps between updates): a constant or a function of the step."""
-
-    name: str
-    value: IntHyperparameter
-
-    def __post_init__(self) -> None:
-        if not callable(self.value):
-            check_int(self.name, self.value)
-
-    def __call__(self, step: int) -> int:
-        """Value at K-FAC step ``step``."""
-        if callable(self.value):
-            return check_int(self.name, self.value(step), where=_at_step(step))
-        return int(self.value)
 
 
 @dataclass(frozen=True)
