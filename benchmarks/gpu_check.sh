@@ -14,13 +14,14 @@
 #      decompose its warm factors; the operators each kind of step issues (step_launches.py);
 #      the pixel Grams of ResNet-50's statistics both ways (pixel_grams.py: per-example
 #      products of channel planes against one product of a channel-major copy);
-#   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults and one layer at a time (a small
+#   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults, plain steps replayed as CUDA graphs
+#      (plain_step_graphs), the statistics in the hooks and one layer at a time (a small
 #      model's step waits for the host), and host_time.py on this machine's CPU: the host
 #      time per kind of step of ResNet-32's and ResNet-50's structures, channels divided;
 #   6. the cuda-marked tests, then the rest of `make test`'s selection (`-m "not slow"`),
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
 #      SUITE_ARGS replaces the second selection.
-# The boxes add up to 550 s by default (one command may run 600); on an H200 (2026-11-28) the
+# The boxes add up to 560 s by default (one command may run 600); on an H200 (2026-11-28) the
 # install and parts 1, 2 and 4 (without its decompositions) took 210 s together, the whole
 # suite ~250 s, part 3 needs ~60 s for two rows.
 # Uses the machine's own python3 with torch (no network there: the project is installed
@@ -38,7 +39,7 @@ CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-30}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-RESNET32_S=${RESNET32_S:-40}
+RESNET32_S=${RESNET32_S:-50}
 HOST_TIME_S=${HOST_TIME_S:-20}
 CUDA_TESTS_S=${CUDA_TESTS_S:-60}
 SUITE_S=${SUITE_S:-90}
@@ -64,7 +65,8 @@ hooks='{"batched_statistics": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
   --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant "dkfac-hooks=$hooks"
   --variant 'dkfac-bdec={"batched_decompositions": true}'
-  --variant 'dkfac-bdec576={"batched_decompositions": 576}')
+  --variant 'dkfac-bdec576={"batched_decompositions": 576}'
+  --variant 'dkfac-graphs={"plain_step_graphs": true}')
 bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 unless set)
   local seconds=$1 name=$2 model=${MODEL:-resnet50}
   shift 2
@@ -99,7 +101,7 @@ timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
 MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-graphs_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
 echo "== host time per kind of step on this CPU (channels divided)"
 timeout -s INT "$HOST_TIME_S" python3 benchmarks/host_time.py --models resnet32,resnet50 \
   --gpu-paths --out "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1

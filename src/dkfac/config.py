@@ -88,6 +88,7 @@ class KFACConfig:
     batched_decompositions: bool | int | None = None
     batched_factor_updates: bool | None = None
     batched_statistics: bool | None = None
+    plain_step_graphs: bool = False
     #: ``strategy`` with the shorthand keywords applied (:func:`resolve_options`), or its chooser.
     options: StrategyOptions | StrategyChooser = field(init=False, repr=False)
     skip_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
@@ -177,6 +178,7 @@ class KFACConfig:
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name), "None (on a GPU), ")
         check_switch_or_int("batched_decompositions", self.batched_decompositions, low=2)
+        check_bool("plain_step_graphs", self.plain_step_graphs)
         object.__setattr__(self, "options", self._resolve_strategy())
         if self.bucket_cap_mb is not None:
             check_float(

@@ -13,12 +13,11 @@ from dkfac.capture import StatisticsCapture
 from dkfac.comm import ClusterCostModel, CostModelCache, StepRecorder
 from dkfac.config import CONFIG_FIELDS, Hyperparameter, IntHyperparameter, KFACConfig
 from dkfac.curvature.block_types import BlockFactory
-from dkfac.curvature.blocks import set_gradients
-from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.layer_discovery import LayerWatch, discover_layers, is_compiled, unwrap_model
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import autocast_disabled, gradients_finite
 from dkfac.optimizer_hook import OptimizerHook
+from dkfac.plain_step import CudaGraphs, PlainStep
 from dkfac.preconditioner_arguments import (
     check_blocks,
     refuse_compiled_subset,
@@ -145,6 +144,11 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             tensor changed in place before then is refused, an input on every worker);
             ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
             (SPD, PAD: forming them later would start their sends later).
+        plain_step_graphs: a CUDA model's preconditioning, KL clip and scaling captured as a
+            CUDA graph and replayed while the layers, their inverses and dtypes repeat
+            (:mod:`dkfac.plain_step`; the same gradients bit for bit, a few host launches
+            instead of dozens; steps whose preconditioning sends gradients run eagerly).
+            Default False: not yet timed on a GPU.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).
@@ -192,6 +196,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         batched_decompositions: bool | int | None = None,
         batched_factor_updates: bool | None = None,
         batched_statistics: bool | None = None,
+        plain_step_graphs: bool = False,
         blocks: Mapping[type[nn.Module], BlockFactory] | None = None,
     ) -> None:
         refuse_conflicting_arguments(model, adaptive, grad_scaler, optimizer)
@@ -214,6 +219,13 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         device = self._layers[0].block.weight.device
         self._batched = self.config.batching(device, self._strategy.starts_work_from_hooks)
         self._strategy.setup(self._layers, accumulation_steps=expected or 1, batching=self._batched)
+        # Batched preconditioning (a GPU's default) sums the KL clip in shared launches too.
+        self._plain = PlainStep(
+            self._strategy,
+            self._batched.preconditioning,
+            CudaGraphs(device) if self.config.plain_step_graphs else None,
+            damping_matters=self.config.inverse_method == "eigen",
+        )
         self._grad_scaler = grad_scaler
         self._steps = 0
         self._removed = self._force_inverse = False
@@ -331,8 +343,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         active = [layer for layer in active if layer.name not in passed]
         if active:
             grads = [layer.block.grad_matrix() for layer in active]
-            directions = self._strategy.precondition(active, grads, self._damping_at(k))
+            damping = self._damping_at(k)
             if self._adaptive is not None and batch is not None:
+                directions = self._strategy.precondition(active, grads, damping)
                 with self._recorder.phase("adaptive"), self._capture.resumed_after():
                     self._capture.capturing = False  # its extra passes are not statistics
                     self._adaptive.step(
@@ -345,13 +358,10 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                         self._strategy.average,
                     )
             else:
-                scale = None
+                clip = None
                 if config.kl_clip_at is not None:
-                    lr = config.lr_at(k)
-                    # Batched preconditioning (a GPU's default) sums in shared launches too.
-                    shared = self._batched.preconditioning
-                    scale = kl_clip_scale(directions, grads, lr, config.kl_clip_at(k), shared)
-                set_gradients([layer.block for layer in active], directions, scale, grads)
+                    clip = (config.lr_at(k), config.kl_clip_at(k))
+                self._plain.apply(active, grads, damping, clip)
         counts = not skipped and not self._strategy.profiling  # as measurements, for budgets
         if self._intervals.step_finished(factor_step, self._strategy.largest, record=counts):
             capture_next = self._is_factor_step(k + 1)

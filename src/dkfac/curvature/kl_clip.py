@@ -43,11 +43,25 @@ def kl_clip_scale(
         grads: the layers' gradients ``∇``, same shapes.
         lr: the learning rate η of the step.
         kl_clip: κ.
-        shared_launches: the products formed in ``_foreach`` launches and summed in chunks
-            (``None``: off the CPU, where each launch is a cost of its own).
+        shared_launches: see :func:`kl_inner_product`.
 
     Returns:
         ν in the gradients' dtype, on their device. The inner products are summed in float64.
+    """
+    vg = kl_inner_product(directions, grads, shared_launches)
+    return kl_scale(vg, lr * lr, kl_clip, grads[0].dtype)
+
+
+def kl_inner_product(
+    directions: Sequence[Tensor], grads: Sequence[Tensor], shared_launches: bool | None = None
+) -> Tensor:
+    """``Σ⟨V, ∇⟩`` over the layers, summed in float64, as a device scalar.
+
+    Args:
+        directions: the preconditioned gradients ``V`` of the layers.
+        grads: the layers' gradients ``∇``, same shapes.
+        shared_launches: the products formed in ``_foreach`` launches and summed in chunks
+            (``None``: off the CPU, where each launch is a cost of its own).
     """
     device = grads[0].device
     pairs = list(zip(directions, grads, strict=True))
@@ -61,6 +75,18 @@ def kl_clip_scale(
             products = torch._foreach_mul([v for v, _ in chunk], [g for _, g in chunk])
             flat = torch._C._nn.flatten_dense_tensors(list(products))  # cat of views, in C++
             terms.append(flat.sum(dtype=torch.float64).to(device))
-    vg = (terms[0] if len(terms) == 1 else torch.stack(terms).sum()) * (lr * lr)
-    nu = torch.sqrt(kl_clip / vg.clamp_min(0.0)).clamp(max=1.0)
-    return nu.to(grads[0].dtype)
+    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+
+
+def kl_scale(
+    inner_product: Tensor, lr_squared: float | Tensor, kl_clip: float | Tensor, dtype: torch.dtype
+) -> Tensor:
+    """ν = min(1, sqrt(κ / (η² · inner_product))) in ``dtype``, on the product's device.
+
+    ``lr_squared`` and ``kl_clip`` are numbers or float64 device scalars (read where the
+    operations run, as a replayed CUDA graph needs): the same operations either way, so the
+    same bits.
+    """
+    vg = inner_product * lr_squared
+    nu = torch.sqrt(vg.clamp_min(0.0).reciprocal() * kl_clip).clamp(max=1.0)
+    return nu.to(dtype)

@@ -88,6 +88,10 @@ class Strategy(ABC):
         """``layer``'s index in the plan."""
         return self._index[id(layer)]
 
+    def _indices(self, layers: Sequence[LayerCurvature]) -> list[int]:
+        """The plan indices of ``layers`` (looked up in C: a plain step asks for all)."""
+        return list(map(self._index.__getitem__, map(id, layers)))
+
     @property
     def profiling(self) -> bool:
         """Whether a coming factor update may still change the plan from measurements."""
@@ -161,9 +165,13 @@ class Strategy(ABC):
         self, layers: Sequence[LayerCurvature], grads: Sequence[Tensor], damping: float
     ) -> list[Tensor]:
         """Preconditioned gradient matrices of ``layers``, on every worker."""
-        indices = list(map(self._index.__getitem__, map(id, layers)))  # each step: in C
+        indices = self._indices(layers)
         runner = self.runner
         return runner.gradients.precondition(runner.placement, indices, layers, grads, damping)
+
+    def precondition_is_local(self, layers: Sequence[LayerCurvature]) -> bool:
+        """Whether :meth:`precondition` of ``layers`` issues no collective on this rank."""
+        return not self.runner.gradients.route(self.placement, self._indices(layers)).shares
 
     def check_replicas(self, layers: Sequence[LayerCurvature]) -> None:
         """Compare every layer's decomposition bits across the workers that hold it.

@@ -1,0 +1,232 @@
+"""A step's gradients preconditioned, KL-clipped and written back: eagerly or as a CUDA graph.
+
+On a GPU a small model's step waits for the host, and a plain step's K-FAC work is dozens of
+small launches (docs/benchmarks.md, "Host time of small steps"). With ``plain_step_graphs``
+that arithmetic is captured once as a CUDA graph and replayed: the host then copies the
+gradients into the graph's inputs (one launch), replays it, and copies its outputs into the
+``.grad`` tensors (one more).
+
+A graph replays fixed kernels on fixed memory, so it is only replayed while everything its
+capture read stays the same: the layers with a gradient, their inverses (a decomposition or a
+loaded state makes new ones; stacking equal shapes replaces them by views), the gradients'
+dtypes and layouts, whether the KL clip is on and, for eigendecompositions, the damping. Any
+change runs that step eagerly and the next step captures again. The learning rate and ``κ``
+are read from device scalars the host fills when they change (a schedule then costs no
+capture). A step whose preconditioning sends something (a strategy's gradient shares) or is
+timed for a plan (a strategy still profiling) is never captured; nor is adaptive K-FAC's
+step (its own passes), which does not come here.
+
+Both ways compute the same operations on the same values, so the gradients are equal bit for
+bit where the kernels are deterministic (the CPU; on a GPU a library may pick other kernels
+inside a capture, to round-off): the eager way scales each direction while writing it, the
+captured one first (one rounding either way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from dkfac.curvature.blocks import set_gradients
+from dkfac.curvature.kl_clip import kl_clip_scale, kl_inner_product, kl_scale
+from dkfac.curvature.layer import LayerCurvature
+from dkfac.strategies.base import Strategy
+
+logger = logging.getLogger(__name__)
+
+Compute = Callable[[], list[Tensor]]
+
+
+class GraphCapture(Protocol):
+    """What captures a plain step (:class:`CudaGraphs`; tests replay eagerly)."""
+
+    def capture(self, compute: Compute) -> tuple[list[Tensor], Callable[[], None]]:
+        """Record ``compute`` once; its outputs, and what recomputes them in place."""
+        ...
+
+
+class CudaGraphs:
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph`` on one CUDA device.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"plain_step_graphs=True is not allowed with the model on {device}: CUDA "
+                "graphs need a CUDA device (move the model first, or pass False)"
+            )
+        self.device = device
+
+    def capture(self, compute: Compute) -> tuple[list[Tensor], Callable[[], None]]:
+        """Warm ``compute`` up on a side stream (lazy initialisations), then capture it.
+
+        Capturing runs nothing: the caller replays to compute.
+        """
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            compute()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = compute()
+        return outputs, graph.replay
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """A captured plain step: its input copies, its outputs and its replay."""
+
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    replay: Callable[[], None]
+
+
+class PlainStep:
+    """Writes the K-FAC directions of a step's layers into their gradients.
+
+    Args:
+        strategy: preconditions the layers (each rank those it holds, the rest shared).
+        shared_launches: the KL clip's products in shared launches (batched preconditioning).
+        graphs: captures replayable steps (:class:`CudaGraphs`); ``None``: all eager.
+        damping_matters: whether the preconditioning reads the damping (eigendecompositions;
+            a Cholesky inverse fixed it when it was made).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        shared_launches: bool,
+        graphs: GraphCapture | None = None,
+        damping_matters: bool = True,
+    ) -> None:
+        self._strategy = strategy
+        self._shared = shared_launches
+        self._graphs = graphs
+        self._damping_matters = damping_matters
+        self._key: Hashable | None = None  # what the last step's arithmetic depended on
+        self._captured: _Captured | None = None
+        self._scalars: Tensor | None = None  # η² and κ on the device, for the graph
+        self._scalar_values: tuple[float, float] | None = None
+        self.captures = self.replays = 0  # counted for tests and benchmarks
+
+    def apply(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        clip: tuple[float, float] | None,
+    ) -> None:
+        """Precondition ``grads`` (the layers' gradient matrices), clip, write them back.
+
+        ``clip``: the step's learning rate and ``κ`` (``None``: no KL clip).
+        """
+        blocks = [layer.block for layer in layers]
+        clipped = clip is not None
+        key = None if self._graphs is None else self._key_of(layers, grads, damping, clipped)
+        if key is None:
+            self._key = self._captured = None
+            directions = self._strategy.precondition(layers, grads, damping)
+            scale = None
+            if clip is not None:
+                scale = kl_clip_scale(directions, grads, clip[0], clip[1], self._shared)
+            set_gradients(blocks, directions, scale, grads)
+            return
+        if clip is not None:
+            self._fill_scalars(grads[0].device, clip[0] * clip[0], clip[1])
+        outputs = self._replayed(key, layers, grads, damping, clipped)
+        set_gradients(blocks, outputs, None, grads)
+
+    def _key_of(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        clipped: bool,
+    ) -> Hashable | None:
+        """What a captured step depends on; ``None``: this step is not to be captured."""
+        strategy = self._strategy
+        if strategy.profiling or not strategy.precondition_is_local(layers):
+            return None
+        return (
+            tuple(map(id, layers)),
+            tuple(id(layer.inverse) for layer in layers),
+            tuple((grad.dtype, grad.stride()) for grad in grads),  # layouts: the same kernels
+            damping if self._damping_matters else None,
+            clipped,
+        )
+
+    def _fill_scalars(self, device: torch.device, lr_squared: float, kl_clip: float) -> None:
+        """η² and κ into the device scalars the graph reads (one fill each, when changed)."""
+        if self._scalars is None or self._scalars.device != device:
+            self._scalars = torch.zeros(2, dtype=torch.float64, device=device)
+            self._scalar_values = None
+        previous = self._scalar_values
+        for index, value in enumerate((lr_squared, kl_clip)):
+            if previous is None or previous[index] != value:
+                self._scalars[index].fill_(value)  # a launch, not a host-to-device copy
+        self._scalar_values = (lr_squared, kl_clip)
+
+    def _compute(
+        self,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        clipped: bool,
+    ) -> list[Tensor]:
+        """The scaled directions of ``grads``: what a graph captures (new tensors only)."""
+        directions = self._strategy.precondition(layers, grads, damping)
+        if not clipped:
+            return directions
+        assert self._scalars is not None, "filled before"
+        inner = kl_inner_product(directions, grads, self._shared)
+        nu = kl_scale(inner, self._scalars[0], self._scalars[1], grads[0].dtype)
+        return list(torch._foreach_mul(directions, nu))
+
+    def _replayed(
+        self,
+        key: Hashable,
+        layers: Sequence[LayerCurvature],
+        grads: Sequence[Tensor],
+        damping: float,
+        clipped: bool,
+    ) -> list[Tensor]:
+        """The step's outputs: replayed if ``key`` repeats the last step's, else eager."""
+        if key != self._key:
+            # Eager; the key is taken after: a first step may stack the new inverses (views).
+            self._captured = None
+            outputs = self._compute(layers, grads, damping, clipped)
+            self._key = self._key_of(layers, grads, damping, clipped)
+            return outputs
+        captured = self._captured
+        if captured is None:
+            inputs = [
+                torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
+                for g in grads
+            ]
+            torch._foreach_copy_(inputs, list(grads))
+            assert self._graphs is not None, "only a step with a key is captured"
+            outputs, replay = self._graphs.capture(
+                lambda: self._compute(layers, inputs, damping, clipped)
+            )
+            if self._key_of(layers, grads, damping, clipped) != key:
+                # The capture changed what it read (it would replay stale memory): eager.
+                logger.debug("plain step not captured: its inputs changed while captured")
+                self._key = None
+                return self._compute(layers, grads, damping, clipped)
+            captured = self._captured = _Captured(inputs, outputs, replay)
+            self.captures += 1
+        else:
+            torch._foreach_copy_(captured.inputs, list(grads))
+        captured.replay()
+        self.replays += 1
+        return captured.outputs
