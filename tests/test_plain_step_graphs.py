@@ -10,7 +10,6 @@ The ``cuda`` tests replay real CUDA graphs, and count the host's waits.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +52,10 @@ class RecordedReplay(TorchDispatchMode):
         self._recording.append((func, args, kwargs, result))
         return result
 
-    def capture(self, compute: Callable[[], list[Tensor]]) -> tuple[list[Tensor], Any]:
+    def capture(
+        self, compute: Callable[[], list[Tensor]], device: torch.device
+    ) -> tuple[list[Tensor], Any]:
+        assert device == self.device
         self._recording = []
         with self:
             outputs = compute()
@@ -172,6 +174,46 @@ def test_a_layer_without_a_gradient_runs_that_step_eagerly_and_recaptures(
     assert (pre._plain.captures, pre._plain.replays) == (3, 5)
 
 
+class FailingCapture:
+    """A capture that fails, as a graph fails on an operation it cannot hold."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.attempts = 0
+
+    def capture(self, compute: Callable[[], list[Tensor]], device: torch.device) -> Any:
+        self.attempts += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_runs_eagerly_until_what_it_read_changes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same gradients; one attempt per decomposition interval, not one per step."""
+    made: list[FailingCapture] = []
+
+    def failing(device: torch.device) -> FailingCapture:
+        made.append(FailingCapture(device))
+        return made[-1]
+
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", failing)
+    cpu = torch.device("cpu")
+    eager, _ = train(cpu, False, 12, **SCHEDULE)
+    with caplog.at_level("WARNING", logger="dkfac.plain_step"):
+        replayed, pre = train(cpu, True, 12, **SCHEDULE)
+    assert_equal_runs(eager, replayed)
+    assert made[0].attempts == 3  # after the decompositions at 0, 4 and 8
+    assert (pre._plain.captures, pre._plain.replays) == (0, 0)
+    assert sum("plain step not captured" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_remove_releases_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", RecordedReplay)
+    _, pre = train(torch.device("cpu"), True, 3, **SCHEDULE)
+    assert pre._plain._captured is not None
+    pre.remove()
+    assert pre._plain._captured is None
+
+
 def test_a_step_that_shares_gradients_is_never_captured(monkeypatch: pytest.MonkeyPatch) -> None:
     """A strategy whose preconditioning sends gradients (KAISA's shares) runs every step
     eagerly: a collective inside a replayed graph would run without the other workers."""
@@ -217,11 +259,13 @@ def test_cuda_graphs_replay_the_eager_steps_without_host_waits(method: str) -> N
     replayed, pre = train(device, True, 12, **options)
     for step, (want, got) in enumerate(zip(eager, replayed, strict=True)):
         for a, b in zip(want, got, strict=True):
-            # cuBLAS may pick another kernel inside a capture: a few float32 roundings.
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=0, msg=f"step {step}")
+            # cuBLAS may pick another kernel inside a capture, cuDNN's weight gradients are
+            # not deterministic: float32 roundings, relative to the gradient's scale.
+            scale = float(a.abs().max())
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale, msg=f"step {step}")
     assert (pre._plain.captures, pre._plain.replays) == (3, 9)
     # A replayed step's K-FAC part waits for nothing.
-    model = copy.deepcopy(Net()).to(device)
+    model = Net().to(device)
     pre = dkfac.KFACPreconditioner(model, plain_step_graphs=True, **options)
     x = torch.randn(6, 3, 5, 5, device=device)
     y = torch.randint(0, 3, (6,), device=device)

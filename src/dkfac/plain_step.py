@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -45,13 +45,19 @@ Compute = Callable[[], list[Tensor]]
 class GraphCapture(Protocol):
     """What captures a plain step (:class:`CudaGraphs`; tests replay eagerly)."""
 
-    def capture(self, compute: Compute) -> tuple[list[Tensor], Callable[[], None]]:
-        """Record ``compute`` once; its outputs, and what recomputes them in place."""
+    def capture(
+        self, compute: Compute, device: torch.device
+    ) -> tuple[list[Tensor], Callable[[], None]]:
+        """Record ``compute`` (its work on ``device``) once; its outputs, and its replay.
+
+        Raises:
+            RuntimeError: the capture failed (the caller then runs the step eagerly).
+        """
         ...
 
 
 class CudaGraphs:
-    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph`` on one CUDA device.
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``; every capture in one memory pool.
 
     Raises:
         ValueError: ``device`` is not a CUDA device.
@@ -63,32 +69,51 @@ class CudaGraphs:
                 f"plain_step_graphs=True is not allowed with the model on {device}: CUDA "
                 "graphs need a CUDA device (move the model first, or pass False)"
             )
-        self.device = device
+        self._pool: Any = None  # made at the first capture (a pool handle)
 
-    def capture(self, compute: Compute) -> tuple[list[Tensor], Callable[[], None]]:
-        """Warm ``compute`` up on a side stream (lazy initialisations), then capture it.
+    def capture(
+        self, compute: Compute, device: torch.device
+    ) -> tuple[list[Tensor], Callable[[], None]]:
+        """Warm ``compute`` up on a side stream of ``device``, then capture it there.
 
-        Capturing runs nothing: the caller replays to compute.
+        Capturing runs nothing: the caller replays to compute. ``torch.cuda.graph`` is not
+        used: it empties the allocator's caches at every capture (one after each
+        decomposition). Captures share one pool (a graph is dropped before the next is
+        made) and refuse only the capturing thread's unsafe calls (``"thread_local"``: a
+        communication watchdog's queries elsewhere do not break it).
         """
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            compute()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = compute()
+        with torch.cuda.device(device):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(current)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                compute()  # lazy initialisations (cuBLAS workspaces) outside the capture
+                torch.cuda.synchronize(device)  # once per capture: the warm-up has finished
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    outputs = compute()
+                finally:
+                    graph.capture_end()
+            current.wait_stream(side)
         return outputs, graph.replay
 
 
 @dataclass(frozen=True)
 class _Captured:
-    """A captured plain step: its input copies, its outputs and its replay."""
+    """A captured plain step: its input copies, its outputs and its replay.
+
+    ``held``: everything else the graph reads (the inverses, the device scalars, the plan),
+    kept alive while it may be replayed: a graph holds addresses, not tensors, and the key
+    compares these objects by ``id``.
+    """
 
     inputs: list[Tensor]
     outputs: list[Tensor]
     replay: Callable[[], None]
+    held: tuple[object, ...]
 
 
 class PlainStep:
@@ -115,6 +140,7 @@ class PlainStep:
         self._damping_matters = damping_matters
         self._key: Hashable | None = None  # what the last step's arithmetic depended on
         self._captured: _Captured | None = None
+        self._refused: Hashable | None = None  # a key whose capture failed
         self._scalars: Tensor | None = None  # η² and κ on the device, for the graph
         self._scalar_values: tuple[float, float] | None = None
         self.captures = self.replays = 0  # counted for tests and benchmarks
@@ -146,6 +172,10 @@ class PlainStep:
         outputs = self._replayed(key, layers, grads, damping, clipped)
         set_gradients(blocks, outputs, None, grads)
 
+    def release(self) -> None:
+        """Drop the captured graph, its memory and what it holds (``remove()``)."""
+        self._key = self._captured = None
+
     def _key_of(
         self,
         layers: Sequence[LayerCurvature],
@@ -157,12 +187,21 @@ class PlainStep:
         strategy = self._strategy
         if strategy.profiling or not strategy.precondition_is_local(layers):
             return None
+        layouts = tuple((grad.dtype, grad.stride(), grad.device) for grad in grads)
+        if len({device for _, _, device in layouts}) != 1:
+            return None  # a model over several devices: one graph captures one device
+        matmul = torch.backends.cuda.matmul
         return (
+            id(strategy.placement),
             tuple(map(id, layers)),
             tuple(id(layer.inverse) for layer in layers),
-            tuple((grad.dtype, grad.stride()) for grad in grads),  # layouts: the same kernels
+            layouts,  # the same kernels for the same dtypes, layouts and device
             damping if self._damping_matters else None,
             clipped,
+            # Fixed in the captured kernels: the products' precision settings.
+            torch.get_float32_matmul_precision(),
+            matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction,
         )
 
     def _fill_scalars(self, device: torch.device, lr_squared: float, kl_clip: float) -> None:
@@ -209,21 +248,29 @@ class PlainStep:
             return outputs
         captured = self._captured
         if captured is None:
+            if key == self._refused:
+                return self._compute(layers, grads, damping, clipped)
             inputs = [
                 torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
                 for g in grads
             ]
             torch._foreach_copy_(inputs, list(grads))
             assert self._graphs is not None, "only a step with a key is captured"
-            outputs, replay = self._graphs.capture(
-                lambda: self._compute(layers, inputs, damping, clipped)
-            )
+            try:
+                outputs, replay = self._graphs.capture(
+                    lambda: self._compute(layers, inputs, damping, clipped), grads[0].device
+                )
+            except RuntimeError as error:  # an operation a graph cannot hold: eager instead
+                logger.warning("plain step not captured, run eagerly: %s", error)
+                self._refused = key  # until something it depends on changes
+                return self._compute(layers, grads, damping, clipped)
             if self._key_of(layers, grads, damping, clipped) != key:
                 # The capture changed what it read (it would replay stale memory): eager.
                 logger.debug("plain step not captured: its inputs changed while captured")
                 self._key = None
                 return self._compute(layers, grads, damping, clipped)
-            captured = self._captured = _Captured(inputs, outputs, replay)
+            held = (self._strategy.placement, self._scalars, *[layer.inverse for layer in layers])
+            captured = self._captured = _Captured(inputs, outputs, replay, held)
             self.captures += 1
         else:
             torch._foreach_copy_(captured.inputs, list(grads))

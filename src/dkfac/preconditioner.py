@@ -389,5 +389,6 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         if not self._removed:
             self._strategy.close()
         self._removed = True
+        self._plain.release()
         for layer in self._layers:
             layer.clear_statistics()
