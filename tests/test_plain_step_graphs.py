@@ -206,9 +206,15 @@ def test_a_failed_capture_runs_eagerly_until_what_it_read_changes(
     assert sum("plain step not captured" in r.getMessage() for r in caplog.records) == 3
 
 
-def test_remove_releases_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replayed_step_is_timed_and_remove_releases_the_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", RecordedReplay)
     _, pre = train(torch.device("cpu"), True, 3, **SCHEDULE)
+    assert pre._plain.replays == 2  # steps 1 (captured) and 2
+    record = pre._recorder.last()
+    assert record is not None and record.step == 2
+    assert record.seconds.get("precondition", 0.0) > 0.0  # the replay, in its phase
     assert pre._plain._captured is not None
     pre.remove()
     assert pre._plain._captured is None

@@ -272,8 +272,11 @@ class PlainStep:
             held = (self._strategy.placement, self._scalars, *[layer.inverse for layer in layers])
             captured = self._captured = _Captured(inputs, outputs, replay, held)
             self.captures += 1
+            with self._strategy.recorder.phase("precondition"):
+                captured.replay()
         else:
-            torch._foreach_copy_(captured.inputs, list(grads))
-        captured.replay()
+            with self._strategy.recorder.phase("precondition"):  # timed as an eager step is
+                torch._foreach_copy_(captured.inputs, list(grads))
+                captured.replay()
         self.replays += 1
         return captured.outputs
