@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 import dkfac
+from dkfac.curvature import make_block
 from dkfac.curvature.blocks import LinearBlock, set_gradients
 from test_oracle_numerics import DT, eigen_direction, per_example_loss
 
@@ -416,3 +417,32 @@ def test_a_block_that_splits_matrices_its_own_way_is_asked_to() -> None:
     matrix = torch.randn(3, 4)
     set_gradients([block], [matrix], None, [block.grad_matrix()])
     assert torch.equal(layer.weight.grad, matrix.roll(1, dims=1))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.Linear(4, 3),
+        nn.Linear(4, 3, bias=False),
+        nn.Conv2d(2, 3, 3),
+        nn.Conv2d(2, 3, 3, bias=False),
+        nn.Conv1d(2, 3, 2),
+        nn.Embedding(5, 3),
+        Conv1D(3, 4),
+    ],
+    ids=["linear", "linear-no-bias", "conv2d", "conv2d-no-bias", "conv1d", "embedding", "Conv1D"],
+)
+def test_matrix_of_inverts_split_matrix_and_makes_the_gradient_matrix(module: nn.Module) -> None:
+    """``matrix_of`` (what a captured plain step makes the matrices with, from the gradients)
+    is ``grad_matrix`` of the parameters' gradients and the inverse of ``split_matrix``."""
+    block = make_block(module)
+    assert block is not None
+    torch.manual_seed(0)
+    for parameter in block.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    grads = [parameter.grad for parameter in block.parameters()]
+    assert torch.equal(block.matrix_of(grads), block.grad_matrix())
+    matrix = torch.randn(block.g_dim, block.a_dim)
+    parts = block.split_matrix(matrix)
+    assert [part.shape for part in parts] == [p.shape for p in block.parameters()]
+    assert torch.equal(block.matrix_of(parts), matrix)

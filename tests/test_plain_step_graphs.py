@@ -23,6 +23,7 @@ import dkfac
 import dkfac.preconditioner
 from devices import CUDA_TEST_DEVICE, needs_cuda
 from dkfac.bench.cuda_syncs import cuda_syncs
+from dkfac.curvature.blocks import LinearBlock
 from dkfac.plain_step import CudaGraphs
 
 
@@ -172,6 +173,88 @@ def test_a_layer_without_a_gradient_runs_that_step_eagerly_and_recaptures(
     # 0 eager (decomposition), 1 capture, 2 replay, 3 eager (no branch), 4 capture, 5 eager
     # (the branch is back), 6 capture, 7 replay.
     assert (pre._plain.captures, pre._plain.replays) == (3, 5)
+
+
+class Conv1D(nn.Module):
+    """transformers' ``Conv1D`` stand-in: ``y = x W (+ b)``, ``W`` stored ``(in, out)``."""
+
+    def __init__(self, nf: int, nx: int, bias: bool) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x @ self.weight
+        return out if self.bias is None else out + self.bias
+
+
+class _OwnMatrix(LinearBlock):
+    """A user's block with a gradient matrix of its own making (not ``matrix_of``'s)."""
+
+    def grad_matrix(self) -> Tensor:
+        return super().grad_matrix() * 1.0
+
+
+class _UsersLinear(nn.Linear):
+    pass
+
+
+class TokenNet(nn.Module):
+    """An embedding, weights stored transposed with and without a bias, a user's layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(7, 4)
+        self.up = Conv1D(6, 4, bias=True)
+        self.down = Conv1D(4, 6, bias=False)
+        self.users = _UsersLinear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = torch.tanh(self.down(torch.tanh(self.up(self.embed(tokens))))).mean(dim=1)
+        return self.head(torch.tanh(self.users(h)))
+
+
+def train_tokens(graphs: bool, steps: int, **options: Any) -> tuple[list[list[Tensor]], Any]:
+    model = TokenNet()
+    pre = dkfac.KFACPreconditioner(model, plain_step_graphs=graphs, **SCHEDULE, **options)
+    generator = torch.Generator().manual_seed(3)
+    seen = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 7, (5, 6), generator=generator)
+        y = torch.randint(0, 3, (5,), generator=generator)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(tokens), y).backward()
+        pre.step()
+        seen.append([p.grad.clone() for p in model.parameters()])
+    return seen, pre
+
+
+def test_transposed_weights_and_embeddings_replay_and_a_users_own_matrix_stays_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph reads the parameters' gradients and makes their matrices itself
+    (``matrix_of``), so a block that makes its matrix its own way is never captured."""
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", RecordedReplay)
+    eager, _ = train_tokens(False, 8)
+    replayed, pre = train_tokens(True, 8)
+    assert_equal_runs(eager, replayed)
+    kinds = {layer.name: type(layer.block).__name__ for layer in pre.layers}
+    assert kinds == {
+        "embed": "EmbeddingBlock",
+        "up": "TransposedLinearBlock",
+        "down": "TransposedLinearBlock",
+        "users": "LinearBlock",
+        "head": "LinearBlock",
+    }
+    assert (pre._plain.captures, pre._plain.replays) == (2, 6)  # 0, 4: eager; 1, 5: captured
+    own = {_UsersLinear: _OwnMatrix}
+    eager, _ = train_tokens(False, 8, blocks=own)
+    replayed, pre = train_tokens(True, 8, blocks=own)
+    assert_equal_runs(eager, replayed)
+    assert (pre._plain.captures, pre._plain.replays) == (0, 0)
 
 
 class FailingCapture:

@@ -25,6 +25,7 @@ captured one first (one rounding either way).
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dkfac.curvature.blocks import set_gradients
+from dkfac.curvature.blocks import KroneckerBlock, set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale, kl_inner_product, kl_scale
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
@@ -40,6 +41,8 @@ from dkfac.strategies.base import Strategy
 logger = logging.getLogger(__name__)
 
 Compute = Callable[[], list[Tensor]]
+
+_GRAD = operator.attrgetter("grad")
 
 
 class GraphCapture(Protocol):
@@ -143,38 +146,61 @@ class PlainStep:
         self._refused: Hashable | None = None  # a key whose capture failed
         self._scalars: Tensor | None = None  # η² and κ on the device, for the graph
         self._scalar_values: tuple[float, float] | None = None
+        # The layers' ids of the last step and their parameters (None: not capturable).
+        self._parameters: tuple[tuple[int, ...], list[Tensor] | None] | None = None
         self.captures = self.replays = 0  # counted for tests and benchmarks
 
     def apply(
         self,
         layers: Sequence[LayerCurvature],
-        grads: Sequence[Tensor],
         damping: float,
         clip: tuple[float, float] | None,
     ) -> None:
-        """Precondition ``grads`` (the layers' gradient matrices), clip, write them back.
+        """Precondition the layers' gradients, clip, and write the directions into ``.grad``.
 
         ``clip``: the step's learning rate and ``κ`` (``None``: no KL clip).
         """
         blocks = [layer.block for layer in layers]
         clipped = clip is not None
-        key = None if self._graphs is None else self._key_of(layers, grads, damping, clipped)
-        if key is None:
-            self._key = self._captured = None
-            directions = self._strategy.precondition(layers, grads, damping)
-            scale = None
-            if clip is not None:
-                scale = kl_clip_scale(directions, grads, clip[0], clip[1], self._shared)
-            set_gradients(blocks, directions, scale, grads)
-            return
+        if self._graphs is not None:
+            grads = self._gradients(layers, blocks)
+            key = None if grads is None else self._key_of(layers, grads, damping, clipped)
+            if key is not None:
+                assert grads is not None
+                if clip is not None:
+                    self._fill_scalars(grads[0].device, clip[0] * clip[0], clip[1])
+                outputs = self._replayed(key, layers, grads, damping, clipped)
+                torch._foreach_copy_(grads, outputs)
+                return
+        self._key = self._captured = None
+        matrices = [block.grad_matrix() for block in blocks]
+        directions = self._strategy.precondition(layers, matrices, damping)
+        scale = None
         if clip is not None:
-            self._fill_scalars(grads[0].device, clip[0] * clip[0], clip[1])
-        outputs = self._replayed(key, layers, grads, damping, clipped)
-        set_gradients(blocks, outputs, None, grads)
+            scale = kl_clip_scale(directions, matrices, clip[0], clip[1], self._shared)
+        set_gradients(blocks, directions, scale, matrices)
 
     def release(self) -> None:
         """Drop the captured graph, its memory and what it holds (``remove()``)."""
         self._key = self._captured = None
+
+    def _gradients(
+        self, layers: Sequence[LayerCurvature], blocks: Sequence[KroneckerBlock]
+    ) -> list[Tensor] | None:
+        """The ``.grad`` of every layer's parameters, in order; ``None``: not capturable.
+
+        A graph reads the parameters' gradients, not their matrices: the matrices (a copy
+        for a layer with a bias) and the directions' split are made inside it. A block whose
+        :meth:`~KroneckerBlock.grad_matrix` is its own (not :meth:`~KroneckerBlock.matrix_of`
+        of its gradients) runs eagerly.
+        """
+        ids = tuple(map(id, layers))
+        if self._parameters is None or self._parameters[0] != ids:
+            own = any(type(block).grad_matrix is not KroneckerBlock.grad_matrix for block in blocks)
+            parameters = None if own else [p for block in blocks for p in block.parameters()]
+            self._parameters = (ids, parameters)
+        parameters = self._parameters[1]
+        return None if parameters is None else list(map(_GRAD, parameters))
 
     def _key_of(
         self,
@@ -183,7 +209,10 @@ class PlainStep:
         damping: float,
         clipped: bool,
     ) -> Hashable | None:
-        """What a captured step depends on; ``None``: this step is not to be captured."""
+        """What a captured step depends on; ``None``: this step is not to be captured.
+
+        ``grads``: the layers' parameters' gradients (:meth:`_gradients`).
+        """
         strategy = self._strategy
         if strategy.profiling or not strategy.precondition_is_local(layers):
             return None
@@ -222,14 +251,27 @@ class PlainStep:
         damping: float,
         clipped: bool,
     ) -> list[Tensor]:
-        """The scaled directions of ``grads``: what a graph captures (new tensors only)."""
-        directions = self._strategy.precondition(layers, grads, damping)
-        if not clipped:
-            return directions
-        assert self._scalars is not None, "filled before"
-        inner = kl_inner_product(directions, grads, self._shared)
-        nu = kl_scale(inner, self._scalars[0], self._scalars[1], grads[0].dtype)
-        return list(torch._foreach_mul(directions, nu))
+        """The scaled directions, shaped as ``grads``: what a graph captures (new tensors only).
+
+        ``grads``: the layers' parameters' gradients, in order (:meth:`_gradients`).
+        """
+        blocks = [layer.block for layer in layers]
+        matrices, start = [], 0
+        for block in blocks:
+            count = 1 if block.bias is None else 2  # as block.parameters()
+            matrices.append(block.matrix_of(grads[start : start + count]))
+            start += count
+        directions = self._strategy.precondition(layers, matrices, damping)
+        if clipped:
+            assert self._scalars is not None, "filled before"
+            inner = kl_inner_product(directions, matrices, self._shared)
+            nu = kl_scale(inner, self._scalars[0], self._scalars[1], matrices[0].dtype)
+            directions = list(torch._foreach_mul(directions, nu))
+        return [
+            part
+            for block, direction in zip(blocks, directions, strict=True)
+            for part in block.split_matrix(direction)
+        ]
 
     def _replayed(
         self,

@@ -342,9 +342,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         passed = self._usage.passed_through
         active = [layer for layer in active if layer.name not in passed]
         if active:
-            grads = [layer.block.grad_matrix() for layer in active]
             damping = self._damping_at(k)
             if self._adaptive is not None and batch is not None:
+                grads = [layer.block.grad_matrix() for layer in active]
                 directions = self._strategy.precondition(active, grads, damping)
                 with self._recorder.phase("adaptive"), self._capture.resumed_after():
                     self._capture.capturing = False  # its extra passes are not statistics
@@ -361,7 +361,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
                 clip = None
                 if config.kl_clip_at is not None:
                     clip = (config.lr_at(k), config.kl_clip_at(k))
-                self._plain.apply(active, grads, damping, clip)
+                self._plain.apply(active, damping, clip)
         counts = not skipped and not self._strategy.profiling  # as measurements, for budgets
         if self._intervals.step_finished(factor_step, self._strategy.largest, record=counts):
             capture_next = self._is_factor_step(k + 1)

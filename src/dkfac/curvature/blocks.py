@@ -148,12 +148,21 @@ class KroneckerBlock(ABC):
 
     def grad_matrix(self) -> Tensor:
         """The weight gradient as a ``(d_G, d_A)`` matrix, bias gradient as the last column."""
-        grad = self.weight.grad
-        assert grad is not None
-        matrix = grad.reshape(self.g_dim, -1)
+        weight = self.weight.grad
+        assert weight is not None
+        if self.bias is None:
+            return self.matrix_of((weight,))
+        assert self.bias.grad is not None
+        return self.matrix_of((weight, self.bias.grad))
+
+    def matrix_of(self, parts: Sequence[Tensor]) -> Tensor:
+        """Tensors shaped like :meth:`parameters` as one ``(d_G, d_A)`` matrix.
+
+        The inverse of :meth:`split_matrix`; of the parameters' gradients, :meth:`grad_matrix`.
+        """
+        matrix = parts[0].reshape(self.g_dim, -1)
         if self.bias is not None:
-            assert self.bias.grad is not None
-            matrix = torch.cat([matrix, self.bias.grad.reshape(-1, 1)], dim=1)
+            matrix = torch.cat([matrix, parts[1].reshape(-1, 1)], dim=1)
         return matrix
 
     def split_matrix(self, matrix: Tensor) -> list[Tensor]:
@@ -295,14 +304,11 @@ class TransposedLinearBlock(LinearBlock):
         self.g_dim = int(self.weight.shape[1])
         self.a_dim = int(self.weight.shape[0]) + (1 if self.bias is not None else 0)
 
-    def grad_matrix(self) -> Tensor:
-        """``∇Wᵀ`` with the bias gradient as the last column, ``(d_G, d_A)``."""
-        grad = self.weight.grad
-        assert grad is not None
-        matrix = grad.t()
+    def matrix_of(self, parts: Sequence[Tensor]) -> Tensor:
+        """``Wᵀ``-shaped ``parts[0]`` with ``parts[1]`` (the bias) as the last column."""
+        matrix = parts[0].t()
         if self.bias is not None:
-            assert self.bias.grad is not None
-            return torch.cat([matrix, self.bias.grad.reshape(-1, 1)], dim=1)
+            return torch.cat([matrix, parts[1].reshape(-1, 1)], dim=1)
         return matrix.contiguous()
 
     def split_matrix(self, matrix: Tensor) -> list[Tensor]:
