@@ -15,6 +15,10 @@ on for a GPU only (the batched preconditioning, folds and input statistics), so 
 work of the GPU's code paths is what is timed (a few device-dependent details, e.g. the
 finiteness checks, stay the CPU's).
 
+``--graphs-without-replay`` lets variants with ``plain_step_graphs`` take the graph path on
+the CPU (:class:`ReplayLaunchingNothing`): their plain steps' host time is then a replayed
+step's (the key, the copies in and out) but the replay's one launch.
+
 Usage::
 
     python benchmarks/host_time.py --models resnet32,resnet50 --gpu-paths --rounds 5 \
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dkfac
+import dkfac.preconditioner
 from gpu_overhead import MODELS, add_variant_argument, environment, write_report
 
 #: The schedule timed: factors every 10 steps, decompositions every 100.
@@ -47,6 +52,29 @@ GPU_PATHS = (
     ("batched_statistics", True),
 )
 KINDS = ("plain", "factors", "decomposition")
+
+
+class ReplayLaunchingNothing:
+    """``plain_step_graphs``' capture on the CPU, with a replay that does nothing.
+
+    The host's part of a replayed plain step is everything but the graph's one launch, so a
+    variant with ``plain_step_graphs`` timed with this in place of ``CudaGraphs`` shows what a
+    GPU's host would spend on it. The directions it writes are the captured step's, again on
+    every replay: the run's numbers are for timing only.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def capture(
+        self, compute: Callable[[], list[torch.Tensor]], device: torch.device
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Run ``compute`` once; its outputs, and a replay that launches nothing."""
+        return compute(), _launch_nothing
+
+
+def _launch_nothing() -> None:
+    """A replay with no work (:class:`ReplayLaunchingNothing`)."""
 
 
 def thinned(module: nn.Module, divisor: int) -> nn.Module:
@@ -270,6 +298,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--gpu-paths", action="store_true", help="every run takes dkfac's GPU code paths"
     )
+    parser.add_argument(
+        "--graphs-without-replay",
+        action="store_true",
+        help="plain_step_graphs variants take the graph path, replaying nothing (timing only)",
+    )
     add_variant_argument(parser)
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args(argv)
@@ -292,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "options": variants,
         "models": {},
     }
+    if args.graphs_without_replay:  # this process only: the script's own replacement
+        dkfac.preconditioner.CudaGraphs = ReplayLaunchingNothing  # type: ignore[attr-defined,assignment]
     for model_name in args.models.split(","):
         spec = MODELS[model_name]
         thin = args.thin or narrowest(spec.build(spec.num_classes))

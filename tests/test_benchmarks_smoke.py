@@ -655,3 +655,42 @@ def test_host_time_thins_the_model_and_times_every_kind_of_step(
     expected = 0.9 * sums["plain"] + 0.09 * sums["factors"] + 0.01 * sums["decomposition"]
     assert result["amortised_ms"]["dkfac"] == pytest.approx(expected)
     assert result["amortised_ms"]["sgd"] == pytest.approx(sum(result["sgd"]["plain"].values()))
+
+
+def test_host_time_takes_the_graph_path_without_replaying_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--graphs-without-replay``: a ``plain_step_graphs`` variant captures once per
+    decomposition interval and its other plain steps replay (nothing); without the flag such
+    a variant is refused on the CPU, as the library refuses it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("host_time", monkeypatch)
+    import dkfac.preconditioner
+
+    # Restored after the test: main() replaces it for its process.
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", dkfac.preconditioner.CudaGraphs)
+    argv = ["--models", "resnet32", "--steps", "100", "--gpu-paths"]
+    argv += ["--variant", 'graphs={"plain_step_graphs": true}']
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        bench.main(argv)
+    replays: list[int] = []
+    capture = bench.ReplayLaunchingNothing.capture
+
+    def counted(self: Any, compute: Any, device: torch.device) -> Any:
+        outputs, replay = capture(self, compute, device)
+
+        def replayed() -> None:
+            replays.append(1)
+            replay()
+
+        return outputs, replayed
+
+    monkeypatch.setattr(bench.ReplayLaunchingNothing, "capture", counted)
+    out = tmp_path / "host.json"
+    assert bench.main([*argv, "--graphs-without-replay", "--out", str(out)]) == 0
+    assert dkfac.preconditioner.CudaGraphs is bench.ReplayLaunchingNothing
+    result = json.loads(out.read_text())["models"]["resnet32"]
+    assert set(result["variants"]["graphs"]) == {"plain", "factors", "decomposition"}
+    # 200 steps, decompositions at 0 and 100 (eager), captured at 1 and 101 (and replayed
+    # there), every other step replayed.
+    assert len(replays) == 198
