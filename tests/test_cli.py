@@ -29,7 +29,7 @@ from dkfac.cli.checkpoint import CheckpointError, load_checkpoint, rng_state, sa
 from dkfac.cli.commands import compare_strategies
 from dkfac.cli.config import ConfigError, TrainConfig
 from dkfac.cli.config_files import load_config_file
-from dkfac.cli.config_resolution import resolve_config
+from dkfac.cli.config_resolution import RESUME_MAY_CHANGE, resolve_config
 from dkfac.cli.device import (
     LocalSlot,
     Precision,
@@ -800,6 +800,10 @@ def test_device_and_amp_refusals_name_what_to_use_instead(
         run_device(TrainConfig(device="cuda"))
     with pytest.raises(ConfigError, match=r"--amp fp16 is not allowed on the CPU: .* bf16"):
         run_device(TrainConfig(amp="fp16"))
+    with pytest.raises(
+        ConfigError, match=r"--plain-step-graphs is not allowed on the CPU: .* --device cuda"
+    ):
+        run_device(TrainConfig(plain_step_graphs=True))
     with pytest.raises(ConfigError, match="--device 'tpu' is not allowed: choose one of auto"):
         TrainConfig(device="tpu")
     with pytest.raises(ConfigError, match="--amp fp16 is not allowed with --adaptive"):
@@ -1182,6 +1186,32 @@ def test_a_statistics_option_reaches_the_preconditioner_and_the_saved_config(
         config, "local", model, scheduler, Precision("none", torch.device("cpu"))
     )
     assert getattr(pre.config, name) == value
+
+
+def test_plain_step_graphs_reaches_the_preconditioner_and_may_change_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--plain-step-graphs`` (refused on the CPU, tested above) is the preconditioner's
+    ``plain_step_graphs``; a resumed run may turn it on or off (the same arithmetic)."""
+    import dkfac.preconditioner
+
+    class AnyDevice:  # the graph's capture, allowed here (this machine has no GPU)
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", AnyDevice)
+    args = build_parser().parse_args(["train", "--plain-step-graphs"])
+    config = resolve_config(args)
+    assert config.plain_step_graphs
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = EpochLR(opt, ProgressSchedule("constant", 1))
+    pre = _build_preconditioner(
+        config, "local", model, scheduler, Precision("none", torch.device("cpu"))
+    )
+    assert pre.config.plain_step_graphs and isinstance(pre._plain._graphs, AnyDevice)
+    pre.remove()
+    assert "plain_step_graphs" in RESUME_MAY_CHANGE
 
 
 def test_the_adaptive_damping_rule_reaches_adaptive_options() -> None:

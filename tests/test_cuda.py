@@ -131,6 +131,18 @@ def test_the_command_line_trains_on_the_gpu(tmp_path: Path, amp: str) -> None:
         assert saved["scaler"]["scale"] > 0
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a real GPU")
+def test_the_command_line_replays_plain_steps_as_cuda_graphs(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--model", "cnn", "--nproc", "1", "--epochs", "1", "--steps-per-epoch"]
+    argv += ["12", "--log-every", "1", "--device", "cuda", "--plain-step-graphs"]
+    argv += ["--out", str(out)]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "event" not in r]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+
+
 def test_auto_takes_the_gpu_for_one_worker() -> None:
     from dkfac.cli.config import TrainConfig
     from dkfac.cli.device import LocalSlot

@@ -257,6 +257,18 @@ def test_transposed_weights_and_embeddings_replay_and_a_users_own_matrix_stays_e
     assert (pre._plain.captures, pre._plain.replays) == (0, 0)
 
 
+def test_a_graph_refuses_a_parameter_written_twice_as_the_eager_step_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Discovery skips tied parameters; a step handed one layer twice is refused both ways."""
+    monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", RecordedReplay)
+    for graphs in (True, False):
+        _, pre = train(torch.device("cpu"), graphs, 1, **SCHEDULE)
+        head = pre.layers[-1]
+        with pytest.raises(ValueError, match="gradient belongs to two blocks"):
+            pre._plain.apply([head, head], 0.01, None)
+
+
 class FailingCapture:
     """A capture that fails, as a graph fails on an operation it cannot hold."""
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dkfac.curvature.blocks import KroneckerBlock, set_gradients
+from dkfac.curvature.blocks import KroneckerBlock, refuse_shared_parameters, set_gradients
 from dkfac.curvature.kl_clip import kl_clip_scale, kl_inner_product, kl_scale
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.base import Strategy
@@ -198,6 +198,8 @@ class PlainStep:
         if self._parameters is None or self._parameters[0] != ids:
             own = any(type(block).grad_matrix is not KroneckerBlock.grad_matrix for block in blocks)
             parameters = None if own else [p for block in blocks for p in block.parameters()]
+            if parameters is not None:
+                refuse_shared_parameters(parameters, "a plain step")  # as set_gradients does
             self._parameters = (ids, parameters)
         parameters = self._parameters[1]
         return None if parameters is None else list(map(_GRAD, parameters))

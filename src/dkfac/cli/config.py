@@ -87,6 +87,9 @@ class TrainConfig:
     statistics_fraction: float = 1.0
     #: Products of the preconditioning: "highest" (the decompositions' dtype) or "bf16".
     precondition_precision: str = "highest"
+    #: Each plain step's preconditioning replayed as one CUDA graph (GPU only; the library's
+    #: ``plain_step_graphs``, off by default until timed on a GPU).
+    plain_step_graphs: bool = False
     damping: float = 0.3
     factor_decay: float = 0.95
     kl_clip: float = 0.001

@@ -159,6 +159,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "max_restarts",
     "loader_workers",
     "tensorboard",
+    "plain_step_graphs",  # the same arithmetic, replayed (to round-off on a GPU)
 )
 
 

@@ -17,6 +17,7 @@ PRECONDITIONER_OPTIONS: tuple[str, ...] = (
     "statistics_precision",
     "statistics_fraction",
     "precondition_precision",
+    "plain_step_graphs",
     "damping",
     "factor_decay",
     "factor_update_steps",

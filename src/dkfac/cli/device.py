@@ -134,6 +134,19 @@ def check_amp(amp: str, device: torch.device) -> None:
         )
 
 
+def check_plain_step_graphs(graphs: bool, device: torch.device) -> None:
+    """Refuse ``--plain-step-graphs`` on a device without CUDA graphs.
+
+    Raises:
+        DeviceError: the flag is on and ``device`` is not a CUDA device.
+    """
+    if graphs and device.type != "cuda":
+        raise DeviceError(
+            f"--plain-step-graphs is not allowed on the {device.type.upper()}: CUDA graphs "
+            "need a GPU (train with --device cuda, or leave the flag off)"
+        )
+
+
 class Precision:
     """Autocast for the forward pass and, for fp16, the GradScaler of the run.
 

@@ -26,6 +26,7 @@ from dkfac.cli.device import (
     LocalSlot,
     Precision,
     check_amp,
+    check_plain_step_graphs,
     local_slot,
     resolve_device,
 )
@@ -52,12 +53,13 @@ def run_device(config: TrainConfig, slot: LocalSlot | None = None) -> torch.devi
 
     Raises:
         ConfigError: ``--device cuda`` where the GPUs are missing or too few, or an ``--amp``
-            the device does not run.
+            or ``--plain-step-graphs`` the device does not run.
     """
     slot = local_slot(default_world=config.nproc) if slot is None else slot
     try:
         device = resolve_device(config.device, slot, torch.cuda.device_count())
         check_amp(config.amp, device)
+        check_plain_step_graphs(config.plain_step_graphs, device)
     except DeviceError as error:
         raise ConfigError(str(error)) from None
     return device

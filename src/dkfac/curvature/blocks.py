@@ -234,6 +234,18 @@ class LinearBlock(KroneckerBlock):
         return [FactorStatistic(total, rows.shape[1], examples) for total in totals.unbind(0)]
 
 
+def refuse_shared_parameters(parameters: Sequence[Tensor], caller: str) -> None:
+    """Refuse gradients to be written for a parameter twice (two blocks holding it).
+
+    Layer discovery skips tied parameters, so this only guards blocks made otherwise.
+
+    Raises:
+        ValueError: a parameter appears twice in ``parameters``.
+    """
+    if len({id(p) for p in parameters}) != len(parameters):
+        raise ValueError(f"{caller}: a parameter's gradient belongs to two blocks")
+
+
 def set_gradients(
     blocks: Sequence[KroneckerBlock],
     matrices: Sequence[Tensor],
@@ -282,8 +294,7 @@ def set_gradients(
                 grads.append(parameter.grad)
                 parts.append(part)
             parameters.append(parameter)
-    if len({id(p) for p in parameters}) != len(parameters):  # discovery skips tied parameters
-        raise ValueError("set_gradients: a parameter's gradient belongs to two blocks")
+    refuse_shared_parameters(parameters, "set_gradients")
     torch._foreach_copy_(grads, parts)
     if scale is not None:
         torch._foreach_mul_(grads, scale)
