@@ -28,10 +28,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -325,30 +326,51 @@ def main(argv: list[str] | None = None) -> int:
         "options": variants,
         "models": {},
     }
-    if args.graphs_without_replay:  # this process only: the script's own replacement
-        dkfac.preconditioner.CudaGraphs = ReplayLaunchingNothing  # type: ignore[attr-defined,assignment]
-    for model_name in args.models.split(","):
-        spec = MODELS[model_name]
-        thin = args.thin or narrowest(spec.build(spec.num_classes))
-        common = (model_name, thin, args.batch, args.image_size)
-        rounds = timed_rounds(common, variants, args.rounds, args.steps)
-        result = {
-            "thin": thin,
-            "batch": args.batch,
-            "image_size": args.image_size,
-            "sgd": median_of_rounds([timed["sgd"] for timed in rounds]),
-            "variants": {
-                label: median_of_rounds([timed[label] for timed in rounds]) for label in variants
-            },
-            "rounds": rounds,
-        }
-        result["amortised_ms"] = {"sgd": amortised_ms(result["sgd"])} | {
-            label: amortised_ms(kinds) for label, kinds in result["variants"].items()
-        }
-        report["models"][model_name] = result
-        print(table(model_name, result), flush=True)
-        write_report(args.out, report)
+    with replaying_nothing(args.graphs_without_replay):
+        for model_name in args.models.split(","):
+            _time_model(model_name, args, variants, report)
     return 0
+
+
+@contextlib.contextmanager
+def replaying_nothing(enabled: bool) -> Iterator[None]:
+    """While timing: ``plain_step_graphs``' capture is :class:`ReplayLaunchingNothing`."""
+    saved = dkfac.preconditioner.CudaGraphs  # type: ignore[attr-defined]
+    if enabled:
+        dkfac.preconditioner.CudaGraphs = ReplayLaunchingNothing  # type: ignore[attr-defined,assignment]
+    try:
+        yield
+    finally:
+        dkfac.preconditioner.CudaGraphs = saved  # type: ignore[attr-defined]
+
+
+def _time_model(
+    model_name: str,
+    args: argparse.Namespace,
+    variants: dict[str, dict[str, Any]],
+    report: dict[str, Any],
+) -> None:
+    """Time SGD and every variant on ``model_name``, print its table, write the report."""
+    spec = MODELS[model_name]
+    thin = args.thin or narrowest(spec.build(spec.num_classes))
+    common = (model_name, thin, args.batch, args.image_size)
+    rounds = timed_rounds(common, variants, args.rounds, args.steps)
+    result = {
+        "thin": thin,
+        "batch": args.batch,
+        "image_size": args.image_size,
+        "sgd": median_of_rounds([timed["sgd"] for timed in rounds]),
+        "variants": {
+            label: median_of_rounds([timed[label] for timed in rounds]) for label in variants
+        },
+        "rounds": rounds,
+    }
+    result["amortised_ms"] = {"sgd": amortised_ms(result["sgd"])} | {
+        label: amortised_ms(kinds) for label, kinds in result["variants"].items()
+    }
+    report["models"][model_name] = result
+    print(table(model_name, result), flush=True)
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -419,29 +419,45 @@ def test_a_block_that_splits_matrices_its_own_way_is_asked_to() -> None:
     assert torch.equal(layer.weight.grad, matrix.roll(1, dims=1))
 
 
+def _with_bias(matrix: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``matrix`` with the bias gradient appended as its last column (if there is a bias)."""
+    bias = getattr(module, "bias", None)
+    return matrix if bias is None else torch.cat([matrix, bias.grad[:, None]], 1)
+
+
+#: Each layer type's gradient matrix ``(d_G, d_A)`` from its parameters' gradients, written
+#: out here from docs/math.md's conventions (the oracle of ``matrix_of``).
+GRADIENT_MATRICES: list[tuple[str, nn.Module, Callable[[nn.Module], torch.Tensor]]] = [
+    ("linear", nn.Linear(4, 3), lambda m: _with_bias(m.weight.grad, m)),
+    ("linear-no-bias", nn.Linear(4, 3, bias=False), lambda m: m.weight.grad),
+    ("conv2d", nn.Conv2d(2, 3, 3), lambda m: _with_bias(m.weight.grad.reshape(3, -1), m)),
+    ("conv2d-no-bias", nn.Conv2d(2, 3, 3, bias=False), lambda m: m.weight.grad.reshape(3, -1)),
+    ("conv1d", nn.Conv1d(2, 3, 2), lambda m: _with_bias(m.weight.grad.reshape(3, -1), m)),
+    ("embedding", nn.Embedding(5, 3), lambda m: m.weight.grad.t()),  # one-hot inputs: Wᵀ
+    ("Conv1D", Conv1D(3, 4), lambda m: _with_bias(m.weight.grad.t(), m)),  # y = x W + b
+]
+
+
 @pytest.mark.parametrize(
-    "module",
-    [
-        nn.Linear(4, 3),
-        nn.Linear(4, 3, bias=False),
-        nn.Conv2d(2, 3, 3),
-        nn.Conv2d(2, 3, 3, bias=False),
-        nn.Conv1d(2, 3, 2),
-        nn.Embedding(5, 3),
-        Conv1D(3, 4),
-    ],
-    ids=["linear", "linear-no-bias", "conv2d", "conv2d-no-bias", "conv1d", "embedding", "Conv1D"],
+    ("module", "oracle"),
+    [(module, oracle) for _, module, oracle in GRADIENT_MATRICES],
+    ids=[name for name, _, _ in GRADIENT_MATRICES],
 )
-def test_matrix_of_inverts_split_matrix_and_makes_the_gradient_matrix(module: nn.Module) -> None:
+def test_matrix_of_makes_the_gradient_matrix_and_inverts_split_matrix(
+    module: nn.Module, oracle: Callable[[nn.Module], torch.Tensor]
+) -> None:
     """``matrix_of`` (what a captured plain step makes the matrices with, from the gradients)
-    is ``grad_matrix`` of the parameters' gradients and the inverse of ``split_matrix``."""
+    against the matrix written out from the layer's definition, and ``split_matrix`` back."""
     block = make_block(module)
     assert block is not None
     torch.manual_seed(0)
     for parameter in block.parameters():
         parameter.grad = torch.randn_like(parameter)
     grads = [parameter.grad for parameter in block.parameters()]
-    assert torch.equal(block.matrix_of(grads), block.grad_matrix())
+    expected = oracle(module)
+    assert expected.shape == (block.g_dim, block.a_dim)
+    assert torch.equal(block.matrix_of(grads), expected)
+    assert torch.equal(block.grad_matrix(), expected)
     matrix = torch.randn(block.g_dim, block.a_dim)
     parts = block.split_matrix(matrix)
     assert [part.shape for part in parts] == [p.shape for p in block.parameters()]

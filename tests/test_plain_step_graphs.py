@@ -250,6 +250,14 @@ def test_transposed_weights_and_embeddings_replay_and_a_users_own_matrix_stays_e
         "head": "LinearBlock",
     }
     assert (pre._plain.captures, pre._plain.replays) == (2, 6)  # 0, 4: eager; 1, 5: captured
+    # Its outputs are laid out as the gradients they are copied into (a bias column and
+    # transposed weights are copied inside the graph): one fused copy on CUDA.
+    captured = pre._plain._captured
+    assert captured is not None
+    grads = [p.grad for layer in pre.layers for p in layer.block.parameters()]
+    assert len(captured.outputs) == len(grads) == 8
+    for output, grad in zip(captured.outputs, grads, strict=True):
+        assert (output.stride(), output.dtype) == (grad.stride(), grad.dtype)
     own = {_UsersLinear: _OwnMatrix}
     eager, _ = train_tokens(False, 8, blocks=own)
     replayed, pre = train_tokens(True, 8, blocks=own)

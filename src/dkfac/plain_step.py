@@ -3,8 +3,12 @@
 On a GPU a small model's step waits for the host, and a plain step's K-FAC work is dozens of
 small launches (docs/benchmarks.md, "Host time of small steps"). With ``plain_step_graphs``
 that arithmetic is captured once as a CUDA graph and replayed: the host then copies the
-gradients into the graph's inputs (one launch), replays it, and copies its outputs into the
-``.grad`` tensors (one more).
+parameters' gradients into the graph's inputs, replays it, and copies its outputs (in the
+gradients' layouts) into the ``.grad`` tensors: one fused launch each where the gradients
+share a dtype. The graph makes the layers' gradient matrices itself
+(:meth:`~dkfac.curvature.blocks.KroneckerBlock.matrix_of`), so its memory pool holds a copy
+of the gradients, their matrices where those are copies (a bias column, a transposed weight)
+and the directions.
 
 A graph replays fixed kernels on fixed memory, so it is only replayed while everything its
 capture read stays the same: the layers with a gradient, their inverses (a decomposition or a
@@ -260,7 +264,7 @@ class PlainStep:
         blocks = [layer.block for layer in layers]
         matrices, start = [], 0
         for block in blocks:
-            count = 1 if block.bias is None else 2  # as block.parameters()
+            count = len(block.parameters())
             matrices.append(block.matrix_of(grads[start : start + count]))
             start += count
         directions = self._strategy.precondition(layers, matrices, damping)
@@ -269,11 +273,19 @@ class PlainStep:
             inner = kl_inner_product(directions, matrices, self._shared)
             nu = kl_scale(inner, self._scalars[0], self._scalars[1], matrices[0].dtype)
             directions = list(torch._foreach_mul(directions, nu))
-        return [
+        parts = [
             part
             for block, direction in zip(blocks, directions, strict=True)
             for part in block.split_matrix(direction)
         ]
+        # In the gradients' own layouts and dtypes (a copy inside the graph): the host's copy
+        # into the .grad tensors is then one fused launch on CUDA, where the split's views
+        # (a bias column, a transposed weight) would take one launch per tensor.
+        outputs = [
+            torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device) for g in grads
+        ]
+        torch._foreach_copy_(outputs, parts)
+        return outputs
 
     def _replayed(
         self,
