@@ -269,7 +269,12 @@ def set_gradients(
             (its :meth:`~KroneckerBlock.split_matrix` the inverse of that view), its matrix is
             copied into that view, with no reshape.
     """
-    grads, parts, parameters = [], [], []
+    # CUDA's fused copy takes a list only if every pair in it is laid out alike (ATen's
+    # foreach fast route): one pair that is not (a bias column, a transposed weight) would
+    # send every pair to a launch of its own. The pairs laid out alike go together.
+    aligned: tuple[list[Tensor], list[Tensor]] = ([], [])
+    others: tuple[list[Tensor], list[Tensor]] = ([], [])
+    parameters = []
     for index, (block, matrix) in enumerate(zip(blocks, matrices, strict=True)):
         weight_grad = block.weight.grad
         view = None if grad_matrices is None else grad_matrices[index]
@@ -282,22 +287,27 @@ def set_gradients(
             and view.numel() == weight_grad.numel()
             and (scale is None or weight_grad.dtype == matrix.dtype)
         ):
-            grads.append(view)
-            parts.append(matrix)
+            pairs = aligned if view.stride() == matrix.stride() else others
+            pairs[0].append(view)
+            pairs[1].append(matrix)
             parameters.append(block.weight)
             continue
         for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
-            assert parameter.grad is not None
-            if scale is not None and parameter.grad.dtype != part.dtype:
-                parameter.grad.copy_(part * scale)
+            grad = parameter.grad
+            assert grad is not None
+            if scale is not None and grad.dtype != part.dtype:
+                grad.copy_(part * scale)
             else:
-                grads.append(parameter.grad)
-                parts.append(part)
+                pairs = aligned if grad.stride() == part.stride() else others
+                pairs[0].append(grad)
+                pairs[1].append(part)
             parameters.append(parameter)
     refuse_shared_parameters(parameters, "set_gradients")
-    torch._foreach_copy_(grads, parts)
+    for grads, parts in (aligned, others):
+        if grads:
+            torch._foreach_copy_(grads, parts)
     if scale is not None:
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_([*aligned[0], *others[0]], scale)
 
 
 class TransposedLinearBlock(LinearBlock):
