@@ -411,6 +411,27 @@ def test_gradients_are_written_back_in_the_fewest_cuda_copy_launches(
     for block, matrix in zip(blocks, matrices, strict=True):
         for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
             assert torch.equal(parameter.grad, part * scale)
+    # Gradients of two dtypes: one fused call per dtype (one list mixing them is not fused).
+    for block in blocks[:4]:
+        block.weight.data = block.weight.data.to(torch.bfloat16)
+        block.weight.grad = torch.randn_like(block.weight)
+    calls.clear()
+    mixed = [torch.randn(b.g_dim, b.a_dim, dtype=b.weight.dtype) for b in blocks[:8]]
+    set_gradients(blocks[:8], mixed, None, [block.grad_matrix() for block in blocks[:8]])
+    assert sum(cuda_copy_launches(*call) for call in calls) == 2
+    for block, matrix in zip(blocks[:8], mixed, strict=True):
+        assert torch.equal(block.weight.grad, matrix.reshape(block.weight.shape))
+
+
+def test_gradients_all_cast_while_scaled_are_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 layer's float32 matrix with a scale: written as ``(matrix · ν)`` rounded once,
+    with no fused call left to make (an empty list is not passed on)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    matrix, scale = torch.randn(3, 4), torch.tensor(0.37)
+    set_gradients([LinearBlock(layer)], [matrix], scale)
+    assert torch.equal(layer.weight.grad, (matrix * scale).to(torch.bfloat16))
 
 
 def test_gradients_written_through_their_matrix_views_are_the_parameter_shaped_products() -> None:

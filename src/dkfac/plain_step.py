@@ -7,8 +7,8 @@ parameters' gradients into the graph's inputs, replays it, and copies its output
 gradients' layouts) into the ``.grad`` tensors: one fused launch each where the gradients
 share a dtype. The graph makes the layers' gradient matrices itself
 (:meth:`~dkfac.curvature.blocks.KroneckerBlock.matrix_of`), so its memory pool holds a copy
-of the gradients, their matrices where those are copies (a bias column, a transposed weight)
-and the directions.
+of the gradients, their matrices where those are copies (a bias column, a transposed weight),
+the directions, and a copy of the parts of them not laid out as their gradients.
 
 A graph replays fixed kernels on fixed memory, so it is only replayed while everything its
 capture read stays the same: the layers with a gradient, their inverses (a decomposition or a
@@ -121,6 +121,11 @@ class _Captured:
     outputs: list[Tensor]
     replay: Callable[[], None]
     held: tuple[object, ...]
+
+
+def _apart(grad: Tensor, part: Tensor) -> bool:
+    """Whether ``part`` is laid out otherwise than ``grad`` (strides or dtype)."""
+    return part.stride() != grad.stride() or part.dtype != grad.dtype
 
 
 class PlainStep:
@@ -278,13 +283,16 @@ class PlainStep:
             for block, direction in zip(blocks, directions, strict=True)
             for part in block.split_matrix(direction)
         ]
-        # In the gradients' own layouts and dtypes (a copy inside the graph): the host's copy
-        # into the .grad tensors is then one fused launch on CUDA, where the split's views
-        # (a bias column, a transposed weight) would take one launch per tensor.
-        outputs = [
-            torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device) for g in grads
-        ]
-        torch._foreach_copy_(outputs, parts)
+        # Each in its gradient's layout and dtype (a part that is not, a bias column or a
+        # transposed weight, copied inside the graph): the host's copy into the .grad tensors
+        # is then fused on CUDA, where one such part would take a launch per tensor.
+        outputs = list(parts)
+        moved = [i for i, (g, p) in enumerate(zip(grads, parts, strict=True)) if _apart(g, p)]
+        if moved:
+            laid_out = [torch.empty_like(grads[i]) for i in moved]
+            torch._foreach_copy_(laid_out, [parts[i] for i in moved])
+            for index, tensor in zip(moved, laid_out, strict=True):
+                outputs[index] = tensor
         return outputs
 
     def _replayed(
@@ -306,10 +314,7 @@ class PlainStep:
         if captured is None:
             if key == self._refused:
                 return self._compute(layers, grads, damping, clipped)
-            inputs = [
-                torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device)
-                for g in grads
-            ]
+            inputs = [torch.empty_like(g) for g in grads]  # a dense gradient's layout
             torch._foreach_copy_(inputs, list(grads))
             assert self._graphs is not None, "only a step with a key is captured"
             try:

@@ -269,12 +269,22 @@ def set_gradients(
             (its :meth:`~KroneckerBlock.split_matrix` the inverse of that view), its matrix is
             copied into that view, with no reshape.
     """
-    # CUDA's fused copy takes a list only if every pair in it is laid out alike (ATen's
-    # foreach fast route): one pair that is not (a bias column, a transposed weight) would
-    # send every pair to a launch of its own. The pairs laid out alike go together.
-    aligned: tuple[list[Tensor], list[Tensor]] = ([], [])
+    # CUDA's fused copy takes a list only if every pair in it is laid out alike and each list
+    # has one dtype (ATen's foreach fast route): one pair that is not (a bias column, a
+    # transposed weight) would send every pair to a launch of its own. The pairs laid out
+    # alike go together, one call per dtypes and device; the rest in one more call.
+    aligned: dict[tuple[torch.dtype, torch.dtype, torch.device], tuple[list[Tensor], ...]] = {}
     others: tuple[list[Tensor], list[Tensor]] = ([], [])
     parameters = []
+
+    def add(grad: Tensor, part: Tensor) -> None:
+        if grad.stride() == part.stride():
+            pairs = aligned.setdefault((grad.dtype, part.dtype, grad.device), ([], []))
+        else:
+            pairs = others
+        pairs[0].append(grad)
+        pairs[1].append(part)
+
     for index, (block, matrix) in enumerate(zip(blocks, matrices, strict=True)):
         weight_grad = block.weight.grad
         view = None if grad_matrices is None else grad_matrices[index]
@@ -287,9 +297,7 @@ def set_gradients(
             and view.numel() == weight_grad.numel()
             and (scale is None or weight_grad.dtype == matrix.dtype)
         ):
-            pairs = aligned if view.stride() == matrix.stride() else others
-            pairs[0].append(view)
-            pairs[1].append(matrix)
+            add(view, matrix)
             parameters.append(block.weight)
             continue
         for parameter, part in zip(block.parameters(), block.split_matrix(matrix), strict=True):
@@ -298,16 +306,16 @@ def set_gradients(
             if scale is not None and grad.dtype != part.dtype:
                 grad.copy_(part * scale)
             else:
-                pairs = aligned if grad.stride() == part.stride() else others
-                pairs[0].append(grad)
-                pairs[1].append(part)
+                add(grad, part)
             parameters.append(parameter)
     refuse_shared_parameters(parameters, "set_gradients")
-    for grads, parts in (aligned, others):
+    written = []
+    for grads, parts in [*aligned.values(), others]:
         if grads:
             torch._foreach_copy_(grads, parts)
-    if scale is not None:
-        torch._foreach_mul_([*aligned[0], *others[0]], scale)
+            written += grads
+    if scale is not None and written:
+        torch._foreach_mul_(written, scale)
 
 
 class TransposedLinearBlock(LinearBlock):
