@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -559,7 +560,8 @@ def test_pixel_grams_times_every_statistic_shape_of_a_pass_both_ways(
     assert bench.main([*argv, "--out", str(out)], emit=lambda _: None) == 0
     report = json.loads(out.read_text())
     convs = sum(
-        isinstance(m, torch.nn.Conv2d) for m in bench.MODELS["resnet32"].build(10).modules()
+        isinstance(m, torch.nn.Conv2d)
+        for m in importlib.import_module("gpu_overhead").MODELS["resnet32"].build(10).modules()
     )
     assert sum(row["count"] for row in report["shapes"]) == convs
     assert {tuple(row["shape"][1:]) for row in report["shapes"]} == {
@@ -599,6 +601,35 @@ def test_pixel_grams_keeps_the_shapes_it_measured_when_cut_short(
     assert report["complete"] is False and len(report["shapes"]) == 1
     assert report["shapes"][0]["shape"] == list(calls[0])
     assert report["totals_ms"]["highest"]["copy"] > 0
+
+
+def test_patch_grams_times_every_group_of_a_pass_both_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/patch_grams.py on the CPU, ResNet-32 on 8x8 images: its groups are the stride-1
+    3x3 convolutions of one input shape (oracle: the modules, counted by their own settings and
+    the stage each sits in), im2col by default only on the last stage's 2x2 images (at most 9
+    positions), each group timed both ways in both precisions."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("patch_grams", monkeypatch)
+    out = tmp_path / "grams.json"
+    argv = ["--device", "cpu", "--model", "resnet32", "--batch", "2", "--image-size", "8"]
+    assert bench.main([*argv, "--repeats", "1", "--out", str(out)], emit=lambda _: None) == 0
+    report = json.loads(out.read_text())
+    stride_1 = Counter(
+        m.in_channels
+        for m in importlib.import_module("gpu_overhead").MODELS["resnet32"].build(10).modules()
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3) and m.stride == (1, 1)
+    )
+    size = {3: 8, 16: 8, 32: 4, 64: 2}  # each width's image: the stages halve it
+    assert {(tuple(row["shape"]), row["layers"]) for row in report["groups"]} == {
+        ((2, channels, size[channels], size[channels]), count)
+        for channels, count in stride_1.items()
+    }
+    for row in report["groups"]:
+        assert row["default_im2col"] == (row["shape"][2] == 2)
+        assert all(row[p][way] > 0 for p in ("highest", "bf16") for way in ("shifted", "im2col"))
+    assert report["complete"] is True
 
 
 def test_host_time_thins_the_model_and_times_every_kind_of_step(

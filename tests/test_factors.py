@@ -68,8 +68,10 @@ def brute_force_patch_gram(
     return matrix.t() @ matrix, matrix.shape[0]
 
 
+@pytest.mark.parametrize("im2col", [False, True], ids=["shifted", "im2col"])
 @pytest.mark.parametrize("seed", range(40))
-def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> None:
+def test_patch_gram_matches_brute_force_on_random_configurations(seed: int, im2col: bool) -> None:
+    # Stride 1 both ways (shifted products, explicit im2col); other strides always im2col.
     rng = random.Random(seed)
     kernel = (rng.randint(1, 4), rng.randint(1, 4))
     dilation = (rng.randint(1, 2), rng.randint(1, 2))
@@ -88,8 +90,14 @@ def test_patch_gram_matches_brute_force_on_random_configurations(seed: int) -> N
     )
     with_ones = bool(seed % 2)
     got, rows = conv2d_patch_gram(
-        x, kernel=kernel, dilation=dilation, stride=stride, pad=pad, with_ones=with_ones
-    )  # type: ignore[arg-type]
+        x,
+        kernel=kernel,
+        dilation=dilation,
+        stride=stride,
+        pad=pad,  # type: ignore[arg-type]
+        with_ones=with_ones,
+        im2col=im2col,
+    )
     expected, expected_rows = brute_force_patch_gram(x, kernel, dilation, stride, pad, with_ones)
     assert rows == expected_rows
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -303,8 +311,9 @@ def test_shifted_products_take_one_launch_per_kernel_row_and_group_size(
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("im2col", [False, True], ids=["shifted", "im2col"])
 @pytest.mark.parametrize("seed", range(24))
-def test_patch_grams_of_several_inputs_each_match_brute_force(seed: int) -> None:
+def test_patch_grams_of_several_inputs_each_match_brute_force(seed: int, im2col: bool) -> None:
     # Several inputs of one shape in one set of launches (their layouts one after another):
     # each Gram against its own brute-force patches, and against the one-input path.
     rng = random.Random(1000 + seed)
@@ -325,6 +334,7 @@ def test_patch_grams_of_several_inputs_each_match_brute_force(seed: int) -> None
         "pad": pad,
         "with_ones": with_ones,
         "plans": ShiftedGramPlans(),
+        "im2col": im2col,
     }
     grams, rows = conv2d_patch_grams(xs, **options)
     assert len(grams) == len(xs)
@@ -356,6 +366,42 @@ def test_several_inputs_take_one_launch_per_shift_and_group_size(
         grams, _ = conv2d_patch_grams(xs, with_ones=with_ones, **options)
         for x, got in zip(xs, grams, strict=True):
             want, _ = brute_force_patch_gram(x, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), with_ones)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("size", "pad", "dilation", "explicit"),
+    [
+        (1, 1, 1, True),  # 1x1 output
+        (3, 1, 1, True),  # 3x3: as many positions as the kernel
+        (4, 1, 1, False),  # 4x4
+        (5, 0, 1, True),  # 3x3 output, no padding
+        (6, 0, 1, False),  # 4x4
+        (6, 1, 2, False),  # 4x4, dilated
+        (5, 1, 2, True),  # 3x3, dilated
+    ],
+)
+def test_outputs_no_larger_than_the_kernel_take_explicit_patches(
+    size: int, pad: int, dilation: int, explicit: bool
+) -> None:
+    # Every position of such an output is at the border, where the shifted products'
+    # corrections cost most: one batched product of im2col matrices forms every Gram instead.
+    xs = [torch.randn(2, 3, size, size, dtype=torch.float64) for _ in range(3)]
+    options: dict[str, Any] = {
+        "kernel": (3, 3),
+        "dilation": (dilation, dilation),
+        "stride": (1, 1),
+        "pad": (pad,) * 4,
+    }
+    products = matrix_products(lambda: conv2d_patch_grams(xs, with_ones=False, **options))
+    assert (products == ["bmm"]) == explicit
+    for with_ones in (False, True):
+        grams, rows = conv2d_patch_grams(xs, with_ones=with_ones, **options)
+        for x, got in zip(xs, grams, strict=True):
+            want, want_rows = brute_force_patch_gram(
+                x, (3, 3), (dilation, dilation), (1, 1), (pad,) * 4, with_ones
+            )
+            assert rows == want_rows
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

@@ -14,9 +14,7 @@ from torch import Tensor
 from dkfac.curvature.gram import (
     HIGHEST,
     GramPrecision,
-    bordered_gram,
     fill_border,
-    gram_with_ones,
     pixel_gram,
     pixel_grams,
 )
@@ -39,6 +37,7 @@ def conv2d_patch_gram(
     plans: ShiftedGramPlans | None = None,
     precision: GramPrecision = HIGHEST,
     dtype: torch.dtype | None = None,
+    im2col: bool | None = None,
 ) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
@@ -54,6 +53,9 @@ def conv2d_patch_gram(
         precision: how the products are formed.
         dtype: the statistics' dtype (``factor_dtype``; ``None``: ``x``'s). The operands,
             ``precision.operand_dtype(dtype)``, are cast in the copy that lays ``x`` out.
+        im2col: a stride-1 Gram from explicit im2col matrices (True) or shifted products
+            (False; benchmarks and tests compare the two); ``None``: as
+            :func:`explicit_patches_pay` decides. Other strides always take im2col.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
@@ -69,6 +71,7 @@ def conv2d_patch_gram(
         plans=plans,
         precision=precision,
         dtype=dtype,
+        im2col=im2col,
     )
     return grams[0], rows
 
@@ -84,16 +87,19 @@ def conv2d_patch_grams(
     plans: ShiftedGramPlans | None = None,
     precision: GramPrecision = HIGHEST,
     dtype: torch.dtype | None = None,
+    im2col: bool | None = None,
 ) -> tuple[list[Tensor], int]:
     """:func:`conv2d_patch_gram` of each of ``xs``, inputs of one shape, dtype and device.
 
-    A stride-1 convolution's Grams are formed together, in the launches one of them takes
-    (:func:`shifted_patch_grams`): on a GPU a small model's factor step waits for the host,
-    which prepares every launch. The other paths take each input in turn.
+    The Grams are formed together, in the launches one of them takes (on a GPU a small
+    model's factor step waits for the host, which prepares every launch): a stride-1
+    convolution's by :func:`shifted_patch_grams` or, where :func:`explicit_patches_pay`, by
+    :func:`strided_patch_grams`, as are other strides'; a 1x1 convolution's by
+    :func:`~dkfac.curvature.gram.pixel_grams` (its stride-1 inputs; each strided one alone).
 
     Returns:
-        The Grams in the order of ``xs`` (with stride 1, views of one stacked tensor), and
-        the number of patches of each.
+        The Grams in the order of ``xs`` (but for a strided 1x1 convolution's, views of one
+        stacked tensor), and the number of patches of each.
 
     Raises:
         ValueError: no inputs, or inputs of different shapes, dtypes or devices.
@@ -121,8 +127,10 @@ def conv2d_patch_grams(
         ]
         return [gram for gram, _ in strided_pixels], strided_pixels[0][1]
     operand = precision.operand_dtype(statistics_dtype)
-    if stride == (1, 1):
-        geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
+    geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
+    if stride == (1, 1) and im2col is None:
+        im2col = explicit_patches_pay(geometry)
+    if stride == (1, 1) and not im2col:
         if not torch.compiler.is_compiling():
             plan = (
                 plan_shifted_gram(geometry, x.device)
@@ -136,15 +144,30 @@ def conv2d_patch_grams(
         cached = None if plans is None else plans.cached(geometry, x.device)
         if cached is not None:
             return shifted_patch_grams(xs, cached, with_ones, precision, operand)
-    strided = [
-        _strided_patch_gram(each, kernel, dilation, stride, pad, with_ones, precision, operand)
-        for each in xs
-    ]
-    return [gram for gram, _ in strided], strided[0][1]
+    return strided_patch_grams(xs, kernel, dilation, stride, pad, with_ones, precision, operand)
 
 
-def _strided_patch_gram(
-    x: Tensor,
+def explicit_patches_pay(geometry: ConvGeometry) -> bool:
+    """Whether a stride-1 convolution's patch Grams come from explicit im2col matrices.
+
+    The shifted products (:func:`shifted_patch_grams`) spare im2col's ``kh·kw`` copies of the
+    input, then correct each block for the positions its window misses, which lie at the
+    image's border. On an output of at most ``kh·kw`` positions every position is such a one,
+    and the corrections cost more than the copies they spare. On 2 CPU cores (3 to 10 inputs
+    per group, 8 to 128 examples, 16 to 512 channels, 3x3 kernels): im2col took 0.38-0.78 of
+    the shifted products' time on 1x1 to 3x3 outputs, 0.71-1.47 on 4x4 ones and 1.0-3.4 on
+    7x7 to 32x32 ones. Not yet timed on a GPU, where im2col also takes fewer launches
+    (``benchmarks/gpu_breakdown.py`` times both).
+    """
+    kh, kw = geometry.kernel
+    left, right, top, bottom = geometry.pad
+    h_out = geometry.height + top + bottom - geometry.dilation[0] * (kh - 1)
+    w_out = geometry.width + left + right - geometry.dilation[1] * (kw - 1)
+    return h_out * w_out <= kh * kw
+
+
+def strided_patch_grams(
+    xs: Sequence[Tensor],
     kernel: tuple[int, int],
     dilation: tuple[int, int],
     stride: tuple[int, int],
@@ -152,33 +175,49 @@ def _strided_patch_gram(
     with_ones: bool,
     precision: GramPrecision,
     operand: torch.dtype,
-) -> tuple[Tensor, int]:
-    """Patch Gram through an explicit im2col matrix, for any stride.
+) -> tuple[list[Tensor], int]:
+    """Patch Grams of inputs of one shape through explicit im2col matrices, for any stride.
 
-    The patches are a strided view of a channels-last copy of the padded input, so the one
-    copy that materialises them reads and writes whole channel vectors; the Gram is formed in
-    ``(i, j, c)`` order and permuted to PyTorch's ``(c, i, j)`` at the end (``d²`` elements).
+    The inputs are laid out once, stacked, as a channels-last copy of the padded input (cast
+    to ``operand`` in the same copy); each one's patches are a strided view of its layout, so
+    the one copy that materialises them reads and writes whole channel vectors. One batched
+    product forms every Gram in ``(i, j, c)`` order, permuted to PyTorch's ``(c, i, j)`` in
+    the copy that writes the results: a handful of launches for any number of inputs, against
+    a dozen or more for :func:`shifted_patch_grams`, for ``kh·kw`` times the input's memory.
+
+    Returns:
+        The Grams in the order of ``xs`` (views of one stack), and the patches of each.
     """
-    n, c, h, w = x.shape
+    layers = len(xs)
+    n, c, h, w = xs[0].shape
     kh, kw = kernel
     left, right, top, bottom = pad
-    padded = x.new_zeros(n, h + top + bottom, w + left + right, c, dtype=operand)
-    padded[:, top : top + h, left : left + w] = x.permute(0, 2, 3, 1)
-    h_out = (padded.shape[1] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    w_out = (padded.shape[2] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    sn, sh, sw, sc = padded.stride()
+    hp, wp = h + top + bottom, w + left + right
+    h_out = (hp - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (wp - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    side = c * kh * kw + int(with_ones)
+    if h_out <= 0 or w_out <= 0:  # no output position: no patch
+        out_dtype = precision.output_dtype(operand)
+        return [xs[0].new_zeros(side, side, dtype=out_dtype) for _ in xs], 0
+    padded = xs[0].new_zeros(layers, n, hp, wp, c, dtype=operand)
+    inputs = xs[0].unsqueeze(0) if layers == 1 else torch.stack(list(xs))
+    padded[:, :, top : top + h, left : left + w] = inputs.permute(0, 1, 3, 4, 2)
+    sl, sn, sh, sw, sc = padded.stride()
     patches = padded.as_strided(
-        (n, h_out, w_out, kh, kw, c),
-        (sn, stride[0] * sh, stride[1] * sw, dilation[0] * sh, dilation[1] * sw, sc),
+        (layers, n, h_out, w_out, kh, kw, c),
+        (sl, sn, stride[0] * sh, stride[1] * sw, dilation[0] * sh, dilation[1] * sw, sc),
     )
-    flat = patches.reshape(-1, kh * kw * c)
-    gram = gram_with_ones(flat, with_ones, precision)
+    flat = precision.as_read(patches.reshape(layers, -1, kh * kw * c))
     size = c * kh * kw
-    reordered = gram[:size, :size].view(kh, kw, c, kh, kw, c).permute(2, 0, 1, 5, 3, 4)
-    if not with_ones:
-        return reordered.reshape(size, size), flat.shape[0]
-    sums = gram[size, :size].view(kh, kw, c).permute(2, 0, 1).reshape(-1)
-    return bordered_gram(reordered.reshape(size, size), sums, flat.shape[0]), flat.shape[0]
+    core = precision.bmm(flat.mT, flat).view(layers, kh, kw, c, kh, kw, c)
+    grams = core.new_empty(layers, side, side)
+    blocks = grams[:, :size, :size].view(layers, c, kh, kw, c, kh, kw)
+    blocks.copy_(core.permute(0, 3, 1, 2, 6, 4, 5))
+    rows = flat.shape[1]
+    if with_ones:
+        sums = precision.sum_rows(flat, (1,)).view(layers, kh, kw, c).permute(0, 3, 1, 2)
+        fill_border(grams, sums.reshape(layers, size), rows)
+    return list(grams.unbind(0)), rows
 
 
 def shifted_patch_grams(

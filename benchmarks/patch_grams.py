@@ -1,0 +1,152 @@
+"""A convolution's patch Grams two ways, on a model's own groups of layers: where im2col pays.
+
+The ``A`` statistic of a stride-1 convolution with a kernel larger than 1x1 is the Gram of its
+im2col patches. dkfac forms it from shifted products of the input with itself, corrected at
+the border (``shifted``: a dozen or more launches for a 3x3 kernel, no copy of the patches),
+or from explicit im2col matrices (``im2col``: a handful of launches, ``kh·kw`` times the
+input's memory, ``kh·kw`` times the products' work); it takes im2col where
+``dkfac.curvature.factors.explicit_patches_pay`` (outputs of at most ``kh·kw`` positions) and
+the shifted products elsewhere (``default``). With ``batched_statistics`` the inputs of equal
+layers are formed together, so this records the groups one forward pass gives (equal shape and
+convolution settings), then times each group both ways, in float32 and with
+``statistics_precision="bf16"``, as the median of ``--repeats`` calls with the device waited
+for. A group larger than the pending-statistics byte budget would be cut into chunks in a run;
+here it is timed whole.
+
+Usage::
+
+    python benchmarks/patch_grams.py --model resnet32 --batch 128            # on a GPU
+    python benchmarks/patch_grams.py --device cpu --batch 8 --out runs/patch_grams.json
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+import gram_ways
+from dkfac.curvature.factors import conv2d_patch_grams, explicit_patches_pay
+from dkfac.curvature.gram import GramPrecision
+from dkfac.curvature.shifted_gram_plan import ConvGeometry, ShiftedGramPlans
+
+WAYS = {"shifted": False, "im2col": True}
+
+
+class Group(NamedTuple):
+    """Convolutions whose inputs one batched call forms together (the same key)."""
+
+    shape: tuple[int, int, int, int]
+    kernel: tuple[int, int]
+    dilation: tuple[int, int]
+    pad: tuple[int, int, int, int]
+    with_ones: bool
+
+    def geometry(self) -> ConvGeometry:
+        """The stride-1 geometry :func:`explicit_patches_pay` decides on."""
+        return ConvGeometry(self.shape[2], self.shape[3], self.kernel, self.dilation, self.pad)
+
+
+def patch_gram_groups(
+    model_name: str, device: torch.device, batch: int, image: int
+) -> Counter[Group]:
+    """The groups of stride-1, zero-padded convolutions larger than 1x1, and their sizes."""
+    groups: Counter[Group] = Counter()
+
+    def note(module: nn.Conv2d, x: torch.Tensor, output: torch.Tensor) -> None:
+        if module.stride != (1, 1) or module.kernel_size == (1, 1) or module.groups != 1:
+            return
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return
+        ph, pw = module.padding
+        kh, kw = module.kernel_size
+        dh, dw = module.dilation
+        n, c, h, w = x.shape
+        with_ones = module.bias is not None
+        groups[Group((n, c, h, w), (kh, kw), (dh, dw), (pw, pw, ph, ph), with_ones)] += 1
+
+    gram_ways.pass_with_conv_hooks(model_name, device, batch, image, note)
+    return groups
+
+
+def time_group(
+    group: Group, layers: int, device: torch.device, precision: GramPrecision, repeats: int
+) -> dict[str, float]:
+    """Median milliseconds of each way's Grams of ``layers`` random inputs of the group."""
+    xs = [torch.randn(group.shape, device=device) for _ in range(layers)]
+    plans = ShiftedGramPlans()
+    result = {}
+    for label, im2col in WAYS.items():
+
+        def grams(im2col: bool = im2col) -> None:
+            conv2d_patch_grams(
+                xs,
+                kernel=group.kernel,
+                dilation=group.dilation,
+                stride=(1, 1),
+                pad=group.pad,
+                with_ones=group.with_ones,
+                plans=plans,
+                precision=precision,
+                dtype=torch.float32,
+                im2col=im2col,
+            )
+
+        result[label] = gram_ways.median_ms(grams, device, repeats)
+    return result
+
+
+def measure(
+    model_name: str,
+    device: torch.device,
+    batch: int,
+    image: int,
+    repeats: int,
+    on_result: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> dict[str, Any]:
+    """Every group's timings both ways and the model's totals, per precision.
+
+    ``on_result`` gets the result so far after each group, so a run cut short keeps it.
+    """
+    groups = patch_gram_groups(model_name, device, batch, image)
+    items = []
+    for group, layers in groups.items():
+        explicit = explicit_patches_pay(group.geometry())
+        row: dict[str, Any] = {**group._asdict(), "layers": layers, "default_im2col": explicit}
+
+        def time(precision: GramPrecision, group: Group = group, layers: int = layers) -> Any:
+            return time_group(group, layers, device, precision, repeats)
+
+        items.append(gram_ways.Item(row, "im2col" if explicit else "shifted", 1, time))
+    return gram_ways.measure_rows(items, list(WAYS), "groups", on_result)
+
+
+def table(result: dict[str, Any]) -> str:
+    """One row per group: layers, output size, each way's median ms per precision."""
+    lines = [
+        "| input (N, C, H, W) | kernel | layers | default | float32: shifted | im2col | "
+        "bf16: shifted | im2col |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["groups"]:
+        default = "im2col" if row["default_im2col"] else "shifted"
+        kernel = "x".join(map(str, row["kernel"]))
+        cells = gram_ways.timing_cells(row, list(WAYS))
+        lines.append(
+            f"| {tuple(row['shape'])} | {kernel} | {row['layers']} | {default} | {cells} |"
+        )
+    lines += gram_ways.total_rows(result["totals_ms"], list(WAYS), cells=8)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:
+    args = gram_ways.parse_args(__doc__.split("\n")[0], argv)
+    return gram_ways.run(args, measure, table, emit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
