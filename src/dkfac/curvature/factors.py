@@ -155,9 +155,9 @@ def explicit_patches_pay(geometry: ConvGeometry) -> bool:
     image's border. On an output of at most ``kh·kw`` positions every position is such a one,
     and the corrections cost more than the copies they spare. On 2 CPU cores (3 to 10 inputs
     per group, 8 to 128 examples, 16 to 512 channels, 3x3 kernels): im2col took 0.38-0.78 of
-    the shifted products' time on 1x1 to 3x3 outputs, 0.71-1.47 on 4x4 ones and 1.0-3.4 on
-    7x7 to 32x32 ones. Not yet timed on a GPU, where im2col also takes fewer launches
-    (``benchmarks/gpu_breakdown.py`` times both).
+    the shifted products' time on 1x1 to 3x3 outputs, 0.71-1.47 on 4x4 ones and 0.6-3.4 on
+    7x7 to 32x32 ones (docs/benchmarks.md). Not yet timed on a GPU, where im2col also takes
+    fewer launches (``benchmarks/patch_grams.py`` times both on a model's groups).
     """
     kh, kw = geometry.kernel
     left, right, top, bottom = geometry.pad
