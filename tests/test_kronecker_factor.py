@@ -12,6 +12,7 @@ import torch
 
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
+from dkfac.curvature import running_average
 from dkfac.curvature.decomposition import _host_values
 from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
@@ -33,7 +34,8 @@ from dkfac.curvature.inverse import (
     trace_mean,
     trace_means,
 )
-from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_sums
+from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_counted, fold_sums
+from dkfac.curvature.running_average import divided
 
 
 def spd(d: int, seed: int) -> torch.Tensor:
@@ -83,6 +85,44 @@ def test_dropped_batches_are_counted_over_many_folds_until_read() -> None:
     assert int(other.take_nonfinite_count()) == 0  # type: ignore[arg-type]
     factor.fold(spd(3, 7), 0.9)
     assert int(factor.take_nonfinite_count()) == 0  # type: ignore[arg-type]
+
+
+def test_counted_folds_take_their_factors_in_the_stacks_order_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Factors of interleaved sizes (3, 4, 3, 5, 4, 3), one count 0, one batch with a NaN, two
+    # idle factors: fold_counted hands them to the stacked fold in its order, so nothing is
+    # gathered on the device (no per-factor views), and each folds exactly as alone (oracle:
+    # KroneckerFactor.fold of its divided sum, one at a time, bit for bit).
+    gathers: list[list[int]] = []
+    real = running_average._gathered
+
+    def watched(values: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        gathers.append(list(indices))
+        return real(values, indices)
+
+    monkeypatch.setattr(running_average, "_gathered", watched)
+    sizes, counts = [3, 4, 3, 5, 4, 3], [2.0, 3.0, 0.0, 1.0, 5.0, 4.0]
+    folded = [KroneckerFactor("a", d, torch.float64) for d in sizes]
+    alone = [KroneckerFactor("a", d, torch.float64) for d in sizes]
+    idle = [KroneckerFactor("g", d, torch.float64) for d in (4, 3)]
+    for number, factor in enumerate([*folded, *alone, *idle]):
+        factor.fold(spd(factor.dim, 100 + number % len(sizes)), 0.9)
+    idle_before = [factor.value().clone() for factor in idle]
+    totals = [spd(d, number) * (number + 1) for number, d in enumerate(sizes)]
+    totals[4][1, 2] = float("nan")
+    fold_counted(folded, totals, counts, 0.8, stack_bytes=1 << 20, idle=idle)
+    for factor, total, count in zip(alone, totals, counts, strict=True):
+        if count > 0:
+            factor.fold(divided(total, torch.tensor(count, dtype=torch.float64)), 0.8)
+    assert all(torch.equal(g.value(), w.value()) for g, w in zip(folded, alone, strict=True))
+
+    def dropped(factors: list[KroneckerFactor]) -> list[int]:
+        return [int(f.take_nonfinite_count()) for f in factors]  # type: ignore[arg-type]
+
+    assert dropped(folded) == dropped(alone) == [0, 0, 0, 0, 1, 0]
+    assert all(torch.equal(f.value(), b) for f, b in zip(idle, idle_before, strict=True))
+    assert gathers and all(order == list(range(len(order))) for order in gathers)
 
 
 @pytest.mark.parametrize("stacked", [False, True])

@@ -17,7 +17,12 @@ from torch import Tensor
 from dkfac.curvature.factor_side import factor_shape
 from dkfac.curvature.finite import all_finite
 from dkfac.curvature.inverse import trace_mean
-from dkfac.curvature.running_average import divided, running_average, running_averages
+from dkfac.curvature.running_average import (
+    divided,
+    fold_order,
+    running_average,
+    running_averages,
+)
 from dkfac.curvature.staging import host_floats
 from dkfac.curvature.statistics import FactorStatistics
 
@@ -203,6 +208,11 @@ def fold_counted(
         factors = [*factors, *kept]
         totals = [*totals, *(factor.value() for factor in kept)]
         counts = [*counts, *([0.0] * len(kept))]
+        # In the stacks' order, arranged here on the host: no gathers on the device.
+        order = fold_order(totals, stack_bytes)
+        factors = [factors[index] for index in order]
+        totals = [totals[index] for index in order]
+        counts = [counts[index] for index in order]
     if factors:
         device_counts = host_floats(counts, totals[0].device)
         fold_sums(factors, totals, device_counts, decay, counts, stack_bytes)

@@ -96,7 +96,7 @@ def running_averages(
     plan = _chunk_plan(batches, stack_bytes)
     if not plan:
         return [], torch.ones(0, dtype=torch.bool)
-    order = [index for spec in plan for index in spec.indices]
+    order = [index for spec in plan for index in spec.indices]  # fold_order's
     cast: dict[torch.dtype, Tensor] = {}  # one conversion and gather per dtype, not per factor
     if divisors is not None:
         for spec in plan:
@@ -118,6 +118,16 @@ def running_averages(
     for place, index in enumerate(order):
         position[index] = place
     return result, _gathered(oks[0] if len(oks) == 1 else torch.cat(oks), position)
+
+
+def fold_order(batches: Sequence[Tensor], stack_bytes: int = 0) -> list[int]:
+    """The order in which :func:`running_averages` folds ``batches`` (indices into them).
+
+    Factors handed over in this order are folded without gathering ``present``, the
+    divisors or the finiteness flags into it on the device (a view per factor each, on the
+    host), and exactly as in any other order: the same chunks, every operation elementwise.
+    """
+    return [index for spec in _chunk_plan(batches, stack_bytes) for index in spec.indices]
 
 
 def _fold_wave(
