@@ -54,7 +54,11 @@ class Group(NamedTuple):
 def patch_gram_groups(
     model_name: str, device: torch.device, batch: int, image: int
 ) -> Counter[Group]:
-    """The groups of stride-1, zero-padded convolutions larger than 1x1, and their sizes."""
+    """The groups of stride-1, zero-padded convolutions larger than 1x1, and their sizes.
+
+    Convolutions with string padding (``"same"``) are not recorded: the models timed here
+    have none.
+    """
     groups: Counter[Group] = Counter()
 
     def note(module: nn.Conv2d, x: torch.Tensor, output: torch.Tensor) -> None:

@@ -379,6 +379,7 @@ def test_several_inputs_take_one_launch_per_shift_and_group_size(
         (6, 0, 1, False),  # 4x4
         (6, 1, 2, False),  # 4x4, dilated
         (5, 1, 2, True),  # 3x3, dilated
+        (1, 2, 1, False),  # 3x3 output of a 1x1 image: patches 81 times the input
     ],
 )
 def test_outputs_no_larger_than_the_kernel_take_explicit_patches(
@@ -405,10 +406,37 @@ def test_outputs_no_larger_than_the_kernel_take_explicit_patches(
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("im2col", [None, True], ids=["default", "im2col"])
+@pytest.mark.parametrize("stride", [(1, 1), (2, 1)])
+def test_an_output_without_positions_has_zero_grams(
+    im2col: bool | None, stride: tuple[int, int]
+) -> None:
+    # A 3x3 kernel, unpadded, on 2x5 images: no output row, no patch; every Gram is zero
+    # (with the bias row too) and none is the same tensor as another.
+    xs = [torch.randn(2, 3, 2, 5, dtype=torch.float64) for _ in range(3)]
+    for with_ones in (False, True):
+        grams, rows = conv2d_patch_grams(
+            xs,
+            kernel=(3, 3),
+            dilation=(1, 1),
+            stride=stride,
+            pad=(0, 0, 0, 0),
+            with_ones=with_ones,
+            im2col=im2col,
+        )
+        side = 27 + with_ones
+        assert rows == 0 and len(grams) == 3 and len({id(gram) for gram in grams}) == 3
+        for gram in grams:
+            assert torch.equal(gram, torch.zeros(side, side, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("im2col", [False, True], ids=["shifted", "im2col"])
 @pytest.mark.parametrize("inputs", [3, 6])
-def test_several_inputs_in_bf16_operands_match_their_rounded_values(inputs: int) -> None:
+def test_several_inputs_in_bf16_operands_match_their_rounded_values(
+    inputs: int, im2col: bool
+) -> None:
     # statistics_precision="bf16": each Gram is that of its bfloat16-rounded input, summed in
-    # float32 (oracle: float64 brute force of the rounded values).
+    # float32 (oracle: float64 brute force of the rounded values), both ways.
     generator = torch.Generator().manual_seed(inputs)
     xs = [torch.randn(2, 3, 5, 6, generator=generator) for _ in range(inputs)]
     grams, _ = conv2d_patch_grams(
@@ -420,6 +448,7 @@ def test_several_inputs_in_bf16_operands_match_their_rounded_values(inputs: int)
         with_ones=True,
         precision=GramPrecision("bf16"),
         dtype=torch.float32,
+        im2col=im2col,
     )
     for x, got in zip(xs, grams, strict=True):
         rounded = x.to(torch.bfloat16).double()

@@ -17,7 +17,8 @@ A block counts rows and examples from the shape alone, but only computing its st
 what they are: the first time a layer records a shape, :meth:`DeferredStatistics.fold` computes
 the statistic of zeros of that shape on the eager side, once, and keeps the counts. That
 eager call also makes what the block prepares outside a graph (a convolution's stride-1 index
-plan), so from the next window on the compiled hooks use it too (one recompilation).
+plan, where it takes shifted products), so from the next window on the compiled hooks use it
+too (one recompilation).
 
 A pipelined strategy hears of the statistics at ``step()`` instead of during the backward pass:
 the same factors, without the overlap.

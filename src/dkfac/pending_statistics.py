@@ -35,10 +35,11 @@ from dkfac.curvature.statistics import whole_call_estimate
 
 #: Bytes held at which everything held is formed at once. Also the most one group stacks:
 #: its transient copies (the stack, the layouts or cast operands, the border rows' gathers)
-#: are up to three to four times this (counted, not measured on a GPU); a group of
-#: convolutions formed from im2col matrices (images no larger than the kernel) up to
-#: ``1 + 2·kh·kw`` times (the stack, then a padded copy and the patches, each up to ``kh·kw``
-#: times the inputs on 1x1 images: 19 times for 3x3 kernels).
+#: are up to three to four times this (counted, not measured on a GPU), plus the padded
+#: layout of a convolution's shifted products or im2col matrices, up to ``(h+2)(w+2)/(h·w)``
+#: times its inputs with a 3x3 kernel's ``same`` padding (9 on 1x1 images), and im2col's
+#: patches, up to ``kh·kw`` times them (its rule takes them on outputs no larger than
+#: the input: ``factors.explicit_patches_pay``).
 PENDING_BYTES = 128 << 20
 
 #: What a held tensor of each side is, for the in-place refusal.

@@ -96,16 +96,19 @@ class Conv2dBlock(KroneckerBlock):
         return FactorStatistic(total, rows, int(x.shape[0]))
 
     def a_batch_key(self, x: Tensor) -> Hashable | None:
-        """Zero-padded inputs of one shape share their Grams' launches (shifted or im2col)."""
-        if x.dim() != 4 or self.conv.padding_mode != "zeros":
+        """Stride-1, zero-padded inputs of one shape share their Grams' launches.
+
+        Strided ones are formed alone in the hook, as their shapes are (a network's strided
+        layers differ): held, they would only take their part of the byte budget.
+        """
+        if x.dim() != 4 or self.stride != (1, 1) or self.conv.padding_mode != "zeros":
             return None
         if not self._a_statistic_of(Conv2dBlock):  # Conv1d's, a user's subclass
             return None
         # A 1x1 convolution's pixel Grams are formed per layout (strides): part of the key.
         layout = x.stride() if self.kernel == (1, 1) and not any(self.pad) else None
-        geometry = (self.kernel, self.dilation, self.stride, self.pad)
-        settings = (self.has_bias, self.precision)
-        return ("conv2d", geometry, settings, layout, tuple(x.shape), x.dtype, x.device)
+        settings = (self.kernel, self.dilation, self.pad, self.has_bias, self.precision)
+        return ("conv2d", settings, layout, tuple(x.shape), x.dtype, x.device)
 
     def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
         """:meth:`a_statistic` of each input, in the launches of one (conv2d_patch_grams)."""

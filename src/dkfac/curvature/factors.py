@@ -55,7 +55,8 @@ def conv2d_patch_gram(
             ``precision.operand_dtype(dtype)``, are cast in the copy that lays ``x`` out.
         im2col: a stride-1 Gram from explicit im2col matrices (True) or shifted products
             (False; benchmarks and tests compare the two); ``None``: as
-            :func:`explicit_patches_pay` decides. Other strides always take im2col.
+            :func:`explicit_patches_pay` decides. Other strides always take im2col, and an
+            unpadded 1x1 kernel its pixel Grams, whatever this says.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
@@ -153,17 +154,23 @@ def explicit_patches_pay(geometry: ConvGeometry) -> bool:
     The shifted products (:func:`shifted_patch_grams`) spare im2col's ``kh·kw`` copies of the
     input, then correct each block for the positions its window misses, which lie at the
     image's border. On an output of at most ``kh·kw`` positions every position is such a one,
-    and the corrections cost more than the copies they spare. On 2 CPU cores (3 to 10 inputs
-    per group, 8 to 128 examples, 16 to 512 channels, 3x3 kernels): im2col took 0.38-0.78 of
-    the shifted products' time on 1x1 to 3x3 outputs, 0.71-1.47 on 4x4 ones and 0.6-3.4 on
-    7x7 to 32x32 ones (docs/benchmarks.md). Not yet timed on a GPU, where im2col also takes
-    fewer launches (``benchmarks/patch_grams.py`` times both on a model's groups).
+    and the corrections cost more than the copies they spare. On 2 CPU cores
+    (``benchmarks/results/patch_grams_*.json``: ResNet-32, ResNet-50 at 32x32 and 224x224,
+    batches 8 and 16, float32 and bf16 statistics) im2col took 0.35-0.41 of the shifted
+    products' time on 1x1 and 2x2 outputs, 0.68 on 4x4, 0.60-1.41 on 7x7 and 8x8 and 1.6-5.3
+    on 14x14 to 56x56 ones (0.54-0.77 on a 3-channel 32x32 input, which the rule leaves to
+    the shifted products). Not yet timed on a GPU, where im2col also takes fewer launches
+    (``benchmarks/patch_grams.py`` times both on a model's groups).
+
+    Only an output no larger than the input (``same`` or less padding) takes im2col: its
+    patches are then at most ``kh·kw`` times the input, besides the padded layout both ways
+    make. An output with no position takes it too (it only returns zeros, with no plan).
     """
-    kh, kw = geometry.kernel
-    left, right, top, bottom = geometry.pad
-    h_out = geometry.height + top + bottom - geometry.dilation[0] * (kh - 1)
-    w_out = geometry.width + left + right - geometry.dilation[1] * (kw - 1)
-    return h_out * w_out <= kh * kw
+    h_out, w_out = geometry.output_size()
+    if h_out <= 0 or w_out <= 0:
+        return True
+    fits = h_out <= geometry.height and w_out <= geometry.width
+    return fits and h_out * w_out <= geometry.kernel[0] * geometry.kernel[1]
 
 
 def strided_patch_grams(
@@ -183,7 +190,8 @@ def strided_patch_grams(
     the one copy that materialises them reads and writes whole channel vectors. One batched
     product forms every Gram in ``(i, j, c)`` order, permuted to PyTorch's ``(c, i, j)`` in
     the copy that writes the results: a handful of launches for any number of inputs, against
-    a dozen or more for :func:`shifted_patch_grams`, for ``kh·kw`` times the input's memory.
+    a dozen or more for :func:`shifted_patch_grams`, for the patches' memory (``kh·kw·h_out·
+    w_out / (h·w)`` times the inputs': ``kh·kw`` times with ``same`` padding at stride 1).
 
     Returns:
         The Grams in the order of ``xs`` (views of one stack), and the patches of each.

@@ -27,6 +27,11 @@ class ConvGeometry(NamedTuple):
     dilation: tuple[int, int]
     pad: tuple[int, int, int, int]
 
+    def output_size(self) -> tuple[int, int]:
+        """The stride-1 convolution's output height and width (``<= 0``: no position)."""
+        (kh, kw), (dh, dw), (left, right, top, bottom) = self.kernel, self.dilation, self.pad
+        return self.height + top + bottom - dh * (kh - 1), self.width + left + right - dw * (kw - 1)
+
 
 class Run(NamedTuple):
     """Consecutive items that one batched product forms: ``items`` of them from ``first``.
@@ -165,9 +170,8 @@ def plan_shifted_gram(geometry: ConvGeometry, device: torch.device) -> ShiftedGr
     The only device work is the copy of a few small index tensors; call it once per geometry
     (see :class:`ShiftedGramPlans`).
     """
-    h, w, (kh, kw), (dh, dw), (left, right, top, bottom) = geometry
-    h_out = h + top + bottom - dh * (kh - 1)
-    w_out = w + left + right - dw * (kw - 1)
+    h, w, (kh, kw), (dh, dw), (left, _, top, _) = geometry
+    h_out, w_out = geometry.output_size()
     hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
     shifts = tuple((d1, d2) for d1 in range(kh) for d2 in range(-kw + 1, kw) if d1 > 0 or d2 >= 0)
     offset_list = [dh * d1 * wp + dw * d2 for d1, d2 in shifts]
