@@ -14,8 +14,9 @@
 #      decompose its warm factors; the operators each kind of step issues (step_launches.py);
 #      the pixel Grams of ResNet-50's statistics both ways (pixel_grams.py: per-example
 #      products of channel planes against one product of a channel-major copy); the patch
-#      Grams of ResNet-32's groups of 3x3 convolutions both ways (patch_grams.py: shifted
-#      products against explicit im2col, the default only on outputs of at most 9 positions);
+#      Grams of ResNet-32's and ResNet-50's groups of 3x3 convolutions both ways
+#      (patch_grams.py: shifted products against explicit im2col, the default only on
+#      outputs of at most 9 positions);
 #   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults, plain steps replayed as CUDA graphs
 #      (plain_step_graphs), the statistics in the hooks and one layer at a time (a small
 #      model's step waits for the host), and host_time.py on this machine's CPU: the host
@@ -41,11 +42,11 @@ CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-30}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-PATCH_GRAMS_S=${PATCH_GRAMS_S:-15}
+PATCH_GRAMS_S=${PATCH_GRAMS_S:-20}
 RESNET32_S=${RESNET32_S:-50}
 HOST_TIME_S=${HOST_TIME_S:-20}
 CUDA_TESTS_S=${CUDA_TESTS_S:-60}
-SUITE_S=${SUITE_S:-75}
+SUITE_S=${SUITE_S:-70}
 SUITE_ARGS=${SUITE_ARGS:--m "not slow and not cuda" tests}
 WORKERS=${WORKERS:-15}
 mkdir -p "$OUT"
@@ -103,10 +104,12 @@ echo "== pixel Grams two ways: ResNet-50, batch 128"
 timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet50 --batch 128 \
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
-echo "== patch Grams two ways: ResNet-32, batch 128"
-timeout -s INT "$PATCH_GRAMS_S" python3 benchmarks/patch_grams.py --model resnet32 --batch 128 \
-  --out "$OUT/patch_grams.json" > "$OUT/patch_grams.log" 2>&1
-echo "exit $?"; tail -8 "$OUT/patch_grams.log"
+for model in resnet32 resnet50; do  # half the box each; a cut run keeps its groups
+  echo "== patch Grams two ways: $model, batch 128"
+  timeout -s INT $((PATCH_GRAMS_S / 2)) python3 benchmarks/patch_grams.py --model "$model" \
+    --batch 128 --out "$OUT/patch_grams_$model.json" > "$OUT/patch_grams_$model.log" 2>&1
+  echo "exit $?"; tail -8 "$OUT/patch_grams_$model.log"
+done
 MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
   --configs dkfac_inverse_10_100,dkfac-graphs_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
 echo "== host time per kind of step on this CPU (channels divided)"
