@@ -217,14 +217,15 @@ def strided_patch_grams(
     )
     flat = precision.as_read(patches.reshape(layers, -1, kh * kw * c))
     size = c * kh * kw
-    core = precision.bmm(flat.mT, flat).view(layers, kh, kw, c, kh, kw, c)
-    grams = core.new_empty(layers, side, side)
-    blocks = grams[:, :size, :size].view(layers, c, kh, kw, c, kh, kw)
-    blocks.copy_(core.permute(0, 3, 1, 2, 6, 4, 5))
+    reordered = precision.bmm(flat.mT, flat).view(layers, kh, kw, c, kh, kw, c)
+    reordered = reordered.permute(0, 3, 1, 2, 6, 4, 5)
     rows = flat.shape[1]
-    if with_ones:
-        sums = precision.sum_rows(flat, (1,)).view(layers, kh, kw, c).permute(0, 3, 1, 2)
-        fill_border(grams, sums.reshape(layers, size), rows)
+    if not with_ones:  # the reordering copy is the result
+        return list(reordered.reshape(layers, size, size).unbind(0)), rows
+    grams = reordered.new_empty(layers, side, side)
+    grams[:, :size, :size].view(layers, c, kh, kw, c, kh, kw).copy_(reordered)
+    sums = precision.sum_rows(flat, (1,)).view(layers, kh, kw, c).permute(0, 3, 1, 2)
+    fill_border(grams, sums.reshape(layers, size), rows)
     return list(grams.unbind(0)), rows
 
 

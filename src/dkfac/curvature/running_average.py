@@ -96,7 +96,7 @@ def running_averages(
     plan = _chunk_plan(batches, stack_bytes)
     if not plan:
         return [], torch.ones(0, dtype=torch.bool)
-    order = [index for spec in plan for index in spec.indices]  # fold_order's
+    order = _plan_order(plan)
     cast: dict[torch.dtype, Tensor] = {}  # one conversion and gather per dtype, not per factor
     if divisors is not None:
         for spec in plan:
@@ -127,7 +127,12 @@ def fold_order(batches: Sequence[Tensor], stack_bytes: int = 0) -> list[int]:
     divisors or the finiteness flags into it on the device (a view per factor each, on the
     host), and exactly as in any other order: the same chunks, every operation elementwise.
     """
-    return [index for spec in _chunk_plan(batches, stack_bytes) for index in spec.indices]
+    return _plan_order(_chunk_plan(batches, stack_bytes))
+
+
+def _plan_order(plan: Sequence[_ChunkSpec]) -> list[int]:
+    """The factors' indices in the plan's order (its chunks one after another)."""
+    return [index for spec in plan for index in spec.indices]
 
 
 def _fold_wave(
