@@ -430,6 +430,26 @@ def test_an_output_without_positions_has_zero_grams(
             assert torch.equal(gram, torch.zeros(side, side, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("im2col", [None, False, True], ids=["default", "shifted", "im2col"])
+def test_an_empty_batch_has_zero_grams_whichever_way_is_asked(im2col: bool | None) -> None:
+    # No example, no patch: zero Grams and rows, even where the shifted products are forced
+    # (their border gathers cannot shape zero rows: the batch takes im2col).
+    xs = [torch.randn(0, 3, 6, 6, dtype=torch.float64) for _ in range(2)]
+    for with_ones in (False, True):
+        grams, rows = conv2d_patch_grams(
+            xs,
+            kernel=(3, 3),
+            dilation=(1, 1),
+            stride=(1, 1),
+            pad=(1, 1, 1, 1),
+            with_ones=with_ones,
+            im2col=im2col,
+        )
+        side = 27 + with_ones
+        assert rows == 0 and len(grams) == 2
+        assert all(torch.equal(g, torch.zeros(side, side, dtype=torch.float64)) for g in grams)
+
+
 @pytest.mark.parametrize("im2col", [False, True], ids=["shifted", "im2col"])
 @pytest.mark.parametrize("inputs", [3, 6])
 def test_several_inputs_in_bf16_operands_match_their_rounded_values(

@@ -125,27 +125,49 @@ def test_counted_folds_take_their_factors_in_the_stacks_order_on_the_host(
     assert gathers and all(order == list(range(len(order))) for order in gathers)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_an_empty_batch_leaves_every_factor_as_it_was_and_drops_nothing(stacked: bool) -> None:
+def empty_batch_model(kind: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """A small model of Linear layers, or of convolutions (3x3, 1x1, strided), and its input."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    if kind == "linear":
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh()).double(), (4,)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 3, 1),
+        nn.Tanh(),
+        nn.Conv2d(3, 2, 3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(18, 2),
+    )
+    return model.double(), (2, 5, 5)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_an_empty_batch_leaves_every_factor_as_it_was_and_drops_nothing(
+    kind: str, batched: bool
+) -> None:
     # A window of zero rows and examples has no estimate: each factor keeps its average (bit
     # for bit), nothing counts as a dropped non-finite batch (before, 0/0 did), and the next
-    # batch folds in again.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3), torch.nn.Tanh()
-    ).double()
+    # batch folds in again. Factors stacked or not, statistics formed together or not (a
+    # convolution's empty batch once failed in the shifted products' border gathers).
+    model, shape = empty_batch_model(kind)
     pre = dkfac.KFACPreconditioner(
         model,
         factor_dtype=torch.float64,
         factor_update_steps=1,
         inv_update_steps=100,
         factor_decay=0.9,
-        batched_factor_updates=stacked,
+        batched_factor_updates=batched,
+        batched_statistics=batched,
     )
 
     def step(rows: int) -> list[torch.Tensor]:
         model.zero_grad()
-        x = torch.randn(rows, 4, dtype=torch.float64)
+        x = torch.randn(rows, *shape, dtype=torch.float64)
         (model(x) ** 2).sum().backward()
         pre.step()
         return [layer.factor(side).clone() for layer in pre.layers for side in "ag"]  # type: ignore[union-attr]

@@ -55,8 +55,8 @@ def conv2d_patch_gram(
             ``precision.operand_dtype(dtype)``, are cast in the copy that lays ``x`` out.
         im2col: a stride-1 Gram from explicit im2col matrices (True) or shifted products
             (False; benchmarks and tests compare the two); ``None``: as
-            :func:`explicit_patches_pay` decides. Other strides always take im2col, and an
-            unpadded 1x1 kernel its pixel Grams, whatever this says.
+            :func:`explicit_patches_pay` decides. Other strides and empty batches always take
+            im2col, and an unpadded 1x1 kernel its pixel Grams, whatever this says.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
@@ -131,7 +131,9 @@ def conv2d_patch_grams(
     geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
     if stride == (1, 1) and im2col is None:
         im2col = explicit_patches_pay(geometry)
-    if stride == (1, 1) and not im2col:
+    # An empty batch has no patch: im2col gives its zero Grams (the shifted products' border
+    # gathers cannot shape zero rows).
+    if stride == (1, 1) and not im2col and x.shape[0] != 0:
         if not torch.compiler.is_compiling():
             plan = (
                 plan_shifted_gram(geometry, x.device)
