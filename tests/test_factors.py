@@ -406,48 +406,44 @@ def test_outputs_no_larger_than_the_kernel_take_explicit_patches(
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("im2col", [None, True], ids=["default", "im2col"])
-@pytest.mark.parametrize("stride", [(1, 1), (2, 1)])
-def test_an_output_without_positions_has_zero_grams(
-    im2col: bool | None, stride: tuple[int, int]
+def assert_zero_grams(
+    xs: list[torch.Tensor], stride: tuple[int, int], pad: int, im2col: bool | None
 ) -> None:
-    # A 3x3 kernel, unpadded, on 2x5 images: no output row, no patch; every Gram is zero
-    # (with the bias row too) and none is the same tensor as another.
-    xs = [torch.randn(2, 3, 2, 5, dtype=torch.float64) for _ in range(3)]
+    """Every 3x3 patch Gram of ``xs`` is zero (bias row too), a tensor of its own; no rows."""
     for with_ones in (False, True):
         grams, rows = conv2d_patch_grams(
             xs,
             kernel=(3, 3),
             dilation=(1, 1),
             stride=stride,
-            pad=(0, 0, 0, 0),
+            pad=(pad,) * 4,
             with_ones=with_ones,
             im2col=im2col,
         )
-        side = 27 + with_ones
-        assert rows == 0 and len(grams) == 3 and len({id(gram) for gram in grams}) == 3
+        side = xs[0].shape[1] * 9 + with_ones
+        assert rows == 0 and len(grams) == len(xs) == len({id(gram) for gram in grams})
         for gram in grams:
             assert torch.equal(gram, torch.zeros(side, side, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("im2col", [None, True], ids=["default", "im2col"])
+@pytest.mark.parametrize("stride", [(1, 1), (2, 1)])
+def test_an_output_without_positions_has_zero_grams(
+    im2col: bool | None, stride: tuple[int, int]
+) -> None:
+    # A 3x3 kernel, unpadded, on 2x5 images: no output row, no patch.
+    assert_zero_grams(
+        [torch.randn(2, 3, 2, 5, dtype=torch.float64) for _ in range(3)], stride, 0, im2col
+    )
+
+
 @pytest.mark.parametrize("im2col", [None, False, True], ids=["default", "shifted", "im2col"])
 def test_an_empty_batch_has_zero_grams_whichever_way_is_asked(im2col: bool | None) -> None:
-    # No example, no patch: zero Grams and rows, even where the shifted products are forced
-    # (their border gathers cannot shape zero rows: the batch takes im2col).
-    xs = [torch.randn(0, 3, 6, 6, dtype=torch.float64) for _ in range(2)]
-    for with_ones in (False, True):
-        grams, rows = conv2d_patch_grams(
-            xs,
-            kernel=(3, 3),
-            dilation=(1, 1),
-            stride=(1, 1),
-            pad=(1, 1, 1, 1),
-            with_ones=with_ones,
-            im2col=im2col,
-        )
-        side = 27 + with_ones
-        assert rows == 0 and len(grams) == 2
-        assert all(torch.equal(g, torch.zeros(side, side, dtype=torch.float64)) for g in grams)
+    # No example, no patch, even where the shifted products are forced (their border
+    # gathers cannot shape zero rows: the batch takes im2col).
+    assert_zero_grams(
+        [torch.randn(0, 3, 6, 6, dtype=torch.float64) for _ in range(2)], (1, 1), 1, im2col
+    )
 
 
 @pytest.mark.parametrize("im2col", [False, True], ids=["shifted", "im2col"])
