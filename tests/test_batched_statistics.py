@@ -344,7 +344,7 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
     x.add_(1.0)  # the first layer's input, held, not needed by autograd (no weight grad)
     with pytest.raises(RuntimeError, match=r"layer '0': its input was changed in place"):
         out.sum().backward()
-    assert pre._capture._pending  # the refusal dropped nothing held
+    assert not pre._capture._pending  # nothing stays held to be refused again
     pre.remove()
 
 
@@ -357,6 +357,61 @@ def test_an_output_gradient_changed_in_place_before_it_is_formed_is_refused() ->
     model[2](model[1](hidden)).sum().backward()
     with pytest.raises(RuntimeError, match=r"layer '0': its output gradient was changed in place"):
         pre.step()
+    pre.remove()
+
+
+def refused_pass(model: nn.Sequential, x: torch.Tensor, t: torch.Tensor, side: str) -> None:
+    """A pass whose held input (``side`` "a", refused in the backward pass) or output
+    gradient ("g", refused at ``step()``) of layer 2 is changed in place."""
+    hidden = model[1](model[0](x))
+    out = model[2](hidden)
+    if side == "g":
+        out.register_hook(lambda grad: grad.mul_(0.5))  # after dkfac's hook, which holds it
+    loss = batch_loss(model[4](model[3](out)), t)
+    if side == "a":
+        # Layer 2's input: refused at the backward pass's first gradient hook (layer 4's),
+        # before autograd reaches the saved tensors that hold it.
+        hidden.add_(1.0)
+    loss.backward()
+
+
+@pytest.mark.parametrize("side", ["a", "g"])
+def test_a_refused_window_folds_nothing_and_the_next_one_folds_alone(side: str) -> None:
+    """After a refusal the preconditioner goes on: the refused window's step (a pass retried
+    in it included) keeps every factor bit for bit, and the window after folds its own batch
+    onto them as the float64 oracle says, nothing of the refused window in it. Before, what
+    was held stayed held and every later forward pass or step() raised the error again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)
+    ).to(DT)
+    pre = make_pre(model, batched_statistics=True, factor_decay=0.5)
+    x1, x2, x3, x4 = torch.randn(4, 4, 3, dtype=DT, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor([0, 1, 1, 0])
+    batch_loss(model(x1), t).backward()
+    pre.step()
+    sgd_(model)
+    before = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
+    refusal = rf"layer '2': its {'input' if side == 'a' else 'output gradient'} was changed"
+    with pytest.raises(RuntimeError, match=refusal):
+        refused_pass(model, x2, t, side)
+        pre.step()
+    model.zero_grad(set_to_none=True)
+    batch_loss(model(x3), t).backward()  # retried in the refused window
+    pre.step()
+    for name, (a, g) in pre.factors().items():
+        assert torch.equal(a, before[name][0]) and torch.equal(g, before[name][1]), name
+    assert pre.health().refused_windows == 1
+    sgd_(model)
+    batch_loss(model(x4), t).backward()
+    oracle = {str(i): oracle_layer_factors(model, i, x4, t) for i in kfac_layers(model)}
+    pre.step()
+    want = {
+        name: (0.5 * before[name][0] + 0.5 * a, 0.5 * before[name][1] + 0.5 * g)
+        for name, (a, g) in oracle.items()
+    }
+    assert_factors(pre, want)
+    assert pre.health().refused_windows == 1
     pre.remove()
 
 
@@ -388,7 +443,7 @@ def assert_refused_on_both_workers(worker: Callable[[int, int], None], refusal: 
 def test_an_input_changed_in_place_is_refused_on_every_worker() -> None:
     # Rank 0 does not capture layer 1 but watches its input: both refuse in the backward
     # pass, instead of rank 0 waiting in DDP's gradient averaging for a rank that failed.
-    refusal = r"RuntimeError: layer '1': its input was changed in place"
+    refusal = r"HeldTensorChangedError: layer '1': its input was changed in place"
     assert_refused_on_both_workers(change_an_input_in_place, refusal)
 
 
@@ -408,7 +463,7 @@ def change_an_output_gradient_in_place(rank: int, world_size: int) -> None:
 def test_an_output_gradient_changed_in_place_is_refused_on_every_worker() -> None:
     # Before rank 0 watched the gradients of layers it does not capture, rank 1 alone
     # refused and rank 0 waited for its preconditioned gradients ("Connection closed").
-    refusal = r"RuntimeError: layer '1': its output gradient was changed in place"
+    refusal = r"HeldTensorChangedError: layer '1': its output gradient was changed in place"
     assert_refused_on_both_workers(change_an_output_gradient_in_place, refusal)
 
 
@@ -432,7 +487,7 @@ def change_a_recomputed_output_gradient_in_place(rank: int, world_size: int) -> 
 def test_a_recomputed_output_gradient_changed_in_place_is_refused_on_every_worker() -> None:
     # Reentrant checkpointing recomputes layer 1 in the backward pass, where its input is
     # formed at once; its output gradient is held by its owner (rank 1) and watched by rank 0.
-    refusal = r"RuntimeError: layer '1': its output gradient was changed in place"
+    refusal = r"HeldTensorChangedError: layer '1': its output gradient was changed in place"
     assert_refused_on_both_workers(change_a_recomputed_output_gradient_in_place, refusal)
 
 
@@ -518,6 +573,64 @@ def test_two_workers_with_batched_statistics_equal_the_single_process_run(
     want = [p.detach().clone() for p in model.parameters()]
     ranks = run_workers(worker_run, 2, (options,))
     for got in ranks:
+        for mine, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def run_with_a_refused_window(
+    net: nn.Module, pre: dkfac.KFACPreconditioner, rows: slice
+) -> list[torch.Tensor]:
+    """Four passes of :func:`batch` ``rows``; the second's held output gradient of layer 2 is
+    changed in place (refused at its ``step()``) and the third retried in its window.
+
+    Returns:
+        The parameters after the last step, then every factor this worker holds.
+    """
+    model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
+
+    def halve_the_output_gradient(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: grad.mul_(0.5))
+
+    for step in range(4):
+        x, t = batch(step)
+        handle = None
+        if step == 1:  # after dkfac's forward hook, so after its hook on the output
+            handle = model[2].register_forward_hook(halve_the_output_gradient)
+        batch_loss(net(x[rows]), t[rows]).backward()
+        if handle is not None:
+            handle.remove()
+            with pytest.raises(RuntimeError, match=r"layer '2': its output gradient was changed"):
+                pre.step()
+            net.zero_grad(set_to_none=True)
+            continue
+        pre.step()
+        sgd_(net)
+    assert pre.health().refused_windows == 1
+    factors = [f for pair in pre.factors().values() for f in pair]
+    return [p.detach().clone() for p in net.parameters()] + factors
+
+
+def refused_window_worker(rank: int, world_size: int, strategy: str) -> list[torch.Tensor]:
+    ddp = nn.parallel.DistributedDataParallel(equal_layers_model())
+    options = {"inverse_method": "inverse"} if strategy == "spd" else {}
+    pre = make_pre(ddp, strategy=strategy, batched_statistics=True, **options)
+    local = 4 // world_size
+    return run_with_a_refused_window(ddp, pre, slice(rank * local, (rank + 1) * local))
+
+
+@pytest.mark.parametrize("strategy", ["dkfac", "spd"])
+def test_two_workers_go_on_after_a_refused_window_as_the_single_process_run(
+    strategy: str,
+) -> None:
+    """Both workers refuse at the same step and drop the window alike (D-KFAC exchanges at
+    ``step()``, SPD from its hooks): the collectives still match, and parameters and factors
+    end as the single-process run's (itself checked against the float64 oracle above)."""
+    model = equal_layers_model()
+    options = {"inverse_method": "inverse"} if strategy == "spd" else {}
+    pre = make_pre(model, batched_statistics=True, **options)
+    want = run_with_a_refused_window(model, pre, slice(0, 4))
+    for got in run_workers(refused_window_worker, 2, (strategy,)):
+        assert len(got) == len(want)
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
 

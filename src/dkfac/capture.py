@@ -26,7 +26,7 @@ from dkfac.deferred_statistics import DeferredStatistics
 from dkfac.layer_hooks import LayerHooks, current_backward_id, warn_about_earlier_hooks
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
-from dkfac.pending_statistics import PendingStatistics
+from dkfac.pending_statistics import PendingStatistics, Refusals
 from dkfac.strategies import Strategy
 
 
@@ -68,6 +68,7 @@ class StatisticsCapture:
         # Eager inputs and output gradients held until their statistics are formed together
         # (batched_statistics).
         self._pending = PendingStatistics() if batched else None
+        self.refusals = Refusals() if self._pending is None else self._pending.refusals
         self._fraction = statistics_fraction
         self._model = model
         self._layers = list(layers)
@@ -162,6 +163,7 @@ class StatisticsCapture:
         same number keeps what compiled hooks see the same from window to window.
         """
         self._window_scale = None
+        self.refusals.end_window()
         self._pass["number"] = 0
         self._recomputing = None
 

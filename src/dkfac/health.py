@@ -15,7 +15,11 @@ class Health:
         skipped_steps: factor-update steps whose gradients were not finite (a GradScaler
             skipped them): no factor or decomposition was changed.
         layers: per preconditioned layer, the counts of :class:`LayerHealth` on this worker.
+        refused_windows: factor windows whose statistics were dropped, not folded, because a
+            tensor held for them (``batched_statistics``) was changed in place (the error was
+            raised then).
     """
 
     skipped_steps: int
     layers: dict[str, LayerHealth]
+    refused_windows: int = 0

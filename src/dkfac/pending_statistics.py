@@ -14,10 +14,11 @@ Autograd keeps most inputs until the backward pass anyway (a weight's gradient n
 layer's input), but not under activation checkpointing, and it frees each output gradient
 once used: holding them costs memory, so once :data:`PENDING_BYTES` are held they are formed
 at once. A tensor changed in place after it was held cannot give its statistic any more: that
-is an error, not a silently wrong factor. A worker that does not capture a layer (DP-KFAC's
-other workers) watches its input and output gradient all the same, counted in the budget, so
-every worker refuses alike instead of the owner alone, leaving the others waiting in a
-collective, and every worker forms what it holds at the same hooks.
+is an error, not a silently wrong factor; the window's statistics are then incomplete, and its
+step folds none of them (the preconditioner goes on from the next window). A worker that does
+not capture a layer (DP-KFAC's other workers) watches its input and output gradient all the
+same, counted in the budget, so every worker refuses alike instead of the owner alone, leaving
+the others waiting in a collective, and every worker forms what it holds at the same hooks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,26 @@ PENDING_BYTES = 128 << 20
 _WHAT = {"a": "input", "g": "output gradient"}
 
 
+class HeldTensorChangedError(RuntimeError):
+    """A held input or output gradient was changed in place before its statistic was formed."""
+
+
+@dataclass
+class Refusals:
+    """Whether a held tensor was refused in the current window, and windows that had one.
+
+    The same on every worker: each refuses at the same hook.
+    """
+
+    in_window: bool = False
+    windows: int = 0  # windows ended after a refusal: their steps folded nothing
+
+    def end_window(self) -> None:
+        """The factor window ended."""
+        self.windows += self.in_window
+        self.in_window = False
+
+
 @dataclass(frozen=True, eq=False)
 class _Held:
     """One call's tensor (its kept part), and what its statistic is added with."""
@@ -69,6 +90,7 @@ class PendingStatistics:
         self._held: list[_Held] = []
         self._bytes = 0
         self._sides = {"a": 0, "g": 0}  # entries held of each side
+        self.refusals = Refusals()
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -134,17 +156,24 @@ class PendingStatistics:
             The captured layers and sides whose statistics were added, in the order held.
 
         Raises:
-            RuntimeError: a tensor was changed in place after it was held.
+            HeldTensorChangedError: a tensor was changed in place after it was held; then
+                nothing is added, nothing stays held, and :attr:`refusals` records it.
         """
         chosen = [entry for entry in self._held if side is None or entry.side == side]
-        for entry in chosen:  # checked first: a refusal drops nothing held
+        for entry in chosen:  # checked first: a refusal adds nothing
             if entry.tensor._version != entry.version:
                 what = _WHAT[entry.side]
-                raise RuntimeError(
+                # The window cannot be completed: what is held goes (raised again at every
+                # later hook, the error would wedge the preconditioner), and its step folds
+                # none of the window's statistics.
+                self.discard()
+                self.refusals.in_window = True
+                raise HeldTensorChangedError(
                     f"layer {entry.layer.name!r}: its {what} was changed in place after the "
                     f"layer's {'forward call' if entry.side == 'a' else 'backward hook'}, "
                     "before K-FAC formed its statistic from it; do not change it in place, "
-                    "or pass batched_statistics=False"
+                    "or pass batched_statistics=False (this factor window's statistics are "
+                    "dropped: its step() folds none)"
                 )
         self._held = [entry for entry in self._held if side is not None and entry.side != side]
         self._bytes = sum(_kept_alive(entry.tensor) for entry in self._held)
@@ -181,9 +210,10 @@ class PendingStatistics:
         return [(entry.layer, entry.side) for entry in held]
 
     def discard(self) -> None:
-        """Forget what is held (the window's statistics are being dropped)."""
+        """Forget what is held, and a refusal (the window's statistics are being dropped)."""
         self._held, self._bytes = [], 0
         self._sides = {each: 0 for each in self._sides}
+        self.refusals.in_window = False
 
 
 def _bytes(tensor: Tensor) -> int:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dkfac.adaptive import AdaptiveReport, AdaptiveStep
+from dkfac.capture import StatisticsCapture
 from dkfac.comm import StepRecorder
 from dkfac.config import KFACConfig
 from dkfac.curvature.layer import LayerCurvature
@@ -34,6 +35,7 @@ class PreconditionerInspection:
     _choice: StrategyChoice | None
     _recorder: StepRecorder
     _usage: LayerUsage
+    _capture: StatisticsCapture
     _steps: int
     _skipped_steps: int
     _adaptive: AdaptiveStep | None
@@ -81,6 +83,7 @@ class PreconditionerInspection:
         """
         return Health(
             skipped_steps=self._skipped_steps,
+            refused_windows=self._capture.refusals.windows,
             layers={layer.name: layer.health() for layer in self._layers},
         )
 
