@@ -25,6 +25,7 @@ from dkfac.curvature.batching import (
     batched_decompositions_up_to,
 )
 from dkfac.curvature.decomposition import FactorRequest, decompose_factors
+from dkfac.curvature.kronecker_factor import fold_sums
 
 
 def trained_layers(device: str = "cpu") -> list[Any]:
@@ -246,3 +247,33 @@ def test_factors_of_different_domains_are_never_batched_together(
     ]
     decompose_factors(requests, "inverse", torch.float32, batch_up_to=sys.maxsize)
     assert sorted(sizes) == [1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("batch_up_to", [0, sys.maxsize])
+def test_a_decomposition_counts_each_factors_own_dropped_batches(batch_up_to: int) -> None:
+    """Three folds of all eight factors together (one shared flags tensor each) and one of a
+    factor alone drop the batches marked NaN; the decomposition reads every flag in one go
+    and counts each layer's own: the layers' counts differ, so an entry read for another
+    factor's would show."""
+    layers = trained_layers()
+    factors = [layer.factors[side] for layer in layers for side in ("a", "g")]
+    nan_at = [{0, 3}, {3, 5}, {5, 6, 7}]  # per fold, the factors whose batch is NaN
+    for marked in nan_at:
+        totals = [factor.value().clone() for factor in factors]
+        for index in marked:
+            totals[index][0, 0] = float("nan")
+        fold_sums(factors, totals, torch.ones(8, dtype=torch.float64), 0.9, stack_bytes=1 << 20)
+    alone = factors[7].value().clone()
+    alone[1, 1] = float("inf")
+    factors[7].fold(alone, 0.9)
+    with pytest.warns(RuntimeWarning, match="NaN/Inf"):
+        decompose_factors(requests_of(layers), "eigen", torch.float32, batch_up_to=batch_up_to)
+    dropped = [0] * 8
+    for marked in nan_at:
+        for index in marked:
+            dropped[index] += 1
+    dropped[7] += 1
+    want = [dropped[2 * i] + dropped[2 * i + 1] for i in range(4)]
+    assert want == [1, 2, 2, 3]
+    assert [layer.health().nonfinite_batches for layer in layers] == want
+    assert all(factor.take_nonfinite_count() is None for factor in factors)  # all taken

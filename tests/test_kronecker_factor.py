@@ -334,18 +334,22 @@ def test_the_shift_table_is_each_layers_tikhonov_shifts_entry_for_entry(
             assert torch.equal(table[row, column], one)
 
 
-def test_host_values_come_back_in_order_whatever_their_dtypes() -> None:
-    # Device booleans and counts of several dtypes read in one synchronisation: each value
-    # lands at its own index (stacked per dtype, so the order is rebuilt).
+def test_host_values_come_back_in_order_whatever_their_dtypes_and_shapes() -> None:
+    # Device booleans and counts of several dtypes and shapes read in one synchronisation:
+    # each tensor's values land at its own index, flattened (joined per dtype, so the order
+    # is rebuilt).
     values = [
         torch.tensor(True),
         torch.tensor(3, dtype=torch.int64),
         torch.tensor([False]),
+        torch.tensor([[4, 5], [6, 8]], dtype=torch.int32),
         torch.tensor(7, dtype=torch.int32),
-        torch.tensor(0, dtype=torch.int64),
-        torch.tensor(True),
+        torch.zeros(0, dtype=torch.int64),
+        torch.tensor([0, 2, 9], dtype=torch.int64),
+        torch.tensor([True, False]),
     ]
-    assert _host_values(values) == [1, 3, 0, 7, 0, 1]
+    want = [[1], [3], [0], [4, 5, 6, 8], [7], [], [0, 2, 9], [1, 0]]
+    assert _host_values(values) == want
     assert _host_values([]) == []
 
 

@@ -688,8 +688,8 @@ def test_batches_dropped_between_decompositions_are_all_counted(
 ) -> None:
     """Factors folded every step, decomposed every third (or sixth): two NaN batches between
     two decompositions are counted twice per factor when the next decomposition reads them
-    (the counts of several folds read one by one, or, more than four, summed on the device
-    first), and a clean window adds nothing."""
+    (each fold's flags tensor read once, for every factor folded in it), and a clean window
+    adds nothing."""
     model = small_model()
     pre = dkfac.KFACPreconditioner(
         model, inv_update_steps=interval, batched_factor_updates=stacked, **F64

@@ -29,20 +29,22 @@ from dkfac.curvature.layer import LayerCurvature
 logger = logging.getLogger(__name__)
 
 
-def _host_values(values: Sequence[Tensor]) -> list[int]:
-    """Copy many device scalars (booleans, counts) to the host, one synchronisation per device."""
-    result: list[int] = [0] * len(values)
+def _host_values(values: Sequence[Tensor]) -> list[list[int]]:
+    """Copy small device tensors (booleans, counts) to the host, each flattened.
+
+    One synchronisation per device.
+    """
+    result: list[list[int]] = [[] for _ in values]
     by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for index, value in enumerate(values):
         by_device.setdefault(value.device, {}).setdefault(value.dtype, []).append(index)
     for by_dtype in by_device.values():
-        # Stacked per dtype, then widened: a few launches, not a conversion per value.
+        # Joined per dtype, then widened: a few launches, not a conversion per value.
         groups = list(by_dtype.values())
-        parts = [torch.stack([values[i].reshape(()) for i in group]) for group in groups]
-        read = torch.cat([part.to(torch.int64) for part in parts]).tolist()
-        indices = [i for group in groups for i in group]
-        for i, value in zip(indices, read, strict=True):
-            result[i] = int(value)
+        parts = [torch.cat([values[i].reshape(-1) for i in group]) for group in groups]
+        read = iter(torch.cat([part.to(torch.int64) for part in parts]).tolist())
+        for i in (i for group in groups for i in group):
+            result[i] = [int(next(read)) for _ in range(values[i].numel())]
     return result
 
 
@@ -103,15 +105,16 @@ def decompose_factors(
     # Each factor's dropped-batch counts (one per fold since the last read) are read with the
     # rest and summed on the host: summing them on the device took two launches per factor.
     dropped = [request.layer.take_nonfinite_flags(request.side) for request in requests]
+    flag_tensors = list({id(bad): bad for flags in dropped for bad, _ in flags}.values())
     results = _first_attempts(requests, method, dtype, batch_up_to)
     attempted = {index: result for index, result in enumerate(results) if result is not None}
-    values = finite_factors(requests)
-    values += [flag for flags in dropped for flag in flags]
-    values += [result.ok for result in attempted.values()]
+    checks = finite_factors(requests)
+    values = [*checks, *flag_tensors, *(result.ok for result in attempted.values())]
     host = _host_values(values)
-    count, reported = len(requests), sum(len(flags) for flags in dropped)
-    finite, dropped_host = host[:count], iter(host[count : count + reported])
-    ok = dict(zip(attempted, host[count + reported :], strict=True))
+    read_flags = len(checks) + len(flag_tensors)
+    finite = [ok for read in host[: len(checks)] for ok in read]
+    flags_read = dict(zip(map(id, flag_tensors), host[len(checks) : read_flags], strict=True))
+    ok = {index: read[0] for index, read in zip(attempted, host[read_flags:], strict=True)}
     # Trouble is counted per factor and reported once per layer and kind for this call.
     trouble: dict[tuple[int, str], int] = {}
 
@@ -123,7 +126,8 @@ def decompose_factors(
         zip(requests, finite, dropped, strict=True)
     ):
         if drops:
-            tally(request.layer, "nonfinite_batches", sum(next(dropped_host) for _ in drops))
+            times = sum(flags_read[id(bad)][entry] for bad, entry in drops)
+            tally(request.layer, "nonfinite_batches", times)
         if not factor_ok:
             tally(request.layer, "nonfinite_factors")
             results[index] = None
@@ -164,11 +168,14 @@ _TROUBLE_MESSAGES: Mapping[str, str] = MappingProxyType(
 
 
 def finite_factors(requests: Sequence[FactorRequest]) -> list[Tensor]:
-    """Device booleans: is each request's running factor finite (checked together)."""
+    """Device booleans: is each request's running factor finite, in order.
+
+    Checked together: one tensor of them all when the factors share a device.
+    """
     factors = [request.layer.factors[request.side].value() for request in requests]
     if len({factor.device for factor in factors}) != 1:
         return [all_finite(factor) for factor in factors]
-    return list(finite_flags(factors))
+    return [finite_flags(factors)]
 
 
 #: Bytes of one batched eigendecomposition's stacked input at most (its output is as big).

@@ -28,8 +28,10 @@ from dkfac.curvature.statistics import FactorStatistics
 
 #: Dropped-batch flags a factor keeps before summing them (reads are at decompositions).
 _PENDING_FLAGS = 64
-#: Dropped-batch flags a decomposition reads one by one at most (more are summed first).
-_READ_ALONE = 4
+
+#: "A batch was dropped" (1) or not (0) for one factor at one fold: an int64 device tensor,
+#: shared by the factors folded together, and the factor's entry in it, flattened.
+DroppedFlag = tuple[Tensor, int]
 
 
 class KroneckerFactor:
@@ -56,40 +58,42 @@ class KroneckerFactor:
         self.dtype = dtype
         self.statistics = FactorStatistics(side)
         self.running: Tensor | None = None
-        # Device flags "a batch was dropped", summed only when read (at a decomposition): a
-        # sum per fold would be a kernel launch per factor on every factor step.
-        self._nonfinite: list[Tensor] = []
+        # Flags "a batch was dropped", read only at a decomposition: a count per fold would
+        # take a launch per factor on every factor step, and a factor's own flag from a fold
+        # of many a view each (it keeps the fold's shared tensor and its entry instead).
+        self._nonfinite: list[DroppedFlag] = []
 
     def fold(self, batch: Tensor, decay: float) -> None:
         """Fold a batch factor into the running average (a non-finite one is counted, not used)."""
         batch_ok = all_finite(batch)
-        self._count_nonfinite((~batch_ok).to(torch.int64))
+        self.count_nonfinite((~batch_ok).to(torch.int64), 0)
         self.running = running_average(self.running, batch, decay, batch_ok)
 
-    def _count_nonfinite(self, bad: Tensor) -> None:
-        self._nonfinite.append(bad)
+    def count_nonfinite(self, bad: Tensor, entry: int) -> None:
+        """Keep the flag ``bad.reshape(-1)[entry]`` (1: this fold dropped its batch)."""
+        self._nonfinite.append((bad, entry))
         if len(self._nonfinite) >= _PENDING_FLAGS:  # bounded between decompositions
-            self._nonfinite = [torch.stack(self._nonfinite).sum()]
+            self._nonfinite = [(self._summed_flags(), 0)]
 
-    def take_nonfinite_flags(self) -> list[Tensor]:
-        """The device counts of dropped batches kept since the last call (0-dim int64).
+    def _summed_flags(self) -> Tensor:
+        return torch.stack([bad.reshape(-1)[entry] for bad, entry in self._nonfinite]).sum()
 
-        Their sum is the count; the caller sums them where it reads them (one read for every
-        factor's, no launch per factor). More than :data:`_READ_ALONE` are summed here first:
-        each value read costs the host a view and a place in the read's stack, and a factor
-        folded every step between rare decompositions keeps up to :data:`_PENDING_FLAGS`.
+    def take_nonfinite_flags(self) -> list[DroppedFlag]:
+        """The dropped-batch flags kept since the last call: their sum is the count.
+
+        The caller reads each flags tensor once for all the factors it reads (a decomposition:
+        one synchronisation for every factor's, no launch or view per factor).
         """
         flags, self._nonfinite = self._nonfinite, []
-        if len(flags) > _READ_ALONE:
-            flags = [torch.stack(flags).sum()]
         return flags
 
     def take_nonfinite_count(self) -> Tensor | None:
         """Device count of non-finite batches dropped since the last call (``None``: none seen)."""
-        flags = self.take_nonfinite_flags()
-        if not flags:
+        if not self._nonfinite:
             return None
-        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        count = self._summed_flags()
+        self._nonfinite = []
+        return count
 
     def zeros(self, device: torch.device) -> Tensor:
         """A zero factor (what a worker without statistics contributes to a sum)."""
@@ -184,7 +188,7 @@ def fold_sums(
     )
     bad = (present & ~batch_ok).to(torch.int64)
     for index, (factor, running) in enumerate(zip(factors, folded, strict=True)):
-        factor._count_nonfinite(bad[index])
+        factor.count_nonfinite(bad, index)
         factor.running = running
 
 

@@ -26,7 +26,7 @@ from dkfac.curvature.inverse import (
     check_precondition_precision,
     inverse_from_tensors,
 )
-from dkfac.curvature.kronecker_factor import KroneckerFactor
+from dkfac.curvature.kronecker_factor import DroppedFlag, KroneckerFactor
 from dkfac.curvature.statistics import FactorStatistics
 
 logger = logging.getLogger(__name__)
@@ -332,6 +332,6 @@ class LayerCurvature:
         """How often each kind of numerical trouble happened to this layer on this worker."""
         return LayerHealth(**self._trouble)
 
-    def take_nonfinite_flags(self, side: str) -> list[Tensor]:
-        """Device counts of factor ``side``'s dropped batches since the last call (summed)."""
+    def take_nonfinite_flags(self, side: str) -> list[DroppedFlag]:
+        """Factor ``side``'s dropped-batch flags since the last call (their sum is the count)."""
         return self.factors[side].take_nonfinite_flags()
