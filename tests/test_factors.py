@@ -439,8 +439,8 @@ def test_an_output_without_positions_has_zero_grams(
 
 @pytest.mark.parametrize("im2col", [None, False, True], ids=["default", "shifted", "im2col"])
 def test_an_empty_batch_has_zero_grams_whichever_way_is_asked(im2col: bool | None) -> None:
-    # No example, no patch, even where the shifted products are forced (their border
-    # gathers cannot shape zero rows: the batch takes im2col).
+    # No example, no patch, either way (the shifted products' border gathers cannot shape
+    # zero rows: they return the zeros first).
     assert_zero_grams(
         [torch.randn(0, 3, 6, 6, dtype=torch.float64) for _ in range(2)], (1, 1), 1, im2col
     )

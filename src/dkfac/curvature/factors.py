@@ -131,9 +131,7 @@ def conv2d_patch_grams(
     geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
     if stride == (1, 1) and im2col is None:
         im2col = explicit_patches_pay(geometry)
-    # An empty batch has no patch: im2col gives its zero Grams (the shifted products' border
-    # gathers cannot shape zero rows).
-    if stride == (1, 1) and not im2col and x.shape[0] != 0:
+    if stride == (1, 1) and not im2col:
         if not torch.compiler.is_compiling():
             plan = (
                 plan_shifted_gram(geometry, x.device)
@@ -266,7 +264,7 @@ def shifted_patch_grams(
     size = c * kh * kw
     # int(): torch 2.11's symbolic shapes cannot add a bool to a dynamic size.
     side = size + int(with_ones)
-    if h_out <= 0 or w_out <= 0:
+    if h_out <= 0 or w_out <= 0 or n == 0:  # no patch (border gathers cannot shape 0 rows)
         return [x.new_zeros(side, side, dtype=out_dtype) for _ in xs], 0
     span = n * hp * wp
     length = plan.length(n)
