@@ -22,6 +22,7 @@ import dkfac.pending_statistics as pending_module
 from distributed_harness import WorkerFailedError, run_workers
 from dkfac.curvature.blocks import FactorStatistic, LinearBlock
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.pending_statistics import HeldTensorChangedError
 from dkfac.strategies.d_kfac import DKFACStrategy
 from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.spd import SPDStrategy
@@ -334,7 +335,7 @@ def test_the_budget_counts_what_a_held_part_keeps_alive(monkeypatch: pytest.Monk
     assert pending.over_budget()  # 10 rows' bytes alone would be a tenth of the budget
 
 
-def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
+def test_an_input_changed_in_place_before_it_is_formed_is_refused_at_step() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(DT)
     pre = make_pre(model, batched_statistics=True)
     x = torch.randn(4, 3, dtype=DT)
@@ -342,76 +343,115 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused() -> None:
         model[0].weight.requires_grad_(False)
     out = model(x)
     x.add_(1.0)  # the first layer's input, held, not needed by autograd (no weight grad)
-    with pytest.raises(RuntimeError, match=r"layer '0': its input was changed in place"):
-        out.sum().backward()
-    assert not pre._capture._pending  # nothing stays held to be refused again
+    out.sum().backward()  # left out in the backward pass, never raised from a hook
+    with pytest.raises(HeldTensorChangedError, match=r"layer '0': its input was changed in"):
+        pre.step()
+    pre.step()  # raised once: the window's other statistics fold
+    assert pre.health().refused_statistics == 1
     pre.remove()
 
 
-def test_an_output_gradient_changed_in_place_before_it_is_formed_is_refused() -> None:
+def test_an_output_gradient_changed_in_place_is_refused_at_the_next_pass() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).to(DT)
-    pre = make_pre(model, batched_statistics=True)
+    pre = make_pre(model, batched_statistics=True, accumulation_steps=2)
     hidden = model[0](torch.randn(4, 3, dtype=DT))
     # A hook registered after dkfac's (which holds the gradient) changes it in place.
     hidden.register_hook(lambda grad: grad.mul_(0.5))
     model[2](model[1](hidden)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"layer '0': its output gradient was changed in place"):
-        pre.step()
+    refusal = r"layer '0': its output gradient was changed in place"
+    with pytest.raises(HeldTensorChangedError, match=refusal):
+        model(torch.randn(4, 3, dtype=DT))  # formed when the next pass begins
+    model(torch.randn(4, 3, dtype=DT)).sum().backward()
+    pre.step()
     pre.remove()
 
 
-def refused_pass(model: nn.Sequential, x: torch.Tensor, t: torch.Tensor, side: str) -> None:
-    """A pass whose held input (``side`` "a", refused in the backward pass) or output
-    gradient ("g", refused at ``step()``) of layer 2 is changed in place."""
-    hidden = model[1](model[0](x))
-    out = model[2](hidden)
-    if side == "g":
-        out.register_hook(lambda grad: grad.mul_(0.5))  # after dkfac's hook, which holds it
-    loss = batch_loss(model[4](model[3](out)), t)
-    if side == "a":
-        # Layer 2's input: refused at the backward pass's first gradient hook (layer 4's),
-        # before autograd reaches the saved tensors that hold it.
-        hidden.add_(1.0)
-    loss.backward()
+def refusal_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+
+
+def refusal_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    xs = torch.randn(4, 4, 3, dtype=DT, generator=generator)
+    return [(x, torch.randint(0, 2, (4,), generator=generator)) for x in xs]
+
+
+def run_with_a_refused_statistic(
+    net: nn.Module, pre: dkfac.KFACPreconditioner, rows: slice, side: str
+) -> list[torch.Tensor]:
+    """Batches 0-2 of :func:`refusal_batches` (``rows`` of each), parameters unchanged:
+    batch 0, step; batch 1 with layer 1's input (``side`` "a") or output gradient ("g")
+    changed in place (its version only: the values stay), step (refused), step; batch 2, step.
+
+    Returns:
+        Every factor this worker holds after the second step, then after the third.
+    """
+    model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
+    # Layer 1's weight then gets no gradient (frozen once K-FAC has the layer): autograd
+    # keeps no copy of its input, which a pass may then change in place.
+    model[1].weight.requires_grad_(False)
+
+    def bump(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        if side == "a":
+            args[0].mul_(1.0)  # after dkfac's forward hook held it
+        else:
+            out.register_hook(lambda grad: grad.mul_(1.0))  # after dkfac's gradient hook
+
+    got: list[torch.Tensor] = []
+    for index, (x, t) in enumerate(refusal_batches()[:3]):
+        handle = model[1].register_forward_hook(bump) if index == 1 else None
+        net.zero_grad(set_to_none=True)
+        batch_loss(net(x[rows]), t[rows]).backward()
+        if handle is not None:
+            handle.remove()
+            with pytest.raises(HeldTensorChangedError, match="layer '1'"):
+                pre.step()
+        pre.step()
+        if index > 0:
+            got += [f for pair in pre.factors().values() for f in pair]
+    assert pre.health().refused_statistics == (1 if pre._strategy.captures(pre.layers[1]) else 0)
+    return got
+
+
+def refused_statistic_oracle(side: str) -> list[torch.Tensor]:
+    """:func:`run_with_a_refused_statistic`'s factors from the float64 oracle: running
+    averages of decay 1/2 of batches 0, 1 and 2, but for the refused factor, which batch 1
+    does not change."""
+    model, batches = refusal_model(), refusal_batches()
+    batch = [
+        {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
+        for x, t in batches
+    ]
+    want: list[torch.Tensor] = []
+    running = batch[0]
+    for window in (1, 2):
+        new = {}
+        for name, pair in running.items():
+            sides = []
+            for position, old in enumerate(pair):
+                if window == 1 and (name, "ag"[position]) == ("1", side):
+                    sides.append(old)  # its only statistic refused: count 0, kept
+                else:
+                    sides.append(0.5 * old + 0.5 * batch[window][name][position])
+            new[name] = (sides[0], sides[1])
+        running = new
+        want += [f for pair in running.values() for f in pair]
+    return want
 
 
 @pytest.mark.parametrize("side", ["a", "g"])
-def test_a_refused_window_folds_nothing_and_the_next_one_folds_alone(side: str) -> None:
-    """After a refusal the preconditioner goes on: the refused window's step (a pass retried
-    in it included) keeps every factor bit for bit, and the window after folds its own batch
-    onto them as the float64 oracle says, nothing of the refused window in it. Before, what
-    was held stayed held and every later forward pass or step() raised the error again."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)
-    ).to(DT)
+def test_a_refused_statistic_is_left_out_and_the_rest_of_its_window_kept(side: str) -> None:
+    """The refusal raises once (at step()), and the window then folds what it has: every
+    factor is the float64 oracle's, layer 1's refused side unchanged by that window. Before,
+    the held tensors stayed held and every later pass or step() raised the same error."""
+    model = refusal_model()
     pre = make_pre(model, batched_statistics=True, factor_decay=0.5)
-    x1, x2, x3, x4 = torch.randn(4, 4, 3, dtype=DT, generator=torch.Generator().manual_seed(3))
-    t = torch.tensor([0, 1, 1, 0])
-    batch_loss(model(x1), t).backward()
-    pre.step()
-    sgd_(model)
-    before = {name: (a.clone(), g.clone()) for name, (a, g) in pre.factors().items()}
-    refusal = rf"layer '2': its {'input' if side == 'a' else 'output gradient'} was changed"
-    with pytest.raises(RuntimeError, match=refusal):
-        refused_pass(model, x2, t, side)
-        pre.step()
-    model.zero_grad(set_to_none=True)
-    batch_loss(model(x3), t).backward()  # retried in the refused window
-    pre.step()
-    for name, (a, g) in pre.factors().items():
-        assert torch.equal(a, before[name][0]) and torch.equal(g, before[name][1]), name
-    assert pre.health().refused_windows == 1
-    sgd_(model)
-    batch_loss(model(x4), t).backward()
-    oracle = {str(i): oracle_layer_factors(model, i, x4, t) for i in kfac_layers(model)}
-    pre.step()
-    want = {
-        name: (0.5 * before[name][0] + 0.5 * a, 0.5 * before[name][1] + 0.5 * g)
-        for name, (a, g) in oracle.items()
-    }
-    assert_factors(pre, want)
-    assert pre.health().refused_windows == 1
+    got = run_with_a_refused_statistic(model, pre, slice(0, 4), side)
+    want = refused_statistic_oracle(side)
+    assert len(got) == len(want) == 12 and got[3].shape == (4, 4)  # layer 1's G
+    for mine, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
     pre.remove()
 
 
@@ -430,6 +470,7 @@ def change_an_input_in_place(rank: int, world_size: int) -> None:
     out = model[3](model[2](model[1](hidden)))
     hidden.add_(1.0)  # layer 1's input
     out.sum().backward()
+    pre.step()
 
 
 def assert_refused_on_both_workers(worker: Callable[[int, int], None], refusal: str) -> None:
@@ -577,59 +618,24 @@ def test_two_workers_with_batched_statistics_equal_the_single_process_run(
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
 
 
-def run_with_a_refused_window(
-    net: nn.Module, pre: dkfac.KFACPreconditioner, rows: slice
+def refused_statistic_worker(
+    rank: int, world_size: int, strategy: str, side: str
 ) -> list[torch.Tensor]:
-    """Four passes of :func:`batch` ``rows``; the second's held output gradient of layer 2 is
-    changed in place (refused at its ``step()``) and the third retried in its window.
-
-    Returns:
-        The parameters after the last step, then every factor this worker holds.
-    """
-    model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
-
-    def halve_the_output_gradient(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        out.register_hook(lambda grad: grad.mul_(0.5))
-
-    for step in range(4):
-        x, t = batch(step)
-        handle = None
-        if step == 1:  # after dkfac's forward hook, so after its hook on the output
-            handle = model[2].register_forward_hook(halve_the_output_gradient)
-        batch_loss(net(x[rows]), t[rows]).backward()
-        if handle is not None:
-            handle.remove()
-            with pytest.raises(RuntimeError, match=r"layer '2': its output gradient was changed"):
-                pre.step()
-            net.zero_grad(set_to_none=True)
-            continue
-        pre.step()
-        sgd_(net)
-    assert pre.health().refused_windows == 1
-    factors = [f for pair in pre.factors().values() for f in pair]
-    return [p.detach().clone() for p in net.parameters()] + factors
-
-
-def refused_window_worker(rank: int, world_size: int, strategy: str) -> list[torch.Tensor]:
-    ddp = nn.parallel.DistributedDataParallel(equal_layers_model())
+    # Unused parameters found: layer 1's weight is frozen after DDP was made.
+    ddp = nn.parallel.DistributedDataParallel(refusal_model(), find_unused_parameters=True)
     options = {"inverse_method": "inverse"} if strategy == "spd" else {}
-    pre = make_pre(ddp, strategy=strategy, batched_statistics=True, **options)
+    pre = make_pre(ddp, strategy=strategy, batched_statistics=True, factor_decay=0.5, **options)
     local = 4 // world_size
-    return run_with_a_refused_window(ddp, pre, slice(rank * local, (rank + 1) * local))
+    return run_with_a_refused_statistic(ddp, pre, slice(rank * local, (rank + 1) * local), side)
 
 
+@pytest.mark.parametrize("side", ["a", "g"])
 @pytest.mark.parametrize("strategy", ["dkfac", "spd"])
-def test_two_workers_go_on_after_a_refused_window_as_the_single_process_run(
-    strategy: str,
-) -> None:
-    """Both workers refuse at the same step and drop the window alike (D-KFAC exchanges at
-    ``step()``, SPD from its hooks): the collectives still match, and parameters and factors
-    end as the single-process run's (itself checked against the float64 oracle above)."""
-    model = equal_layers_model()
-    options = {"inverse_method": "inverse"} if strategy == "spd" else {}
-    pre = make_pre(model, batched_statistics=True, **options)
-    want = run_with_a_refused_window(model, pre, slice(0, 4))
-    for got in run_workers(refused_window_worker, 2, (strategy,)):
+def test_two_workers_leave_a_refused_statistic_out_alike(strategy: str, side: str) -> None:
+    """Both workers refuse at the same step and go on (D-KFAC exchanges at ``step()``, SPD
+    from its hooks): their factors of the whole batch are the float64 oracle's."""
+    want = refused_statistic_oracle(side)
+    for got in run_workers(refused_statistic_worker, 2, (strategy, side)):
         assert len(got) == len(want)
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

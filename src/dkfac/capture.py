@@ -141,8 +141,13 @@ class StatisticsCapture:
             self.capturing = capturing
 
     def fold_deferred(self) -> None:
-        """Add what compiled forward passes, or held eager inputs, gave this window."""
+        """Add what compiled forward passes, or held eager inputs, gave this window.
+
+        Raises:
+            HeldTensorChangedError: a held tensor was changed in place (left out; raised once).
+        """
         self._form_pending()
+        self.refusals.raise_unraised()
 
         def heard(layer: LayerCurvature, side: str) -> None:
             self._strategy.statistic_added(layer, side, self._loss_reduction)
@@ -163,7 +168,6 @@ class StatisticsCapture:
         same number keeps what compiled hooks see the same from window to window.
         """
         self._window_scale = None
-        self.refusals.end_window()
         self._pass["number"] = 0
         self._recomputing = None
 
@@ -191,6 +195,7 @@ class StatisticsCapture:
         if module is self._model:  # not a deep copy's
             if self._pass["depth"] == 0:
                 self._form_pending()  # the previous pass's inputs, before this one's are made
+                self.refusals.raise_unraised()  # from this pass's or the last one's hooks
             if self._pass["depth"] == 0 and self.capturing:
                 self._pass["number"] += 1
                 rows = batch_rows(args, kwargs)

@@ -1,4 +1,4 @@
-"""What went wrong numerically in a run, as ``KFACPreconditioner.health()`` reports it."""
+"""What went wrong in a run (numerically, or statistics left out), as ``health()`` reports it."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from dkfac.curvature.layer import LayerHealth
 
 @dataclass(frozen=True)
 class Health:
-    """What went wrong numerically, as :meth:`KFACPreconditioner.health` reports it.
+    """What went wrong, as :meth:`KFACPreconditioner.health` reports it.
 
     Attributes:
         skipped_steps: factor-update steps whose gradients were not finite (a GradScaler
             skipped them): no factor or decomposition was changed.
         layers: per preconditioned layer, the counts of :class:`LayerHealth` on this worker.
-        refused_windows: factor windows whose statistics were dropped, not folded, because a
-            tensor held for them (``batched_statistics``) was changed in place (the error was
-            raised then).
+        refused_statistics: statistics left out of their factor windows on this worker
+            because the tensor held for them (``batched_statistics``) was changed in place
+            (an error was raised for it).
     """
 
     skipped_steps: int
     layers: dict[str, LayerHealth]
-    refused_windows: int = 0
+    refused_statistics: int = 0

@@ -14,11 +14,14 @@ Autograd keeps most inputs until the backward pass anyway (a weight's gradient n
 layer's input), but not under activation checkpointing, and it frees each output gradient
 once used: holding them costs memory, so once :data:`PENDING_BYTES` are held they are formed
 at once. A tensor changed in place after it was held cannot give its statistic any more: that
-is an error, not a silently wrong factor; the window's statistics are then incomplete, and its
-step folds none of them (the preconditioner goes on from the next window). A worker that does
-not capture a layer (DP-KFAC's other workers) watches its input and output gradient all the
-same, counted in the budget, so every worker refuses alike instead of the owner alone, leaving
-the others waiting in a collective, and every worker forms what it holds at the same hooks.
+is an error, not a silently wrong factor. Its statistic is left out of the window (the rest
+is formed and kept: each factor's window is then the mean over the examples it has, on every
+worker alike, as after a pass a layer sits out), and the error is raised at the next forward
+pass or ``step()``, never from inside a hook: an error in the backward pass would leave DDP's
+gradient averaging half done. A worker that does not capture a layer (DP-KFAC's other
+workers) watches its input and output gradient all the same, counted in the budget, so every
+worker raises alike instead of the owner alone, leaving the others waiting in a collective,
+and every worker forms what it holds at the same hooks.
 """
 
 from __future__ import annotations
@@ -53,18 +56,25 @@ class HeldTensorChangedError(RuntimeError):
 
 @dataclass
 class Refusals:
-    """Whether a held tensor was refused in the current window, and windows that had one.
+    """Held tensors changed in place before their statistics were formed.
 
-    The same on every worker: each refuses at the same hook.
+    Attributes:
+        unraised: the first refusal's message not raised yet (:meth:`raise_unraised`).
+        left_out: the statistics left out of their windows so far, on this worker.
     """
 
-    in_window: bool = False
-    windows: int = 0  # windows ended after a refusal: their steps folded nothing
+    unraised: str | None = None
+    left_out: int = 0
 
-    def end_window(self) -> None:
-        """The factor window ended."""
-        self.windows += self.in_window
-        self.in_window = False
+    def raise_unraised(self) -> None:
+        """Raise the refusal not raised yet, if any (once).
+
+        Raises:
+            HeldTensorChangedError: a held tensor was changed in place since the last call.
+        """
+        message, self.unraised = self.unraised, None
+        if message is not None:
+            raise HeldTensorChangedError(message)
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,29 +162,17 @@ class PendingStatistics:
     def form(self, side: str | None = None) -> list[tuple[LayerCurvature, str]]:
         """Form and add the statistics held (of factor ``side``; ``None``: every one).
 
+        A tensor changed in place since it was held is left out (:attr:`refusals`).
+
         Returns:
             The captured layers and sides whose statistics were added, in the order held.
-
-        Raises:
-            HeldTensorChangedError: a tensor was changed in place after it was held; then
-                nothing is added, nothing stays held, and :attr:`refusals` records it.
         """
         chosen = [entry for entry in self._held if side is None or entry.side == side]
-        for entry in chosen:  # checked first: a refusal adds nothing
-            if entry.tensor._version != entry.version:
-                what = _WHAT[entry.side]
-                # The window cannot be completed: what is held goes (raised again at every
-                # later hook, the error would wedge the preconditioner), and its step folds
-                # none of the window's statistics.
-                self.discard()
-                self.refusals.in_window = True
-                raise HeldTensorChangedError(
-                    f"layer {entry.layer.name!r}: its {what} was changed in place after the "
-                    f"layer's {'forward call' if entry.side == 'a' else 'backward hook'}, "
-                    "before K-FAC formed its statistic from it; do not change it in place, "
-                    "or pass batched_statistics=False (this factor window's statistics are "
-                    "dropped: its step() folds none)"
-                )
+        changed = [entry for entry in chosen if entry.tensor._version != entry.version]
+        for entry in changed:
+            self._refuse(entry)
+        if changed:
+            chosen = [entry for entry in chosen if entry.tensor._version == entry.version]
         self._held = [entry for entry in self._held if side is not None and entry.side != side]
         self._bytes = sum(_kept_alive(entry.tensor) for entry in self._held)
         self._sides = {each: 0 for each in self._sides}
@@ -210,10 +208,21 @@ class PendingStatistics:
         return [(entry.layer, entry.side) for entry in held]
 
     def discard(self) -> None:
-        """Forget what is held, and a refusal (the window's statistics are being dropped)."""
+        """Forget what is held (the window's statistics are being dropped)."""
         self._held, self._bytes = [], 0
         self._sides = {each: 0 for each in self._sides}
-        self.refusals.in_window = False
+
+    def _refuse(self, entry: _Held) -> None:
+        """Leave ``entry``'s statistic out, to be raised at the next forward pass or step."""
+        self.refusals.left_out += entry.captured
+        if self.refusals.unraised is None:
+            self.refusals.unraised = (
+                f"layer {entry.layer.name!r}: its {_WHAT[entry.side]} was changed in place "
+                f"after the layer's {'forward call' if entry.side == 'a' else 'backward hook'}, "
+                "before K-FAC formed its statistic from it; that statistic was left out of its "
+                "factor window (the rest was kept). Do not change it in place, or pass "
+                "batched_statistics=False"
+            )
 
 
 def _bytes(tensor: Tensor) -> int:

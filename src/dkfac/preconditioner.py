@@ -141,8 +141,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             statistics of equal-shaped layers are formed together: ``A`` when the backward
             pass begins, ``G`` when the next pass begins or at ``step()``
             (:mod:`dkfac.pending_statistics`; equal to one at a time up to round-off; a
-            tensor changed in place before then is refused on every worker, and the window's
-            step folds none of its statistics);
+            tensor changed in place before then is left out with an error, raised at the
+            next pass or ``step()`` on every worker);
             ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
             (SPD, PAD: forming them later would start their sends later).
         plain_step_graphs: a CUDA model's preconditioning, KL clip and scaling captured as a
@@ -320,9 +320,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             if skipped:  # the GradScaler skips this step: no factor, no decomposition from it
                 self._skipped_steps += 1
                 self._force_inverse = self._force_inverse or inverse_step
-            fold = not skipped and not self._capture.refusals.in_window  # refused: incomplete
             self._strategy.update_factors(
-                self._layers, config.factor_decay_at(k), config.loss_reduction, fold=fold
+                self._layers, config.factor_decay_at(k), config.loss_reduction, fold=not skipped
             )
             self._capture.end_window()
             # After the factor update: SPD/PAD may still hold back factor collectives launched

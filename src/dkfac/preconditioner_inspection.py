@@ -78,12 +78,13 @@ class PreconditionerInspection:
     def health(self) -> Health:
         """Numerical trouble so far, on this worker.
 
-        Steps skipped for non-finite gradients, and per layer how often batch factors,
-        running factors and decompositions failed (counted where the layer is decomposed).
+        Steps skipped for non-finite gradients, statistics left out for a held tensor changed
+        in place, and per layer how often batch factors, running factors and decompositions
+        failed (counted where the layer is decomposed).
         """
         return Health(
             skipped_steps=self._skipped_steps,
-            refused_windows=self._capture.refusals.windows,
+            refused_statistics=self._capture.refusals.left_out,
             layers={layer.name: layer.health() for layer in self._layers},
         )
 
