@@ -371,21 +371,28 @@ def refusal_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
 
 
+def refusal_windows(accumulation: int) -> list[list[int]]:
+    """The batches of each factor window; the second window's first is refused."""
+    return [[0], [1], [2]] if accumulation == 1 else [[0, 1], [2, 3], [4, 5]]
+
+
 def refusal_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(3)
-    xs = torch.randn(4, 4, 3, dtype=DT, generator=generator)
+    xs = torch.randn(6, 4, 3, dtype=DT, generator=generator)
     return [(x, torch.randint(0, 2, (4,), generator=generator)) for x in xs]
 
 
 def run_with_a_refused_statistic(
-    net: nn.Module, pre: dkfac.KFACPreconditioner, rows: slice, side: str
+    net: nn.Module, pre: dkfac.KFACPreconditioner, rows: slice, side: str, accumulation: int
 ) -> list[torch.Tensor]:
-    """Batches 0-2 of :func:`refusal_batches` (``rows`` of each), parameters unchanged:
-    batch 0, step; batch 1 with layer 1's input (``side`` "a") or output gradient ("g")
-    changed in place (its version only: the values stay), step (refused), step; batch 2, step.
+    """The windows of :func:`refusal_windows` (``rows`` of each batch, each loss divided by
+    the window's passes), parameters unchanged. The refused batch changes layer 1's input
+    (``side`` "a") or output gradient ("g") in place (its version only: the values stay);
+    the error comes at the next pass (repeated) or, with one pass a window, at ``step()``
+    (called again).
 
     Returns:
-        Every factor this worker holds after the second step, then after the third.
+        Every factor this worker holds after the second window's step, then the third's.
     """
     model = net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
     # Layer 1's weight then gets no gradient (frozen once K-FAC has the layer): autograd
@@ -398,57 +405,77 @@ def run_with_a_refused_statistic(
         else:
             out.register_hook(lambda grad: grad.mul_(1.0))  # after dkfac's gradient hook
 
+    windows, batches = refusal_windows(accumulation), refusal_batches()
+    refused, refusal = windows[1][0], HeldTensorChangedError
     got: list[torch.Tensor] = []
-    for index, (x, t) in enumerate(refusal_batches()[:3]):
-        handle = model[1].register_forward_hook(bump) if index == 1 else None
+    for window in windows:
         net.zero_grad(set_to_none=True)
-        batch_loss(net(x[rows]), t[rows]).backward()
-        if handle is not None:
-            handle.remove()
-            with pytest.raises(HeldTensorChangedError, match="layer '1'"):
+        for index in window:
+            x, t = batches[index]
+            if accumulation > 1 and index == refused + 1:
+                with pytest.raises(refusal, match="layer '1'"):
+                    net(x[rows])
+            handle = model[1].register_forward_hook(bump) if index == refused else None
+            (batch_loss(net(x[rows]), t[rows]) / len(window)).backward()
+            if handle is not None:
+                handle.remove()
+        if refused in window and accumulation == 1:
+            with pytest.raises(refusal, match="layer '1'"):
                 pre.step()
         pre.step()
-        if index > 0:
+        if window is not windows[0]:
             got += [f for pair in pre.factors().values() for f in pair]
     assert pre.health().refused_statistics == (1 if pre._strategy.captures(pre.layers[1]) else 0)
     return got
 
 
-def refused_statistic_oracle(side: str) -> list[torch.Tensor]:
+def refused_statistic_oracle(side: str, accumulation: int) -> list[torch.Tensor]:
     """:func:`run_with_a_refused_statistic`'s factors from the float64 oracle: running
-    averages of decay 1/2 of batches 0, 1 and 2, but for the refused factor, which batch 1
-    does not change."""
+    averages of decay 1/2 of each window's mean, the refused factor's of its other batches
+    (none with one pass a window: it keeps its average)."""
     model, batches = refusal_model(), refusal_batches()
     batch = [
         {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
         for x, t in batches
     ]
+    windows = refusal_windows(accumulation)
+    refused = windows[1][0]
+
+    def mean(name: str, position: int, indices: list[int]) -> torch.Tensor:
+        return sum(batch[b][name][position] for b in indices) / len(indices)
+
+    running = {name: (mean(name, 0, windows[0]), mean(name, 1, windows[0])) for name in batch[0]}
     want: list[torch.Tensor] = []
-    running = batch[0]
-    for window in (1, 2):
+    for window in windows[1:]:
         new = {}
         for name, pair in running.items():
             sides = []
             for position, old in enumerate(pair):
-                if window == 1 and (name, "ag"[position]) == ("1", side):
-                    sides.append(old)  # its only statistic refused: count 0, kept
-                else:
-                    sides.append(0.5 * old + 0.5 * batch[window][name][position])
+                used = window
+                if (name, "ag"[position]) == ("1", side):
+                    used = [b for b in window if b != refused]
+                sides.append(0.5 * old + 0.5 * mean(name, position, used) if used else old)
             new[name] = (sides[0], sides[1])
         running = new
         want += [f for pair in running.values() for f in pair]
     return want
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("side", ["a", "g"])
-def test_a_refused_statistic_is_left_out_and_the_rest_of_its_window_kept(side: str) -> None:
-    """The refusal raises once (at step()), and the window then folds what it has: every
-    factor is the float64 oracle's, layer 1's refused side unchanged by that window. Before,
-    the held tensors stayed held and every later pass or step() raised the same error."""
+def test_a_refused_statistic_is_left_out_and_the_rest_of_its_window_kept(
+    side: str, accumulation: int
+) -> None:
+    """The refusal raises once, and the window then folds what it has: every factor is the
+    float64 oracle's, layer 1's refused side from the window's other pass (its ``G`` still
+    scaled by all the window's examples, which each gradient was divided by), or unchanged
+    with one pass a window. Before, the held tensors stayed held and every later pass or
+    step() raised the same error."""
     model = refusal_model()
-    pre = make_pre(model, batched_statistics=True, factor_decay=0.5)
-    got = run_with_a_refused_statistic(model, pre, slice(0, 4), side)
-    want = refused_statistic_oracle(side)
+    options = {} if accumulation == 1 else {"accumulation_steps": accumulation}
+    pre = make_pre(model, batched_statistics=True, factor_decay=0.5, **options)
+    got = run_with_a_refused_statistic(model, pre, slice(0, 4), side, accumulation)
+    want = refused_statistic_oracle(side, accumulation)
     assert len(got) == len(want) == 12 and got[3].shape == (4, 4)  # layer 1's G
     for mine, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-14)
@@ -482,8 +509,8 @@ def assert_refused_on_both_workers(worker: Callable[[int, int], None], refusal: 
 
 
 def test_an_input_changed_in_place_is_refused_on_every_worker() -> None:
-    # Rank 0 does not capture layer 1 but watches its input: both refuse in the backward
-    # pass, instead of rank 0 waiting in DDP's gradient averaging for a rank that failed.
+    # Rank 0 does not capture layer 1 but watches its input: both refuse (in the backward
+    # pass, raised at step()), instead of rank 0 going on alone into a collective.
     refusal = r"HeldTensorChangedError: layer '1': its input was changed in place"
     assert_refused_on_both_workers(change_an_input_in_place, refusal)
 
@@ -619,23 +646,85 @@ def test_two_workers_with_batched_statistics_equal_the_single_process_run(
 
 
 def refused_statistic_worker(
-    rank: int, world_size: int, strategy: str, side: str
+    rank: int, world_size: int, strategy: str, side: str, accumulation: int
 ) -> list[torch.Tensor]:
     # Unused parameters found: layer 1's weight is frozen after DDP was made.
     ddp = nn.parallel.DistributedDataParallel(refusal_model(), find_unused_parameters=True)
-    options = {"inverse_method": "inverse"} if strategy == "spd" else {}
+    options: dict[str, Any] = {"inverse_method": "inverse"} if strategy == "spd" else {}
+    if accumulation > 1:
+        options["accumulation_steps"] = accumulation
     pre = make_pre(ddp, strategy=strategy, batched_statistics=True, factor_decay=0.5, **options)
-    local = 4 // world_size
-    return run_with_a_refused_statistic(ddp, pre, slice(rank * local, (rank + 1) * local), side)
+    rows = slice(rank * 4 // world_size, (rank + 1) * 4 // world_size)
+    return run_with_a_refused_statistic(ddp, pre, rows, side, accumulation)
 
 
-@pytest.mark.parametrize("side", ["a", "g"])
-@pytest.mark.parametrize("strategy", ["dkfac", "spd"])
-def test_two_workers_leave_a_refused_statistic_out_alike(strategy: str, side: str) -> None:
-    """Both workers refuse at the same step and go on (D-KFAC exchanges at ``step()``, SPD
-    from its hooks): their factors of the whole batch are the float64 oracle's."""
-    want = refused_statistic_oracle(side)
-    for got in run_workers(refused_statistic_worker, 2, (strategy, side)):
+@pytest.mark.parametrize(
+    ("strategy", "side", "accumulation"),
+    [("dkfac", "a", 1), ("dkfac", "g", 1), ("spd", "a", 1), ("spd", "g", 2)],
+)
+def test_two_workers_leave_a_refused_statistic_out_alike(
+    strategy: str, side: str, accumulation: int
+) -> None:
+    """Both workers refuse at the same point and go on (D-KFAC exchanges at ``step()``, SPD
+    from its hooks, with a late ``G`` under accumulation): their factors of the whole batch
+    are the float64 oracle's."""
+    want = refused_statistic_oracle(side, accumulation)
+    for got in run_workers(refused_statistic_worker, 2, (strategy, side, accumulation)):
+        assert len(got) == len(want)
+        for mine, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def refused_on_one_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank 0 takes 3 rows, rank 1 one: with a 60-byte budget rank 0 forms layer 0's input
+    (72 bytes) in its hook, before a later hook changes it in place; rank 1 still holds it
+    (24 bytes) and refuses. Rank 1 alone raises at step() and repeats it."""
+    pending_module.PENDING_BYTES = 60
+    # Unused parameters found: layer 0's weight is frozen after DDP was made.
+    ddp = nn.parallel.DistributedDataParallel(refusal_model(), find_unused_parameters=True)
+    pre = make_pre(ddp, strategy="dkfac", batched_statistics=True, factor_decay=0.5)
+    model = ddp.module
+    model[0].weight.requires_grad_(False)  # autograd keeps no copy of its input
+    rows = slice(0, 3) if rank == 0 else slice(3, 4)
+    raised = False
+
+    def bump(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        args[0].mul_(1.0)  # its version only: the values stay
+
+    for index, (x, t) in enumerate(refusal_batches()[:2]):
+        x = x[rows].clone()
+        handle = None
+        if index == 1:
+            handle = model[0].register_forward_hook(bump)
+        ddp.zero_grad(set_to_none=True)
+        batch_loss(ddp(x), t[rows]).backward()
+        if handle is not None:
+            handle.remove()
+        try:
+            pre.step()
+        except HeldTensorChangedError:
+            raised = True
+            pre.step()
+    assert raised == (rank == 1) and pre.health().refused_statistics == rank
+    return [f for pair in pre.factors().values() for f in pair]
+
+
+def test_a_statistic_refused_on_one_worker_leaves_the_replicas_equal() -> None:
+    """Only rank 1 refuses layer 0's input: D-KFAC's window ``A`` of layer 0 is rank 0's rows
+    alone, every other factor the whole batch's, on both ranks (the float64 oracle)."""
+    model, batches = refusal_model(), refusal_batches()
+    oracle = [
+        {str(i): oracle_layer_factors(model, i, x, t) for i in kfac_layers(model)}
+        for x, t in batches[:2]
+    ]
+    (x, t) = batches[1]
+    a0 = oracle_layer_factors(model, 0, x[:3], t[:3])[0]
+    want = []
+    for name in oracle[0]:
+        for position in (0, 1):
+            new = a0 if (name, position) == ("0", 0) else oracle[1][name][position]
+            want.append(0.5 * oracle[0][name][position] + 0.5 * new)
+    for got in run_workers(refused_on_one_worker, 2, ()):
         assert len(got) == len(want)
         for mine, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)

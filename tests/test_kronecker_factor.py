@@ -13,6 +13,7 @@ import torch
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature import running_average
+from dkfac.curvature.blocks import FactorStatistic
 from dkfac.curvature.decomposition import _host_values
 from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
@@ -36,6 +37,7 @@ from dkfac.curvature.inverse import (
 )
 from dkfac.curvature.kronecker_factor import KroneckerFactor, fold_counted, fold_sums
 from dkfac.curvature.running_average import divided
+from dkfac.curvature.statistics import FactorStatistics
 
 
 def spd(d: int, seed: int) -> torch.Tensor:
@@ -404,3 +406,51 @@ def test_an_inverse_that_is_not_finite_is_retried_in_float64(
         assert pre.health().layers[layer.name].retried_in_float64 == 2
         assert all(t.dtype == torch.float64 for t in layer.inverse.tensors().values())
         assert all(bool(torch.isfinite(t).all()) for t in layer.inverse.tensors().values())
+
+
+def g_statistic(seed: int, examples: int) -> FactorStatistic:
+    """A raw ``Σ dy dyᵀ`` of ``examples`` one-row examples."""
+    dy = torch.randn(
+        examples, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    )
+    return FactorStatistic(dy.t() @ dy, examples, examples)
+
+
+def test_a_late_g_after_a_one_example_hand_over_corrects_the_sum_sent() -> None:
+    # G of a mean loss is N²·Σ; handed over at N = 1 the sent tensor is the raw sum itself,
+    # which a collective then overwrites: the late correction still needs that sum (before,
+    # none was kept and late() failed an assertion).
+    stats = FactorStatistics("g")
+    first, second = g_statistic(0, 1), g_statistic(1, 1)
+    s0, s1 = first.total.clone(), second.total.clone()
+    stats.add(first, pass_id=1)
+    sent = stats.hand_over("mean")
+    assert sent.count == 1 and torch.equal(sent.total, s0)
+    sent.total.zero_()  # what an in-place collective may do to it
+    stats.add(second, pass_id=2)
+    late = stats.late("mean")
+    assert late is not None and late.count == 1
+    window = 4 * (s0 + s1)  # N = 2: N²·(S₀ + S₁)
+    torch.testing.assert_close(late.total, window - s0, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_a_lost_statistics_examples_scale_g_but_do_not_count(handed_over: bool) -> None:
+    # Two passes of 4 examples, the second's statistic lost (left out): each gradient of the
+    # window's mean loss carries 1/8, so G = 8²·Σ over the 4 examples it has, counted 4 times.
+    stats = FactorStatistics("g")
+    kept = g_statistic(2, 4)
+    stats.add(kept, pass_id=1)
+    sent = stats.hand_over("mean") if handed_over else None
+    stats.lose(pass_id=2, examples=4)
+    stats.lose(pass_id=2, examples=3)  # a pass counts once, by its largest call
+    want = 64 * kept.total
+    if sent is None:
+        summed = stats.summed("mean")
+        assert summed.count == 4 and stats.total_scale("mean") == 64
+        torch.testing.assert_close(summed.total, want, rtol=1e-15, atol=0)
+    else:
+        late = stats.late("mean")
+        assert late is not None and late.count == 0 and sent.count == 4
+        torch.testing.assert_close(sent.total + late.total, want, rtol=1e-15, atol=0)
+    assert FactorStatistics("a").total_scale("mean") == 1  # A's sums are never scaled

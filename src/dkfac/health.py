@@ -17,7 +17,8 @@ class Health:
         layers: per preconditioned layer, the counts of :class:`LayerHealth` on this worker.
         refused_statistics: statistics left out of their factor windows on this worker
             because the tensor held for them (``batched_statistics``) was changed in place
-            (an error was raised for it).
+            (reported by an error at the next forward pass or ``step()``, one for all the
+            refusals before it).
     """
 
     skipped_steps: int

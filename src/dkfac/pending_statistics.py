@@ -15,13 +15,16 @@ layer's input), but not under activation checkpointing, and it frees each output
 once used: holding them costs memory, so once :data:`PENDING_BYTES` are held they are formed
 at once. A tensor changed in place after it was held cannot give its statistic any more: that
 is an error, not a silently wrong factor. Its statistic is left out of the window (the rest
-is formed and kept: each factor's window is then the mean over the examples it has, on every
-worker alike, as after a pass a layer sits out), and the error is raised at the next forward
+is formed and kept: each factor's window is the mean over the examples it has, ``G`` still
+scaled by all the examples its gradients were averaged over; the factors' sums and counts
+are exchanged as usual, so replicas stay equal), and the error is raised at the next forward
 pass or ``step()``, never from inside a hook: an error in the backward pass would leave DDP's
-gradient averaging half done. A worker that does not capture a layer (DP-KFAC's other
-workers) watches its input and output gradient all the same, counted in the budget, so every
-worker raises alike instead of the owner alone, leaving the others waiting in a collective,
-and every worker forms what it holds at the same hooks.
+gradient averaging half done. Repeating the call that raised goes on. A worker that does not
+capture a layer (DP-KFAC's other workers) watches its input and output gradient all the same,
+counted in the budget, so with the same shapes on every worker all raise at the same call,
+not the owner alone, and every worker forms what it holds at the same hooks. Workers holding
+different bytes (different batch shapes) may form a tensor at different hooks, one before
+the change and one after: then only the one that refused raises.
 """
 
 from __future__ import annotations
@@ -214,7 +217,13 @@ class PendingStatistics:
 
     def _refuse(self, entry: _Held) -> None:
         """Leave ``entry``'s statistic out, to be raised at the next forward pass or step."""
-        self.refusals.left_out += entry.captured
+        if entry.captured:
+            self.refusals.left_out += 1
+            # A held tensor is batched along dim 0 (its block gave it a batch key); a part of
+            # a call (statistics_fraction) stands for the whole call's examples.
+            whole = entry.kept == entry.examples
+            examples = int(entry.tensor.shape[0]) if whole else entry.examples
+            entry.layer.statistics(entry.side).lose(entry.pass_id, examples)
         if self.refusals.unraised is None:
             self.refusals.unraised = (
                 f"layer {entry.layer.name!r}: its {_WHAT[entry.side]} was changed in place "

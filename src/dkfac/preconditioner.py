@@ -142,7 +142,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             pass begins, ``G`` when the next pass begins or at ``step()``
             (:mod:`dkfac.pending_statistics`; equal to one at a time up to round-off; a
             tensor changed in place before then is left out with an error, raised at the
-            next pass or ``step()`` on every worker);
+            next pass or ``step()``, which goes on when repeated);
             ``None`` (default): on a GPU, unless the strategy sends factors from the hooks
             (SPD, PAD: forming them later would start their sends later).
         plain_step_graphs: a CUDA model's preconditioning, KL clip and scaling captured as a

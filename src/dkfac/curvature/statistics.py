@@ -90,6 +90,7 @@ class _Sent:
     raw: Tensor | None
     rows: int
     examples: int
+    scaled_by: int  # the examples whose square scaled it (G of a mean loss)
 
 
 class FactorStatistics:
@@ -109,6 +110,9 @@ class FactorStatistics:
         self._total: Tensor | None = None  # since the hand-over (the whole window before it)
         self._rows = 0  # rows in _total
         self._examples: dict[int, int] = {}  # per forward pass of the window: its examples
+        # Per pass whose statistic was lost (left out, pending_statistics): its examples, which
+        # the gradients of a mean loss are still divided by (G's scale counts them).
+        self._lost: dict[int, int] = {}
         self._sent: _Sent | None = None
 
     # -- adding --------------------------------------------------------------------------
@@ -122,6 +126,15 @@ class FactorStatistics:
         self._rows += statistic.rows
         self._examples[pass_id] = max(self._examples.get(pass_id, 0), statistic.examples)
         self.updates += 1
+
+    def lose(self, pass_id: int, examples: int) -> None:
+        """A statistic of forward pass ``pass_id`` over ``examples`` was left out.
+
+        ``G`` of a mean loss is ``(1/N) Σ g gᵀ`` of its own examples with ``g = W·dy``, ``W``
+        the examples of the passes the loss was the mean over: those are still counted in
+        its scale, not in ``N`` (with ``accumulation_steps = k``, a pass's loss divided by ``k``).
+        """
+        self._lost[pass_id] = max(self._lost.get(pass_id, 0), examples)
 
     @property
     def has_statistics(self) -> bool:
@@ -160,14 +173,24 @@ class FactorStatistics:
         return self._summed(self.raw_total(), self.examples, self._rows, loss_reduction)
 
     def total_scale(self, loss_reduction: str) -> int:
-        """What :meth:`summed` multiplies the raw sum by: ``N²`` (``G``, mean loss), else 1."""
-        return self._scale(self.examples, loss_reduction)
+        """What :meth:`summed` multiplies the raw sum by: ``N²`` (``G``, mean loss), else 1.
 
-    def _scale(self, examples: int, loss_reduction: str) -> int:
-        return examples * examples if self.side == "g" and loss_reduction == "mean" else 1
+        ``N`` counts the examples of passes whose statistic was lost too (:meth:`lose`).
+        """
+        return self._scale(loss_reduction)
+
+    def _scaled_by(self) -> int:
+        """The examples of every pass with a statistic or a lost one (once per pass)."""
+        passes = self._examples.keys() | self._lost.keys()
+        return sum(max(self._examples.get(p, 0), self._lost.get(p, 0)) for p in passes)
+
+    def _scale(self, loss_reduction: str) -> int:
+        if self.side == "g" and loss_reduction == "mean":
+            return self._scaled_by() ** 2
+        return 1
 
     def _summed(self, raw: Tensor, examples: int, rows: int, loss_reduction: str) -> SummedFactor:
-        scale = self._scale(examples, loss_reduction)
+        scale = self._scale(loss_reduction)
         total = raw if scale == 1 else raw * scale
         return SummedFactor(total, rows if self.side == "a" else examples)
 
@@ -187,10 +210,13 @@ class FactorStatistics:
         raw = self.raw_total()
         examples, rows = self.examples, self._rows
         summed = self._summed(raw, examples, rows, loss_reduction)
-        # For G of a mean loss the sent tensor is a scaled copy: the raw sum is still needed
-        # if more examples arrive (N changes the scale of everything already sent).
-        keep = raw if summed.total is not raw else None
-        self._sent = _Sent(keep, rows, examples)
+        # G of a mean loss: the raw sum is still needed if more examples arrive (N changes
+        # the scale of everything already sent); the sent tensor is a scaled copy, or, scaled
+        # by 1 (one example), the raw sum itself, which the collective overwrites.
+        keep = None
+        if self.side == "g" and loss_reduction == "mean":
+            keep = raw if summed.total is not raw else raw.clone()
+        self._sent = _Sent(keep, rows, examples, self._scaled_by())
         self._total, self._rows = None, 0
         return summed
 
@@ -199,28 +225,32 @@ class FactorStatistics:
 
         ``A`` and ``G`` of a sum loss add up: the late sums themselves. ``G`` of a mean loss
         is ``N²·Σ``: with ``N₀`` examples and sum ``S₀`` sent, and ``S₁`` late, the window's
-        value is ``N²(S₀ + S₁)``, so the correction is ``(N² − N₀²)·S₀ + N²·S₁``.
+        value is ``N²(S₀ + S₁)``, so the correction is ``(N² − N₀²)·S₀ + N²·S₁`` (``N``
+        counting lost statistics' examples too, :meth:`lose`).
         """
         sent = self._sent
         if sent is None:
             return None
-        examples = self.examples
-        if self._total is None and examples == sent.examples:
+        examples, scaled_by = self.examples, self._scaled_by()
+        if self._total is None and (examples, scaled_by) == (sent.examples, sent.scaled_by):
             return None
         if self.side == "a":
-            assert self._total is not None  # rows only come with a statistic
+            if self._total is None:  # only a lost statistic: A's sums are not scaled
+                return None
             return SummedFactor(self._total, self._rows)
         added = examples - sent.examples
         if loss_reduction != "mean":
-            assert self._total is not None  # examples only come with a statistic
+            if self._total is None:
+                return None
             return SummedFactor(self._total, added)
         assert sent.raw is not None
-        correction = sent.raw * (examples * examples - sent.examples * sent.examples)
+        square = scaled_by * scaled_by
+        correction = sent.raw * (square - sent.scaled_by * sent.scaled_by)
         if self._total is not None:
-            correction = correction + self._total * (examples * examples)
+            correction = correction + self._total * square
         return SummedFactor(correction, added)
 
     def clear(self) -> None:
         """Forget the window."""
         self.updates, self._total, self._rows, self._sent = 0, None, 0, None
-        self._examples = {}
+        self._examples, self._lost = {}, {}
