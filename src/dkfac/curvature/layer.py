@@ -197,8 +197,9 @@ class LayerCurvature:
         return self.factors["g"].statistics.passes
 
     def statistic_updates(self, side: str) -> int:
-        """Statistics accumulated into factor ``side`` this window (one per call)."""
-        return self.factors[side].statistics.updates
+        """Statistics of factor ``side`` this window, one per call, lost ones too (its shape)."""
+        stats = self.factors[side].statistics
+        return stats.updates + stats.lost
 
     def summed_factor(self, side: str, loss_reduction: str) -> tuple[Tensor, int]:
         """``(R·A, R)`` or ``(N·G, N)`` of the window: sums that add up across workers.

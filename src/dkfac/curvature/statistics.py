@@ -100,13 +100,14 @@ class FactorStatistics:
         side: ``"a"`` (counted in rows) or ``"g"`` (counted in examples).
         updates: statistics added in the window (one per call of the layer's forward for
             ``A``, per backward call for ``G``).
+        lost: statistics of the window left out (:meth:`lose`), one per call.
     """
 
     def __init__(self, side: str) -> None:
         if side not in ("a", "g"):
             raise ValueError(f"side={side!r} is not allowed: expected 'a' or 'g'")
         self.side = side
-        self.updates = 0
+        self.updates = self.lost = 0
         self._total: Tensor | None = None  # since the hand-over (the whole window before it)
         self._rows = 0  # rows in _total
         self._examples: dict[int, int] = {}  # per forward pass of the window: its examples
@@ -135,6 +136,7 @@ class FactorStatistics:
         its scale, not in ``N`` (with ``accumulation_steps = k``, a pass's loss divided by ``k``).
         """
         self._lost[pass_id] = max(self._lost.get(pass_id, 0), examples)
+        self.lost += 1
 
     @property
     def has_statistics(self) -> bool:
@@ -252,5 +254,5 @@ class FactorStatistics:
 
     def clear(self) -> None:
         """Forget the window."""
-        self.updates, self._total, self._rows, self._sent = 0, None, 0, None
+        self.updates, self.lost, self._total, self._rows, self._sent = 0, 0, None, 0, None
         self._examples, self._lost = {}, {}
