@@ -183,6 +183,8 @@ class FactorStatistics:
 
     def _scaled_by(self) -> int:
         """The examples of every pass with a statistic or a lost one (once per pass)."""
+        if not self._lost:  # every factor step's case: no set built
+            return self.examples
         passes = self._examples.keys() | self._lost.keys()
         return sum(max(self._examples.get(p, 0), self._lost.get(p, 0)) for p in passes)
 
