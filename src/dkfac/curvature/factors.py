@@ -55,8 +55,8 @@ def conv2d_patch_gram(
             ``precision.operand_dtype(dtype)``, are cast in the copy that lays ``x`` out.
         im2col: a stride-1 Gram from explicit im2col matrices (True) or shifted products
             (False; benchmarks and tests compare the two); ``None``: as
-            :func:`explicit_patches_pay` decides. Other strides and empty batches always take
-            im2col, and an unpadded 1x1 kernel its pixel Grams, whatever this says.
+            :func:`explicit_patches_pay` decides. Other strides always take im2col, and an
+            unpadded 1x1 kernel its pixel Grams, whatever this says.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
