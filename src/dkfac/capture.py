@@ -81,10 +81,9 @@ class StatisticsCapture:
         self._compiled = compiled
         self._window_scale: float | None = None
         # Forward passes of the model in this window ("number": a layer's examples count once
-        # per pass; calls made outside the model's forward are passes of their own) and the
-        # nesting of the model's forward ("depth"). Items of a dict, not attributes: TorchDynamo
-        # (torch 2.13) drops attribute stores traced after a hook is registered on a tensor of
-        # the graph (the compiled hooks register one per layer), dict stores it keeps.
+        # per pass; calls outside the model's forward are passes of their own) and the model's
+        # forward nesting ("depth"). A dict: TorchDynamo (2.13) drops attribute stores traced
+        # after a hook is registered on a graph tensor (compiled hooks do), dict stores it keeps.
         self._pass = {"number": 0, "depth": 0}
         self._batch: dict[str, int | None] = {"examples": None}  # the pass's (a dict: as above)
         self._warned: set[str] = set()  # layers warned about sequence-first statistics
@@ -185,8 +184,8 @@ class StatisticsCapture:
     def __deepcopy__(self, memo: dict[int, Any]) -> StatisticsCapture:
         """The same object: a deep-copied model's hooks (EMA, snapshots) are inert.
 
-        The hooks hold this object (and through it a process group, which cannot be copied)
-        and a layer index; called with a module of the copy, :meth:`_forward_hook` returns.
+        The hooks hold this object (a process group, which cannot be copied) and a layer
+        index; called with a module of the copy, :meth:`_forward_hook` returns.
         """
         return self
 
@@ -200,22 +199,22 @@ class StatisticsCapture:
                 self._pass["number"] += 1
                 rows = batch_rows(args, kwargs)
                 self._batch["examples"] = rows  # the batch's examples (None: not known)
-                if rows is not None:  # for the broadcast check
-                    self._usage.pass_started(self._pass["number"], rows)
+                self._usage.pass_started(self._pass["number"], rows)
             self._pass["depth"] += 1
 
     def _pass_ends(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if module is self._model and self._pass["depth"] > 0:
             self._pass["depth"] -= 1
+            # Its backward call tells micro-batches apart (dkfac.window_passes), not traced.
+            if self._pass["depth"] == 0 and self.capturing and module.training:
+                self._usage.pass_ended(self._pass["number"], output)
 
     def _current_pass(self) -> int:
         """The model's forward pass in progress; outside one, a new pass for this call.
 
-        A forward run inside a backward pass is activation checkpointing recomputing a segment
-        (``torch.utils.checkpoint``): every such call of one backward belongs to one pass, the
-        forward pass that backward differentiates. Under reentrant checkpointing that is the
-        only capture of the segment (its first forward ran without gradients); counted a pass
-        per call, a layer used in several segments would count its examples once per use.
+        A forward run inside a backward pass is checkpointing recomputing a segment: every such
+        call of one backward is one pass, the one it differentiates (reentrant: the segment's
+        only capture; a pass per call would count a layer's examples once per segment).
         """
         if self._pass["depth"] > 0:
             return self._pass["number"]
@@ -224,6 +223,7 @@ class StatisticsCapture:
             if self._recomputing is None or self._recomputing[0] != backward:
                 self._pass["number"] += 1
                 self._recomputing = (backward, self._pass["number"])
+                self._usage.backward_reached(self._pass["number"], backward)
             return self._recomputing[1]
         self._pass["number"] += 1
         return self._pass["number"]
@@ -372,6 +372,7 @@ class StatisticsCapture:
         # captured=False: another worker's layer, watched (batched_statistics alone).
         if self._removed:
             return
+        self._usage.backward_reached(pass_id)
         pending = self._pending
         if pending is not None:
             if pending.holds("a"):  # the backward pass began: the forward's inputs are complete
@@ -391,9 +392,8 @@ class StatisticsCapture:
     def _loss_scale(self) -> float | None:
         """The GradScaler's loss scale, read once per capture window (public ``get_scale()``).
 
-        The scale only changes in ``scaler.update()``, after the optimizer step, so it is the
-        same for every backward pass of a window; reading it once keeps the backward hooks
-        free of host synchronisations after the first one of the window.
+        It changes only in ``scaler.update()``, after the optimizer step: read once, it leaves
+        the backward hooks free of host synchronisations after the window's first.
         """
         if self._window_scale is None:
             self._window_scale = loss_scale(self._grad_scaler)

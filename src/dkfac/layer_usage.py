@@ -19,6 +19,7 @@ import torch
 
 from dkfac.broadcast_check import BroadcastCheck
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.window_passes import WindowPasses
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class LayerUsage:
         self._silent: set[str] = set()
         self._warned: set[str] = set()
         self._broadcast_check = BroadcastCheck(layers, self._warn_once)
+        self._passes = WindowPasses()
 
     @property
     def silent(self) -> frozenset[str]:
@@ -75,9 +77,19 @@ class LayerUsage:
         """Every layer whose gradient passes through unpreconditioned."""
         return frozenset(self._silent | self._broadcast_check.broadcast)
 
-    def pass_started(self, pass_id: int, rows: int) -> None:
-        """The model's forward pass ``pass_id`` started on a batch of ``rows`` examples."""
-        self._broadcast_check.pass_started(pass_id, rows)
+    def pass_started(self, pass_id: int, rows: int | None) -> None:
+        """The model's forward pass ``pass_id`` started on ``rows`` examples (None: unknown)."""
+        self._passes.started(pass_id, rows)
+        if rows is not None:
+            self._broadcast_check.pass_started(pass_id, rows)
+
+    def pass_ended(self, pass_id: int, output: Any) -> None:
+        """The model's forward pass ``pass_id`` returned ``output`` (watched for its backward)."""
+        self._passes.watch_outputs(pass_id, output)
+
+    def backward_reached(self, pass_id: int, backward: int | None = None) -> None:
+        """A backward call (``backward``, else the running one) reached pass ``pass_id``."""
+        self._passes.reached(pass_id, backward)
 
     def forward_ran(
         self, layer: LayerCurvature, *, training: bool, pass_id: int | None = None, rows: int = 0
@@ -96,14 +108,30 @@ class LayerUsage:
         """Forget the current window's forward calls (a loaded state starts a new window)."""
         self._forwarded.clear()
         self._broadcast_check.clear_window()
+        self._passes.clear()
         self._trained_forward = False
 
     def check_statistics(self, captured: Sequence[LayerCurvature]) -> None:
-        """Warn once if the window captured no statistics or not ``accumulation_steps`` passes.
+        """Count the passes layers sat out; warn about a window without statistics or passes.
+
+        Each layer's ``G`` counts the passes it sat out in its scale (:mod:`dkfac.window_passes`).
+        A warning is given once if the window captured no statistics or not
+        ``accumulation_steps`` passes.
 
         Args:
-            captured: the layers whose statistics this worker collects.
+            captured: the layers whose statistics this worker collects, all of the window's
+                statistics added.
         """
+        micro_batches, estimated = self._passes.count_sat_out(captured, self._accumulation_steps)
+        for name in estimated:
+            self._warn_once(
+                f"sat-out:{name}",
+                f"K-FAC layer {name!r} sat out micro-batches of an accumulated window and its "
+                "examples are not a whole multiple of the model's batch (or a batch was not "
+                "known): the examples of those micro-batches, which its gradients are divided "
+                "by, are taken as its mean per micro-batch, exact for equal micro-batches",
+            )
+        self._passes.clear()
         trained, self._trained_forward = self._trained_forward, False
         if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
             return
@@ -118,10 +146,13 @@ class LayerUsage:
                 "model.eval() mode or under torch.no_grad() are ignored; factors not updated",
             )
             return
-        if self._accumulation_steps is not None and max(calls) != self._accumulation_steps:
+        # Backward calls where known (a model called twice for one loss makes one), else the
+        # most forward passes a layer had a gradient in.
+        seen = micro_batches or max(calls)
+        if self._accumulation_steps is not None and seen != self._accumulation_steps:
             self._warn_once(
                 "accumulation",
-                f"K-FAC saw {max(calls)} backward pass(es) before step() but "
+                f"K-FAC saw {seen} backward pass(es) before step() but "
                 f"accumulation_steps={self._accumulation_steps}; statistics are pooled "
                 "over all of them",
             )

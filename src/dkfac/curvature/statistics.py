@@ -28,6 +28,7 @@ a statistic arrives after that (the layer ran once more than the window had show
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -101,6 +102,9 @@ class FactorStatistics:
         updates: statistics added in the window (one per call of the layer's forward for
             ``A``, per backward call for ``G``).
         lost: statistics of the window left out (:meth:`lose`), one per call.
+
+    ``G``'s scale under a mean loss counts every example its gradients are divided by: those
+    of passes with a statistic, a lost one (:meth:`lose`) or none (:meth:`sat_out`).
     """
 
     def __init__(self, side: str) -> None:
@@ -111,9 +115,9 @@ class FactorStatistics:
         self._total: Tensor | None = None  # since the hand-over (the whole window before it)
         self._rows = 0  # rows in _total
         self._examples: dict[int, int] = {}  # per forward pass of the window: its examples
-        # Per pass whose statistic was lost (left out, pending_statistics): its examples, which
-        # the gradients of a mean loss are still divided by (G's scale counts them).
-        self._lost: dict[int, int] = {}
+        # Per pass counted in G's scale only: a lost statistic's (pending_statistics) or one
+        # the layer sat out (:meth:`sat_out`): its examples, not in the count.
+        self._scale_only: dict[int, int] = {}
         self._sent: _Sent | None = None
 
     # -- adding --------------------------------------------------------------------------
@@ -135,8 +139,26 @@ class FactorStatistics:
         the examples of the passes the loss was the mean over: those are still counted in
         its scale, not in ``N`` (with ``accumulation_steps = k``, a pass's loss divided by ``k``).
         """
-        self._lost[pass_id] = max(self._lost.get(pass_id, 0), examples)
+        self._scale_only[pass_id] = max(self._scale_only.get(pass_id, 0), examples)
         self.lost += 1
+
+    def sat_out(self, pass_id: int, examples: int) -> None:
+        """The window's forward pass ``pass_id`` over ``examples`` gave this factor nothing.
+
+        A layer that sits out some of the micro-batches of an accumulated window (a branch
+        taken in some, a task's head) still has its gradients divided by every micro-batch's
+        examples: ``G`` of a mean loss counts them in its scale, as :meth:`lose` does, so it
+        is the average of per-example ``g gᵀ`` over the examples the layer saw (as when a
+        worker of several has no gradient for it) and not that times ``(seen/all)²``.
+        """
+        self._scale_only[pass_id] = max(self._scale_only.get(pass_id, 0), examples)
+
+    def scaled_passes(self) -> Mapping[int, int]:
+        """Examples per forward pass counted in ``G``'s scale (added, lost or sat out)."""
+        if not self._scale_only:
+            return self._examples  # read only: no copy per layer at every factor step
+        passes = self._examples.keys() | self._scale_only.keys()
+        return {p: max(self._examples.get(p, 0), self._scale_only.get(p, 0)) for p in passes}
 
     @property
     def has_statistics(self) -> bool:
@@ -177,16 +199,16 @@ class FactorStatistics:
     def total_scale(self, loss_reduction: str) -> int:
         """What :meth:`summed` multiplies the raw sum by: ``N²`` (``G``, mean loss), else 1.
 
-        ``N`` counts the examples of passes whose statistic was lost too (:meth:`lose`).
+        ``N`` counts the examples of passes whose statistic was lost (:meth:`lose`) or that
+        the layer sat out (:meth:`sat_out`) too.
         """
         return self._scale(loss_reduction)
 
     def _scaled_by(self) -> int:
-        """The examples of every pass with a statistic or a lost one (once per pass)."""
-        if not self._lost:  # every factor step's case: no set built
+        """The examples of every pass with a statistic, a lost one or none (once per pass)."""
+        if not self._scale_only:  # every factor step's case: no set built
             return self.examples
-        passes = self._examples.keys() | self._lost.keys()
-        return sum(max(self._examples.get(p, 0), self._lost.get(p, 0)) for p in passes)
+        return sum(self.scaled_passes().values())
 
     def _scale(self, loss_reduction: str) -> int:
         if self.side == "g" and loss_reduction == "mean":
@@ -230,7 +252,7 @@ class FactorStatistics:
         ``A`` and ``G`` of a sum loss add up: the late sums themselves. ``G`` of a mean loss
         is ``N²·Σ``: with ``N₀`` examples and sum ``S₀`` sent, and ``S₁`` late, the window's
         value is ``N²(S₀ + S₁)``, so the correction is ``(N² − N₀²)·S₀ + N²·S₁`` (``N``
-        counting lost statistics' examples too, :meth:`lose`).
+        counting the examples of lost statistics and passes sat out too).
         """
         sent = self._sent
         if sent is None:
@@ -257,4 +279,4 @@ class FactorStatistics:
     def clear(self) -> None:
         """Forget the window."""
         self.updates, self.lost, self._total, self._rows, self._sent = 0, 0, None, 0, None
-        self._examples, self._lost = {}, {}
+        self._examples, self._scale_only = {}, {}
