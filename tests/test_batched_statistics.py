@@ -28,6 +28,7 @@ from dkfac.strategies.pad import PADStrategy
 from dkfac.strategies.spd import SPDStrategy
 from test_oracle_numerics import (
     DT,
+    assert_close,
     assert_factors,
     batch_loss,
     kfac_layers,
@@ -348,6 +349,27 @@ def test_an_input_changed_in_place_before_it_is_formed_is_refused_at_step() -> N
         pre.step()
     pre.step()  # raised once: the window's other statistics fold
     assert pre.health().refused_statistics == 1
+    pre.remove()
+
+
+def test_a_refusal_goes_with_its_window_when_a_state_is_loaded() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(DT)
+    pre = make_pre(model, batched_statistics=True)
+    state = pre.state_dict()
+    with torch.no_grad():
+        model[0].weight.requires_grad_(False)
+    x = torch.randn(4, 3, dtype=DT)
+    out = model(x)
+    x.add_(1.0)
+    out.sum().backward()  # refused in the backward pass, not raised yet
+    pre.load_state_dict(state)  # the window (and what its refusal said was kept) is dropped
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(4, 3, dtype=DT)
+    model(x).sum().backward()
+    pre.step()  # no stale refusal
+    h = model[0](x).detach()
+    rows = torch.cat([h, torch.ones(4, 1, dtype=DT)], dim=1)
+    assert_close(pre.layers[1].a, rows.t() @ rows / 4, what="the new window's A")  # type: ignore[arg-type]
     pre.remove()
 
 

@@ -211,8 +211,12 @@ class PendingStatistics:
         return [(entry.layer, entry.side) for entry in held]
 
     def discard(self) -> None:
-        """Forget what is held (the window's statistics are being dropped)."""
+        """Forget what is held (the window's statistics are being dropped), and its refusal.
+
+        A refusal not raised yet said the rest of its window was kept; the window is gone.
+        """
         self._held, self._bytes = [], 0
+        self.refusals.unraised = None
         self._sides = {each: 0 for each in self._sides}
 
     def _refuse(self, entry: _Held) -> None:
