@@ -266,6 +266,25 @@ def test_an_output_kept_from_an_earlier_window_binds_no_pass_of_this_one() -> No
     assert calls[0] is not None and passes._backward == {1: calls[0]}
 
 
+@dataclass
+class Looped:
+    """An output that refers to itself."""
+
+    logits: torch.Tensor
+    again: Any = None
+
+
+def test_the_output_search_ends_on_a_cycle_or_a_long_list() -> None:
+    passes = WindowPasses()
+    weight = torch.ones(3, requires_grad=True)
+    passes.started(1, 3)
+    looped = Looped(weight * 2.0)
+    looped.again = [looped, list(range(100_000))]
+    passes.watch_outputs(1, looped)  # returns
+    looped.logits.sum().backward()
+    assert list(passes._backward) == [1]
+
+
 class DualTower(nn.Module):
     """A dual encoder: one call encodes images, another texts, for one paired loss."""
 

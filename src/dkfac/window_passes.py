@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -44,8 +46,10 @@ from torch import Tensor
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_hooks import current_backward_id
 
-#: Output tensors of one forward pass watched for the backward call that reaches them.
+#: Output tensors of one forward pass watched for the backward call that reaches them, and
+#: the items of its output looked at to find them (a long list of numbers, a cycle).
 WATCHED_OUTPUTS = 16
+SEARCHED_ITEMS = 256
 
 
 class WindowPasses:
@@ -67,8 +71,9 @@ class WindowPasses:
 
         ``window``: the window the pass was watched in (a hook of an earlier one is stale).
         """
+        # Every gradient hook of the pass calls this: the first decides.
         if pass_id in self._backward or window not in (None, self._window):
-            return  # every gradient hook of the pass calls this
+            return
         if backward is None:
             backward = current_backward_id()
         if backward is not None:
@@ -79,21 +84,28 @@ class WindowPasses:
         if torch.compiler.is_compiling():  # hooks traced into a graph run in no backward call
             return
         window = self._window
-        pending, watched = [output], 0
-        while pending and watched < WATCHED_OUTPUTS:
-            item = pending.pop()
+        # Breadth first: the outermost tensors (logits, a loss) before nested lists' items.
+        pending: deque[Any] = deque([output])
+        watched = searched = 0
+        while pending and watched < WATCHED_OUTPUTS and searched < SEARCHED_ITEMS:
+            item = pending.popleft()
+            searched += 1
             if isinstance(item, Tensor):
                 # Not a leaf: a returned parameter would keep a hook per pass for good.
                 if item.grad_fn is not None:
                     hook = functools.partial(self._output_reached, pass_id, window)
                     item.register_hook(hook)  # type: ignore[no-untyped-call]
                     watched += 1
-            elif isinstance(item, Mapping):
-                pending.extend(item.values())
+                continue
+            if isinstance(item, Mapping):
+                items: Iterable[Any] = item.values()
             elif isinstance(item, list | tuple):
-                pending.extend(item)
+                items = item
             elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-                pending.extend(getattr(item, field.name) for field in dataclasses.fields(item))
+                items = (getattr(item, field.name) for field in dataclasses.fields(item))
+            else:
+                continue
+            pending.extend(itertools.islice(items, SEARCHED_ITEMS - searched))
 
     def _output_reached(self, pass_id: int, window: int, grad: Tensor) -> None:
         self.reached(pass_id, window=window)
