@@ -56,11 +56,11 @@ class TaskHeads(nn.Module):
         return (self.head_a if task == "a" else self.head_b)(h)
 
 
-@dataclass
 class Batch:
-    """A model input with no tensor the batch size could be read from."""
+    """A model input with no tensor the batch size could be read from (not a dataclass)."""
 
-    x: torch.Tensor
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
 
 
 class UnsizedTaskHeads(TaskHeads):
@@ -283,6 +283,38 @@ def test_the_output_search_ends_on_a_cycle_or_a_long_list() -> None:
     passes.watch_outputs(1, looped)  # returns
     looped.logits.sum().backward()
     assert list(passes._backward) == [1]
+
+
+def test_attached_to_an_optimizer_without_accumulation_steps_nothing_is_counted() -> None:
+    # Two losses a step, each its own mean (a labelled and an unlabelled batch): not
+    # micro-batches of one mean, so each head's G stays the average over its own examples.
+    model = TaskHeads().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pre = dkfac.KFACPreconditioner(model, optimizer=opt, **F64)
+    micro_batches = batches([(4, "a"), (6, "b")], 0)
+    for x, y, task in micro_batches:
+        F.cross_entropy(model(x, task=task), y).backward()
+    opt.step()
+    want = oracle(model, micro_batches)
+    got = factors_of(pre)
+    for key in ("head_a/a", "head_a/g", "head_b/a", "head_b/g"):
+        assert_close(got[key], want[key], what=key)
+    pre.remove()
+
+
+def test_a_gradient_call_on_an_output_joins_the_backward_call_of_its_loss() -> None:
+    model = DualTower().double()
+    pre = dkfac.KFACPreconditioner(model, **F64)  # accumulation_steps 1
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 5, generator=g, dtype=DT, requires_grad=True)
+    t = torch.randn(4, 4, generator=g, dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one backward call: no mismatch warned
+        zi, zt = model(x, "img"), model(t, "txt")
+        (penalty,) = torch.autograd.grad(zi.sum(), x, create_graph=True)  # reaches img first
+        (((zi - zt) ** 2).sum(1).mean() + 0.0 * penalty.pow(2).sum()).backward()
+        pre.step()
+    pre.remove()
 
 
 class DualTower(nn.Module):

@@ -5,8 +5,8 @@ A layer whose block needs one input row per example along dim 0
 exact factor when its input was made once and broadcast over the batch: Hugging Face's
 position ids ``(1, T)``, nanoGPT's ``arange(T)``. Its output gradient is then the examples'
 sum. The layer cannot tell, but the forward pass can: the model's own input (the first tensor
-with a dim 0 among its arguments, searched through dicts, lists and tuples) has the batch's
-``N`` examples, and such a layer's input another dim 0.
+with a dim 0 among its arguments, searched through dicts, lists, tuples and dataclasses) has
+the batch's ``N`` examples, and such a layer's input another dim 0.
 
 Per factor window, :class:`BroadcastCheck` keeps ``N`` and each checked layer's input dim 0
 per forward pass; :class:`~dkfac.layer_usage.LayerUsage` ORs the evidence over the workers,
@@ -21,9 +21,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch import Tensor
-
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.nested_tensors import nested_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +35,9 @@ UNDECIDED_WINDOWS = 8
 
 def batch_rows(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
     """Dim 0 of the first tensor with a dim 0 among a call's arguments (depth first)."""
-    pending: list[Any] = [*args, *kwargs.values()]
-    while pending:
-        item = pending.pop(0)
-        if isinstance(item, Tensor):
-            if item.dim() > 0:
-                return int(item.shape[0])
-        elif isinstance(item, Mapping):
-            pending[:0] = list(item.values())
-        elif isinstance(item, list | tuple):
-            pending[:0] = list(item)
+    for tensor in nested_tensors([*args, *kwargs.values()], depth_first=True):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
     return None
 
 

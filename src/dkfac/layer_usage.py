@@ -111,16 +111,17 @@ class LayerUsage:
         self._passes.clear()
         self._trained_forward = False
 
-    def check_statistics(self, captured: Sequence[LayerCurvature]) -> None:
-        """Count the passes layers sat out; warn about a window without statistics or passes.
+    def count_sat_out(self, captured: Sequence[LayerCurvature]) -> int | None:
+        """Count in each layer's ``G`` the micro-batches it sat out; forget the window's passes.
 
-        Each layer's ``G`` counts the passes it sat out in its scale (:mod:`dkfac.window_passes`).
-        A warning is given once if the window captured no statistics or not
-        ``accumulation_steps`` passes.
+        See :mod:`dkfac.window_passes` (only with ``accumulation_steps`` > 1 given). Call
+        once per factor window, after every statistic of the window was added.
 
         Args:
-            captured: the layers whose statistics this worker collects, all of the window's
-                statistics added.
+            captured: the layers whose statistics this worker collects.
+
+        Returns:
+            The window's micro-batches (backward calls), None if not known.
         """
         micro_batches, estimated = self._passes.count_sat_out(captured, self._accumulation_steps)
         for name in estimated:
@@ -132,6 +133,18 @@ class LayerUsage:
                 "by, are taken as its mean per micro-batch, exact for equal micro-batches",
             )
         self._passes.clear()
+        return micro_batches
+
+    def check_statistics(
+        self, captured: Sequence[LayerCurvature], micro_batches: int | None = None
+    ) -> None:
+        """Warn once if the window captured no statistics or not ``accumulation_steps`` passes.
+
+        Args:
+            captured: the layers whose statistics this worker collects.
+            micro_batches: the window's backward calls (:meth:`count_sat_out`), None if not
+                known: the most forward passes a layer had a gradient in are counted.
+        """
         trained, self._trained_forward = self._trained_forward, False
         if not captured:  # DP-KFAC: this worker owns no layer, it has nothing to check
             return

@@ -313,9 +313,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         skipped = False
         if factor_step:
             self._capture.fold_deferred()
-            self._usage.check_statistics(
-                [layer for layer in self._layers if self._strategy.captures(layer)]
-            )
+            captured = [layer for layer in self._layers if self._strategy.captures(layer)]
+            # G's scale counts the micro-batches a layer sat out (dkfac.window_passes).
+            self._usage.check_statistics(captured, self._usage.count_sat_out(captured))
             skipped = not gradients_finite(self._model, self._grad_scaler)
             if skipped:  # the GradScaler skips this step: no factor, no decomposition from it
                 self._skipped_steps += 1

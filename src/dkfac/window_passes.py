@@ -7,19 +7,22 @@ mean loss is scaled by the examples its gradients are divided by
 (:meth:`~dkfac.curvature.statistics.FactorStatistics.sat_out`); counting only the micro-batches
 the layer ran in would make it ``(seen/all)²`` times too small.
 
-A micro-batch is one backward call: the forward passes it reaches belong to one loss (a dual
-encoder calling the model once per tower, a recomputed checkpoint segment), and a pass that no
+Only with ``accumulation_steps`` > 1 given, the promise that every micro-batch's loss is
+divided by their number; attached to an optimizer without it, backward calls may be separate
+losses, each its own mean, and nothing is changed. A micro-batch is one backward call: the
+forward passes it reaches belong to one loss (a dual encoder calling the model once per tower, a
+recomputed checkpoint segment), backward calls that reach one pass are one micro-batch
+(``torch.autograd.grad`` for a gradient penalty, two losses of one forward), and a pass that no
 backward call reaches (an evaluation pass, features for a log) divides nothing. Each pass is
-bound to the backward call that first reaches it, from the layers' output-gradient hooks and
-from hooks on the model's outputs (tensors made by autograd, in tensors, dicts, lists, tuples
-and dataclasses, as DDP searches them), so a worker that captures only some layers (DP-KFAC's
-owners) sees every micro-batch of its own when the model returns what the loss is made from.
-Where no backward call is known for a pass with statistics (a compiled model's hooks run
-inside its graph), each of the model's passes with statistics is taken as a micro-batch only
-when there are ``accumulation_steps`` of them; otherwise nothing is changed. Several forward
-passes under one backward call are one micro-batch even when each is a task's micro-batch
-summed into one loss: a head that ran in some of them is then like a layer run on part of a
-batch (not corrected).
+bound to the backward calls that reach it by the layers' output-gradient hooks and by hooks on
+the model's outputs (tensors made by autograd, :mod:`dkfac.nested_tensors`), so a worker that
+captures only some layers (DP-KFAC's owners) sees every micro-batch of its own when the model
+returns what the loss is made from. Where no backward call is known for a pass with statistics
+(a compiled model's hooks run inside its graph), each of the model's passes with statistics is
+taken as a micro-batch only when there are ``accumulation_steps`` of them; otherwise nothing is
+changed. Several forward passes under one backward call are one micro-batch even when each is
+a task's micro-batch summed into one loss: a head that ran in some of them is then like a layer
+run on part of a batch (not corrected).
 
 A micro-batch the layer sat out counts the examples it would have had there: the model's batch
 (the first tensor among its arguments, summed over the micro-batch's passes) times the layer's
@@ -32,11 +35,8 @@ layer is named in a warning.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -45,11 +45,10 @@ from torch import Tensor
 
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.layer_hooks import current_backward_id
+from dkfac.nested_tensors import nested_tensors
 
-#: Output tensors of one forward pass watched for the backward call that reaches them, and
-#: the items of its output looked at to find them (a long list of numbers, a cycle).
+#: Output tensors of one forward pass watched for the backward call that reaches them.
 WATCHED_OUTPUTS = 16
-SEARCHED_ITEMS = 256
 
 
 class WindowPasses:
@@ -58,6 +57,9 @@ class WindowPasses:
     def __init__(self) -> None:
         self._rows: dict[int, int | None] = {}  # the model's passes: their batch (None: unknown)
         self._backward: dict[int, int] = {}  # any pass: the first backward call reaching it
+        # Backward calls that reached a pass another had reached (``torch.autograd.grad`` for
+        # a gradient penalty, two losses of one forward): one micro-batch, as a forest.
+        self._merged: dict[int, int] = {}
         # Pass numbers restart every window: an output kept from an earlier window and
         # backpropagated now must not bind this window's pass of the same number.
         self._window = 0
@@ -71,41 +73,32 @@ class WindowPasses:
 
         ``window``: the window the pass was watched in (a hook of an earlier one is stale).
         """
-        # Every gradient hook of the pass calls this: the first decides.
-        if pass_id in self._backward or window not in (None, self._window):
+        if window not in (None, self._window):
             return
         if backward is None:
             backward = current_backward_id()
-        if backward is not None:
-            self._backward[pass_id] = backward
+        if backward is None:
+            return
+        first = self._backward.setdefault(pass_id, backward)
+        if first != backward:
+            first, backward = self._root(first), self._root(backward)
+            if first != backward:
+                self._merged[backward] = first
 
     def watch_outputs(self, pass_id: int, output: Any) -> None:
         """Bind pass ``pass_id`` to the backward call that reaches any tensor of ``output``."""
         if torch.compiler.is_compiling():  # hooks traced into a graph run in no backward call
             return
         window = self._window
-        # Breadth first: the outermost tensors (logits, a loss) before nested lists' items.
-        pending: deque[Any] = deque([output])
-        watched = searched = 0
-        while pending and watched < WATCHED_OUTPUTS and searched < SEARCHED_ITEMS:
-            item = pending.popleft()
-            searched += 1
-            if isinstance(item, Tensor):
-                # Not a leaf: a returned parameter would keep a hook per pass for good.
-                if item.grad_fn is not None:
-                    hook = functools.partial(self._output_reached, pass_id, window)
-                    item.register_hook(hook)  # type: ignore[no-untyped-call]
-                    watched += 1
-                continue
-            if isinstance(item, Mapping):
-                items: Iterable[Any] = item.values()
-            elif isinstance(item, list | tuple):
-                items = item
-            elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-                items = (getattr(item, field.name) for field in dataclasses.fields(item))
-            else:
-                continue
-            pending.extend(itertools.islice(items, SEARCHED_ITEMS - searched))
+        watched: set[int] = set()  # ids: one hook per tensor however often it is reached
+        # Breadth first: the outermost tensors (a loss, logits) before nested ones.
+        for tensor in nested_tensors(output, depth_first=False):
+            # Not a leaf: a returned parameter would keep a hook per pass for good.
+            if tensor.grad_fn is not None and id(tensor) not in watched:
+                tensor.register_hook(functools.partial(self._output_reached, pass_id, window))  # type: ignore[no-untyped-call]
+                watched.add(id(tensor))
+                if len(watched) == WATCHED_OUTPUTS:
+                    break
 
     def _output_reached(self, pass_id: int, window: int, grad: Tensor) -> None:
         self.reached(pass_id, window=window)
@@ -114,40 +107,49 @@ class WindowPasses:
         """Forget the window."""
         self._rows.clear()
         self._backward.clear()
+        self._merged.clear()
         self._window += 1
+
+    def _root(self, backward: int) -> int:
+        """The backward call standing for all those merged with ``backward``."""
+        while backward in self._merged:
+            backward = self._merged[backward]
+        return backward
 
     def count_sat_out(
         self, layers: Sequence[LayerCurvature], accumulation_steps: int | None
     ) -> tuple[int | None, list[str]]:
         """Tell each layer's ``G`` statistics of the window's micro-batches it sat out.
 
-        Call once per window, after every statistic of the window was added.
+        Only with ``accumulation_steps`` > 1 given: the promise that every micro-batch's loss
+        is divided by their number. Without it (attached to an optimizer), backward calls may
+        be separate losses, each its own mean (a labelled and an unlabelled batch), whose
+        ``G`` the examples of the other would make wrong. Call once per window, after every
+        statistic of the window was added.
 
         Returns:
-            The window's micro-batches (None: not known), and the names of layers whose
-            examples in a micro-batch they sat out were estimated (their mean per micro-batch),
-            to be warned about.
+            The window's micro-batches (None: not known or not asked), and the layers whose
+            examples in a micro-batch they sat out were estimated (their mean per
+            micro-batch), to be warned about.
         """
-        if len(self._rows) < 2:  # one forward pass of the model: nothing to sit out
+        if accumulation_steps is None:
             return None, []
+        if len(self._rows) < 2:  # one forward pass of the model (the usual case)
+            return (1 if self._backward else None), []
         seen = [layer.factors["g"].statistics.scaled_passes() for layer in layers]
-        if all(passes.keys() == self._backward.keys() for passes in seen):
-            # Every layer had a gradient in every pass a backward call reached (the usual
-            # case): nothing was sat out.
-            return len(set(self._backward.values())), []
         groups = self._groups(seen, accumulation_steps)
-        if groups is None or len(groups) < 2:
-            return None if groups is None else len(groups), []
+        if groups is None or len(groups) < 2 or accumulation_steps < 2:
+            return (None if groups is None else len(groups)), []
         group_of = {p: key for key, passes in groups.items() for p in passes}
         estimated = []
         for layer, passes in zip(layers, seen, strict=True):
-            if not passes or any(p not in group_of for p in passes):
-                continue  # no gradient, or a pass no micro-batch holds
+            if len(passes) == len(group_of) or any(p not in group_of for p in passes):
+                continue  # in every pass, no gradient, or a pass no micro-batch holds
             ran: dict[int, int] = {}
             for pass_id, examples in passes.items():
                 ran[group_of[pass_id]] = ran.get(group_of[pass_id], 0) + examples
             missing = groups.keys() - ran.keys()
-            if not missing:
+            if not ran or not missing:
                 continue
             counts = self._would_have_seen(ran, missing, groups)
             if counts is None:
@@ -161,13 +163,13 @@ class WindowPasses:
         return len(groups), estimated
 
     def _groups(
-        self, seen: Sequence[Mapping[int, int]], accumulation_steps: int | None
+        self, seen: Sequence[Mapping[int, int]], accumulation_steps: int
     ) -> dict[int, set[int]] | None:
         """The window's micro-batches: their passes, by a key; None when they are not known.
 
-        Each backward call's passes, when every pass with statistics has one; else, given
-        ``accumulation_steps``, the model's passes with statistics, each alone, if there are
-        that many.
+        The passes of each backward call (merged where two reached one pass), when every pass
+        with statistics has one; else the model's passes with statistics, each alone, if
+        there are ``accumulation_steps`` of them.
         """
         with_statistics = {p for passes in seen for p in passes}
         if all(p in self._backward for p in with_statistics):
@@ -175,10 +177,10 @@ class WindowPasses:
             # owner's micro-batches under DP-KFAC): the model's outputs were watched.
             groups: dict[int, set[int]] = {}
             for pass_id, backward in self._backward.items():
-                groups.setdefault(backward, set()).add(pass_id)
+                groups.setdefault(self._root(backward), set()).add(pass_id)
             return groups
         model_passes = with_statistics & self._rows.keys()
-        if accumulation_steps is None or len(model_passes) != accumulation_steps:
+        if len(model_passes) != accumulation_steps:
             return None
         return {p: {p} for p in model_passes}
 
@@ -193,8 +195,10 @@ class WindowPasses:
         """
         batches = {key: self._batch(groups[key]) for key in {*ran, *missing}}
         known = {key: batch for key, batch in batches.items() if batch is not None}
-        total = sum(known[key] for key in ran if key in known)
-        if len(known) < len(batches) or total == 0:
+        if len(known) < len(batches):
+            return None
+        total = sum(known[key] for key in ran)
+        if total == 0:
             return None
         per_example = Fraction(sum(ran.values()), total)
         counts = {key: per_example * known[key] for key in missing}

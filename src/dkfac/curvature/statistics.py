@@ -139,7 +139,7 @@ class FactorStatistics:
         the examples of the passes the loss was the mean over: those are still counted in
         its scale, not in ``N`` (with ``accumulation_steps = k``, a pass's loss divided by ``k``).
         """
-        self._scale_only[pass_id] = max(self._scale_only.get(pass_id, 0), examples)
+        self.sat_out(pass_id, examples)
         self.lost += 1
 
     def sat_out(self, pass_id: int, examples: int) -> None:
