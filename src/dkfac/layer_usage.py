@@ -4,7 +4,8 @@ Some layers have a gradient but never statistics: their parent uses their weight
 ``forward()`` (``nn.MultiheadAttention`` calls ``F.linear`` on ``out_proj.weight``). Such a
 layer passes its gradient through. So does an embedding looked up once and broadcast over the
 batch (:mod:`dkfac.broadcast_check`). Both are agreed over the workers, so every worker
-decides alike; the checks warn once per kind of trouble.
+decides alike; the checks warn once per kind of trouble. The window's micro-batches (backward
+calls) and those each layer sat out are counted here too (:mod:`dkfac.window_passes`).
 """
 
 from __future__ import annotations
