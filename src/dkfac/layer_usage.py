@@ -85,12 +85,17 @@ class LayerUsage:
             self._broadcast_check.pass_started(pass_id, rows)
 
     def pass_ended(self, pass_id: int, output: Any) -> None:
-        """The model's forward pass ``pass_id`` returned ``output`` (watched for its backward)."""
-        self._passes.watch_outputs(pass_id, output)
+        """The model's forward pass ``pass_id`` returned ``output`` (watched for its backward).
+
+        Without ``accumulation_steps`` no micro-batch is counted: nothing is watched.
+        """
+        if self._accumulation_steps is not None:
+            self._passes.watch_outputs(pass_id, output)
 
     def backward_reached(self, pass_id: int, backward: int | None = None) -> None:
         """A backward call (``backward``, else the running one) reached pass ``pass_id``."""
-        self._passes.reached(pass_id, backward)
+        if self._accumulation_steps is not None:  # as pass_ended: in every gradient hook
+            self._passes.reached(pass_id, backward)
 
     def forward_ran(
         self, layer: LayerCurvature, *, training: bool, pass_id: int | None = None, rows: int = 0
