@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dkfac
 from distributed_harness import run_workers
-from dkfac.layer_hooks import current_backward_id
+from dkfac.autograd_engine import LayerGradients, current_backward_id
 from dkfac.window_passes import WindowPasses
 from test_oracle_numerics import assert_close
 from test_shared_layers import F64, held_factors, strategy_options
@@ -250,8 +250,8 @@ def test_an_output_that_is_a_parameter_gets_no_hook_and_windows_stay_apart() -> 
 
 
 def test_an_output_kept_from_an_earlier_window_binds_no_pass_of_this_one() -> None:
-    passes = WindowPasses()
     weight = torch.ones(3, requires_grad=True)
+    passes = WindowPasses(LayerGradients({"layer": [weight]}))
     passes.started(1, 3)
     kept = weight * 2.0
     passes.watch_outputs(1, {"kept": [kept]})
@@ -275,8 +275,8 @@ class Looped:
 
 
 def test_the_output_search_ends_on_a_cycle_or_a_long_list() -> None:
-    passes = WindowPasses()
     weight = torch.ones(3, requires_grad=True)
+    passes = WindowPasses(LayerGradients({"layer": [weight]}))
     passes.started(1, 3)
     looped = Looped(weight * 2.0)
     looped.again = [looped, list(range(100_000))]

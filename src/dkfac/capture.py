@@ -9,7 +9,6 @@ when it happens: the backward of several passes may come later, all at once.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,15 +17,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from dkfac.autograd_engine import current_backward_id
 from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.curvature.statistics import kept_examples, whole_call_estimate
+from dkfac.curvature.statistics import whole_call_estimate
 from dkfac.deferred_statistics import DeferredStatistics
-from dkfac.layer_hooks import LayerHooks, current_backward_id, warn_about_earlier_hooks
+from dkfac.layer_hooks import LayerHooks, warn_about_earlier_hooks
 from dkfac.layer_usage import LayerUsage
 from dkfac.mixed_precision import loss_scale
 from dkfac.pending_statistics import PendingStatistics, Refusals
+from dkfac.statistics_fraction import StatisticsFraction
 from dkfac.strategies import Strategy
 
 
@@ -69,7 +70,7 @@ class StatisticsCapture:
         # (batched_statistics).
         self._pending = PendingStatistics() if batched else None
         self.refusals = Refusals() if self._pending is None else self._pending.refusals
-        self._fraction = statistics_fraction
+        self._fraction = StatisticsFraction(statistics_fraction)
         self._model = model
         self._layers = list(layers)
         self._strategy = strategy
@@ -86,7 +87,6 @@ class StatisticsCapture:
         # after a hook is registered on a graph tensor (compiled hooks do), dict stores it keeps.
         self._pass = {"number": 0, "depth": 0}
         self._batch: dict[str, int | None] = {"examples": None}  # the pass's (a dict: as above)
-        self._warned: set[str] = set()  # layers warned about sequence-first statistics
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
         # Statistics of compiled forward passes, added to the layers at the window's step().
@@ -177,6 +177,7 @@ class StatisticsCapture:
         self._handles.clear()
         self._layer_hooks.detach()
         self._removed = True
+        self._usage.gradients.forget()
         if self._pending is not None:
             self._pending.discard()
         self._deferred.release()
@@ -250,12 +251,12 @@ class StatisticsCapture:
         # raised on the owner alone (DP-KFAC) would leave the others waiting in a collective.
         examples, kept = 1, 1
         if (
-            self._fraction < 1
+            self._fraction.fraction < 1
             and pass_id is not None
             and x is not None
             and isinstance(output, Tensor)
         ):
-            examples, kept = self._kept_examples(layer, x, output)
+            examples, kept = self._fraction.of_call(layer, x, output, self._batch["examples"])
         if (
             pass_id is None
             or x is None
@@ -300,39 +301,14 @@ class StatisticsCapture:
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
+            # Parameters substituted for the call (torch.func.functional_call) are not those
+            # whose accumulators the engine is asked about: its statistics are kept, as before.
+            own = module.weight is layer.block.weight
             hook = functools.partial(
-                self._output_grad_hook, layer, pass_id, examples, kept, captured
+                self._output_grad_hook, layer, pass_id, examples, kept, captured, own
             )
             output.register_hook(hook)  # type: ignore[no-untyped-call]
         return None
-
-    def _kept_examples(self, layer: LayerCurvature, x: Tensor, output: Tensor) -> tuple[int, int]:
-        """The call's examples and how many of them (the first) feed its statistics.
-
-        Raises:
-            RuntimeError: part of a call is to be kept, but its output does not hold the
-                examples along dim 0 as its input does.
-        """
-        examples = layer.block.examples(x)
-        kept = kept_examples(examples, self._fraction)
-        if kept == examples:
-            return examples, kept
-        if output.dim() == 0 or output.shape[0] != examples:
-            raise RuntimeError(
-                f"statistics_fraction={self._fraction} needs layer {layer.name!r} to keep its "
-                f"examples along dim 0 (input {tuple(x.shape)}, output {tuple(output.shape)})"
-            )
-        batch = self._batch["examples"]
-        if batch is not None and examples != batch and layer.name not in self._warned:
-            self._warned.add(layer.name)
-            warnings.warn(
-                f"statistics_fraction={self._fraction}: layer {layer.name!r} holds {examples} "
-                f"along dim 0 where the model's batch has {batch} examples; its factors come "
-                f"from its first {kept} along dim 0 (a sequence-first layer: the first positions "
-                "of every sequence, not a random part of the batch)",
-                stacklevel=2,
-            )
-        return examples, kept
 
     def _hold(
         self,
@@ -367,12 +343,16 @@ class StatisticsCapture:
         examples: int,
         kept: int,
         captured: bool,
+        own: bool,
         grad: Tensor,
     ) -> None:
         # captured=False: another worker's layer, watched (batched_statistics alone).
         if self._removed:
             return
-        self._usage.backward_reached(pass_id)
+        computed = not own or self._usage.gradients.computed(layer.name)
+        self._usage.backward_reached(pass_id, computing=computed)
+        if not computed:  # a gradient penalty's vector-Jacobian products: no loss gradients
+            return
         pending = self._pending
         if pending is not None:
             if pending.holds("a"):  # the backward pass began: the forward's inputs are complete

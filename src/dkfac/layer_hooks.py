@@ -3,7 +3,7 @@
 A module with a forward hook takes ``nn.Module``'s slower call path on every call, so the
 capture attaches its layer hooks for factor windows only (docs/benchmarks.md, "Layer hooks
 only in factor windows"), and a compiled model keeps them (adding or removing a hook would
-recompile its graph). Also whether a hook runs inside a backward pass (a recomputation).
+recompile its graph).
 """
 
 from __future__ import annotations
@@ -19,20 +19,6 @@ from torch.utils.hooks import RemovableHandle
 
 #: A layer hook: ``hook(index, module, inputs, output)``, the index of the layer in the list.
 IndexedHook = Callable[[int, nn.Module, tuple[Any, ...], Any], Any]
-
-
-def current_backward_id() -> int | None:
-    """An id of the backward pass the autograd engine is running on this thread, else None.
-
-    PyTorch exposes no public "inside backward" query; the engine's graph-task id is what
-    ``torch.utils.checkpoint`` itself uses. Without it (an older build) nothing is recomputed
-    as far as dkfac can tell, and each recomputed call counts as a pass of its own.
-    """
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    if task_id is None:
-        return None
-    current = int(task_id())
-    return None if current == -1 else current
 
 
 class LayerHooks:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dkfac.autograd_engine import LayerGradients
 from dkfac.broadcast_check import BroadcastCheck
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.window_passes import WindowPasses
@@ -52,7 +53,8 @@ class LayerUsage:
         self._silent: set[str] = set()
         self._warned: set[str] = set()
         self._broadcast_check = BroadcastCheck(layers, self._warn_once)
-        self._passes = WindowPasses()
+        self.gradients = LayerGradients({layer.name: layer.block.parameters() for layer in layers})
+        self._passes = WindowPasses(self.gradients)
 
     @property
     def silent(self) -> frozenset[str]:
@@ -92,10 +94,15 @@ class LayerUsage:
         if self._accumulation_steps is not None:
             self._passes.watch_outputs(pass_id, output)
 
-    def backward_reached(self, pass_id: int, backward: int | None = None) -> None:
-        """A backward call (``backward``, else the running one) reached pass ``pass_id``."""
+    def backward_reached(
+        self, pass_id: int, backward: int | None = None, computing: bool = False
+    ) -> None:
+        """A backward call (``backward``, else the running one) reached pass ``pass_id``.
+
+        ``computing``: it computes some layer's gradient (:class:`LayerGradients`).
+        """
         if self._accumulation_steps is not None:  # as pass_ended: in every gradient hook
-            self._passes.reached(pass_id, backward)
+            self._passes.reached(pass_id, backward, computing=computing)
 
     def forward_ran(
         self, layer: LayerCurvature, *, training: bool, pass_id: int | None = None, rows: int = 0

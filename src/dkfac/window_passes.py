@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dkfac.autograd_engine import LayerGradients, current_backward_id
 from dkfac.curvature.layer import LayerCurvature
-from dkfac.layer_hooks import current_backward_id
 from dkfac.nested_tensors import nested_tensors
 
 #: Output tensors of one forward pass watched for the backward call that reaches them.
@@ -52,14 +52,25 @@ WATCHED_OUTPUTS = 16
 
 
 class WindowPasses:
-    """The forward passes of the current factor window, their batches and backward calls."""
+    """The forward passes of the current factor window, their batches and backward calls.
 
-    def __init__(self) -> None:
+    Args:
+        gradients: tells a backward call that computes some layer's gradient from one that
+            does not (a gradient penalty's ``torch.autograd.grad``): only a group of calls with
+            one of the first is a micro-batch.
+    """
+
+    def __init__(self, gradients: LayerGradients) -> None:
+        self._gradients = gradients
         self._rows: dict[int, int | None] = {}  # the model's passes: their batch (None: unknown)
         self._backward: dict[int, int] = {}  # any pass: the first backward call reaching it
         # Backward calls that reached a pass another had reached (``torch.autograd.grad`` for
         # a gradient penalty, two losses of one forward): one micro-batch, as a forest.
         self._merged: dict[int, int] = {}
+        # Backward calls that compute some layer's gradient. The others only join a group
+        # (a penalty's call through a loss's pass) or make none (an adversarial example's
+        # input gradient); a reentrant checkpoint's outer call joins its inner ones.
+        self._computing: set[int] = set()
         # Pass numbers restart every window: an output kept from an earlier window and
         # backpropagated now must not bind this window's pass of the same number.
         self._window = 0
@@ -68,10 +79,17 @@ class WindowPasses:
         """The model's forward pass ``pass_id`` started on ``rows`` examples (None: unknown)."""
         self._rows[pass_id] = rows
 
-    def reached(self, pass_id: int, backward: int | None = None, window: int | None = None) -> None:
+    def reached(
+        self,
+        pass_id: int,
+        backward: int | None = None,
+        window: int | None = None,
+        computing: bool = False,
+    ) -> None:
         """A backward call (``backward``, else the one running) reached pass ``pass_id``.
 
         ``window``: the window the pass was watched in (a hook of an earlier one is stale).
+        ``computing``: the call computes some layer's gradient.
         """
         if window not in (None, self._window):
             return
@@ -79,6 +97,8 @@ class WindowPasses:
             backward = current_backward_id()
         if backward is None:
             return
+        if computing:
+            self._computing.add(backward)
         first = self._backward.setdefault(pass_id, backward)
         if first != backward:
             first, backward = self._root(first), self._root(backward)
@@ -101,13 +121,15 @@ class WindowPasses:
                     break
 
     def _output_reached(self, pass_id: int, window: int, grad: Tensor) -> None:
-        self.reached(pass_id, window=window)
+        if window == self._window:  # a stale hook asks the engine nothing
+            self.reached(pass_id, computing=self._gradients.any_computed())
 
     def clear(self) -> None:
         """Forget the window."""
         self._rows.clear()
         self._backward.clear()
         self._merged.clear()
+        self._computing.clear()
         self._window += 1
 
     def _root(self, backward: int) -> int:
@@ -135,7 +157,7 @@ class WindowPasses:
         if accumulation_steps is None:
             return None, []
         if len(self._rows) < 2:  # one forward pass of the model (the usual case)
-            return (1 if self._backward else None), []
+            return (1 if self._computing else None), []
         seen = [layer.factors["g"].statistics.scaled_passes() for layer in layers]
         groups = self._groups(seen, accumulation_steps)
         if groups is None or len(groups) < 2 or accumulation_steps < 2:
@@ -175,9 +197,11 @@ class WindowPasses:
         if all(p in self._backward for p in with_statistics):
             # Every backward call counts, also one that reached none of these layers (their
             # owner's micro-batches under DP-KFAC): the model's outputs were watched.
+            computing = {self._root(backward) for backward in self._computing}
             groups: dict[int, set[int]] = {}
             for pass_id, backward in self._backward.items():
-                groups.setdefault(self._root(backward), set()).add(pass_id)
+                if (root := self._root(backward)) in computing:
+                    groups.setdefault(root, set()).add(pass_id)
             return groups
         model_passes = with_statistics & self._rows.keys()
         if len(model_passes) != accumulation_steps:

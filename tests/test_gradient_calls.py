@@ -1,0 +1,293 @@
+"""Backward calls that compute no gradient of a layer add nothing to its ``G`` (docs/math.md).
+
+A gradient penalty (WGAN-GP, R1, a physics-informed loss) differentiates the model with
+respect to its input with ``torch.autograd.grad`` before the loss's own backward call. That
+call runs through the layers, and their output-gradient hooks fire with its vector-Jacobian
+products, which are no loss gradients. Checked against a float64 oracle written here (one
+example at a time, each example's whole objective, penalty included, differentiated with
+autograd with respect to the layers' outputs), for a penalty made by ``torch.autograd.grad``
+and by ``backward(inputs=...)``, with the loss's gradients accumulated by ``.backward()`` or
+returned by ``torch.autograd.grad(loss, parameters)``, formed in the hooks or held. And the
+engine query itself: what it answers for each kind of call, a replaced accumulator, frozen
+parameters and a weight that is not a leaf; a GAN's critic frozen for the generator's step; and
+parameters substituted by ``torch.func`` (statistics kept, as before).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dkfac
+from dkfac.autograd_engine import LayerGradients
+from test_oracle_numerics import assert_close
+from test_sat_out_passes import assert_factors_equal, factors_of, rows
+from test_shared_layers import F64
+
+DT = torch.float64
+#: The penalty's weight: large, so that its share of each output gradient is not small.
+PENALTY = 0.7
+
+
+class Critic(nn.Module):
+    """Two layers with a nonlinearity between: the input gradient depends on both weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def input_gradient(output: torch.Tensor, x: torch.Tensor, how: str) -> torch.Tensor:
+    """``∂(Σ output)/∂x``, kept differentiable, made as a user's penalty makes it."""
+    if how == "grad":
+        (gradient,) = torch.autograd.grad(output.sum(), x, create_graph=True)
+        return gradient
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_graph with backward(): a reference cycle
+        output.sum().backward(inputs=[x], create_graph=True)
+    assert x.grad is not None
+    gradient, x.grad = x.grad, None
+    return gradient
+
+
+def objective(model: Critic, x: torch.Tensor, y: torch.Tensor, penalty_by: str) -> torch.Tensor:
+    """The mean over examples of each example's cross-entropy plus its penalised gradient."""
+    x = x.detach().requires_grad_(True)
+    output = model(x)
+    gradient = input_gradient(output, x, penalty_by)
+    return F.cross_entropy(output, y) + PENALTY * gradient.pow(2).sum(1).mean()
+
+
+def oracle(
+    model: Critic, x: torch.Tensor, y: torch.Tensor, penalty: float = PENALTY
+) -> dict[str, torch.Tensor]:
+    """A and G of both layers, one example at a time: ``G = Σ g gᵀ / N``, ``g`` the gradient
+    of the example's own objective with respect to the layer's output (every path)."""
+    a_rows: dict[str, list[torch.Tensor]] = {"body": [], "head": []}
+    g_rows: dict[str, list[torch.Tensor]] = {"body": [], "head": []}
+    for n in range(x.shape[0]):
+        xn = x[n : n + 1].detach().requires_grad_(True)
+        body_out = model.body(xn)
+        head_in = torch.tanh(body_out)
+        head_out = model.head(head_in)
+        (gradient,) = torch.autograd.grad(head_out.sum(), xn, create_graph=True)
+        loss = F.cross_entropy(head_out, y[n : n + 1]) + penalty * gradient.pow(2).sum()
+        g_body, g_head = torch.autograd.grad(loss, (body_out, head_out))
+        a_rows["body"].append(rows(xn.detach()))
+        a_rows["head"].append(rows(head_in.detach()))
+        g_rows["body"].append(g_body)
+        g_rows["head"].append(g_head)
+    want = {}
+    for name in a_rows:
+        a, g = torch.cat(a_rows[name]), torch.cat(g_rows[name])
+        want[f"{name}/a"], want[f"{name}/g"] = a.t() @ a / a.shape[0], g.t() @ g / g.shape[0]
+    return want
+
+
+@pytest.mark.parametrize("penalty_by", ["grad", "backward_inputs"])
+@pytest.mark.parametrize("loss_by", ["backward", "grad"])
+@pytest.mark.parametrize("batched", [False, True])  # statistics formed in the hooks or held
+def test_a_gradient_penalty_adds_nothing_to_g_and_the_loss_everything(
+    penalty_by: str, loss_by: str, batched: bool
+) -> None:
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, batched_statistics=batched, **F64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (6,), generator=g)
+    loss = objective(model, x, y, penalty_by)
+    if loss_by == "backward":
+        loss.backward()
+    else:  # gradients returned, then given to the optimizer as a user's own loop does
+        parameters = list(model.parameters())
+        for parameter, gradient in zip(
+            parameters, torch.autograd.grad(loss, parameters), strict=True
+        ):
+            parameter.grad = gradient
+    pre.step()
+    assert_factors_equal(factors_of(pre), oracle(model, x, y))
+    pre.remove()
+
+
+def test_the_penalty_changes_g_so_the_oracle_can_tell_a_bogus_one() -> None:
+    """The penalty's own output gradients, added as the hooks used to, change ``G``."""
+    model = Critic().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=DT, requires_grad=True)
+    want = oracle(model, x, torch.randint(0, 3, (6,), generator=g))
+    body_out = model.body(x)
+    (vjp,) = torch.autograd.grad(model.head(torch.tanh(body_out)).sum(), body_out)
+    bogus = want["body/g"] + vjp.t() @ vjp / x.shape[0]
+    assert (bogus - want["body/g"]).abs().max() > 0.1 * want["body/g"].abs().max()
+
+
+class Probe:
+    """Asks :class:`LayerGradients` from inside a hook on a layer's output."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+        self.gradients = LayerGradients({"layer": list(layer.parameters())})
+        self.answers: list[bool] = []
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        out.register_hook(lambda grad: self.answers.append(self.gradients.computed("layer")))  # type: ignore[no-untyped-call]
+        return out
+
+
+def test_the_engine_query_tells_each_kind_of_backward_call_apart() -> None:
+    lin = nn.Linear(4, 3)
+    probe = Probe(lin)
+    x = torch.randn(5, 4, requires_grad=True)
+    probe.output(x).pow(2).sum().backward()
+    torch.autograd.grad(probe.output(x).pow(2).sum(), x)
+    torch.autograd.grad(probe.output(x).pow(2).sum(), list(lin.parameters()))
+    torch.autograd.grad(probe.output(x).pow(2).sum(), [lin.bias])  # the layer's bias only
+    probe.output(x).pow(2).sum().backward(inputs=[x])
+    probe.output(x).pow(2).sum().backward(inputs=[lin.weight])
+    assert probe.answers == [True, False, True, True, False, True]
+
+
+def test_an_accumulator_replaced_in_a_window_is_found_again() -> None:
+    lin = nn.Linear(4, 3)
+    probe = Probe(lin)
+    probe.output(torch.randn(5, 4)).sum().backward()  # holds the float32 accumulators
+    lin.double()  # a new parameter type: new accumulators
+    probe.output(torch.randn(5, 4, dtype=DT)).sum().backward()
+    torch.autograd.grad(probe.output(torch.randn(5, 4, dtype=DT)).sum(), list(lin.parameters()))
+    assert probe.answers == [True, True, True]
+
+
+def test_a_frozen_layer_computes_nothing_and_a_non_leaf_weight_cannot_be_told() -> None:
+    lin = nn.Linear(4, 3)
+    probe = Probe(lin)
+    probe.output(torch.randn(5, 4)).sum().backward()  # holds the accumulators
+    lin.requires_grad_(False)  # frozen in a window (a GAN's critic in the generator's step)
+    x = torch.randn(5, 4, requires_grad=True)
+    probe.output(x).sum().backward()
+    lin.requires_grad_(True)
+    probe.output(x).sum().backward()
+    assert probe.answers == [True, False, True]
+    base = torch.randn(3, 4, requires_grad=True)
+    computed = LayerGradients({"layer": [base * 2.0]})  # a weight made from another tensor
+    answers: list[bool] = []
+    out = x @ base.t()
+    out.register_hook(lambda grad: answers.append(computed.computed("layer")))  # type: ignore[no-untyped-call]
+    torch.autograd.grad(out.sum(), x)
+    assert answers == [True]  # not known: statistics kept, as before
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Linear(3, 5)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(z))
+
+
+@pytest.mark.parametrize("generator_first", [True, False])
+def test_a_critic_frozen_for_the_generators_step_gets_g_from_its_own_loss_alone(
+    generator_first: bool,
+) -> None:
+    """A GAN step: the generator's loss backpropagates through the frozen critic (no critic
+    gradient); the critic's ``G`` comes from its own loss on real and generated examples."""
+    critic, generator = Critic().double(), Generator().double()
+    pre = dkfac.KFACPreconditioner(critic, **F64)
+    g = torch.Generator().manual_seed(4)
+    real = torch.randn(3, 5, generator=g, dtype=DT)
+    z = torch.randn(3, 3, generator=g, dtype=DT)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])  # class 0: real, class 1: generated
+
+    def generator_step() -> None:
+        critic.requires_grad_(False)
+        F.cross_entropy(critic(generator(z)), labels[:3]).backward()  # to look real
+        critic.requires_grad_(True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one micro-batch: the critic's
+        if generator_first:
+            generator_step()
+        examples = torch.cat([real, generator(z).detach()])
+        F.cross_entropy(critic(examples), labels).backward()
+        if not generator_first:
+            generator_step()
+        pre.step()
+    got, want = factors_of(pre), oracle(critic, examples, labels, penalty=0.0)
+    for key in ("body/g", "head/g"):
+        assert_close(got[key], want[key], what=key)
+    pre.remove()
+
+
+@pytest.mark.parametrize("how", ["functional_call", "torch_func_grad"])
+def test_gradients_of_substituted_parameters_keep_their_statistics(how: str) -> None:
+    """``torch.func``: the call runs on parameters other than the module's own (or under a
+    transform where no accumulator can be found); dkfac cannot ask, and keeps every call's
+    statistics, as before."""
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(6, 5, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+
+    def loss_of(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
+
+    if how == "functional_call":
+        returned = torch.autograd.grad(loss_of(params), list(params.values()))
+        grads = dict(zip(params, returned, strict=True))
+    else:
+        grads = torch.func.grad(loss_of)(params)
+    for name, parameter in model.named_parameters():
+        parameter.grad = grads[name]
+    pre.step()
+    assert_factors_equal(factors_of(pre), oracle(model, x, y, penalty=0.0))
+    pre.remove()
+
+
+def test_an_adversarial_examples_input_gradient_is_no_micro_batch_and_adds_no_g() -> None:
+    """Adversarial training: an input-gradient call on a clean pass crafts each micro-batch's
+    examples; only the adversarial passes' loss gradients reach ``G``, and the window has
+    ``accumulation_steps`` micro-batches (no warning). The clean passes are training-mode
+    forward passes no loss reaches: their inputs are in ``A``, as documented."""
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, accumulation_steps=2, **F64)
+    g = torch.Generator().manual_seed(3)
+    crafted, inputs = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            x = torch.randn(3, 5, generator=g, dtype=DT, requires_grad=True)
+            y = torch.randint(0, 3, (3,), generator=g)
+            (toward,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
+            adversarial = (x + 0.3 * toward.sign()).detach()
+            (F.cross_entropy(model(adversarial), y) / 2).backward()
+            crafted.append((adversarial, y))
+            inputs += [x.detach(), adversarial]
+        pre.step()
+    got = factors_of(pre)
+    for name in ("body", "head"):
+        g_rows = []
+        for adversarial, y in crafted:
+            for n in range(adversarial.shape[0]):
+                body_out = model.body(adversarial[n : n + 1])
+                head_out = model.head(torch.tanh(body_out))
+                loss = F.cross_entropy(head_out, y[n : n + 1])
+                (out,) = torch.autograd.grad(loss, body_out if name == "body" else head_out)
+                g_rows.append(out)
+        rows_g = torch.cat(g_rows)
+        assert_close(got[f"{name}/g"], rows_g.t() @ rows_g / rows_g.shape[0], what=name)
+        layer_in = [i if name == "body" else torch.tanh(model.body(i)).detach() for i in inputs]
+        rows_a = rows(torch.cat(layer_in))
+        assert_close(got[f"{name}/a"], rows_a.t() @ rows_a / rows_a.shape[0], what=name)
+    pre.remove()
