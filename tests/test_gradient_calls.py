@@ -201,7 +201,7 @@ def test_a_critic_frozen_for_the_generators_step_gets_g_from_its_own_loss_alone(
     generator_first: bool,
 ) -> None:
     """A GAN step: the generator's loss backpropagates through the frozen critic (no critic
-    gradient); the critic's ``G`` comes from its own loss on real and generated examples."""
+    gradient); the critic's factors come from its own loss on real and generated examples."""
     critic, generator = Critic().double(), Generator().double()
     pre = dkfac.KFACPreconditioner(critic, **F64)
     g = torch.Generator().manual_seed(4)
@@ -223,9 +223,8 @@ def test_a_critic_frozen_for_the_generators_step_gets_g_from_its_own_loss_alone(
         if not generator_first:
             generator_step()
         pre.step()
-    got, want = factors_of(pre), oracle(critic, examples, labels, penalty=0.0)
-    for key in ("body/g", "head/g"):
-        assert_close(got[key], want[key], what=key)
+    # A too: a frozen critic's forward is no training call of its layers (no gradient).
+    assert_factors_equal(factors_of(pre), oracle(critic, examples, labels, penalty=0.0))
     pre.remove()
 
 
@@ -291,3 +290,54 @@ def test_an_adversarial_examples_input_gradient_is_no_micro_batch_and_adds_no_g(
         rows_a = rows(torch.cat(layer_in))
         assert_close(got[f"{name}/a"], rows_a.t() @ rows_a / rows_a.shape[0], what=name)
     pre.remove()
+
+
+def test_an_input_changed_in_place_after_its_input_gradient_call_keeps_its_statistics() -> None:
+    """The fast gradient sign method in place: the held inputs of the clean pass are formed
+    when the input-gradient call begins, before the attack changes them (batched)."""
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, batched_statistics=True, **F64)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, generator=g, dtype=DT, requires_grad=True)
+    y = torch.randint(0, 3, (6,), generator=g)
+    clean = x.detach().clone()
+    (toward,) = torch.autograd.grad(F.cross_entropy(model(x), y), x)
+    with torch.no_grad():
+        x.add_(0.3 * toward.sign())
+    F.cross_entropy(model(x), y).backward()
+    pre.step()  # no HeldTensorChangedError
+    got, want = factors_of(pre), oracle(model, x.detach(), y, penalty=0.0)
+    a_rows = rows(torch.cat([clean, x.detach()]))
+    assert_close(got["body/a"], a_rows.t() @ a_rows / a_rows.shape[0], what="body/a")
+    assert_close(got["body/g"], want["body/g"], what="body/g")
+    pre.remove()
+
+
+def test_each_layer_is_asked_once_per_backward_call() -> None:
+    lin = nn.Linear(4, 3)
+    probe = Probe(lin)
+    will_run = probe.gradients._will_run
+    assert will_run is not None
+    asked: list[object] = []
+
+    def counted(node: object) -> bool:
+        asked.append(node)
+        return will_run(node)
+
+    probe.gradients._will_run = counted
+    x = torch.randn(5, 4, requires_grad=True)
+    (probe.output(x) + probe.output(x) + probe.output(x)).sum().backward()  # three hooks
+    assert probe.answers == [True] * 3 and len(asked) == 1  # the weight's accumulator, once
+    torch.autograd.grad(probe.output(x).sum() + probe.output(x).sum(), x)
+    # Not run: asked about the held accumulators (2), found again and asked (none new).
+    assert probe.answers[3:] == [False, False] and len(asked) == 3
+
+
+def test_a_removed_preconditioner_holds_no_accumulator_when_old_hooks_run() -> None:
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, accumulation_steps=2, **F64)
+    x = torch.randn(6, 5, dtype=DT)
+    kept = model(x)  # hooks on its layers' outputs and on the model's output
+    pre.remove()
+    kept.sum().backward()
+    assert not pre._usage.gradients._accumulators

@@ -31,6 +31,10 @@ def current_backward_id() -> int | None:
     return None if current == -1 else current
 
 
+#: Backward calls whose answers are kept at once (threads running their own calls).
+KEPT_CALLS = 8
+
+
 class LayerGradients:
     """Whether the running backward call computes a gradient of a layer's parameters.
 
@@ -43,11 +47,13 @@ class LayerGradients:
     keeps every call's statistics, as before.
 
     Finding an accumulator costs a view of its parameter (microseconds; the query a tenth of
-    one), so each layer's are found once and held until :meth:`forget` (the preconditioner is
-    removed); one replaced meanwhile (``module.to()`` of another dtype or
-    device makes a new one; the old one holds the old parameter's storage until then) is found
-    again when the held one says the call does not run it. Answers are kept for the backward
-    call they were asked in: each layer is asked once per call, however many hooks ask.
+    one), so each layer's are found once per factor window and let go at its end
+    (:meth:`forget`): an accumulator holds its parameter, and ``torch.utils.swap_tensors``
+    (``module.to()`` in swap mode, loading a state into wrapper-subclass parameters) refuses a
+    parameter held so once it needs no gradient. One replaced within a window (``module.to()``
+    of another dtype or device) is found again when the held one says the call does not run
+    it. Answers are kept per backward call, by the call's id: each layer is asked once per
+    call however many hooks ask, and calls running on other threads keep their own.
 
     Args:
         parameters: each layer's parameters, by the layer's name.
@@ -60,57 +66,67 @@ class LayerGradients:
         self._will_run: Callable[[Node], bool] | None = getattr(
             torch._C, "_will_engine_execute_node", None
         )
-        # The backward call asked in, its answers by layer (None: cannot tell), and whether it
-        # computes some layer's gradient (None: not asked yet).
-        self._call: int | None = None
-        self._answers: dict[str, bool | None] = {}
-        self._any: bool | None = None
+        # By backward call: each layer's answer (None: not known), and "any layer's" under "".
+        self._answers: dict[int, dict[str, bool | None]] = {}
+        self._closed = False
 
     def computed(self, name: str) -> bool:
-        """Whether the backward call running now computes a gradient of layer ``name``'s."""
-        return self._answer(name) is not False
+        """Whether the backward call running now computes a gradient of layer ``name``."""
+        answers = self._call_answers()
+        if answers is None:
+            return True
+        if name not in answers:
+            answers[name] = self._ask(name)
+        return answers[name] is not False
 
     def any_computed(self) -> bool:
-        """Whether the backward call running now computes a gradient of any layer's."""
-        self._in_current_call()
-        if self._any is None:
+        """Whether the backward call running now computes a gradient of any layer."""
+        answers = self._call_answers()
+        if answers is None:
+            return True
+        if "" not in answers:
             # Only with every layer's answer a known "no" does the call compute none.
-            self._any = not self._parameters or any(
-                self._answer(name) is not False for name in self._parameters
+            answers[""] = not self._parameters or any(
+                self.computed(name) for name in self._parameters
             )
-        return self._any
+        return bool(answers[""])
 
     def forget(self) -> None:
-        """Let go of the accumulators held, and of the answers."""
+        """Let go of the accumulators held, and of the answers (a factor window ended)."""
         self._accumulators.clear()
-        self._call, self._answers, self._any = None, {}, None
+        self._answers.clear()
 
-    def _in_current_call(self) -> None:
-        """Forget the answers of an earlier backward call."""
+    def close(self) -> None:
+        """Forget, and answer yes from now on, asking nothing (the preconditioner is removed).
+
+        Hooks on tensors made before may still run: they hold nothing again.
+        """
+        self.forget()
+        self._closed = True
+
+    def _call_answers(self) -> dict[str, bool | None] | None:
+        """The running backward call's answers so far (None: no call or nothing to ask)."""
         call = current_backward_id()
-        if call != self._call:
-            self._call, self._answers, self._any = call, {}, None
-
-    def _answer(self, name: str) -> bool | None:
-        """Whether the running call computes a gradient of layer ``name``'s; None: not known."""
-        self._in_current_call()
-        if name not in self._answers:
-            self._answers[name] = self._ask(name)
-        return self._answers[name]
+        if call is None or self._will_run is None or self._closed:
+            return None
+        answers = self._answers.get(call)
+        if answers is None:
+            if len(self._answers) >= KEPT_CALLS:
+                self._answers.clear()
+            answers = self._answers[call] = {}
+        return answers
 
     def _ask(self, name: str) -> bool | None:
         """Ask the engine about the held accumulators, else about those found again."""
         will_run = self._will_run
-        if will_run is None or self._call is None:
-            return None
+        assert will_run is not None  # _call_answers returned answers
         held = self._accumulators.get(name, [])
         if any(_runs(will_run, node) for node in held):
             return True
         found = self._find(name)
         if found is None:
             return None
-        if found:
-            self._accumulators[name] = found
+        self._accumulators[name] = found  # [] when frozen: nothing held for it
         return any(_runs(will_run, node) for node in found if node not in held)
 
     def _find(self, name: str) -> list[Node] | None:

@@ -177,7 +177,7 @@ class StatisticsCapture:
         self._handles.clear()
         self._layer_hooks.detach()
         self._removed = True
-        self._usage.gradients.forget()
+        self._usage.gradients.close()
         if self._pending is not None:
             self._pending.discard()
         self._deferred.release()
@@ -224,7 +224,7 @@ class StatisticsCapture:
             if self._recomputing is None or self._recomputing[0] != backward:
                 self._pass["number"] += 1
                 self._recomputing = (backward, self._pass["number"])
-                self._usage.backward_reached(self._pass["number"], backward)
+                self._usage.backward_reached(self._pass["number"], backward, computing=False)
             return self._recomputing[1]
         self._pass["number"] += 1
         return self._pass["number"]
@@ -242,7 +242,13 @@ class StatisticsCapture:
         # Recorded in a capture window on every worker, whether it captures this layer or not,
         # so all workers agree on which layers are used outside their forward and which are
         # broadcast (LayerUsage.find_silent).
-        training = module.training and torch.is_grad_enabled()
+        # Parameters substituted for the call (torch.func.functional_call) are not those the
+        # engine is asked about: its statistics are kept, as before. The layer's own, frozen
+        # (a GAN's critic in the generator's step), get no gradient: the call is no training.
+        own = module._parameters.get("weight") is layer.block.weight
+        training = (
+            module.training and torch.is_grad_enabled() and (not own or layer.block.requires_grad)
+        )
         x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         pass_id = self._current_pass() if training and x is not None else None
         rows = int(x.shape[0]) if x is not None and x.dim() > 0 else 1
@@ -301,9 +307,6 @@ class StatisticsCapture:
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
-            # Parameters substituted for the call (torch.func.functional_call) are not those
-            # whose accumulators the engine is asked about: its statistics are kept, as before.
-            own = module.weight is layer.block.weight
             hook = functools.partial(
                 self._output_grad_hook, layer, pass_id, examples, kept, captured, own
             )
@@ -351,12 +354,12 @@ class StatisticsCapture:
             return
         computed = not own or self._usage.gradients.computed(layer.name)
         self._usage.backward_reached(pass_id, computing=computed)
+        pending = self._pending
+        if pending is not None and pending.holds("a"):  # a backward call began: the inputs
+            self._form_pending("a")  # are complete (formed before the caller may change them)
         if not computed:  # a gradient penalty's vector-Jacobian products: no loss gradients
             return
-        pending = self._pending
         if pending is not None:
-            if pending.holds("a"):  # the backward pass began: the forward's inputs are complete
-                self._form_pending("a")
             scale = self._loss_scale() if captured else None
             held = self._hold(pending, layer, "g", grad, pass_id, examples, kept, captured, scale)
             if held or not captured:

@@ -95,7 +95,7 @@ class LayerUsage:
             self._passes.watch_outputs(pass_id, output)
 
     def backward_reached(
-        self, pass_id: int, backward: int | None = None, computing: bool = False
+        self, pass_id: int, backward: int | None = None, *, computing: bool
     ) -> None:
         """A backward call (``backward``, else the running one) reached pass ``pass_id``.
 
@@ -179,8 +179,9 @@ class LayerUsage:
             self._warn_once(
                 "accumulation",
                 f"K-FAC saw {seen} backward pass(es) before step() but "
-                f"accumulation_steps={self._accumulation_steps}; statistics are pooled "
-                "over all of them",
+                f"accumulation_steps={self._accumulation_steps}; their statistics are pooled "
+                "as one batch's, and a layer that ran in only some of them is not corrected "
+                "for those it sat out (docs/math.md, 'Gradient accumulation')",
             )
 
     def find_silent(

@@ -84,7 +84,8 @@ class WindowPasses:
         pass_id: int,
         backward: int | None = None,
         window: int | None = None,
-        computing: bool = False,
+        *,
+        computing: bool,
     ) -> None:
         """A backward call (``backward``, else the one running) reached pass ``pass_id``.
 
@@ -125,7 +126,8 @@ class WindowPasses:
             self.reached(pass_id, computing=self._gradients.any_computed())
 
     def clear(self) -> None:
-        """Forget the window."""
+        """Forget the window, and let go of the accumulators held for it."""
+        self._gradients.forget()
         self._rows.clear()
         self._backward.clear()
         self._merged.clear()

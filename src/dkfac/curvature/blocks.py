@@ -142,6 +142,11 @@ class KroneckerBlock(ABC):
         """The preconditioned parameters (weight, then bias)."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether some preconditioned parameter needs a gradient (not frozen)."""
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+
     def has_grad(self) -> bool:
         """Whether every preconditioned parameter has a gradient."""
         return self.weight.grad is not None and (self.bias is None or self.bias.grad is not None)
