@@ -9,8 +9,10 @@ autograd with respect to the layers' outputs), for a penalty made by ``torch.aut
 and by ``backward(inputs=...)``, with the loss's gradients accumulated by ``.backward()`` or
 returned by ``torch.autograd.grad(loss, parameters)``, formed in the hooks or held. And the
 engine query itself: what it answers for each kind of call, a replaced accumulator, frozen
-parameters and a weight that is not a leaf; a GAN's critic frozen for the generator's step; and
-parameters substituted by ``torch.func`` (statistics kept, as before).
+parameters and a weight that is not a leaf, each layer asked once per call, nothing held after
+``remove()``. A penalty through a checkpointed segment; adversarial training (under
+accumulation, and changing its input in place with held statistics); a GAN's critic frozen for
+the generator's step; and parameters substituted by ``torch.func`` (statistics kept).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dkfac
 from dkfac.autograd_engine import LayerGradients
@@ -341,3 +344,27 @@ def test_a_removed_preconditioner_holds_no_accumulator_when_old_hooks_run() -> N
     pre.remove()
     kept.sum().backward()
     assert not pre._usage.gradients._accumulators
+
+
+class CheckpointedCritic(Critic):
+    """``Critic`` with its body recomputed in the backward call (not reentrant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = checkpoint(lambda t: torch.tanh(self.body(t)), x, use_reentrant=False)
+        return self.head(hidden)  # type: ignore[no-any-return]
+
+
+def test_a_penalty_through_a_checkpointed_segment_under_accumulation() -> None:
+    """The penalty's call recomputes the segment too; each micro-batch is one loss's call."""
+    model = CheckpointedCritic().double()
+    pre = dkfac.KFACPreconditioner(model, accumulation_steps=2, **F64)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 5, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (6,), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # two micro-batches, as configured
+        for half in (slice(0, 3), slice(3, 6)):
+            (objective(model, x[half], y[half], "grad") / 2).backward()
+        pre.step()
+    assert_factors_equal(factors_of(pre), oracle(model, x, y))
+    pre.remove()
