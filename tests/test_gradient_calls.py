@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dkfac
-from dkfac.autograd_engine import LayerGradients
+from dkfac.autograd_engine import LayerGradients, accumulators_below
 from test_oracle_numerics import assert_close
 from test_sat_out_passes import assert_factors_equal, factors_of, rows
 from test_shared_layers import F64
@@ -138,12 +138,15 @@ class Probe:
 
     def __init__(self, layer: nn.Linear) -> None:
         self.layer = layer
-        self.gradients = LayerGradients({"layer": list(layer.parameters())})
+        self.gradients = LayerGradients()
         self.answers: list[bool] = []
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layer(x)
-        out.register_hook(lambda grad: self.answers.append(self.gradients.computed("layer")))  # type: ignore[no-untyped-call]
+        found = accumulators_below(out, list(self.layer.parameters()))
+        out.register_hook(  # type: ignore[no-untyped-call]
+            lambda grad: self.answers.append(self.gradients.computed("layer", found))
+        )
         return out
 
 
@@ -160,33 +163,30 @@ def test_the_engine_query_tells_each_kind_of_backward_call_apart() -> None:
     assert probe.answers == [True, False, True, True, False, True]
 
 
-def test_an_accumulator_replaced_in_a_window_is_found_again() -> None:
-    lin = nn.Linear(4, 3)
-    probe = Probe(lin)
-    probe.output(torch.randn(5, 4)).sum().backward()  # holds the float32 accumulators
-    lin.double()  # a new parameter type: new accumulators
-    probe.output(torch.randn(5, 4, dtype=DT)).sum().backward()
-    torch.autograd.grad(probe.output(torch.randn(5, 4, dtype=DT)).sum(), list(lin.parameters()))
-    assert probe.answers == [True, True, True]
-
-
-def test_a_frozen_layer_computes_nothing_and_a_non_leaf_weight_cannot_be_told() -> None:
-    lin = nn.Linear(4, 3)
-    probe = Probe(lin)
-    probe.output(torch.randn(5, 4)).sum().backward()  # holds the accumulators
-    lin.requires_grad_(False)  # frozen in a window (a GAN's critic in the generator's step)
-    x = torch.randn(5, 4, requires_grad=True)
-    probe.output(x).sum().backward()
+def test_the_accumulators_are_found_below_a_layers_output_or_said_unknown() -> None:
+    conv, lin = nn.Conv2d(2, 3, 3), nn.Linear(4, 3)
+    lin.bias.requires_grad_(False)
+    for layer, x in ((conv, torch.randn(2, 2, 5, 5)), (lin, torch.randn(2, 7, 4))):
+        found = accumulators_below(layer(x), list(layer.parameters()))
+        wanted = [p for p in layer.parameters() if p.requires_grad]
+        assert found is not None and [node.variable for node in found] == wanted
     lin.requires_grad_(True)
-    probe.output(x).sum().backward()
-    assert probe.answers == [True, False, True]
+    copies = {k: v.detach().clone().requires_grad_(True) for k, v in lin.named_parameters()}
+    substituted = torch.func.functional_call(lin, copies, (torch.randn(2, 4),))
+    assert accumulators_below(substituted, list(lin.parameters())) is None  # not known
     base = torch.randn(3, 4, requires_grad=True)
-    computed = LayerGradients({"layer": [base * 2.0]})  # a weight made from another tensor
-    answers: list[bool] = []
-    out = x @ base.t()
-    out.register_hook(lambda grad: answers.append(computed.computed("layer")))  # type: ignore[no-untyped-call]
-    torch.autograd.grad(out.sum(), x)
-    assert answers == [True]  # not known: statistics kept, as before
+    made = torch.randn(2, 4) @ (base * 2.0).t()  # a weight made from another tensor
+    assert accumulators_below(made, [base * 2.0]) is None
+    frozen = nn.Linear(4, 3).requires_grad_(False)
+    assert (
+        accumulators_below(frozen(torch.randn(2, 4, requires_grad=True)), [frozen.weight]) is None
+    )
+    answers = LayerGradients()
+    out = lin(torch.randn(2, 4, requires_grad=True))
+    told: list[bool] = []
+    out.register_hook(lambda grad: told.append(answers.computed("lin", None)))  # type: ignore[no-untyped-call]
+    torch.autograd.grad(out.sum(), lin.weight)
+    assert told == [True]  # nothing found: not known, statistics kept as before
 
 
 class Generator(nn.Module):
@@ -332,7 +332,7 @@ def test_each_layer_is_asked_once_per_backward_call() -> None:
     (probe.output(x) + probe.output(x) + probe.output(x)).sum().backward()  # three hooks
     assert probe.answers == [True] * 3 and len(asked) == 1  # the weight's accumulator, once
     torch.autograd.grad(probe.output(x).sum() + probe.output(x).sum(), x)
-    # Not run: asked about the held accumulators (2), found again and asked (none new).
+    # Not run: the first hook asks about the weight's and the bias's accumulators, then kept.
     assert probe.answers[3:] == [False, False] and len(asked) == 3
 
 
@@ -343,7 +343,7 @@ def test_a_removed_preconditioner_holds_no_accumulator_when_old_hooks_run() -> N
     kept = model(x)  # hooks on its layers' outputs and on the model's output
     pre.remove()
     kept.sum().backward()
-    assert not pre._usage.gradients._accumulators
+    assert not pre._usage.gradients._pass_accumulators
 
 
 class CheckpointedCritic(Critic):

@@ -251,7 +251,7 @@ def test_an_output_that_is_a_parameter_gets_no_hook_and_windows_stay_apart() -> 
 
 def test_an_output_kept_from_an_earlier_window_binds_no_pass_of_this_one() -> None:
     weight = torch.ones(3, requires_grad=True)
-    passes = WindowPasses(LayerGradients({"layer": [weight]}))
+    passes = WindowPasses(LayerGradients())
     passes.started(1, 3)
     kept = weight * 2.0
     passes.watch_outputs(1, {"kept": [kept]})
@@ -276,7 +276,7 @@ class Looped:
 
 def test_the_output_search_ends_on_a_cycle_or_a_long_list() -> None:
     weight = torch.ones(3, requires_grad=True)
-    passes = WindowPasses(LayerGradients({"layer": [weight]}))
+    passes = WindowPasses(LayerGradients())
     passes.started(1, 3)
     looped = Looped(weight * 2.0)
     looped.again = [looped, list(range(100_000))]

@@ -11,11 +11,11 @@ and must not reach ``G`` (docs/math.md, "Backward calls that compute no layer gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import Node
 
 
 def current_backward_id() -> int | None:
@@ -33,6 +33,37 @@ def current_backward_id() -> int | None:
 
 #: Backward calls whose answers are kept at once (threads running their own calls).
 KEPT_CALLS = 8
+#: Graph nodes looked at below a layer's output for its parameters' accumulators.
+SEARCHED_NODES = 16
+
+
+def accumulators_below(output: Tensor, parameters: Sequence[Tensor]) -> list[Node] | None:
+    """The gradient accumulators of ``parameters`` (those needing one) below ``output``.
+
+    Searched within :data:`SEARCHED_NODES` nodes of ``output``'s graph (the operator's inputs:
+    one or two nodes down for a convolution or a linear map); None when not all are found
+    there. Read from the graph the call just made, nothing is held beyond it; parameters
+    substituted for the call (``torch.func.functional_call``) or not leaves are not found:
+    dkfac then cannot tell, and keeps the call's statistics.
+    """
+    wanted = [tensor for tensor in parameters if tensor.requires_grad]
+    found: list[Node] = []
+    queue = [output.grad_fn]
+    looked = 0
+    while queue and looked < SEARCHED_NODES and len(found) < len(wanted):
+        node = queue.pop(0)
+        looked += 1
+        if node is None:
+            continue
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)  # an AccumulateGrad's parameter
+            if variable is None:
+                queue.append(child)
+            elif any(variable is tensor for tensor in wanted) and child not in found:
+                found.append(child)
+    return found if len(found) == len(wanted) and found else None
 
 
 class LayerGradients:
@@ -41,73 +72,79 @@ class LayerGradients:
     The call computes one if it runs the gradient accumulator of a parameter (``.backward()``,
     ``backward(inputs=...)`` naming it) or returns the parameter's gradient
     (``torch.autograd.grad(loss, parameters)``, for which the engine refuses the query: a
-    refusal counts as yes). A layer whose parameters all need no gradient (frozen, as a GAN's
-    critic in the generator's step) computes none. Where dkfac cannot tell (a parameter that is
-    not a leaf, no accumulator to find under ``torch.func``), the answer is yes: the layer
-    keeps every call's statistics, as before.
+    refusal counts as yes). The accumulators asked about are those of the layer's call
+    (:func:`accumulators_below`); where none were found (a parameter that is not a leaf,
+    substituted parameters, ``torch.func``'s transforms) the answer is yes: the layer keeps
+    every call's statistics, as before. A layer whose parameters all need no gradient when it
+    runs (a GAN's critic frozen for the generator's step) is no training call at all (the
+    capture's forward hook).
 
-    Finding an accumulator costs a view of its parameter (microseconds; the query a tenth of
-    one), so each layer's are found once per factor window and let go at its end
-    (:meth:`forget`): an accumulator holds its parameter, and ``torch.utils.swap_tensors``
-    (``module.to()`` in swap mode, loading a state into wrapper-subclass parameters) refuses a
-    parameter held so once it needs no gradient. One replaced within a window (``module.to()``
-    of another dtype or device) is found again when the held one says the call does not run
-    it. Answers are kept per backward call, by the call's id: each layer is asked once per
-    call however many hooks ask, and calls running on other threads keep their own.
-
-    Args:
-        parameters: each layer's parameters, by the layer's name.
+    Answers are kept per backward call, by the call's id: each layer is asked once per call
+    however many hooks ask, and calls on other threads keep their own. Each pass's first
+    accumulators are kept until :meth:`forget` (the window's end) to answer for the pass's
+    outputs (:meth:`any_computed`).
     """
 
-    def __init__(self, parameters: Mapping[str, Sequence[Tensor]]) -> None:
-        self._parameters = {name: list(tensors) for name, tensors in parameters.items()}
-        self._accumulators: dict[str, list[Node]] = {}
+    def __init__(self) -> None:
         # The engine's "will this node run in the current backward call" (None: not built in).
         self._will_run: Callable[[Node], bool] | None = getattr(
             torch._C, "_will_engine_execute_node", None
         )
-        # By backward call: each layer's answer (None: not known), and "any layer's" under "".
-        self._answers: dict[int, dict[str, bool | None]] = {}
-        self._closed = False
+        # By backward call: each layer's answer, and each pass's (under its number).
+        self._answers: dict[int, dict[str | int, bool]] = {}
+        self._pass_accumulators: dict[int, list[Node] | None] = {}
 
-    def computed(self, name: str) -> bool:
-        """Whether the backward call running now computes a gradient of layer ``name``."""
+    def found(self, pass_id: int, accumulators: list[Node] | None) -> None:
+        """A layer's call in pass ``pass_id`` has ``accumulators``.
+
+        ``[]``: the layer ran frozen; None: not known. The pass keeps its first found (which
+        answer for its outputs), else not known, else frozen.
+        """
+        kept = self._pass_accumulators.get(pass_id, [])
+        # Found beats not known, which beats frozen.
+        if accumulators or (kept == [] and accumulators is None):
+            if not kept:
+                self._pass_accumulators[pass_id] = accumulators
+        else:
+            self._pass_accumulators.setdefault(pass_id, [])
+
+    def computed(self, name: str, accumulators: list[Node] | None) -> bool:
+        """Whether the running backward call computes a gradient of layer ``name``'s call.
+
+        ``accumulators``: those found for the call (None: not known, so yes).
+        """
         answers = self._call_answers()
-        if answers is None:
+        if answers is None or not accumulators:
             return True
         if name not in answers:
-            answers[name] = self._ask(name)
-        return answers[name] is not False
+            answers[name] = self._runs_any(accumulators)
+        return answers[name]
 
-    def any_computed(self) -> bool:
-        """Whether the backward call running now computes a gradient of any layer."""
+    def any_computed(self, pass_id: int) -> bool:
+        """Whether the running backward call computes a gradient of pass ``pass_id``'s layers.
+
+        Asked of the pass's first accumulators found; none found: only frozen layers ran in it
+        (no), or nothing is known (yes).
+        """
         answers = self._call_answers()
-        if answers is None:
+        accumulators = self._pass_accumulators.get(pass_id)
+        if answers is None or accumulators is None:
             return True
-        if "" not in answers:
-            # Only with every layer's answer a known "no" does the call compute none.
-            answers[""] = not self._parameters or any(
-                self.computed(name) for name in self._parameters
-            )
-        return bool(answers[""])
+        if not accumulators:  # only frozen layers ran in it
+            return False
+        if pass_id not in answers:
+            answers[pass_id] = self._runs_any(accumulators)
+        return answers[pass_id]
 
     def forget(self) -> None:
-        """Let go of the accumulators held, and of the answers (a factor window ended)."""
-        self._accumulators.clear()
+        """Let go of the passes' accumulators, and of the answers (a factor window ended)."""
         self._answers.clear()
+        self._pass_accumulators.clear()
 
-    def close(self) -> None:
-        """Forget, and answer yes from now on, asking nothing (the preconditioner is removed).
-
-        Hooks on tensors made before may still run: they hold nothing again.
-        """
-        self.forget()
-        self._closed = True
-
-    def _call_answers(self) -> dict[str, bool | None] | None:
-        """The running backward call's answers so far (None: no call or nothing to ask)."""
+    def _call_answers(self) -> dict[str | int, bool] | None:
+        """The running backward call's answers so far (None: no call, or no engine query)."""
         call = current_backward_id()
-        if call is None or self._will_run is None or self._closed:
+        if call is None or self._will_run is None:
             return None
         answers = self._answers.get(call)
         if answers is None:
@@ -116,32 +153,10 @@ class LayerGradients:
             answers = self._answers[call] = {}
         return answers
 
-    def _ask(self, name: str) -> bool | None:
-        """Ask the engine about the held accumulators, else about those found again."""
+    def _runs_any(self, accumulators: list[Node]) -> bool:
         will_run = self._will_run
-        assert will_run is not None  # _call_answers returned answers
-        held = self._accumulators.get(name, [])
-        if any(_runs(will_run, node) for node in held):
-            return True
-        found = self._find(name)
-        if found is None:
-            return None
-        self._accumulators[name] = found  # [] when frozen: nothing held for it
-        return any(_runs(will_run, node) for node in found if node not in held)
-
-    def _find(self, name: str) -> list[Node] | None:
-        """The accumulators of the layer's parameters that need a gradient (None: not known)."""
-        nodes = []
-        for tensor in self._parameters[name]:
-            if not tensor.requires_grad:
-                continue
-            if tensor.grad_fn is not None:  # not a leaf: no accumulator of its own
-                return None
-            try:
-                nodes.append(get_gradient_edge(tensor).node)
-            except (RuntimeError, AttributeError):  # e.g. under torch.func's transforms
-                return None
-        return nodes
+        assert will_run is not None  # _call_answers gave answers
+        return any(_runs(will_run, node) for node in accumulators)
 
 
 def _runs(will_run: Callable[[Node], bool], node: Node) -> bool:

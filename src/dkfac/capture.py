@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from dkfac.autograd_engine import current_backward_id
+from dkfac.autograd_engine import accumulators_below, current_backward_id
 from dkfac.broadcast_check import batch_rows
 from dkfac.comm import StepRecorder
 from dkfac.curvature.layer import LayerCurvature
@@ -177,7 +178,7 @@ class StatisticsCapture:
         self._handles.clear()
         self._layer_hooks.detach()
         self._removed = True
-        self._usage.gradients.close()
+        self._usage.gradients.forget()
         if self._pending is not None:
             self._pending.discard()
         self._deferred.release()
@@ -242,13 +243,15 @@ class StatisticsCapture:
         # Recorded in a capture window on every worker, whether it captures this layer or not,
         # so all workers agree on which layers are used outside their forward and which are
         # broadcast (LayerUsage.find_silent).
-        # Parameters substituted for the call (torch.func.functional_call) are not those the
-        # engine is asked about: its statistics are kept, as before. The layer's own, frozen
-        # (a GAN's critic in the generator's step), get no gradient: the call is no training.
+        # The layer's own parameters all frozen (a GAN's critic in the generator's step): the
+        # call gets no gradient, it is no training (substituted ones, torch.func: not known),
+        # and its pass's outputs are told so.
         own = module._parameters.get("weight") is layer.block.weight
-        training = (
-            module.training and torch.is_grad_enabled() and (not own or layer.block.requires_grad)
-        )
+        training = module.training and torch.is_grad_enabled()
+        if training and own and not layer.block.requires_grad:
+            training = False
+            if self._pass["depth"] > 0:
+                self._usage.accumulators_found(self._pass["number"], [])
         x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         pass_id = self._current_pass() if training and x is not None else None
         rows = int(x.shape[0]) if x is not None and x.dim() > 0 else 1
@@ -306,9 +309,12 @@ class StatisticsCapture:
                     layer.add_statistic("a", part, pass_id, None, weight)
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
-            # The pass is bound now: the backward of several passes may come later at once.
+            # The pass is bound now: the backward of several passes may come later at once,
+            # and so are the accumulators a loss's backward call runs (not a penalty's).
+            accumulators = accumulators_below(output, layer.block.parameters())
+            self._usage.accumulators_found(pass_id, accumulators)
             hook = functools.partial(
-                self._output_grad_hook, layer, pass_id, examples, kept, captured, own
+                self._output_grad_hook, layer, pass_id, examples, kept, captured, accumulators
             )
             output.register_hook(hook)  # type: ignore[no-untyped-call]
         return None
@@ -346,13 +352,13 @@ class StatisticsCapture:
         examples: int,
         kept: int,
         captured: bool,
-        own: bool,
+        accumulators: list[Node] | None,
         grad: Tensor,
     ) -> None:
         # captured=False: another worker's layer, watched (batched_statistics alone).
         if self._removed:
             return
-        computed = not own or self._usage.gradients.computed(layer.name)
+        computed = self._usage.gradients.computed(layer.name, accumulators)
         self._usage.backward_reached(pass_id, computing=computed)
         pending = self._pending
         if pending is not None and pending.holds("a"):  # a backward call began: the inputs

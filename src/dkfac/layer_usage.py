@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 from dkfac.autograd_engine import LayerGradients
 from dkfac.broadcast_check import BroadcastCheck
@@ -53,7 +54,7 @@ class LayerUsage:
         self._silent: set[str] = set()
         self._warned: set[str] = set()
         self._broadcast_check = BroadcastCheck(layers, self._warn_once)
-        self.gradients = LayerGradients({layer.name: layer.block.parameters() for layer in layers})
+        self.gradients = LayerGradients()
         self._passes = WindowPasses(self.gradients)
 
     @property
@@ -93,6 +94,15 @@ class LayerUsage:
         """
         if self._accumulation_steps is not None:
             self._passes.watch_outputs(pass_id, output)
+
+    def accumulators_found(self, pass_id: int, accumulators: list[Node] | None) -> None:
+        """A layer's call in pass ``pass_id`` has ``accumulators``.
+
+        They answer for the pass's outputs (:meth:`LayerGradients.any_computed`), kept only with
+        ``accumulation_steps``.
+        """
+        if self._accumulation_steps is not None:
+            self.gradients.found(pass_id, accumulators)
 
     def backward_reached(
         self, pass_id: int, backward: int | None = None, *, computing: bool

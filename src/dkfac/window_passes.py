@@ -123,7 +123,7 @@ class WindowPasses:
 
     def _output_reached(self, pass_id: int, window: int, grad: Tensor) -> None:
         if window == self._window:  # a stale hook asks the engine nothing
-            self.reached(pass_id, computing=self._gradients.any_computed())
+            self.reached(pass_id, computing=self._gradients.any_computed(pass_id))
 
     def clear(self) -> None:
         """Forget the window, and let go of the accumulators held for it."""
