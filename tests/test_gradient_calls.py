@@ -175,18 +175,20 @@ def test_the_accumulators_are_found_below_a_layers_output_or_said_unknown() -> N
     substituted = torch.func.functional_call(lin, copies, (torch.randn(2, 4),))
     assert accumulators_below(substituted, list(lin.parameters())) is None  # not known
     base = torch.randn(3, 4, requires_grad=True)
-    made = torch.randn(2, 4) @ (base * 2.0).t()  # a weight made from another tensor
-    assert accumulators_below(made, [base * 2.0]) is None
+    weight = base * 2.0  # a weight made from another tensor: no accumulator of its own
+    assert accumulators_below(torch.randn(2, 4) @ weight.t(), [weight]) is None
     frozen = nn.Linear(4, 3).requires_grad_(False)
     assert (
         accumulators_below(frozen(torch.randn(2, 4, requires_grad=True)), [frozen.weight]) is None
     )
-    answers = LayerGradients()
-    out = lin(torch.randn(2, 4, requires_grad=True))
-    told: list[bool] = []
-    out.register_hook(lambda grad: told.append(answers.computed("lin", None)))  # type: ignore[no-untyped-call]
-    torch.autograd.grad(out.sum(), lin.weight)
-    assert told == [True]  # nothing found: not known, statistics kept as before
+    # The input's own graph is not searched: a wide one would spend the budget (under
+    # autocast a bfloat16 input joined from many parts, the weight two casts away).
+    parts = [torch.randn(2, 4, requires_grad=True).to(torch.bfloat16) * 1.0 for _ in range(12)]
+    joined = torch.cat(parts, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(joined)
+    found = accumulators_below(out, list(lin.parameters()), joined.grad_fn)
+    assert found is not None and [node.variable for node in found] == [lin.bias, lin.weight]
 
 
 class Generator(nn.Module):
@@ -336,14 +338,33 @@ def test_each_layer_is_asked_once_per_backward_call() -> None:
     assert probe.answers[3:] == [False, False] and len(asked) == 3
 
 
-def test_a_removed_preconditioner_holds_no_accumulator_when_old_hooks_run() -> None:
+def test_a_parameter_frozen_after_its_pass_can_be_swapped_within_the_window() -> None:
+    """Nothing holds an accumulator beyond its pass's graph: ``swap_tensors`` refuses a
+    parameter that needs no gradient while an accumulator of it is alive elsewhere."""
     model = Critic().double()
     pre = dkfac.KFACPreconditioner(model, accumulation_steps=2, **F64)
-    x = torch.randn(6, 5, dtype=DT)
-    kept = model(x)  # hooks on its layers' outputs and on the model's output
+    x, y = torch.randn(6, 5, dtype=DT), torch.randint(0, 3, (6,))
+    (F.cross_entropy(model(x), y) / 2).backward()  # the window stays open
+    weight = model.body.weight.requires_grad_(False)
+    torch.utils.swap_tensors(weight, nn.Parameter(weight.detach().clone(), requires_grad=False))
     pre.remove()
-    kept.sum().backward()
-    assert not pre._usage.gradients._pass_accumulators
+
+
+@pytest.mark.parametrize("captures_generator", [True, False])
+def test_a_pass_answers_alike_on_every_worker_whatever_it_captures(
+    captures_generator: bool,
+) -> None:
+    """A generator's step through a frozen critic computes the generator's gradient: the
+    pass's outputs say so on a worker that captures the generator's layer or not (DP-KFAC)."""
+    model = nn.Sequential(Generator(), Critic()).double()
+    pre = dkfac.KFACPreconditioner(model, accumulation_steps=1, **F64)
+    if not captures_generator:
+        captures = pre._strategy.captures
+        pre._strategy.captures = lambda layer: layer.name != "0.net" and captures(layer)  # type: ignore[method-assign]
+    model[1].requires_grad_(False)
+    model(torch.randn(3, 3, dtype=DT)).sum().backward()
+    assert pre._usage._passes._computing  # one computing call, seen through the outputs
+    pre.remove()
 
 
 class CheckpointedCritic(Critic):

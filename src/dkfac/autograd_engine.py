@@ -11,7 +11,8 @@ and must not reach ``G`` (docs/math.md, "Backward calls that compute no layer gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,14 +38,17 @@ KEPT_CALLS = 8
 SEARCHED_NODES = 16
 
 
-def accumulators_below(output: Tensor, parameters: Sequence[Tensor]) -> list[Node] | None:
+def accumulators_below(
+    output: Tensor, parameters: Sequence[Tensor], stop: Node | None = None
+) -> list[Node] | None:
     """The gradient accumulators of ``parameters`` (those needing one) below ``output``.
 
     Searched within :data:`SEARCHED_NODES` nodes of ``output``'s graph (the operator's inputs:
     one or two nodes down for a convolution or a linear map); None when not all are found
     there. Read from the graph the call just made, nothing is held beyond it; parameters
     substituted for the call (``torch.func.functional_call``) or not leaves are not found:
-    dkfac then cannot tell, and keeps the call's statistics.
+    dkfac then cannot tell, and keeps the call's statistics. ``stop``: the node that made the
+    layer's input, not searched (its graph would spend the budget).
     """
     wanted = [tensor for tensor in parameters if tensor.requires_grad]
     found: list[Node] = []
@@ -60,10 +64,23 @@ def accumulators_below(output: Tensor, parameters: Sequence[Tensor]) -> list[Nod
                 continue
             variable = getattr(child, "variable", None)  # an AccumulateGrad's parameter
             if variable is None:
-                queue.append(child)
+                if child is not stop:
+                    queue.append(child)
             elif any(variable is tensor for tensor in wanted) and child not in found:
                 found.append(child)
     return found if len(found) == len(wanted) and found else None
+
+
+@dataclass
+class PassAccumulators:
+    """The accumulators found in one forward pass's layer calls, each once.
+
+    ``known`` is False when some call's were not found: the pass then computes, as far as
+    dkfac can tell. Empty and known: only frozen layers ran in it.
+    """
+
+    nodes: dict[int, Node] = field(default_factory=dict)  # by id: each node once
+    known: bool = True
 
 
 class LayerGradients:
@@ -79,10 +96,11 @@ class LayerGradients:
     runs (a GAN's critic frozen for the generator's step) is no training call at all (the
     capture's forward hook).
 
-    Answers are kept per backward call, by the call's id: each layer is asked once per call
-    however many hooks ask, and calls on other threads keep their own. Each pass's first
-    accumulators are kept until :meth:`forget` (the window's end) to answer for the pass's
-    outputs (:meth:`any_computed`).
+    Answers are kept per backward call, by the call's id: each layer (and pass) is asked once
+    per call however many hooks ask, and calls on other threads keep their own. A pass's
+    accumulators, of every layer call in it on every worker alike, are gathered until the pass
+    ends and then handed to the hooks on its outputs (:meth:`take`): nothing outlives the
+    pass's graph.
     """
 
     def __init__(self) -> None:
@@ -90,23 +108,25 @@ class LayerGradients:
         self._will_run: Callable[[Node], bool] | None = getattr(
             torch._C, "_will_engine_execute_node", None
         )
-        # By backward call: each layer's answer, and each pass's (under its number).
+        # By backward call: each layer's answer (by name), and each pass's (by number).
         self._answers: dict[int, dict[str | int, bool]] = {}
-        self._pass_accumulators: dict[int, list[Node] | None] = {}
+        self._passes: dict[int, PassAccumulators] = {}
 
     def found(self, pass_id: int, accumulators: list[Node] | None) -> None:
         """A layer's call in pass ``pass_id`` has ``accumulators``.
 
-        ``[]``: the layer ran frozen; None: not known. The pass keeps its first found (which
-        answer for its outputs), else not known, else frozen.
+        None: not known; ``[]``: the layer ran frozen.
         """
-        kept = self._pass_accumulators.get(pass_id, [])
-        # Found beats not known, which beats frozen.
-        if accumulators or (kept == [] and accumulators is None):
-            if not kept:
-                self._pass_accumulators[pass_id] = accumulators
+        gathered = self._passes.setdefault(pass_id, PassAccumulators())
+        if accumulators is None:
+            gathered.known = False
         else:
-            self._pass_accumulators.setdefault(pass_id, [])
+            for node in accumulators:
+                gathered.nodes.setdefault(id(node), node)
+
+    def take(self, pass_id: int) -> PassAccumulators | None:
+        """Pass ``pass_id``'s accumulators, no longer kept here (None: no layer call found)."""
+        return self._passes.pop(pass_id, None)
 
     def computed(self, name: str, accumulators: list[Node] | None) -> bool:
         """Whether the running backward call computes a gradient of layer ``name``'s call.
@@ -120,26 +140,22 @@ class LayerGradients:
             answers[name] = self._runs_any(accumulators)
         return answers[name]
 
-    def any_computed(self, pass_id: int) -> bool:
-        """Whether the running backward call computes a gradient of pass ``pass_id``'s layers.
+    def any_computed(self, pass_id: int, accumulators: PassAccumulators | None) -> bool:
+        """Whether the running backward call computes a gradient of any layer of a pass.
 
-        Asked of the pass's first accumulators found; none found: only frozen layers ran in it
-        (no), or nothing is known (yes).
+        ``accumulators``: pass ``pass_id``'s, taken (None: not known, so yes).
         """
         answers = self._call_answers()
-        accumulators = self._pass_accumulators.get(pass_id)
-        if answers is None or accumulators is None:
+        if answers is None or accumulators is None or not accumulators.known:
             return True
-        if not accumulators:  # only frozen layers ran in it
-            return False
         if pass_id not in answers:
-            answers[pass_id] = self._runs_any(accumulators)
+            answers[pass_id] = self._runs_any(accumulators.nodes.values())
         return answers[pass_id]
 
     def forget(self) -> None:
         """Let go of the passes' accumulators, and of the answers (a factor window ended)."""
         self._answers.clear()
-        self._pass_accumulators.clear()
+        self._passes.clear()
 
     def _call_answers(self) -> dict[str | int, bool] | None:
         """The running backward call's answers so far (None: no call, or no engine query)."""
@@ -153,7 +169,7 @@ class LayerGradients:
             answers = self._answers[call] = {}
         return answers
 
-    def _runs_any(self, accumulators: list[Node]) -> bool:
+    def _runs_any(self, accumulators: Iterable[Node]) -> bool:
         will_run = self._will_run
         assert will_run is not None  # _call_answers gave answers
         return any(_runs(will_run, node) for node in accumulators)

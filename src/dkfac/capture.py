@@ -266,6 +266,14 @@ class StatisticsCapture:
             and isinstance(output, Tensor)
         ):
             examples, kept = self._fraction.of_call(layer, x, output, self._batch["examples"])
+        # The accumulators a loss's backward call runs for this call (not a penalty's), found
+        # on every worker alike: its pass's outputs answer from all of its layer calls.
+        accumulators = None
+        searched = isinstance(output, Tensor) and output.requires_grad
+        if pass_id is not None and searched and not torch.compiler.is_compiling():
+            stop = x.grad_fn if x is not None else None  # not the input's own graph
+            accumulators = accumulators_below(output, layer.block.parameters(), stop)
+            self._usage.accumulators_found(pass_id, accumulators)
         if (
             pass_id is None
             or x is None
@@ -309,10 +317,7 @@ class StatisticsCapture:
                     layer.add_statistic("a", part, pass_id, None, weight)
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
-            # The pass is bound now: the backward of several passes may come later at once,
-            # and so are the accumulators a loss's backward call runs (not a penalty's).
-            accumulators = accumulators_below(output, layer.block.parameters())
-            self._usage.accumulators_found(pass_id, accumulators)
+            # The pass is bound now: the backward of several passes may come later at once.
             hook = functools.partial(
                 self._output_grad_hook, layer, pass_id, examples, kept, captured, accumulators
             )

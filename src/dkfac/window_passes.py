@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dkfac.autograd_engine import LayerGradients, current_backward_id
+from dkfac.autograd_engine import LayerGradients, PassAccumulators, current_backward_id
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.nested_tensors import nested_tensors
 
@@ -111,19 +111,25 @@ class WindowPasses:
         if torch.compiler.is_compiling():  # hooks traced into a graph run in no backward call
             return
         window = self._window
+        # The accumulators of the pass's layer calls answer for its outputs, and live as long.
+        accumulators = self._gradients.take(pass_id)
         watched: set[int] = set()  # ids: one hook per tensor however often it is reached
         # Breadth first: the outermost tensors (a loss, logits) before nested ones.
         for tensor in nested_tensors(output, depth_first=False):
             # Not a leaf: a returned parameter would keep a hook per pass for good.
             if tensor.grad_fn is not None and id(tensor) not in watched:
-                tensor.register_hook(functools.partial(self._output_reached, pass_id, window))  # type: ignore[no-untyped-call]
+                hook = functools.partial(self._output_reached, pass_id, window, accumulators)
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
                 watched.add(id(tensor))
                 if len(watched) == WATCHED_OUTPUTS:
                     break
 
-    def _output_reached(self, pass_id: int, window: int, grad: Tensor) -> None:
+    def _output_reached(
+        self, pass_id: int, window: int, accumulators: PassAccumulators | None, grad: Tensor
+    ) -> None:
         if window == self._window:  # a stale hook asks the engine nothing
-            self.reached(pass_id, computing=self._gradients.any_computed(pass_id))
+            computing = self._gradients.any_computed(pass_id, accumulators)
+            self.reached(pass_id, computing=computing)
 
     def clear(self) -> None:
         """Forget the window, and let go of the accumulators held for it."""
