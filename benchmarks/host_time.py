@@ -73,6 +73,9 @@ class ReplayLaunchingNothing:
         """Run ``compute`` once; its outputs, and a replay that launches nothing."""
         return compute(), _launch_nothing
 
+    def release(self) -> None:
+        """Nothing is held (no graph is made)."""
+
 
 def _launch_nothing() -> None:
     """A replay with no work (:class:`ReplayLaunchingNothing`)."""

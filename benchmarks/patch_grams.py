@@ -5,8 +5,9 @@ im2col patches. dkfac forms it from shifted products of the input with itself, c
 the border (``shifted``: a dozen or more launches for a 3x3 kernel, no copy of the patches),
 or from explicit im2col matrices (``im2col``: a handful of launches, ``kh·kw`` times the
 input's memory, ``kh·kw`` times the products' work); it takes im2col where
-``dkfac.curvature.factors.explicit_patches_pay`` (outputs of at most ``kh·kw`` positions) and
-the shifted products elsewhere (``default``). With ``batched_statistics`` the inputs of equal
+``dkfac.curvature.factors.explicit_patches_pay`` (on a CPU outputs of at most ``kh·kw``
+positions, on a GPU every output no larger than its input) and the shifted products elsewhere
+(``default``). With ``batched_statistics`` the inputs of equal
 layers are formed together, so this records the groups one forward pass gives (equal shape and
 convolution settings), then times each group both ways, in float32 and with
 ``statistics_precision="bf16"``, as the median of ``--repeats`` calls with the device waited
@@ -119,7 +120,7 @@ def measure(
     groups = patch_gram_groups(model_name, device, batch, image)
     items = []
     for group, layers in groups.items():
-        explicit = explicit_patches_pay(group.geometry())
+        explicit = explicit_patches_pay(group.geometry(), device)
         row: dict[str, Any] = {**group._asdict(), "layers": layers, "default_im2col": explicit}
 
         def time(precision: GramPrecision, group: Group = group, layers: int = layers) -> Any:

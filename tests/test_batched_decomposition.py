@@ -148,7 +148,7 @@ def test_only_factors_up_to_the_limit_are_batched(
 def test_batched_decompositions_resolves_per_device(
     option: bool | int | None, device: str, expected: int
 ) -> None:
-    assert CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM == 0  # off until per-width GPU timings
+    assert CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM == 512  # set from per-width H200 timings
     assert batched_decompositions_up_to(option, torch.device(device)) == expected
 
 

@@ -1199,6 +1199,9 @@ def test_plain_step_graphs_reaches_the_preconditioner_and_may_change_on_resume(
         def __init__(self, device: torch.device) -> None:
             self.device = device
 
+        def release(self) -> None:
+            pass
+
     monkeypatch.setattr(dkfac.preconditioner, "CudaGraphs", AnyDevice)
     args = build_parser().parse_args(["train", "--plain-step-graphs"])
     config = resolve_config(args)

@@ -202,23 +202,49 @@ def test_a_layer_skipped_in_a_window_keeps_its_factors_in_the_new_stack() -> Non
     assert torch.equal(runs[1][2][skipped], runs[1][1][skipped])  # kept on the skipped step
 
 
+#: Large enough that the inverses cancel little (terms at most ~20 times the directions' largest
+#: entry, against ~175 at 0.003): the round-off bound below, relative to the terms, then bites.
+DAMPING = 0.3
+
+
 def one_and_batched_runs(
     device: torch.device, **options: Any
-) -> tuple[list[torch.Tensor], list[torch.Tensor], dkfac.KFACPreconditioner]:
-    """Gradients after three K-FAC steps of a float32 model, one at a time and batched."""
-    results, last = [], None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], dkfac.KFACPreconditioner]:
+    """Gradients after three K-FAC steps of a float32 model, one at a time and batched, and
+    the magnitudes of the last step's products' terms (without the KL clip: a scale of its own).
+
+    The magnitudes are each layer's preconditioning applied with its inverse's tensors' and its
+    gradient's absolute values, ``|Q_G|((|Q_Gᵀ| |∇| |Q_A|) / (λ_G λ_Aᵀ + γ))|Q_Aᵀ|`` or
+    ``|G⁻¹| |∇| |A⁻¹|`` (the divisor is positive): what round-off is relative to, entry by
+    entry, where the terms of a sum cancel.
+    """
+    results, magnitudes, last = [], [], None
     for batched in (False, True):
         model = repeated_model(torch.float32).to(device)
-        pre = dkfac.KFACPreconditioner(model, batched_preconditioning=batched, **options)
+        pre = dkfac.KFACPreconditioner(
+            model, batched_preconditioning=batched, kl_clip=None, damping=DAMPING, **options
+        )
+        raw: list[torch.Tensor] = []
         for step in range(3):
             x, t = batch(step, 16, torch.float32)
             model.zero_grad(set_to_none=True)
             F.cross_entropy(model(x.to(device)), t.to(device)).backward()
+            raw = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
             pre.step()
         results.append([p.grad.detach().clone() for p in model.parameters()])  # type: ignore[union-attr]
+        magnitude: list[torch.Tensor] = []
+        for index, layer in enumerate(pre.layers):
+            inverse = layer.inverse
+            assert inverse is not None
+            absolute = {name: t.abs() for name, t in inverse.tensors().items()}
+            grad = layer.block.matrix_of(raw[2 * index : 2 * index + 2]).abs()
+            terms = inverse._apply(absolute, grad, DAMPING, torch.matmul)
+            magnitude += layer.block.split_matrix(terms)
+        magnitudes.append(magnitude)
         last = pre
     assert last is not None
-    return results[0], results[1], last
+    largest = [torch.maximum(a, b) for a, b in zip(*magnitudes, strict=True)]
+    return results[0], results[1], largest, last
 
 
 @pytest.mark.parametrize(
@@ -230,16 +256,21 @@ def one_and_batched_runs(
 def test_batched_preconditioning_equals_one_layer_at_a_time_to_round_off(
     device: torch.device, method: str, precision: str
 ) -> None:
-    alone, batched, pre = one_and_batched_runs(
+    alone, batched, magnitudes, pre = one_and_batched_runs(
         device, inverse_method=method, precondition_precision=precision
     )
     assert len(storages(pre, EQUAL)) == (2 if method == "inverse" else 4)  # stacked
-    # One rounding of a product's terms in another order: float32's (or bf16's) unit
-    # round-off times the size of the direction, a few times over (two or four products).
-    unit = 2.0**-24 if precision == "highest" else 2.0**-8
-    for one, many in zip(alone, batched, strict=True):
-        scale = float(one.abs().max())
-        assert float((one - many).abs().max()) <= 16 * unit * scale
+    # Each way's products round (float32's unit round-off u) within Σ γ_n ≈ Σ n·u of the
+    # terms' magnitude per entry (n: each product's inner dimension, 6 or 7 here; "eigen"
+    # also divides, one rounding), and bf16 rounds each result once more (2⁻⁸; the operands
+    # are rounded alike both ways). Two ways: twice that apart at most.
+    dims = 6 + 7
+    products, roundings = (2 * dims, 5) if method == "eigen" else (dims, 2)
+    bf16 = 2.0**-8 if precision == "bf16" else 0.0
+    per_way = products * 2.0**-24 + roundings * max(2.0**-24, bf16)
+    for one, many, magnitude in zip(alone, batched, magnitudes, strict=True):
+        assert bool(((one - many).abs() <= 2 * per_way * magnitude).all())
+        assert not torch.equal(magnitude, torch.zeros_like(magnitude))
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])

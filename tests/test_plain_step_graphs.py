@@ -42,6 +42,7 @@ class RecordedReplay(TorchDispatchMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self.released = False
         self._recording: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
 
     def __torch_dispatch__(
@@ -53,6 +54,9 @@ class RecordedReplay(TorchDispatchMode):
         result = func(*args, **kwargs)
         self._recording.append((func, args, kwargs, result))
         return result
+
+    def release(self) -> None:
+        self.released = True
 
     def capture(
         self, compute: Callable[[], list[Tensor]], device: torch.device
@@ -284,6 +288,9 @@ class FailingCapture:
     def __init__(self, device: torch.device) -> None:
         self.attempts = 0
 
+    def release(self) -> None:
+        pass
+
     def capture(self, compute: Callable[[], list[Tensor]], device: torch.device) -> Any:
         self.attempts += 1
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -322,6 +329,7 @@ def test_a_replayed_step_is_timed_and_remove_releases_the_graph(
     assert pre._plain._captured is not None
     pre.remove()
     assert pre._plain._captured is None
+    assert pre._plain._graphs.released  # type: ignore[union-attr]
 
 
 def test_a_step_that_shares_gradients_is_never_captured(monkeypatch: pytest.MonkeyPatch) -> None:

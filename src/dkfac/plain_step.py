@@ -62,6 +62,10 @@ class GraphCapture(Protocol):
         """
         ...
 
+    def release(self) -> None:
+        """Let the last capture's graph and memory go (none is replayed any more)."""
+        ...
+
 
 class CudaGraphs:
     """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``; every capture in one memory pool.
@@ -76,7 +80,12 @@ class CudaGraphs:
                 f"plain_step_graphs=True is not allowed with the model on {device}: CUDA "
                 "graphs need a CUDA device (move the model first, or pass False)"
             )
-        self._pool: Any = None  # made at the first capture (a pool handle)
+        self._pool: Any = None  # a pool handle, made at a capture when no graph is alive
+        # The last graph captured, kept until the next capture has been made into its pool:
+        # the allocator drops a pool for good once no graph captured into it is alive, and a
+        # later capture into that pool then fails an internal assert (seen on an H200, torch
+        # 2.11). The caller never replays it again once it asks for another capture.
+        self._graph: torch.cuda.CUDAGraph | None = None
 
     def capture(
         self, compute: Compute, device: torch.device
@@ -86,11 +95,12 @@ class CudaGraphs:
         Capturing runs nothing: the caller replays to compute. ``torch.cuda.graph`` is not
         used: it empties the allocator's caches at every capture (one after each
         decomposition). Captures share one pool (a graph is dropped before the next is
-        made) and refuse only the capturing thread's unsafe calls (``"thread_local"``: a
-        communication watchdog's queries elsewhere do not break it).
+        made, after it: the new capture reuses the old one's freed memory) and refuse only the
+        capturing thread's unsafe calls (``"thread_local"``: a communication watchdog's queries
+        elsewhere do not break it).
         """
         with torch.cuda.device(device):
-            if self._pool is None:
+            if self._graph is None:  # no live graph holds the last pool: a new one
                 self._pool = torch.cuda.graph_pool_handle()
             current = torch.cuda.current_stream(device)
             side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -105,7 +115,12 @@ class CudaGraphs:
                 finally:
                     graph.capture_end()
             current.wait_stream(side)
+        self._graph = graph  # the previous one goes: its pool lives on in this one
         return outputs, graph.replay
+
+    def release(self) -> None:
+        """Drop the last graph: its pool goes with it, and the next capture makes another."""
+        self._graph = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,8 @@ class PlainStep:
     def release(self) -> None:
         """Drop the captured graph, its memory and what it holds (``remove()``)."""
         self._key = self._captured = None
+        if self._graphs is not None:
+            self._graphs.release()
 
     def _gradients(
         self, layers: Sequence[LayerCurvature], blocks: Sequence[KroneckerBlock]

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-#: The widest factors a GPU decomposes batched by default (``batched_decompositions=None``):
-#: none until per-width timings exist. The H200 data are whole-model totals only (ResNet-32's
-#: factors, all at most 576 wide: Cholesky inverses 7.0 ms batched against 12.7 one at a
-#: time; ResNet-50's, up to 4608: 0.136 s against 0.113); ``gpu_breakdown.py``'s
-#: ``cholesky_inverse_by_size`` gives the per-width figures this is to be set from.
-CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM = 0
+#: The widest factors a GPU decomposes batched by default (``batched_decompositions=None``).
+#: ResNet-50's factors' Cholesky inverses by width on an H200 (``gpu_breakdown.py``'s
+#: ``cholesky_inverse_by_size``, 2026-11-30, docs/benchmarks.md "The fifth GPU session"):
+#: batched took 0.29 of one at a time's time at 64 wide (12 factors), 0.42 at 128, 0.25 at
+#: 256, 0.45 at 512, then 1.51 at 576, 0.63 at 1024 (14), 1.33 at 1152, 1.49 at 2048,
+#: 1.42 at 2304, 2.09 at 4608: batched pays up to 512, not reliably beyond. Eigendecompositions
+#: were timed only whole-model (1.64 s batched against 1.67 one at a time).
+CUDA_BATCHED_DECOMPOSITIONS_MAX_DIM = 512
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def conv2d_patch_grams(
     operand = precision.operand_dtype(statistics_dtype)
     geometry = ConvGeometry(int(x.shape[2]), int(x.shape[3]), kernel, dilation, pad)
     if stride == (1, 1) and im2col is None:
-        im2col = explicit_patches_pay(geometry)
+        im2col = explicit_patches_pay(geometry, x.device)
     if stride == (1, 1) and not im2col:
         if not torch.compiler.is_compiling():
             plan = (
@@ -148,8 +148,8 @@ def conv2d_patch_grams(
     return strided_patch_grams(xs, kernel, dilation, stride, pad, with_ones, precision, operand)
 
 
-def explicit_patches_pay(geometry: ConvGeometry) -> bool:
-    """Whether a stride-1 convolution's patch Grams come from explicit im2col matrices.
+def explicit_patches_pay(geometry: ConvGeometry, device: torch.device) -> bool:
+    """Whether a stride-1 convolution's patch Grams on ``device`` come from im2col matrices.
 
     The shifted products (:func:`shifted_patch_grams`) spare im2col's ``kh·kw`` copies of the
     input, then correct each block for the positions its window misses, which lie at the
@@ -159,8 +159,13 @@ def explicit_patches_pay(geometry: ConvGeometry) -> bool:
     batches 8 and 16, float32 and bf16 statistics) im2col took 0.35-0.41 of the shifted
     products' time on 1x1 and 2x2 outputs, 0.68 on 4x4, 0.60-1.41 on 7x7 and 8x8 and 1.6-5.3
     on 14x14 to 56x56 ones (0.54-0.77 on a 3-channel 32x32 input, which the rule leaves to
-    the shifted products). Not yet timed on a GPU, where im2col also takes fewer launches
-    (``benchmarks/patch_grams.py`` times both on a model's groups).
+    the shifted products there).
+
+    On a GPU the shifted products are ``C x C`` results of sums over every position (a
+    3-channel 32x32 input at batch 128: 8 ms for a product im2col's one launch does in
+    0.11 ms), and im2col took 0.01-0.40 of their time on every group of ResNet-32 at batch 128
+    on an H200 (float32 and bf16 statistics, docs/benchmarks.md, "The fifth GPU session"): a
+    GPU takes im2col wherever its memory rule allows.
 
     Only an output no larger than the input (``same`` or less padding) takes im2col: its
     patches are then at most ``kh·kw`` times the input, besides the padded layout both ways
@@ -170,6 +175,8 @@ def explicit_patches_pay(geometry: ConvGeometry) -> bool:
     if h_out <= 0 or w_out <= 0:
         return True
     fits = h_out <= geometry.height and w_out <= geometry.width
+    if device.type == "cuda":
+        return fits
     return fits and h_out * w_out <= geometry.kernel[0] * geometry.kernel[1]
 
 
