@@ -15,12 +15,13 @@
 #      the pixel Grams of ResNet-50's statistics both ways (pixel_grams.py: per-example
 #      products of channel planes against one product of a channel-major copy); the patch
 #      Grams of ResNet-32's and ResNet-50's groups of 3x3 convolutions both ways
-#      (patch_grams.py: shifted products against explicit im2col, the default only on
-#      outputs of at most 9 positions);
+#      (patch_grams.py: shifted products against explicit im2col, a GPU's default on every
+#      output no larger than its input); ResNet-50's statistics' Grams as one product and as
+#      their upper block triangle (gram_blocks.py);
 #   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults, plain steps replayed as CUDA graphs
 #      (plain_step_graphs), the statistics in the hooks and one layer at a time (a small
-#      model's step waits for the host), and host_time.py on this machine's CPU: the host
-#      time per kind of step of ResNet-32's and ResNet-50's structures, channels divided;
+#      model's step waits for the host) (host_time.py's host time per kind of step is
+#      measured on the development machine instead: the box here cut it);
 #   6. the cuda-marked tests, then the rest of `make test`'s selection (`-m "not slow"`),
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
 #      SUITE_ARGS replaces the second selection.
@@ -43,10 +44,10 @@ DEFAULT_S=${DEFAULT_S:-75}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-15}
-PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-20}
-PATCH_GRAMS_S=${PATCH_GRAMS_S:-20}
+PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-10}
+PATCH_GRAMS_S=${PATCH_GRAMS_S:-25}
+GRAM_BLOCKS_S=${GRAM_BLOCKS_S:-25}
 RESNET32_S=${RESNET32_S:-50}
-HOST_TIME_S=${HOST_TIME_S:-20}
 CUDA_TESTS_S=${CUDA_TESTS_S:-75}
 SUITE_S=${SUITE_S:-70}
 # Single quotes keep the marker expression's double quotes (the default's quotes are removed).
@@ -107,18 +108,19 @@ echo "== pixel Grams two ways: ResNet-50, batch 128"
 timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet50 --batch 128 \
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
-for model in resnet32 resnet50; do  # half the box each; a cut run keeps its groups
+for model in resnet32 resnet50; do  # 2/5 and 3/5 of the box; a cut run keeps its groups
   echo "== patch Grams two ways: $model, batch 128"
-  timeout -s INT $((PATCH_GRAMS_S / 2)) python3 benchmarks/patch_grams.py --model "$model" \
+  share=$([ "$model" = resnet32 ] && echo 2 || echo 3)
+  timeout -s INT $((PATCH_GRAMS_S * share / 5)) python3 benchmarks/patch_grams.py --model "$model" \
     --batch 128 --out "$OUT/patch_grams_$model.json" > "$OUT/patch_grams_$model.log" 2>&1
   echo "exit $?"; tail -8 "$OUT/patch_grams_$model.log"
 done
+echo "== a Gram as one product or its upper block triangle: ResNet-50, batch 128"
+timeout -s INT "$GRAM_BLOCKS_S" python3 benchmarks/gram_blocks.py --model resnet50 --batch 128 \
+  --out "$OUT/gram_blocks.json" > "$OUT/gram_blocks.log" 2>&1
+echo "exit $?"; tail -17 "$OUT/gram_blocks.log"
 MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
   --configs dkfac_inverse_10_100,dkfac-graphs_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
-echo "== host time per kind of step on this CPU (channels divided)"
-timeout -s INT "$HOST_TIME_S" python3 benchmarks/host_time.py --models resnet32,resnet50 \
-  --gpu-paths --out "$OUT/host_time.json" > "$OUT/host_time.log" 2>&1
-echo "exit $?"; grep -v "^ " "$OUT/host_time.log" | tail -10
 suite() {  # name, seconds, then pytest's selection
   local name=$1 seconds=$2
   shift 2

@@ -108,6 +108,40 @@ def measure_rows(
     return {key: rows, "totals_ms": totals, "complete": True}
 
 
+#: How a table names each precision's columns.
+PRECISION_LABELS = {"highest": "float32", "bf16": "bf16"}
+
+
+def table(
+    result: dict[str, Any],
+    key: str,
+    labels: Sequence[str],
+    ways: Sequence[str],
+    leading: Callable[[dict[str, Any]], Sequence[object]],
+) -> str:
+    """The report's markdown table: one row per item under ``key``, then the totals.
+
+    Args:
+        result: what :func:`measure_rows` returned.
+        key: where its rows are.
+        labels: the names of the leading columns.
+        ways: the ways timed, in their columns' order.
+        leading: a row's leading cells (``labels``' values).
+    """
+    timing = [
+        f"{PRECISION_LABELS[p]}: {way}" if i == 0 else way
+        for p in PRECISIONS
+        for i, way in enumerate(ways)
+    ]
+    header = [*labels, *timing]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in result[key]:
+        cells = " | ".join(str(cell) for cell in leading(row))
+        lines.append(f"| {cells} | {timing_cells(row, ways)} |")
+    lines += total_rows(result["totals_ms"], ways, cells=len(header))
+    return "\n".join(lines)
+
+
 def timing_cells(row: dict[str, Any], ways: Sequence[str]) -> str:
     """A row's median ms, each way in each precision, as table cells."""
     return " | ".join(f"{row[p][way]:.3f}" for p in PRECISIONS for way in ways)

@@ -132,20 +132,14 @@ def measure(
 
 def table(result: dict[str, Any]) -> str:
     """One row per group: layers, output size, each way's median ms per precision."""
-    lines = [
-        "| input (N, C, H, W) | kernel | layers | default | float32: shifted | im2col | "
-        "bf16: shifted | im2col |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["groups"]:
+
+    def leading(row: dict[str, Any]) -> list[object]:
         default = "im2col" if row["default_im2col"] else "shifted"
         kernel = "x".join(map(str, row["kernel"]))
-        cells = gram_ways.timing_cells(row, list(WAYS))
-        lines.append(
-            f"| {tuple(row['shape'])} | {kernel} | {row['layers']} | {default} | {cells} |"
-        )
-    lines += gram_ways.total_rows(result["totals_ms"], list(WAYS), cells=8)
-    return "\n".join(lines)
+        return [tuple(row["shape"]), kernel, row["layers"], default]
+
+    labels = ["input (N, C, H, W)", "kernel", "layers", "default"]
+    return gram_ways.table(result, "groups", labels, list(WAYS), leading)
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:

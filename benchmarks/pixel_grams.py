@@ -107,19 +107,15 @@ def measure(
 
 def table(result: dict[str, Any]) -> str:
     """One row per shape: count, positions per channel, each path's median ms per precision."""
-    lines = [
-        "| shape (N, C, H, W) | count | positions per channel | default | float32: copy | "
-        "per-example | bf16: copy | per-example |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["shapes"]:
+
+    def leading(row: dict[str, Any]) -> list[object]:
         shape = row["shape"]
         ratio = math.prod(shape[2:]) / shape[1]
         default = "per-example" if row["per_example_by_default"] else "copy"
-        cells = gram_ways.timing_cells(row, list(PATHS))
-        lines.append(f"| {tuple(shape)} | {row['count']} | {ratio:.3g} | {default} | {cells} |")
-    lines += gram_ways.total_rows(result["totals_ms"], list(PATHS), cells=8)
-    return "\n".join(lines)
+        return [tuple(shape), row["count"], f"{ratio:.3g}", default]
+
+    labels = ["shape (N, C, H, W)", "count", "positions per channel", "default"]
+    return gram_ways.table(result, "shapes", labels, list(PATHS), leading)
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:

@@ -632,6 +632,36 @@ def test_patch_grams_times_every_group_of_a_pass_both_ways(
     assert report["complete"] is True
 
 
+def test_gram_blocks_times_every_wide_statistic_gram_forms_both_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/gram_blocks.py on the CPU, ResNet-32 on 8x8 images, batch 96: its shapes are
+    the statistics at least 256 columns wide that ``gram`` forms there (oracle: the modules'
+    own settings: the patches of the 3x3 convolutions of 32 and 64 input channels, 288 and
+    576 columns, that take im2col: the strided one, and those whose output has at most 9
+    positions, the last stage's 2x2; the others take shifted products), 96·2·2 = 384 rows
+    each, so in blocks by default, each timed both ways in both precisions."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = load_benchmark("gram_blocks", monkeypatch)
+    out = tmp_path / "blocks.json"
+    argv = ["--device", "cpu", "--model", "resnet32", "--batch", "96", "--image-size", "8"]
+    assert bench.main([*argv, "--repeats", "1", "--out", str(out)], emit=lambda _: None) == 0
+    report = json.loads(out.read_text())
+    want: Counter[tuple[int, int]] = Counter()
+    size = {16: 8, 32: 4, 64: 2}  # each width's output image
+    for m in importlib.import_module("gpu_overhead").MODELS["resnet32"].build(10).modules():
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3) and m.in_channels >= 32:
+            im2col = m.stride != (1, 1) or size[m.out_channels] ** 2 <= 9
+            if im2col:
+                want[(96 * size[m.out_channels] ** 2, m.in_channels * 9)] += 1
+    assert {(r["rows"], r["columns"]): r["layers"] for r in report["shapes"]} == dict(want)
+    assert {r["columns"] for r in report["shapes"]} == {288, 576}
+    for row in report["shapes"]:
+        assert row["default_blocks"] and row["rows"] == 384
+        assert all(row[p][way] > 0 for p in ("highest", "bf16") for way in bench.WAYS)
+    assert report["complete"] is True
+
+
 def test_host_time_thins_the_model_and_times_every_kind_of_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

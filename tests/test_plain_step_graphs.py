@@ -352,6 +352,7 @@ def test_a_step_that_shares_gradients_is_never_captured(monkeypatch: pytest.Monk
         got = [p.grad for p in model.parameters() if p.grad is not None]
         assert all(torch.equal(a, b) for a, b in zip(eager[step], got, strict=True)), step
     assert (pre._plain.captures, pre._plain.replays) == (0, 0)
+    assert pre._plain._graphs.released  # type: ignore[union-attr]  # nothing kept for it
 
 
 def test_graphs_are_refused_off_a_cuda_device_and_must_be_a_bool() -> None:

@@ -68,7 +68,7 @@ class GraphCapture(Protocol):
 
 
 class CudaGraphs:
-    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``; every capture in one memory pool.
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``; a capture reuses the last one's pool.
 
     Raises:
         ValueError: ``device`` is not a CUDA device.
@@ -94,10 +94,10 @@ class CudaGraphs:
 
         Capturing runs nothing: the caller replays to compute. ``torch.cuda.graph`` is not
         used: it empties the allocator's caches at every capture (one after each
-        decomposition). Captures share one pool (a graph is dropped before the next is
-        made, after it: the new capture reuses the old one's freed memory) and refuse only the
-        capturing thread's unsafe calls (``"thread_local"``: a communication watchdog's queries
-        elsewhere do not break it).
+        decomposition). A capture goes into the last graph's pool, which that graph keeps
+        alive until then (it is never replayed again), so it reuses the memory the last
+        step's outputs freed; it refuses only the capturing thread's unsafe calls
+        (``"thread_local"``: a communication watchdog's queries elsewhere do not break it).
         """
         with torch.cuda.device(device):
             if self._graph is None:  # no live graph holds the last pool: a new one
@@ -196,6 +196,8 @@ class PlainStep:
                 outputs = self._replayed(key, layers, grads, damping, clipped)
                 torch._foreach_copy_(grads, outputs)
                 return
+            # Not captured, nor replayed: nothing holds the last graph's memory any more.
+            self._graphs.release()
         self._key = self._captured = None
         matrices = [block.grad_matrix() for block in blocks]
         directions = self._strategy.precondition(layers, matrices, damping)

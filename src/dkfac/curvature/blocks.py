@@ -33,6 +33,7 @@ from dkfac.curvature.gram import (
     HIGHEST,
     GramPrecision,
     fill_border,
+    gram,
     gram_with_ones,
 )
 
@@ -208,7 +209,7 @@ class LinearBlock(KroneckerBlock):
         """:meth:`a_statistic` of each input: one stacked copy and one batched product."""
         inputs = torch.stack(list(xs))
         rows = self.precision.operands(inputs.reshape(len(xs), -1, inputs.shape[-1]), dtype)
-        core = self.precision.bmm(rows.mT, rows)
+        core = gram(rows, self.precision)
         totals = core
         if self.has_bias:
             d = core.shape[-1]
@@ -222,7 +223,7 @@ class LinearBlock(KroneckerBlock):
         """``Σ dy dyᵀ`` over all rows of ``dy``."""
         rows = self.precision.operands(dy.reshape(-1, dy.shape[-1]), dtype)
         examples = int(dy.shape[0]) if dy.dim() > 1 else 1
-        return FactorStatistic(self.precision.mm(rows.t(), rows), rows.shape[0], examples)
+        return FactorStatistic(gram(rows, self.precision), rows.shape[0], examples)
 
     def g_batch_key(self, dy: Tensor) -> Hashable | None:
         """Output gradients of one shape stack into one batched product."""
@@ -234,7 +235,7 @@ class LinearBlock(KroneckerBlock):
         """:meth:`g_statistic` of each output gradient: one stacked copy, one batched product."""
         stacked = torch.stack(list(dys))
         rows = self.precision.operands(stacked.reshape(len(dys), -1, stacked.shape[-1]), dtype)
-        totals = self.precision.bmm(rows.mT, rows)
+        totals = gram(rows, self.precision)
         examples = int(dys[0].shape[0])
         return [FactorStatistic(total, rows.shape[1], examples) for total in totals.unbind(0)]
 

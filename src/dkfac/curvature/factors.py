@@ -15,6 +15,7 @@ from dkfac.curvature.gram import (
     HIGHEST,
     GramPrecision,
     fill_border,
+    gram,
     pixel_gram,
     pixel_grams,
 )
@@ -224,7 +225,7 @@ def strided_patch_grams(
     )
     flat = precision.as_read(patches.reshape(layers, -1, kh * kw * c))
     size = c * kh * kw
-    reordered = precision.bmm(flat.mT, flat).view(layers, kh, kw, c, kh, kw, c)
+    reordered = gram(flat, precision).view(layers, kh, kw, c, kh, kw, c)
     reordered = reordered.permute(0, 3, 1, 2, 6, 4, 5)
     rows = flat.shape[1]
     if not with_ones:  # the reordering copy is the result

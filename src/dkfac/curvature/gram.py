@@ -107,6 +107,74 @@ class GramPrecision:
 #: Products in the statistics' own dtype (the default).
 HIGHEST = GramPrecision()
 
+#: Columns and rows from which a CPU forms a Gram as its upper block triangle (:func:`gram`).
+#: On 2 CPU cores 4 blocks took 0.66-1.01 of one product's time on the ResNet-50 statistics
+#: at batch 8 that a CPU forms by ``gram`` (256 to 4608 columns, 392 to 6272 rows, float32 and
+#: bf16 operands: 0.80 and 0.79 of the whole; ``benchmarks/gram_blocks.py``,
+#: docs/benchmarks.md "A Gram's upper block triangle"), and
+#: 1.06-3.3 times it on 128 or fewer rows and on 256 rows of 512 columns (a probe of random
+#: rows): there the copies of the mirrored blocks and the products' launches outweigh the
+#: work spared. A GPU forms one product until timed: its narrow blocks of tall statistics
+#: (ResNet-50 at batch 128: 400k rows of 256 columns, blocks 64 wide) may be bound by memory.
+SYMMETRIC_MIN_COLUMNS = 256
+SYMMETRIC_MIN_ROWS = 384
+#: Column blocks of such a Gram: ``(k+1)/2k`` of the products' work, 5/8 at 4.
+SYMMETRIC_BLOCKS = 4
+
+
+def gram(rows: Tensor, precision: GramPrecision = HIGHEST, blocks: int | None = None) -> Tensor:
+    """``rowsᵀ rows`` of a ``(R, n)`` matrix or a ``(L, R, n)`` stack, as ``precision`` forms it.
+
+    A Gram is symmetric, and PyTorch has no product that forms half of one. With ``k`` column
+    blocks each block's products with itself and the blocks after it are one product (``k``
+    products, ``(k+1)/2k`` of the whole product's work), and the blocks below the diagonal
+    are copies of those above, transposed: the result is symmetric bit for bit outside the
+    diagonal blocks, each of its entries one product's sum as before (a block's sums run
+    over the same rows).
+
+    Args:
+        rows: the operands (``precision.operand_dtype`` already).
+        precision: how the products are formed.
+        blocks: the number of column blocks (1: one product; benchmarks compare the two);
+            ``None``: as :func:`symmetric_blocks` decides; inside ``torch.compile``'s
+            tracing one product (a choice by size would guard, and recompile, on it).
+    """
+    if blocks is not None:
+        count = blocks
+    elif torch.compiler.is_compiling():
+        count = 1
+    else:
+        count = symmetric_blocks(rows.shape[-2], rows.shape[-1], rows.device)
+    product = precision.mm if rows.dim() == 2 else precision.bmm
+    if count <= 1:
+        return product(rows.mT, rows)
+    n = rows.shape[-1]
+    operands = precision.as_read(rows)  # widened once where bf16 products are emulated
+    out: Tensor | None = None
+    for index in range(count):
+        start, end = n * index // count, n * (index + 1) // count
+        block_row = product(operands[..., start:end].mT, operands[..., start:])
+        if out is None:  # the products' own dtype (an autocast region may choose it)
+            out = block_row.new_empty((*rows.shape[:-2], n, n))
+        out[..., start:end, start:] = block_row
+        if end < n:
+            out[..., end:, start:end] = out[..., start:end, end:].mT
+    assert out is not None, "count > 1 forms at least one block row"
+    return out
+
+
+def symmetric_blocks(rows: int, columns: int, device: torch.device) -> int:
+    """How many column blocks :func:`gram` forms a ``rows`` by ``columns`` Gram in on ``device``.
+
+    :data:`SYMMETRIC_BLOCKS` on a CPU from :data:`SYMMETRIC_MIN_COLUMNS` columns and
+    :data:`SYMMETRIC_MIN_ROWS` rows on; else 1 (one product).
+    """
+    if device.type != "cpu":
+        return 1
+    if columns >= SYMMETRIC_MIN_COLUMNS and rows >= SYMMETRIC_MIN_ROWS:
+        return SYMMETRIC_BLOCKS
+    return 1
+
 
 def gram_with_ones(rows: Tensor, with_ones: bool, precision: GramPrecision = HIGHEST) -> Tensor:
     """``Σ_r [x_r, 1][x_r, 1]ᵀ`` for the rows ``x_r`` of a 2-D tensor.
@@ -114,7 +182,7 @@ def gram_with_ones(rows: Tensor, with_ones: bool, precision: GramPrecision = HIG
     The appended constant is never materialised: its row of the Gram is the column sum and its
     corner the row count, so no ``(R, d+1)`` copy of the input is made.
     """
-    core = precision.mm(rows.t(), rows)
+    core = gram(rows, precision)
     if not with_ones:
         return core
     return bordered_gram(core, precision.sum_rows(rows), rows.shape[0])
@@ -238,7 +306,7 @@ def pixel_grams(
         rows = torch.empty((layers, *last), dtype=operand, device=x.device)
         torch.stack([each.movedim(1, -1) for each in xs], out=rows)
         rows = rows.view(layers, -1, channels)
-        core = precision.bmm(rows.mT, rows)
+        core = gram(rows, precision)
         count, sums = rows.shape[1], precision.sum_rows(rows, (1,))
     if not with_ones:
         return list(core.unbind(0)), count
