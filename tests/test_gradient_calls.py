@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dkfac
-from dkfac.autograd_engine import LayerGradients, accumulators_below
+from dkfac.autograd_engine import RETURNED_GRADIENTS, LayerGradients, accumulators_below
 from test_oracle_numerics import assert_close
 from test_sat_out_passes import assert_factors_equal, factors_of, rows
 from test_shared_layers import F64
@@ -108,16 +108,54 @@ def test_a_gradient_penalty_adds_nothing_to_g_and_the_loss_everything(
     x = torch.randn(6, 5, generator=g, dtype=DT)
     y = torch.randint(0, 3, (6,), generator=g)
     loss = objective(model, x, y, penalty_by)
-    if loss_by == "backward":
-        loss.backward()
-    else:  # gradients returned, then given to the optimizer as a user's own loop does
-        parameters = list(model.parameters())
-        for parameter, gradient in zip(
-            parameters, torch.autograd.grad(loss, parameters), strict=True
-        ):
-            parameter.grad = gradient
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if loss_by == "backward":
+            loss.backward()
+        else:  # gradients returned, then given to the optimizer as a user's own loop does
+            parameters = list(model.parameters())
+            for parameter, gradient in zip(
+                parameters, torch.autograd.grad(loss, parameters), strict=True
+            ):
+                parameter.grad = gradient
+    # Only a call that returns the layers' gradients is named (the penalty's returns x's).
+    returned = [w for w in caught if str(w.message) == RETURNED_GRADIENTS]
+    assert len(returned) == (1 if loss_by == "grad" else 0)
     pre.step()
     assert_factors_equal(factors_of(pre), oracle(model, x, y))
+    pre.remove()
+
+
+def test_a_gradient_norm_logged_by_autograd_grad_is_counted_in_g_with_a_warning() -> None:
+    """``torch.autograd.grad(loss, parameters)`` for a log, then ``loss.backward()``: both
+    calls compute the layers' gradients, and dkfac cannot tell this from two losses of one
+    forward pass; it counts both, ``G`` twice the one loss's (oracle: float64, one example at
+    a time), and says so once per preconditioner."""
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, **F64)
+    g = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):  # the second for the warning's once
+            x = torch.randn(6, 5, generator=g, dtype=DT)
+            y = torch.randint(0, 3, (6,), generator=g)
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            logged = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            loss.backward()
+            assert all(
+                torch.equal(a, p.grad) for a, p in zip(logged, model.parameters(), strict=True)
+            )
+            pre.step()
+            if step > 0:  # a running average from here on
+                continue
+            want = oracle(model, x, y, penalty=0.0)
+            got = factors_of(pre)
+            for key in ("body/a", "head/a"):
+                assert_close(got[key], want[key])
+            for key in ("body/g", "head/g"):
+                assert_close(got[key], 2 * want[key])
+    assert sum(str(w.message) == RETURNED_GRADIENTS for w in caught) == 1
     pre.remove()
 
 

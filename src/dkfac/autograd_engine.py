@@ -11,6 +11,7 @@ and must not reach ``G`` (docs/math.md, "Backward calls that compute no layer gr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,15 @@ def current_backward_id() -> int | None:
     return None if current == -1 else current
 
 
+#: Shown once when a ``torch.autograd.grad`` call computes a layer's parameters' gradients.
+RETURNED_GRADIENTS = (
+    "torch.autograd.grad computed the gradient of a K-FAC layer's parameters, to return it "
+    "rather than accumulate it into .grad: dkfac counts that call's output gradients in G as "
+    "it counts a backward() call's. If the same loss is also backpropagated by backward() (a "
+    "gradient norm computed for a log, for example), G counts it twice (2x): compute such "
+    "values from .grad after backward() instead. A loop that writes the returned gradients "
+    "into .grad itself, with no backward(), is counted once. (Shown once.)"
+)
 #: Backward calls whose answers are kept at once (threads running their own calls).
 KEPT_CALLS = 8
 #: Graph nodes looked at below a layer's output for its parameters' accumulators.
@@ -111,6 +121,7 @@ class LayerGradients:
         # By backward call: each layer's answer (by name), and each pass's (by number).
         self._answers: dict[int, dict[str | int, bool]] = {}
         self._passes: dict[int, PassAccumulators] = {}
+        self._returned_warned = False  # RETURNED_GRADIENTS shown (once per preconditioner)
 
     def found(self, pass_id: int, accumulators: list[Node] | None) -> None:
         """A layer's call in pass ``pass_id`` has ``accumulators``.
@@ -172,14 +183,26 @@ class LayerGradients:
     def _runs_any(self, accumulators: Iterable[Node]) -> bool:
         will_run = self._will_run
         assert will_run is not None  # _call_answers gave answers
-        return any(_runs(will_run, node) for node in accumulators)
+        for node in accumulators:  # the first that runs answers for all
+            answer = _runs(will_run, node)
+            if answer is None and not self._returned_warned:
+                self._returned_warned = True
+                warnings.warn(RETURNED_GRADIENTS, stacklevel=2)
+            if answer is None or answer:
+                return True
+        return False
 
 
-def _runs(will_run: Callable[[Node], bool], node: Node) -> bool:
+def _runs(will_run: Callable[[Node], bool], node: Node) -> bool | None:
+    """Whether the running backward call runs the gradient accumulator ``node``.
+
+    None: a ``torch.autograd.grad`` call computes its parameter's gradient, to return it
+    (not to accumulate it into ``.grad``).
+    """
     try:
         return bool(will_run(node))
-    # Refused for a leaf torch.autograd.grad returns the gradient of (computed), or with no
-    # graph task of the engine's (compiled autograd runs hooks in its own graph): not known,
-    # so the statistics are kept.
-    except RuntimeError:
-        return True
+    # Refused for a leaf whose gradient torch.autograd.grad returns (the engine's message
+    # names it), or with no graph task of the engine's (compiled autograd runs hooks in its
+    # own graph): not known, so the statistics are kept.
+    except RuntimeError as error:
+        return None if "autograd.grad" in str(error) else True
