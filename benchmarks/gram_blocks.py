@@ -7,9 +7,10 @@ of a symmetric one, so ``dkfac.curvature.gram.gram`` cuts a wide Gram's columns 
 on a CPU, from ``SYMMETRIC_MIN_COLUMNS`` columns and ``SYMMETRIC_MIN_ROWS`` rows on). This
 records the rows of every convolution's statistics that reach ``gram`` on the device, at least
 256 columns wide: ``A``'s im2col patches ``(N·H_out·W_out, C·kh·kw)`` where
-``explicit_patches_pay`` (or the stride is not 1), a 1x1 convolution's and every ``G``'s pixel
-vectors ``(N·H_out·W_out, C)`` where ``per_example_products_pay`` does not hold (shifted and
-per-example products form their Grams otherwise); then times each shape both ways in float32
+``explicit_patches_pay`` (or the stride is not 1; shifted products otherwise), a 1x1
+convolution's and every ``G``'s pixel vectors ``(N·H_out·W_out, C)``, or a stack of each
+example's ``(H_out·W_out, C)`` where ``per_example_products_pay`` (their Grams summed over the
+examples); then times each shape both ways in float32
 and with bf16 operands, as the median of ``--repeats`` calls with the device waited for,
 weighted by how many layers have it.
 
@@ -46,8 +47,19 @@ MIN_COLUMNS = 256
 
 
 def gram_shapes(model_name: str, device: torch.device, batch: int, image: int) -> Counter[Any]:
-    """``(rows, columns)`` of the convolutions' statistics ``gram`` forms, and their layers."""
-    shapes: Counter[tuple[int, int]] = Counter()
+    """``(stack, rows, columns)`` of the convolutions' statistics ``gram`` forms, and their layers.
+
+    A stack of 1 for one matrix of rows, of ``N`` for the per-example products of a
+    channels-first tensor with many positions per channel (each example's positions).
+    """
+    shapes: Counter[tuple[int, int, int]] = Counter()
+
+    def pixels(tensor: torch.Tensor) -> tuple[int, int, int]:
+        """How a pixel Gram of ``tensor`` (stride 1, channels first) reaches ``gram``."""
+        n, c, h, w = tensor.shape
+        if per_example_products_pay(tensor.shape):
+            return (int(n), int(h * w), int(c))
+        return (1, int(n * h * w), int(c))
 
     def note(module: nn.Conv2d, x: torch.Tensor, output: torch.Tensor) -> None:
         positions = int(output.shape[0] * output.shape[2] * output.shape[3])
@@ -55,29 +67,33 @@ def gram_shapes(model_name: str, device: torch.device, batch: int, image: int) -
         ph, pw = module.padding if not isinstance(module.padding, str) else (0, 0)
         pad = (pw, pw, ph, ph)
         if kernel == (1, 1) and pad == (0, 0, 0, 0):
-            a_reaches = stride != (1, 1) or not per_example_products_pay(x.shape)
+            a_shape = (1, positions, int(x.shape[1])) if stride != (1, 1) else pixels(x)
         else:
             geometry = ConvGeometry(x.shape[2], x.shape[3], kernel, module.dilation, pad)
-            a_reaches = stride != (1, 1) or explicit_patches_pay(geometry, device)
-        a_columns = x.shape[1] * kernel[0] * kernel[1]
-        for reaches, columns in (
-            (a_reaches, a_columns),
-            (not per_example_products_pay(output.shape), output.shape[1]),
-        ):
-            if reaches and columns >= MIN_COLUMNS:
-                shapes[(positions, int(columns))] += 1
+            im2col = stride != (1, 1) or explicit_patches_pay(geometry, device)
+            a_shape = (1, positions, int(x.shape[1]) * kernel[0] * kernel[1]) if im2col else None
+        for shape in (a_shape, pixels(output)):
+            if shape is not None and shape[2] >= MIN_COLUMNS:
+                shapes[shape] += 1
 
     gram_ways.pass_with_conv_hooks(model_name, device, batch, image, note)
     return shapes
 
 
 def time_shape(
-    shape: tuple[int, int], device: torch.device, precision: GramPrecision, repeats: int
+    shape: tuple[int, int, int], device: torch.device, precision: GramPrecision, repeats: int
 ) -> dict[str, float]:
-    """Median milliseconds of each way's Gram of random rows of ``shape``."""
-    rows = precision.operands(torch.randn(shape, device=device), torch.float32)
+    """Median milliseconds of each way's Gram of random rows of ``shape`` (a stack's summed)."""
+    stack, rows, columns = shape
+    size = (rows, columns) if stack == 1 else shape
+    operands = precision.operands(torch.randn(size, device=device), torch.float32)
+
+    def formed(blocks: int) -> torch.Tensor:
+        grams = gram(operands, precision, blocks)
+        return grams if stack == 1 else grams.sum(dim=0)
+
     return {
-        label: gram_ways.median_ms(lambda b=blocks: gram(rows, precision, b), device, repeats)
+        label: gram_ways.median_ms(lambda b=blocks: formed(b), device, repeats)
         for label, blocks in WAYS.items()
     }
 
@@ -93,11 +109,12 @@ def measure(
     """Every shape's timings both ways and the model's totals, per precision."""
     items = []
     for shape, layers in sorted(gram_shapes(model_name, device, batch, image).items()):
-        blocked = symmetric_blocks(*shape, device) > 1
-        row: dict[str, Any] = {"rows": shape[0], "columns": shape[1], "layers": layers}
-        row["default_blocks"] = blocked
+        stack, rows, columns = shape
+        blocked = symmetric_blocks(rows, columns, device) > 1
+        row: dict[str, Any] = {"stack": stack, "rows": rows, "columns": columns}
+        row.update(layers=layers, default_blocks=blocked)
 
-        def time(precision: GramPrecision, shape: tuple[int, int] = shape) -> dict[str, float]:
+        def time(precision: GramPrecision, shape: tuple[int, int, int] = shape) -> Any:
             return time_shape(shape, device, precision, repeats)
 
         items.append(gram_ways.Item(row, "blocks" if blocked else "one product", layers, time))
@@ -109,9 +126,9 @@ def table(result: dict[str, Any]) -> str:
 
     def leading(row: dict[str, Any]) -> list[object]:
         default = "blocks" if row["default_blocks"] else "one product"
-        return [row["rows"], row["columns"], row["layers"], default]
+        return [row["stack"], row["rows"], row["columns"], row["layers"], default]
 
-    labels = ["rows", "columns", "layers", "default"]
+    labels = ["stack", "rows", "columns", "layers", "default"]
     return gram_ways.table(result, "shapes", labels, list(WAYS), leading)
 
 

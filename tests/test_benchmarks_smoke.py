@@ -655,6 +655,7 @@ def test_gram_blocks_times_every_wide_statistic_gram_forms_both_ways(
             if im2col:
                 want[(96 * size[m.out_channels] ** 2, m.in_channels * 9)] += 1
     assert {(r["rows"], r["columns"]): r["layers"] for r in report["shapes"]} == dict(want)
+    assert all(r["stack"] == 1 for r in report["shapes"])  # no per-example products here
     assert {r["columns"] for r in report["shapes"]} == {288, 576}
     for row in report["shapes"]:
         assert row["default_blocks"] and row["rows"] == 384

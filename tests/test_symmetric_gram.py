@@ -204,3 +204,20 @@ def test_pixel_grams_in_blocks_against_float64_sums() -> None:
     assert products.count == SYMMETRIC_BLOCKS
     for got, x in zip(grams, xs, strict=True):
         within_round_off(got, x.transpose(0, 1).reshape(512, -1).T, 2.0**-24)
+
+
+def test_per_example_pixel_grams_in_blocks_against_float64_sums() -> None:
+    """256 channels on 32x32 positions (4 per channel: each example's planes' products): each
+    example's Gram in blocks (1024 rows of 256 columns), summed over the examples."""
+    xs = [rows_of(2, 256, 32, 32), rows_of(2, 256, 32, 32) - 0.25]
+    vectors = [x.transpose(0, 1).reshape(256, -1).T for x in xs]
+    with Products() as products:
+        alone, count = pixel_gram(xs[0], torch.float32, with_ones=True)
+    assert products.count == SYMMETRIC_BLOCKS and count == 2048
+    ones = torch.ones(2048, 1)
+    within_round_off(alone, torch.cat([vectors[0], ones], dim=1), UNIT[torch.float32])
+    with Products() as products:
+        grams, _ = pixel_grams(xs, torch.float32, with_ones=False)
+    assert products.count == SYMMETRIC_BLOCKS
+    for got, rows in zip(grams, vectors, strict=True):
+        within_round_off(got, rows, UNIT[torch.float32])

@@ -108,9 +108,10 @@ class GramPrecision:
 HIGHEST = GramPrecision()
 
 #: Columns and rows from which a CPU forms a Gram as its upper block triangle (:func:`gram`).
-#: On 2 CPU cores 4 blocks took 0.66-1.01 of one product's time on the ResNet-50 statistics
-#: at batch 8 that a CPU forms by ``gram`` (256 to 4608 columns, 392 to 6272 rows, float32 and
-#: bf16 operands: 0.80 and 0.79 of the whole; ``benchmarks/gram_blocks.py``,
+#: On 2 CPU cores 4 blocks took 0.67-0.99 of one product's time on the ResNet-50 statistics
+#: at batch 8 that a CPU forms by ``gram`` (256 to 4608 columns, 392 to 6272 rows, and each
+#: example's 3136 positions; float32 and bf16 operands: 0.78 and 0.77 of the whole; one
+#: shape once 1.29, 0.77-0.86 in other runs; ``benchmarks/gram_blocks.py``,
 #: docs/benchmarks.md "A Gram's upper block triangle"), and
 #: 1.06-3.3 times it on 128 or fewer rows and on 256 rows of 512 columns (a probe of random
 #: rows): there the copies of the mirrored blocks and the products' launches outweigh the
@@ -264,7 +265,7 @@ def pixel_gram(
         rows = rows.reshape(-1, channels)
     elif x.is_contiguous() and x.numel() and _per_example(x, per_example):
         planes = x.reshape(x.shape[0], channels, -1).to(operand)  # a view unless cast
-        core = precision.bmm(planes, planes.mT).sum(dim=0)
+        core = gram(planes.mT, precision).sum(dim=0)  # each example's planes' Gram
         count = planes.shape[0] * planes.shape[2]
         if not with_ones:
             return core, count
@@ -297,7 +298,7 @@ def pixel_grams(
         planes = torch.empty((layers, *x.shape), dtype=operand, device=x.device)
         torch.stack(list(xs), out=planes)  # the stack and the cast in one copy
         flat = planes.view(layers * examples, channels, -1)
-        products = precision.bmm(flat, flat.mT)
+        products = gram(flat.mT, precision)
         core = products.view(layers, examples, channels, channels).sum(dim=1)
         vectors = planes.view(layers, examples, channels, -1)
         count, sums = examples * vectors.shape[3], precision.sum_rows(vectors, (1, 3))
