@@ -85,8 +85,11 @@ def time_shape(
 ) -> dict[str, float]:
     """Median milliseconds of each way's Gram of random rows of ``shape`` (a stack's summed)."""
     stack, rows, columns = shape
-    size = (rows, columns) if stack == 1 else shape
-    operands = precision.operands(torch.randn(size, device=device), torch.float32)
+    if stack == 1:
+        random = torch.randn(rows, columns, device=device)
+    else:  # as the library passes each example's planes: a view of (stack, columns, rows)
+        random = torch.randn(stack, columns, rows, device=device).mT
+    operands = precision.operands(random, torch.float32)
 
     def formed(blocks: int) -> torch.Tensor:
         grams = gram(operands, precision, blocks)

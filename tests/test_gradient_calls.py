@@ -156,6 +156,11 @@ def test_a_gradient_norm_logged_by_autograd_grad_is_counted_in_g_with_a_warning(
             for key in ("body/g", "head/g"):
                 assert_close(got[key], 2 * want[key])
     assert sum(str(w.message) == RETURNED_GRADIENTS for w in caught) == 1
+    assert all(
+        w.category is dkfac.ReturnedGradientsWarning
+        for w in caught
+        if str(w.message) == RETURNED_GRADIENTS
+    )
     pre.remove()
 
 

@@ -25,6 +25,7 @@ from dkfac.curvature.gram import (
     SYMMETRIC_MIN_ROWS,
     GramPrecision,
     gram,
+    per_example_products_pay,
     pixel_gram,
     pixel_grams,
     symmetric_blocks,
@@ -206,18 +207,39 @@ def test_pixel_grams_in_blocks_against_float64_sums() -> None:
         within_round_off(got, x.transpose(0, 1).reshape(512, -1).T, 2.0**-24)
 
 
-def test_per_example_pixel_grams_in_blocks_against_float64_sums() -> None:
-    """256 channels on 32x32 positions (4 per channel: each example's planes' products): each
-    example's Gram in blocks (1024 rows of 256 columns), summed over the examples."""
+class BatchedProducts(TorchDispatchMode):
+    """The batch sizes of the batched products run inside it (``bmm`` only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.ops.aten.bmm.default:
+            self.batches.append(int(args[0].shape[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["highest", "bf16"])
+def test_per_example_pixel_grams_in_blocks_against_float64_sums(name: str) -> None:
+    """256 channels on 32x32 positions (4 per channel: each example's planes' products, batched
+    over the examples): each example's Gram in blocks (1024 rows of 256 columns), summed over
+    the examples; bf16: of the rounded operands, summed in float32."""
+    precision = GramPrecision(name)
     xs = [rows_of(2, 256, 32, 32), rows_of(2, 256, 32, 32) - 0.25]
-    vectors = [x.transpose(0, 1).reshape(256, -1).T for x in xs]
-    with Products() as products:
-        alone, count = pixel_gram(xs[0], torch.float32, with_ones=True)
-    assert products.count == SYMMETRIC_BLOCKS and count == 2048
+    assert per_example_products_pay(xs[0].shape)
+    rounded = [precision.operands(x, torch.float32).float() for x in xs]
+    vectors = [x.transpose(0, 1).reshape(256, -1).T for x in rounded]
+    with BatchedProducts() as products:
+        alone, count = pixel_gram(xs[0], torch.float32, True, precision)
+    assert products.batches == [2] * SYMMETRIC_BLOCKS and count == 2048  # one per example
+    assert alone.dtype == torch.float32
     ones = torch.ones(2048, 1)
     within_round_off(alone, torch.cat([vectors[0], ones], dim=1), UNIT[torch.float32])
-    with Products() as products:
-        grams, _ = pixel_grams(xs, torch.float32, with_ones=False)
-    assert products.count == SYMMETRIC_BLOCKS
+    with BatchedProducts() as products:
+        grams, _ = pixel_grams(xs, torch.float32, False, precision)
+    assert products.batches == [4] * SYMMETRIC_BLOCKS  # 2 inputs of 2 examples each
     for got, rows in zip(grams, vectors, strict=True):
         within_round_off(got, rows, UNIT[torch.float32])

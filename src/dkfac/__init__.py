@@ -11,6 +11,7 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 
 from dkfac.adaptive import AdaptiveOptions, AdaptiveReport
 from dkfac.auto import AutoOptions
+from dkfac.autograd_engine import ReturnedGradientsWarning
 from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockRegistration, register_block
 from dkfac.curvature.layer import LayerHealth
@@ -36,6 +37,7 @@ __all__ = [
     "KFACPreconditioner",
     "LayerHealth",
     "PlanReport",
+    "ReturnedGradientsWarning",
     "SkippedModule",
     "__version__",
     "fast_to_target",

@@ -33,6 +33,15 @@ def current_backward_id() -> int | None:
     return None if current == -1 else current
 
 
+class ReturnedGradientsWarning(UserWarning):
+    """A ``torch.autograd.grad`` call computed a K-FAC layer's parameters' gradients.
+
+    Its output gradients are counted in ``G`` as a ``backward()`` call's are. A loop that
+    writes the returned gradients into ``.grad`` itself is counted once and may silence it
+    (``warnings.filterwarnings("ignore", category=dkfac.ReturnedGradientsWarning)``).
+    """
+
+
 #: Shown once when a ``torch.autograd.grad`` call computes a layer's parameters' gradients.
 RETURNED_GRADIENTS = (
     "torch.autograd.grad computed the gradient of a K-FAC layer's parameters, to return it "
@@ -40,7 +49,8 @@ RETURNED_GRADIENTS = (
     "it counts a backward() call's. If the same loss is also backpropagated by backward() (a "
     "gradient norm computed for a log, for example), G counts it twice (2x): compute such "
     "values from .grad after backward() instead. A loop that writes the returned gradients "
-    "into .grad itself, with no backward(), is counted once. (Shown once.)"
+    "into .grad itself, with no backward(), is counted once (silence it by its category, "
+    "dkfac.ReturnedGradientsWarning). (Shown once.)"
 )
 #: Backward calls whose answers are kept at once (threads running their own calls).
 KEPT_CALLS = 8
@@ -187,7 +197,8 @@ class LayerGradients:
             answer = _runs(will_run, node)
             if answer is None and not self._returned_warned:
                 self._returned_warned = True
-                warnings.warn(RETURNED_GRADIENTS, stacklevel=2)
+                # From a backward hook: no frame of the caller's to point at.
+                warnings.warn(RETURNED_GRADIENTS, ReturnedGradientsWarning, stacklevel=1)
             if answer is None or answer:
                 return True
         return False

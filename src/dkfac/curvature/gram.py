@@ -217,6 +217,8 @@ def fill_border(out: Tensor, sums: Tensor, count: int) -> None:
 #: (ResNet-50's shapes, batch 16, benchmarks/results/pixel_grams_resnet50_cpu.json) float32
 #: statistics gain 8-27% from 6 positions per channel on and are 3.7x slower at 0.024; with
 #: bf16 statistics the gains are 2-17% and at 12 positions 1% slower (the cast stays).
+#: Formed in blocks on a CPU (:func:`gram`), a block row's products, up to a quarter of those
+#: partial sums more, are held while they are copied in.
 PER_EXAMPLE_MIN_POSITIONS_PER_CHANNEL = 4
 
 
