@@ -149,7 +149,9 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             CUDA graph and replayed while the layers, their inverses and dtypes repeat
             (:mod:`dkfac.plain_step`; the same gradients bit for bit, a few host launches
             instead of dozens; steps whose preconditioning sends gradients run eagerly).
-            Default False: not yet timed on a GPU.
+            Default False: on an H200 it cut ResNet-32's step from 16.6 to 14.7 ms (SGD's
+            11.9) and left ResNet-50's at 67.6; the graph holds a copy of every gradient and
+            direction, which a large model may not spare.
         blocks: curvature blocks for more layer types, ``{ModuleType: factory}``; the factory
             gets the module and returns a :class:`dkfac.curvature.KroneckerBlock` (looked up
             along the module's class hierarchy, before the built-in blocks).

@@ -82,7 +82,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "decompositions' dtype) or bf16 (operands and results rounded to bfloat16: tensor cores "
         "on a GPU, AVX-512 BF16 on a CPU)",
         "plain_step_graphs": "replay each plain step's preconditioning, KL clip and scaling as "
-        "one CUDA graph (GPU only: a few host calls instead of dozens; not yet timed on a GPU)",
+        "one CUDA graph (GPU only: a few host calls instead of dozens; ResNet-32 on an H200: "
+        "14.7 ms a step against 16.6; holds a copy of the gradients)",
         "factor_update_steps": "steps between factor updates, or auto (chosen early in the "
         "run so they take about 10%% of a step; needs --inv-update-steps auto)",
         "inv_update_steps": "steps between decompositions (a multiple of "
