@@ -7,9 +7,12 @@ or from explicit im2col matrices (``im2col``: a handful of launches, ``kh·kw`` 
 input's memory, ``kh·kw`` times the products' work); it takes im2col where
 ``dkfac.curvature.factors.explicit_patches_pay`` (on a CPU outputs of at most ``kh·kw``
 positions, on a GPU every output no larger than its input) and the shifted products elsewhere
-(``default``). With ``batched_statistics`` the inputs of equal
+(``default``). The shifted products cut their rows into chunks on a GPU
+(``dkfac.curvature.row_chunks``, ``chunks``: a batched product of a few ``C x C`` results over
+every position leaves most of a GPU idle); ``shifted`` times them uncut, as before that rule,
+and each row records the chunks the rule takes. With ``batched_statistics`` the inputs of equal
 layers are formed together, so this records the groups one forward pass gives (equal shape and
-convolution settings), then times each group both ways, in float32 and with
+convolution settings), then times each group every way, in float32 and with
 ``statistics_precision="bf16"``, as the median of ``--repeats`` calls with the device waited
 for. A group larger than the pending-statistics byte budget would be cut into chunks in a run;
 here it is timed whole.
@@ -33,9 +36,15 @@ from torch import nn
 import gram_ways
 from dkfac.curvature.factors import conv2d_patch_grams, explicit_patches_pay
 from dkfac.curvature.gram import GramPrecision
+from dkfac.curvature.row_chunks import row_chunks
 from dkfac.curvature.shifted_gram_plan import ConvGeometry, ShiftedGramPlans
 
-WAYS = {"shifted": False, "im2col": True}
+#: Each way's ``im2col`` and ``chunks`` (``None``: as the library decides).
+WAYS: dict[str, tuple[bool, int | None]] = {
+    "shifted": (False, 1),
+    "chunks": (False, None),
+    "im2col": (True, None),
+}
 
 
 class Group(NamedTuple):
@@ -85,9 +94,9 @@ def time_group(
     xs = [torch.randn(group.shape, device=device) for _ in range(layers)]
     plans = ShiftedGramPlans()
     result = {}
-    for label, im2col in WAYS.items():
+    for label, (im2col, chunks) in WAYS.items():
 
-        def grams(im2col: bool = im2col) -> None:
+        def grams(im2col: bool = im2col, chunks: int | None = chunks) -> None:
             conv2d_patch_grams(
                 xs,
                 kernel=group.kernel,
@@ -99,6 +108,7 @@ def time_group(
                 precision=precision,
                 dtype=torch.float32,
                 im2col=im2col,
+                chunks=chunks,
             )
 
         result[label] = gram_ways.median_ms(grams, device, repeats)
@@ -121,12 +131,24 @@ def measure(
     items = []
     for group, layers in groups.items():
         explicit = explicit_patches_pay(group.geometry(), device)
-        row: dict[str, Any] = {**group._asdict(), "layers": layers, "default_im2col": explicit}
+        geometry = group.geometry()
+        n, c = group.shape[:2]
+        # The shifted products' rows: each example's zero-padded image (the plan's layout).
+        padded = (geometry.height + geometry.dilation[0] * (group.kernel[0] - 1)) * (
+            geometry.width + geometry.dilation[1] * (group.kernel[1] - 1)
+        )
+        chunks = row_chunks(n * padded, c, layers, device)
+        row: dict[str, Any] = {
+            **group._asdict(),
+            "layers": layers,
+            "default_im2col": explicit,
+            "chunks": chunks,
+        }
 
         def time(precision: GramPrecision, group: Group = group, layers: int = layers) -> Any:
             return time_group(group, layers, device, precision, repeats)
 
-        items.append(gram_ways.Item(row, "im2col" if explicit else "shifted", 1, time))
+        items.append(gram_ways.Item(row, "im2col" if explicit else "chunks", 1, time))
     return gram_ways.measure_rows(items, list(WAYS), "groups", on_result)
 
 
@@ -134,11 +156,11 @@ def table(result: dict[str, Any]) -> str:
     """One row per group: layers, output size, each way's median ms per precision."""
 
     def leading(row: dict[str, Any]) -> list[object]:
-        default = "im2col" if row["default_im2col"] else "shifted"
+        default = "im2col" if row["default_im2col"] else "chunks"
         kernel = "x".join(map(str, row["kernel"]))
-        return [tuple(row["shape"]), kernel, row["layers"], default]
+        return [tuple(row["shape"]), kernel, row["layers"], row["chunks"], default]
 
-    labels = ["input (N, C, H, W)", "kernel", "layers", "default"]
+    labels = ["input (N, C, H, W)", "kernel", "layers", "chunks", "default"]
     return gram_ways.table(result, "groups", labels, list(WAYS), leading)
 
 

@@ -513,8 +513,13 @@ def test_a_compiled_patch_gram_is_not_specialised_on_the_batch_size(
         if not rows_cache:
 
             def uncached(
-                plan: plan_module.ShiftedGramPlan, examples: int
+                plan: plan_module.ShiftedGramPlan,
+                examples: int,
+                layers: int = 1,
+                head: int = 0,
+                length: int | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor]:
+                assert (layers, head) == (1, 0)  # one input, unchunked on a CPU
                 per_example = torch.arange(examples) * (plan.hp * plan.wp)
                 rows = (plan.border[:, None] + per_example).flatten()
                 return rows, rows[:, None] + plan.offsets

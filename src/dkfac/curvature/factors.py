@@ -19,6 +19,7 @@ from dkfac.curvature.gram import (
     pixel_gram,
     pixel_grams,
 )
+from dkfac.curvature.row_chunks import row_chunks
 from dkfac.curvature.shifted_gram_plan import (
     ConvGeometry,
     ShiftedGramPlan,
@@ -39,6 +40,7 @@ def conv2d_patch_gram(
     precision: GramPrecision = HIGHEST,
     dtype: torch.dtype | None = None,
     im2col: bool | None = None,
+    chunks: int | None = None,
 ) -> tuple[Tensor, int]:
     """``Σ a aᵀ`` over the im2col patches ``a`` of a 2-D convolution, and the number of patches.
 
@@ -58,6 +60,8 @@ def conv2d_patch_gram(
             (False; benchmarks and tests compare the two); ``None``: as
             :func:`explicit_patches_pay` decides. Other strides always take im2col, and an
             unpadded 1x1 kernel its pixel Grams, whatever this says.
+        chunks: how many chunks the shifted products cut their positions into
+            (:func:`shifted_patch_grams`); ``None``: as the device suits.
 
     Returns:
         The ``(C·kh·kw [+1])`` square Gram in PyTorch's ``(c, i, j)`` patch order, and the
@@ -74,6 +78,7 @@ def conv2d_patch_gram(
         precision=precision,
         dtype=dtype,
         im2col=im2col,
+        chunks=chunks,
     )
     return grams[0], rows
 
@@ -90,6 +95,7 @@ def conv2d_patch_grams(
     precision: GramPrecision = HIGHEST,
     dtype: torch.dtype | None = None,
     im2col: bool | None = None,
+    chunks: int | None = None,
 ) -> tuple[list[Tensor], int]:
     """:func:`conv2d_patch_gram` of each of ``xs``, inputs of one shape, dtype and device.
 
@@ -139,13 +145,13 @@ def conv2d_patch_grams(
                 if plans is None
                 else plans.get(geometry, x.device)
             )
-            return shifted_patch_grams(xs, plan, with_ones, precision, operand)
+            return shifted_patch_grams(xs, plan, with_ones, precision, operand, chunks)
         # Inside torch.compile's tracing, making a plan (unique, nonzero: data-dependent
         # shapes) would break the graph; one made before, outside it, traces whole. Without
         # one, the im2col product (same Gram, other rounding) does.
         cached = None if plans is None else plans.cached(geometry, x.device)
         if cached is not None:
-            return shifted_patch_grams(xs, cached, with_ones, precision, operand)
+            return shifted_patch_grams(xs, cached, with_ones, precision, operand, chunks)
     return strided_patch_grams(xs, kernel, dilation, stride, pad, with_ones, precision, operand)
 
 
@@ -243,6 +249,7 @@ def shifted_patch_grams(
     with_ones: bool,
     precision: GramPrecision,
     operand: torch.dtype,
+    chunks: int | None = None,
 ) -> tuple[list[Tensor], int]:
     """Patch Grams of stride-1 convolution inputs of one shape, without materialising im2col.
 
@@ -261,6 +268,15 @@ def shifted_patch_grams(
     (a 3x3 kernel: 3 launches an input, or 13 for any number). Every other step (border
     groups of one size, corrections, assembly) is one launch for all inputs. All index data
     comes from ``plan``: nothing is read back from the device here.
+
+    ``chunks`` (``None``: :func:`~dkfac.curvature.row_chunks.row_chunks` decides, 1 on a
+    CPU and inside ``torch.compile``'s tracing): more than 1 cuts each layout's positions
+    into that many chunks, so that each shift's product over every input is
+    ``inputs·chunks`` results in one batched product, summed over the chunks (13 products
+    and 13 sums for a 3x3 kernel). The layouts then start with zero rows too, as many as
+    they end with: a chunk's product reads the next layout's first positions only against
+    zeros of its own, and a shifted position before a layout's first reads zeros, so one
+    input's values never meet another's (an infinity in one stays out of the others' Grams).
     """
     layers = len(xs)
     x = xs[0]
@@ -275,12 +291,20 @@ def shifted_patch_grams(
     if h_out <= 0 or w_out <= 0 or n == 0:  # no patch (border gathers cannot shape 0 rows)
         return [x.new_zeros(side, side, dtype=out_dtype) for _ in xs], 0
     span = n * hp * wp
-    length = plan.length(n)
     shifts = len(plan.shifts)
+    if chunks is None:  # traced: one way for every size (a choice by size would guard on it)
+        compiling = torch.compiler.is_compiling()
+        chunks = 1 if compiling else row_chunks(span, c, layers, x.device)
+    # Each layout: head zeros, the positions, tail zeros (at least max_offset each).
+    head = plan.max_offset if chunks > 1 else 0
+    rows_per_chunk = -(-(head + plan.length(n)) // chunks)
+    length = rows_per_chunk * chunks if chunks > 1 else plan.length(n)
     # Positions-major layouts: a product reads one transposed for free, and gathering
-    # positions gathers contiguous channel vectors.
-    flat = x.new_zeros(layers, length, c, dtype=operand)
-    image = flat[:, :span].view(layers, n, hp, wp, c)[:, :, :h, :w]
+    # positions gathers contiguous channel vectors. Chunked products read past the last
+    # layout's end (by up to max_offset, zeros).
+    flat = x.new_zeros(layers * length + (plan.max_offset if chunks > 1 else 0), c, dtype=operand)
+    layouts = flat[: layers * length].view(layers, length, c)
+    image = layouts[:, head : head + span].view(layers, n, hp, wp, c)[:, :, :h, :w]
     # Cast to the operands' dtype in the same copy (one input: broadcast over the layer dim).
     inputs = x if layers == 1 else torch.stack(list(xs))
     image.copy_(inputs.permute(0, 2, 3, 1) if layers == 1 else inputs.permute(0, 1, 3, 4, 2))
@@ -288,7 +312,20 @@ def shifted_patch_grams(
     # flat is a tensor of its own (storage offset 0; asking it would break torch.compile's
     # graph): each layout's first span positions, transposed.
     base = flat.as_strided((layers, c, span), (length * c, 1, c))
-    if layers * len(plan.shift_runs) <= shifts:  # a product per run of each input
+    if chunks > 1:  # a product per shift of all inputs' chunks, summed over the chunks
+        full = x.new_empty(shifts, layers, c, c, dtype=out_dtype)
+        partial = x.new_empty(layers * chunks, c, c, dtype=out_dtype)
+        # Whole layouts, head and tail too: chunk k of layout l starts at (l·chunks + k)·rows.
+        products, stride = layers * chunks, rows_per_chunk * c
+        base_chunks = flat.as_strided((products, c, rows_per_chunk), (stride, 1, c))
+        for run in plan.shift_runs:
+            for item in range(run.items):
+                offset = (run.start + item * run.step) * c
+                shifted = flat.as_strided((products, rows_per_chunk, c), (stride, c, 1), offset)
+                precision.bmm(base_chunks, shifted, out=partial)
+                chunked = partial.view(layers, chunks, c, c)
+                torch.sum(chunked, dim=1, out=full[run.first + item])
+    elif layers * len(plan.shift_runs) <= shifts:  # a product per run of each input
         by_input = x.new_empty(layers, shifts, c, c, dtype=out_dtype)  # written in place
         for layer, layer_base in enumerate(base.unbind(0)):
             for run in plan.shift_runs:
@@ -312,8 +349,8 @@ def shifted_patch_grams(
     # Each border group's correction contracts over all its positions and examples; the
     # groups of one size, of every layout, in one batched product.
     if plan.group_sizes:
-        index, shifted_index = plan.border_rows(n) if layers == 1 else plan.border_rows(n, layers)
-        table = flat.view(layers * length, c)
+        index, shifted_index = plan.border_rows(n, layers, head, length)
+        table = flat[: layers * length]
         at_border = table[index]  # (B·N·layers, C): group by group, layout by layout
         shifted_rows = table[shifted_index].flatten(1)  # (B·N·layers, S·C)
         per_group = full.new_empty(len(plan.group_sizes) * layers, c, shifts * c)

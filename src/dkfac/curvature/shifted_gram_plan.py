@@ -96,11 +96,14 @@ class ShiftedGramPlan:
         default_factory=dict, compare=False, repr=False
     )
 
-    def border_rows(self, examples: int, layers: int = 1) -> tuple[Tensor, Tensor]:
+    def border_rows(
+        self, examples: int, layers: int = 1, head: int = 0, length: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Layout rows of the border pixels of ``examples`` examples, and of their shifts.
 
         ``(B·N,)`` pixel-major (a group's rows are consecutive) and ``(B·N, S)``. For
-        ``layers`` layouts of ``length(examples)`` positions each, one after another
+        ``layers`` layouts of ``length`` positions each (``None``: ``length(examples)``),
+        one after another, each with ``head`` zero rows before its positions
         (:func:`~dkfac.curvature.factors.shifted_patch_grams`), the rows of every layout:
         group by group, within a group layout by layout, so that a run of equal-sized groups
         is one batched product over all layouts. Kept for the latest batch size: the same
@@ -109,23 +112,24 @@ class ShiftedGramPlan:
         would specialise the graph on it (one recompilation per batch size, tested).
         """
         compiling = torch.compiler.is_compiling()
-        cached = None if compiling else self._derived.get(("rows", examples, layers))
+        length = self.length(examples) if length is None else length
+        cached = None if compiling else self._derived.get(("rows", examples, layers, head, length))
         if cached is not None:
-            return cached, self._derived[("shifted", examples, layers)]
+            return cached, self._derived[("shifted", examples, layers, head, length)]
         per_example = torch.arange(examples, device=self.border.device) * (self.hp * self.wp)
-        rows = (self.border[:, None] + per_example).flatten()
+        rows = (self.border[:, None] + (per_example + head)).flatten()
         if layers > 1:
-            starts = torch.arange(layers, device=rows.device) * self.length(examples)
+            starts = torch.arange(layers, device=rows.device) * length
             by_layout = rows[None, :] + starts[:, None]  # (layers, B·N)
             groups = torch.split(by_layout, [size * examples for size in self.group_sizes], dim=1)
             rows = torch.cat([group.flatten() for group in groups])
         shifted = rows[:, None] + self.offsets
         if not compiling:
-            for key in [key for key in self._derived if key[0] in ("rows", "shifted")]:
-                if key[1] != examples:
-                    del self._derived[key]
-            self._derived[("rows", examples, layers)] = rows
-            self._derived[("shifted", examples, layers)] = shifted
+            for kept in [kept for kept in self._derived if kept[0] in ("rows", "shifted")]:
+                if kept[1] != examples:
+                    del self._derived[kept]
+            self._derived[("rows", examples, layers, head, length)] = rows
+            self._derived[("shifted", examples, layers, head, length)] = shifted
         return rows, shifted
 
     def length(self, examples: int) -> int:
