@@ -16,9 +16,9 @@
 #      products of channel planes against one product of a channel-major copy); the patch
 #      Grams of ResNet-32's and ResNet-50's groups of 3x3 convolutions three ways
 #      (patch_grams.py: shifted products, the same with their rows cut into chunks as a GPU
-#      now cuts them, and explicit im2col, a GPU's default on every output no larger than its
-#      input: whether the chunked products take that back); ResNet-50's statistics' Grams as one product and as
-#      their upper block triangle (gram_blocks.py);
+#      now cuts them, and explicit im2col, a GPU's default on every output no larger than
+#      its input: whether the chunked products take that back); ResNet-50's statistics'
+#      Grams as one product and as their upper block triangle (gram_blocks.py);
 #   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults, plain steps replayed as CUDA graphs
 #      (plain_step_graphs), the statistics in the hooks and one layer at a time (a small
 #      model's step waits for the host) (host_time.py's host time per kind of step is
@@ -31,7 +31,7 @@
 # suite ~250 s, part 3 needs ~60 s for two rows. On 2026-11-30 the whole script took 422 s
 # (the suite's selection was then split by a quoting slip and ran nothing); the cuda tests
 # took 45 s and xdist's teardown needs some seconds more; ResNet-50's patch Grams needed ~40 s
-# two ways (a third way now: 45 s for both models' patch Grams, 20 s less for the suite).
+# two ways at 5 repeats (a third way now, 3 repeats: 60 s for both models, 40 for ResNet-50).
 # Uses the machine's own python3 with torch (no network there: the project is installed
 # without dependencies; kfac-pytorch comes as a wheel built from its public repository, passed
 # as $KFAC_PYTORCH, or from the network where there is one).
@@ -47,11 +47,11 @@ CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-15}
 PIXEL_GRAMS_S=${PIXEL_GRAMS_S:-10}
-PATCH_GRAMS_S=${PATCH_GRAMS_S:-45}
-GRAM_BLOCKS_S=${GRAM_BLOCKS_S:-25}
+PATCH_GRAMS_S=${PATCH_GRAMS_S:-60}
+GRAM_BLOCKS_S=${GRAM_BLOCKS_S:-20}
 RESNET32_S=${RESNET32_S:-50}
 CUDA_TESTS_S=${CUDA_TESTS_S:-75}
-SUITE_S=${SUITE_S:-50}
+SUITE_S=${SUITE_S:-40}
 # Single quotes keep the marker expression's double quotes (the default's quotes are removed).
 SUITE_ARGS=${SUITE_ARGS:-'-m "not slow and not cuda" tests'}
 WORKERS=${WORKERS:-15}
@@ -110,11 +110,11 @@ echo "== pixel Grams two ways: ResNet-50, batch 128"
 timeout -s INT "$PIXEL_GRAMS_S" python3 benchmarks/pixel_grams.py --model resnet50 --batch 128 \
   --out "$OUT/pixel_grams.json" > "$OUT/pixel_grams.log" 2>&1
 echo "exit $?"; tail -16 "$OUT/pixel_grams.log"
-for model in resnet32 resnet50; do  # 2/5 and 3/5 of the box; a cut run keeps its groups
+for model in resnet32 resnet50; do  # 1/3 and 2/3 of the box; a cut run keeps its groups
   echo "== patch Grams three ways: $model, batch 128"
-  share=$([ "$model" = resnet32 ] && echo 2 || echo 3)
-  timeout -s INT $((PATCH_GRAMS_S * share / 5)) python3 benchmarks/patch_grams.py --model "$model" \
-    --batch 128 --out "$OUT/patch_grams_$model.json" > "$OUT/patch_grams_$model.log" 2>&1
+  share=$([ "$model" = resnet32 ] && echo 1 || echo 2)
+  timeout -s INT $((PATCH_GRAMS_S * share / 3)) python3 benchmarks/patch_grams.py --model "$model" \
+    --batch 128 --repeats 3 --out "$OUT/patch_grams_$model.json" > "$OUT/patch_grams_$model.log" 2>&1
   echo "exit $?"; tail -8 "$OUT/patch_grams_$model.log"
 done
 echo "== a Gram as one product or its upper block triangle: ResNet-50, batch 128"

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import dkfac.curvature.shifted_grams as shifted_grams
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature.factors import conv2d_patch_grams
 from dkfac.curvature.gram import GramPrecision
@@ -41,7 +42,7 @@ def test_shifted_products_in_chunks_match_brute_force(seed: int, chunks: int) ->
     xs = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(inputs)]
     plans = ShiftedGramPlans()
     for with_ones in (bool(seed % 2), not seed % 2):
-        for way in (chunks, 1):
+        for way in (chunks, chunks + 1, 1):  # one plan: its border rows kept per layout
             grams, rows = conv2d_patch_grams(
                 xs, with_ones=with_ones, plans=plans, im2col=False, chunks=way, **options
             )
@@ -108,6 +109,63 @@ def test_chunked_bf16_operands_match_their_rounded_values(inputs: int) -> None:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [0, -1, True, 2.0])
+def test_chunks_must_be_a_positive_int(chunks: object) -> None:
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="chunks="):
+        conv2d_patch_grams(
+            [x],
+            kernel=(3, 3),
+            dilation=(1, 1),
+            stride=(1, 1),
+            pad=(1, 1, 1, 1),
+            with_ones=False,
+            im2col=False,
+            chunks=chunks,  # type: ignore[arg-type]
+        )
+
+
+def test_the_rule_is_not_asked_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A choice of chunks by the batch's size, made while torch.compile traces, would guard
+    # the graph on that size (a recompilation per batch size). With a rule that cuts rows on
+    # this CPU too, eager calls ask it and take its chunks, traced calls do not ask it.
+    asked: list[bool] = []
+
+    def every_call_cuts(rows: int, columns: int, products: int, device: torch.device) -> int:
+        asked.append(torch.compiler.is_compiling())
+        return 3
+
+    monkeypatch.setattr(shifted_grams, "row_chunks", every_call_cuts)
+    plans = ShiftedGramPlans()
+
+    def grams(x: torch.Tensor) -> list[torch.Tensor]:
+        return conv2d_patch_grams(
+            [x, 2 * x],
+            kernel=(3, 3),
+            dilation=(1, 1),
+            stride=(1, 1),
+            pad=(1, 1, 1, 1),
+            with_ones=True,
+            plans=plans,
+            im2col=False,
+        )[0]
+
+    eager = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    # 13 shifts, 2 border group sizes, the weights, the bias row's sums.
+    assert matrix_products(lambda: grams(eager)) == ["bmm"] * (13 + 2) + ["mm", "bmm"]
+    assert asked == [False]
+    torch._dynamo.reset()
+    compiled = torch.compile(grams, backend="eager", dynamic=True)
+    for n in (4, 5, 6):
+        generator = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 2, 6, 6, dtype=torch.float64, generator=generator)
+        for scale, got in zip((1, 2), compiled(x), strict=True):
+            want, _ = brute_force_patch_gram(scale * x, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), True)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    assert asked == [False]
+
+
 def test_a_cpu_never_chunks() -> None:
     assert row_chunks(430_592, 64, 3, torch.device("cpu")) == 1
 
@@ -116,7 +174,8 @@ def test_a_cpu_never_chunks() -> None:
     ("rows", "columns", "products", "expected"),
     [
         # ResNet-50's 56x56 3x3 group at batch 128: a shift's product of 3 inputs, 64 x 64
-        # results (3 tiles), over 128·58·58 rows: ceil(512 / 3) chunks of 2518 rows.
+        # results (3 tiles), over 128·58·58 rows: ceil(512 / 3) chunks (of 2520 rows, with
+        # the layouts' zero rows).
         (430_592, 64, 3, 171),
         # Its 7x7 group: 2 results of 512 x 512 (32 tiles) over 128·9·9 rows: 16 chunks
         # wanted, 5 of at least 2048 rows.
@@ -134,11 +193,11 @@ def test_a_cpu_never_chunks() -> None:
 def test_a_gpu_cuts_rows_until_the_batch_has_its_tiles(
     rows: int, columns: int, products: int, expected: int
 ) -> None:
-    assert row_chunks(rows, columns, products, CUDA) == expected
     chunks = row_chunks(rows, columns, products, CUDA)
+    assert chunks == expected
     assert chunks == 1 or rows // chunks >= MIN_CHUNK_ROWS
-    tiles = products * -((-columns // 128) ** 2)
-    assert chunks == 1 or (chunks - 1) * tiles < TARGET_TILES
+    tiles = products * (-(-columns // 128)) ** 2
+    assert chunks == 1 or 0 < (chunks - 1) * tiles < TARGET_TILES
 
 
 @pytest.mark.parametrize("device", [on_cuda(str(CUDA_TEST_DEVICE))])

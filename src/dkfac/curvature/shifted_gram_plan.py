@@ -104,7 +104,7 @@ class ShiftedGramPlan:
         ``(B·N,)`` pixel-major (a group's rows are consecutive) and ``(B·N, S)``. For
         ``layers`` layouts of ``length`` positions each (``None``: ``length(examples)``),
         one after another, each with ``head`` zero rows before its positions
-        (:func:`~dkfac.curvature.factors.shifted_patch_grams`), the rows of every layout:
+        (:func:`~dkfac.curvature.shifted_grams.shifted_patch_grams`), the rows of every layout:
         group by group, within a group layout by layout, so that a run of equal-sized groups
         is one batched product over all layouts. Kept for the latest batch size: the same
         for every factor update at that size. Under ``torch.compile`` they are made in the
