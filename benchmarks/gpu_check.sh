@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (one layer at a time instead of equal shapes batched; factors folded one at a time
-#      instead of stacked by shape; bf16 statistics; bf16
-#      statistics and preconditioning with statistics from half, and from an eighth, of the
-#      batch: dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
+#      (patch Grams by shifted products, cut into chunks of rows, instead of the GPU's im2col:
+#      conv_patches="shifted"; bf16 statistics, both ways; bf16 statistics and
+#      preconditioning with statistics from half, and from an eighth, of the batch:
+#      dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
-#      (one layer at a time too; decompositions batched at every size, and up to 576 wide,
-#      at (1, 1)) with kfac-pytorch in the same run;
+#      (shifted patch Grams too, at (1, 1)) with kfac-pytorch in the same run;
 #   3. ResNet-50 in channels-last format (TF32), SGD in the same format, where
 #      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
@@ -20,8 +19,8 @@
 #      its input: whether the chunked products take that back); ResNet-50's statistics'
 #      Grams as one product and as their upper block triangle (gram_blocks.py);
 #   5. ResNet-32, (10, 100), TF32: SGD, dkfac's defaults, plain steps replayed as CUDA graphs
-#      (plain_step_graphs), the statistics in the hooks and one layer at a time (a small
-#      model's step waits for the host) (host_time.py's host time per kind of step is
+#      (plain_step_graphs), shifted patch Grams, the statistics in the hooks (a small model's
+#      step waits for the host) (host_time.py's host time per kind of step is
 #      measured on the development machine instead: the box here cut it);
 #   6. the cuda-marked tests, then the rest of `make test`'s selection (`-m "not slow"`),
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
@@ -70,13 +69,16 @@ fast='{"statistics_precision": "bf16", "precondition_precision": "bf16"}'
 half='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.5}'
 eighth='{"statistics_precision": "bf16", "precondition_precision": "bf16", "statistics_fraction": 0.125}'
 alone='{"batched_preconditioning": false}'
+shifted='{"conv_patches": "shifted"}'
+bf16shifted='{"statistics_precision": "bf16", "conv_patches": "shifted"}'
 unstacked='{"batched_factor_updates": false}'
 hooks='{"batched_statistics": false}'
 variants=(--variant "dkfac-fast=$fast" --variant "dkfac-half=$half" --variant "dkfac-eighth=$eighth"
   --variant "dkfac-alone=$alone" --variant "dkfac-unstacked=$unstacked" --variant "dkfac-hooks=$hooks"
   --variant 'dkfac-bdec={"batched_decompositions": true}'
   --variant 'dkfac-bdec576={"batched_decompositions": 576}'
-  --variant 'dkfac-graphs={"plain_step_graphs": true}')
+  --variant 'dkfac-graphs={"plain_step_graphs": true}'
+  --variant "dkfac-shifted=$shifted" --variant "dkfac-bf16shifted=$bf16shifted")
 bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 unless set)
   local seconds=$1 name=$2 model=${MODEL:-resnet50}
   shift 2
@@ -88,9 +90,9 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 un
   grep -A30 "^$model" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-alone_inverse_10_100,dkfac-unstacked_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-shifted_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-bf16shifted_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
-  --configs dkfac_inverse_1_1,dkfac-alone_inverse_1_1,dkfac-bdec_inverse_1_1,dkfac-bdec576_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
+  --configs dkfac_inverse_1_1,dkfac-shifted_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-bf16shifted_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 if [ "$CHANNELS_LAST_S" -gt 0 ]; then
   bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
     --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100
@@ -122,7 +124,7 @@ timeout -s INT "$GRAM_BLOCKS_S" python3 benchmarks/gram_blocks.py --model resnet
   --out "$OUT/gram_blocks.json" > "$OUT/gram_blocks.log" 2>&1
 echo "exit $?"; tail -17 "$OUT/gram_blocks.log"
 MODEL=resnet32 bench "$RESNET32_S" resnet32 --tf32 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-graphs_inverse_10_100,dkfac-hooks_inverse_10_100,dkfac-alone_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac-graphs_inverse_10_100,dkfac-shifted_inverse_10_100,dkfac-hooks_inverse_10_100
 suite() {  # name, seconds, then pytest's selection
   local name=$1 seconds=$2
   shift 2

@@ -274,6 +274,7 @@ class AutoOptions(StrategyChooser):
                     "inverse_method": config.inverse_method,
                     "factor_dtype": config.factor_dtype,
                     "statistics_precision": config.statistics_precision,
+                    "conv_patches": config.conv_patches,
                     "statistics_fraction": config.statistics_fraction,
                     "precondition_precision": config.precondition_precision,
                     "skip_layers": config.skip_layers,

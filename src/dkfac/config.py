@@ -17,6 +17,7 @@ import torch
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.batching import Batching, batched_decompositions_up_to
+from dkfac.curvature.factors import CONV_PATCHES
 from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
 from dkfac.schedules import (
@@ -72,6 +73,7 @@ class KFACConfig:
     loss_reduction: str = "mean"
     factor_dtype: torch.dtype = torch.float32
     statistics_precision: str = "highest"
+    conv_patches: str = "auto"
     statistics_fraction: float = 1.0
     precondition_precision: str = "highest"
     inv_dtype: torch.dtype = torch.float32
@@ -153,6 +155,11 @@ class KFACConfig:
             raise ValueError(
                 f"statistics_precision='bf16' is not allowed with factor_dtype="
                 f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
+            )
+        if self.conv_patches not in CONV_PATCHES:
+            raise ValueError(
+                f"conv_patches={self.conv_patches!r} is not allowed: expected one of "
+                f"{', '.join(map(repr, CONV_PATCHES))}"
             )
         check_precondition_precision(self.precondition_precision)
         check_float(

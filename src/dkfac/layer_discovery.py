@@ -114,6 +114,7 @@ def discover_layers(
         model: the unwrapped model.
         config: what the layers are built with: ``skip_patterns`` (a module whose path or
             class name matches one is skipped), ``factor_dtype``, ``statistics_precision``,
+            ``conv_patches``,
             ``precondition_precision`` and ``max_factor_dim`` (a layer with a larger factor
             side is skipped).
         blocks: the user's blocks for more module types (:func:`make_block`).
@@ -170,7 +171,7 @@ def discover_layers(
             shared = ", ".join(repr(other) for other in others)
             skipped.append(SkippedModule(name, kind, f"parameter shared with {shared}"))
         else:
-            block.precision = precision
+            block.precision, block.patches = precision, config.conv_patches
             layer = LayerCurvature(
                 name or kind,
                 block,

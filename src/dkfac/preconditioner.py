@@ -89,6 +89,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         statistics_precision: ``"highest"`` (default): the statistics' products in
             ``factor_dtype``; ``"bf16"``: operands rounded to bfloat16, products summed in
             float32 (tensor cores; ``factor_dtype`` float32 only; README, "GPUs").
+        conv_patches: a stride-1 convolution's ``A`` from ``"im2col"`` patches (``kh·kw`` times
+            the input's memory), ``"shifted"`` products (no copy) or ``"auto"`` (README, "GPUs").
         statistics_fraction: in (0, 1]: the factors are estimated from the first
             ``⌈f·N⌉`` examples of each call (dim 0) instead of all ``N`` (docs/math.md,
             "Statistics from part of the batch"); not with a compiled model.
@@ -182,6 +184,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
         grad_scaler: Any | None = None,
         factor_dtype: torch.dtype = torch.float32,
         statistics_precision: str = "highest",
+        conv_patches: str = "auto",
         statistics_fraction: float = 1.0,
         precondition_precision: str = "highest",
         inv_dtype: torch.dtype = torch.float32,

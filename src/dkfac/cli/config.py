@@ -25,6 +25,7 @@ from dkfac.cli.config_values import (
 )
 from dkfac.cli.config_values import ConfigError as ConfigError
 from dkfac.cli.device import AMP_MODES, DEVICES
+from dkfac.curvature.factors import CONV_PATCHES
 from dkfac.curvature.gram import STATISTICS_PRECISIONS
 from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
 from dkfac.strategies.registry import KAISAOptions, strategy_names
@@ -43,6 +44,7 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grad_sync", GRAD_SYNCS),
     ("inverse_method", ("eigen", "inverse")),
     ("statistics_precision", STATISTICS_PRECISIONS),
+    ("conv_patches", tuple(CONV_PATCHES)),
     ("precondition_precision", PRECONDITION_PRECISIONS),
     ("device", DEVICES),
     ("amp", AMP_MODES),
@@ -83,6 +85,8 @@ class TrainConfig:
     inverse_method: str = "eigen"
     #: Products of the factor statistics: "highest" (float32) or "bf16" (tensor cores).
     statistics_precision: str = "highest"
+    #: A stride-1 convolution's patch Grams: auto (the device's rule), shifted or im2col.
+    conv_patches: str = "auto"
     #: Share of each batch (its first examples) the factors are estimated from.
     statistics_fraction: float = 1.0
     #: Products of the preconditioning: "highest" (the decompositions' dtype) or "bf16".
@@ -139,17 +143,8 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)!r} is not "
                     f"allowed: choose one of {', '.join(allowed)}"
                 )
-        positive = (
-            "lr",
-            "damping",
-            "epochs",
-            "batch_size",
-            "grad_accumulation",
-            "nproc",
-            "threads",
-            "log_every",
-            "collective_timeout",
-        )
+        positive: tuple[str, ...] = ("lr", "damping", "epochs", "batch_size", "nproc")
+        positive += ("grad_accumulation", "threads", "log_every", "collective_timeout")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(

@@ -15,6 +15,7 @@ INTERVAL_OPTIONS: tuple[str, ...] = ("factor_update_steps", "inv_update_steps")
 PRECONDITIONER_OPTIONS: tuple[str, ...] = (
     "inverse_method",
     "statistics_precision",
+    "conv_patches",
     "statistics_fraction",
     "precondition_precision",
     "plain_step_graphs",

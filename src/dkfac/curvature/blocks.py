@@ -61,10 +61,14 @@ class KroneckerBlock(ABC):
             by the preconditioner): a block forms its operands with ``precision.operands``
             (or casts to ``precision.operand_dtype`` in a copy it makes anyway) and its
             products with ``precision.mm`` or the Gram helpers of :mod:`dkfac.curvature.gram`.
+        patches: how a convolution forms its patch Grams (``conv_patches``, set by the
+            preconditioner; a key of :data:`~dkfac.curvature.factors.CONV_PATCHES`); blocks
+            of other layers ignore it.
     """
 
     kind: str = "?"
     precision: GramPrecision = HIGHEST
+    patches: str = "auto"
     #: Dims of one batched input (``examples`` counts dim 0 of such an input, else one).
     batched_dims: int = 2
     #: Whether ``A`` may be estimated from part of a call (``statistics_fraction``).

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock, UnsupportedLayerError
-from dkfac.curvature.factors import conv2d_patch_gram, conv2d_patch_grams
+from dkfac.curvature.factors import CONV_PATCHES, conv2d_patch_gram, conv2d_patch_grams
 from dkfac.curvature.gram import pixel_gram, pixel_grams
 from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
 
@@ -92,6 +92,7 @@ class Conv2dBlock(KroneckerBlock):
             plans=self.gram_plans,
             precision=self.precision,
             dtype=dtype,
+            im2col=CONV_PATCHES[self.patches],
         )
         return FactorStatistic(total, rows, int(x.shape[0]))
 
@@ -107,7 +108,14 @@ class Conv2dBlock(KroneckerBlock):
             return None
         # A 1x1 convolution's pixel Grams are formed per layout (strides): part of the key.
         layout = x.stride() if self.kernel == (1, 1) and not any(self.pad) else None
-        settings = (self.kernel, self.dilation, self.pad, self.has_bias, self.precision)
+        settings = (
+            self.kernel,
+            self.dilation,
+            self.pad,
+            self.has_bias,
+            self.precision,
+            self.patches,
+        )
         return ("conv2d", settings, layout, tuple(x.shape), x.dtype, x.device)
 
     def a_statistics(self, xs: Sequence[Tensor], dtype: torch.dtype) -> list[FactorStatistic]:
@@ -122,6 +130,7 @@ class Conv2dBlock(KroneckerBlock):
             plans=self.gram_plans,
             precision=self.precision,
             dtype=dtype,
+            im2col=CONV_PATCHES[self.patches],
         )
         examples = int(xs[0].shape[0])
         return [FactorStatistic(total, rows, examples) for total in totals]

@@ -26,6 +26,12 @@ from dkfac.curvature.shifted_gram_plan import (
 )
 from dkfac.curvature.shifted_grams import shifted_patch_grams
 
+#: ``conv_patches``: how a stride-1 convolution's patch Gram is formed, and the ``im2col``
+#: argument of :func:`conv2d_patch_gram` each way gives: as the device suits
+#: (:func:`explicit_patches_pay`), always from shifted products (no ``kh·kw``-fold copy of
+#: the input), or always from im2col matrices (fewer launches).
+CONV_PATCHES: dict[str, bool | None] = {"auto": None, "shifted": False, "im2col": True}
+
 
 def conv2d_patch_gram(
     x: Tensor,
