@@ -9,11 +9,11 @@ left is negligible: what a step takes is then host time. Per kind of step
 of a ``(10, 100)`` schedule: the forward-backward pass (capturing statistics or not),
 ``pre.step()`` and the optimizer's step, medians over the run; and the amortised host time
 per iteration against SGD's, side by side in one process, their iterations interleaved
-(:func:`time_round`). Variants (``--variant LABEL=JSON``)
-are more ``KFACPreconditioner`` keywords; ``--gpu-paths`` turns on what dkfac's defaults turn
-on for a GPU only (the batched preconditioning, folds and input statistics), so the host
-work of the GPU's code paths is what is timed (a few device-dependent details, e.g. the
-finiteness checks, stay the CPU's).
+(:func:`time_round`). Variants (``--variant LABEL=JSON``) are more ``KFACPreconditioner``
+keywords; ``--gpu-paths`` turns on what dkfac's defaults turn on for a GPU only (the batched
+preconditioning, folds and input statistics, the patch Grams by im2col), so the host work of
+the GPU's code paths is what is timed (a few device-dependent details, e.g. the finiteness
+checks, stay the CPU's).
 
 ``--graphs-without-replay`` lets variants with ``plain_step_graphs`` take the graph path on
 the CPU (:class:`ReplayLaunchingNothing`): their plain steps' host time is then a replayed
@@ -46,11 +46,15 @@ from gpu_overhead import MODELS, add_variant_argument, environment, write_report
 
 #: The schedule timed: factors every 10 steps, decompositions every 100.
 FACTOR_STEPS, DECOMPOSITION_STEPS = 10, 100
-#: Keywords that select the code paths dkfac's defaults take on a GPU.
+#: Keywords that select the code paths dkfac's defaults take on a GPU. The patch Grams: a
+#: GPU's rule takes im2col for every stride-1 convolution whose output is no larger than its
+#: input, which in these ResNets is every one (``"im2col"``; until 2026-11-30 the runs took
+#: the CPU's shifted products, and ResNet-32's factor steps 1.3 ms more host time for it).
 GPU_PATHS = (
     ("batched_preconditioning", True),
     ("batched_factor_updates", True),
     ("batched_statistics", True),
+    ("conv_patches", "im2col"),
 )
 KINDS = ("plain", "factors", "decomposition")
 
