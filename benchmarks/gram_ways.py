@@ -157,11 +157,19 @@ def total_rows(totals: dict[str, dict[str, float]], ways: Sequence[str], cells: 
     return rows
 
 
-def parse_args(description: str, argv: list[str] | None) -> argparse.Namespace:
-    """The model's arguments (batch 128 by default) and ``--repeats``."""
+def parse_args(
+    description: str,
+    argv: list[str] | None,
+    extra: Callable[[argparse.ArgumentParser], None] = lambda parser: None,
+) -> argparse.Namespace:
+    """The model's arguments (batch 128 by default), ``--repeats``, ``--threads``, ``extra``'s."""
     parser = argparse.ArgumentParser(description=description)
     add_model_arguments(parser, batch=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch's intra-op threads (default: its own)"
+    )
+    extra(parser)
     return parser.parse_args(argv)
 
 
@@ -174,6 +182,8 @@ def run(
 ) -> int:
     """Measure, saving the JSON report (``header`` included) after every shape; emit the table."""
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     image = args.image_size or MODELS[args.model].image_size
     header = {
         "environment": environment(device),
@@ -181,6 +191,7 @@ def run(
         "batch": args.batch,
         "image_size": image,
         "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
         **header,
     }
 

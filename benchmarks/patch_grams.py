@@ -17,6 +17,9 @@ convolution settings), then times each group every way, in float32 and with
 for. A group larger than the pending-statistics byte budget would be cut into chunks in a run;
 here it is timed whole.
 
+``--chunks N`` times the ``chunks`` way with ``N`` chunks on any device (a CPU's rule takes
+1), ``--threads T`` with ``T`` intra-op threads.
+
 Usage::
 
     python benchmarks/patch_grams.py --model resnet32 --batch 128            # on a GPU
@@ -25,6 +28,8 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
+import functools
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -88,13 +93,22 @@ def patch_gram_groups(
 
 
 def time_group(
-    group: Group, layers: int, device: torch.device, precision: GramPrecision, repeats: int
+    group: Group,
+    layers: int,
+    device: torch.device,
+    precision: GramPrecision,
+    repeats: int,
+    chunks_asked: int | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds of each way's Grams of ``layers`` random inputs of the group."""
+    """Median milliseconds of each way's Grams of ``layers`` random inputs of the group.
+
+    ``chunks_asked``: the ``chunks`` way's chunks (``None``: the library's rule's).
+    """
     xs = [torch.randn(group.shape, device=device) for _ in range(layers)]
     plans = ShiftedGramPlans()
     result = {}
-    for label, (im2col, chunks) in WAYS.items():
+    for label, (im2col, way_chunks) in WAYS.items():
+        chunks = chunks_asked if label == "chunks" and chunks_asked is not None else way_chunks
 
         def grams(im2col: bool = im2col, chunks: int | None = chunks) -> None:
             conv2d_patch_grams(
@@ -122,10 +136,12 @@ def measure(
     image: int,
     repeats: int,
     on_result: Callable[[dict[str, Any]], None] = lambda result: None,
+    chunks_asked: int | None = None,
 ) -> dict[str, Any]:
-    """Every group's timings both ways and the model's totals, per precision.
+    """Every group's timings every way and the model's totals, per precision.
 
-    ``on_result`` gets the result so far after each group, so a run cut short keeps it.
+    ``on_result`` gets the result so far after each group, so a run cut short keeps it;
+    ``chunks_asked``: the ``chunks`` way's chunks (``None``: the library's rule's).
     """
     groups = patch_gram_groups(model_name, device, batch, image)
     items = []
@@ -137,18 +153,22 @@ def measure(
         padded = (geometry.height + geometry.dilation[0] * (group.kernel[0] - 1)) * (
             geometry.width + geometry.dilation[1] * (group.kernel[1] - 1)
         )
-        chunks = row_chunks(n * padded, c, layers, device)
+        chunks = chunks_asked or row_chunks(n * padded, c, layers, device)
+        # The library's way: the chunks way unless it was given chunks the rule would not take.
+        rule = chunks_asked is None or chunks_asked == row_chunks(n * padded, c, layers, device)
+        default = "im2col" if explicit else "chunks" if rule else "shifted"
         row: dict[str, Any] = {
             **group._asdict(),
             "layers": layers,
             "default_im2col": explicit,
+            "default": default,
             "chunks": chunks,
         }
 
         def time(precision: GramPrecision, group: Group = group, layers: int = layers) -> Any:
-            return time_group(group, layers, device, precision, repeats)
+            return time_group(group, layers, device, precision, repeats, chunks_asked)
 
-        items.append(gram_ways.Item(row, "im2col" if explicit else "chunks", 1, time))
+        items.append(gram_ways.Item(row, default, 1, time))
     return gram_ways.measure_rows(items, list(WAYS), "groups", on_result)
 
 
@@ -156,17 +176,26 @@ def table(result: dict[str, Any]) -> str:
     """One row per group: layers, output size, each way's median ms per precision."""
 
     def leading(row: dict[str, Any]) -> list[object]:
-        default = "im2col" if row["default_im2col"] else "chunks"
         kernel = "x".join(map(str, row["kernel"]))
-        return [tuple(row["shape"]), kernel, row["layers"], row["chunks"], default]
+        return [tuple(row["shape"]), kernel, row["layers"], row["chunks"], row["default"]]
 
     labels = ["input (N, C, H, W)", "kernel", "layers", "chunks", "default"]
     return gram_ways.table(result, "groups", labels, list(WAYS), leading)
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:
-    args = gram_ways.parse_args(__doc__.split("\n")[0], argv)
-    return gram_ways.run(args, measure, table, emit)
+    def chunks_argument(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--chunks",
+            type=int,
+            default=None,
+            help="the chunks way's chunks, on any device (default: as the library cuts them)",
+        )
+
+    args = gram_ways.parse_args(__doc__.split("\n")[0], argv, chunks_argument)
+    if args.chunks is not None and args.chunks < 1:
+        raise SystemExit(f"--chunks {args.chunks}: expected an integer >= 1")
+    return gram_ways.run(args, functools.partial(measure, chunks_asked=args.chunks), table, emit)
 
 
 if __name__ == "__main__":

@@ -296,7 +296,13 @@ def test_shifted_products_take_one_launch_per_kernel_row_and_group_size(
 
     def gram(with_ones: bool) -> tuple[torch.Tensor, int]:
         return conv2d_patch_gram(
-            x, kernel=kernel, dilation=dilation, stride=(1, 1), pad=pad, with_ones=with_ones
+            x,
+            kernel=kernel,
+            dilation=dilation,
+            stride=(1, 1),
+            pad=pad,
+            with_ones=with_ones,
+            im2col=False,  # outputs this small take im2col by default on a CPU
         )
 
     products = matrix_products(lambda: gram(False))
@@ -359,6 +365,7 @@ def test_several_inputs_take_one_launch_per_shift_and_group_size(
         "dilation": (1, 1),
         "stride": (1, 1),
         "pad": (1, 1, 1, 1),
+        "im2col": False,  # 6x6 outputs take im2col by default on a CPU
     }
     products = matrix_products(lambda: conv2d_patch_grams(xs, with_ones=False, **options))
     assert products == ["bmm"] * (shift_products + 2) + ["mm"]
@@ -374,19 +381,24 @@ def test_several_inputs_take_one_launch_per_shift_and_group_size(
     [
         (1, 1, 1, True),  # 1x1 output
         (3, 1, 1, True),  # 3x3: as many positions as the kernel
-        (4, 1, 1, False),  # 4x4
+        (4, 1, 1, True),  # 4x4
         (5, 0, 1, True),  # 3x3 output, no padding
-        (6, 0, 1, False),  # 4x4
-        (6, 1, 2, False),  # 4x4, dilated
+        (6, 0, 1, True),  # 4x4
+        (6, 1, 2, True),  # 4x4, dilated
         (5, 1, 2, True),  # 3x3, dilated
+        (7, 1, 1, True),  # 7x7: CPU_IM2COL_MAX_POSITIONS
+        (8, 1, 1, False),  # 8x8
+        (9, 0, 1, True),  # 7x7 output, no padding
+        (10, 1, 2, False),  # 8x8, dilated
         (1, 2, 1, False),  # 3x3 output of a 1x1 image: patches 81 times the input
     ],
 )
-def test_outputs_no_larger_than_the_kernel_take_explicit_patches(
+def test_small_outputs_take_explicit_patches_on_a_cpu(
     size: int, pad: int, dilation: int, explicit: bool
 ) -> None:
-    # Every position of such an output is at the border, where the shifted products'
-    # corrections cost most: one batched product of im2col matrices forms every Gram instead.
+    # Most positions of such an output are at the border, where the shifted products'
+    # corrections cost most: one batched product of im2col matrices forms every Gram instead,
+    # up to 7x7 outputs (CPU_IM2COL_MAX_POSITIONS), where an output fits its input.
     xs = [torch.randn(2, 3, size, size, dtype=torch.float64) for _ in range(3)]
     options: dict[str, Any] = {
         "kernel": (3, 3),

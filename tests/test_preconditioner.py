@@ -880,7 +880,10 @@ def test_factor_steps_of_conv_layers_read_nothing_back_from_the_device(
         nn.Flatten(),
         nn.Linear(3 * 2 * 2, 3),
     )
-    pre = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=3)
+    # Shifted patch Grams asked for: a CPU forms these 5x5 outputs' by im2col by default.
+    pre = dkfac.KFACPreconditioner(
+        model, factor_update_steps=1, inv_update_steps=3, conv_patches="shifted"
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     spy = HostReadSpy(monkeypatch)
 
@@ -1101,7 +1104,10 @@ def compiled_and_eager_steps(
     Returns the two preconditioners (compiled first), the compiled model's parameters' module
     and the eager model. Each step runs ``accumulation_steps`` micro-batches. ``build``: the
     model, instead of :func:`small_model` (``conv``) or three Linear layers; in float64 with
-    ``conv`` (compared to round-off), float32 otherwise (bit for bit).
+    ``conv`` (compared to round-off), float32 otherwise (bit for bit). With ``conv`` the
+    patch Grams come from shifted products (``conv_patches="shifted"``: a CPU forms these
+    5x5 outputs' by im2col by default), whose index plan the compiled hooks must get from
+    outside the graph.
     """
     torch._dynamo.reset()
     counters.clear()
@@ -1115,7 +1121,8 @@ def compiled_and_eager_steps(
         eager = nn.Sequential(nn.Flatten(), nn.Linear(2 * 5 * 5, 8), nn.Tanh(), nn.Linear(8, 3))
     model = copy.deepcopy(eager)
     compiled = compile_model(model)
-    options = {"factor_dtype": dtype, "inv_dtype": dtype, **options}
+    shifted = {"conv_patches": "shifted"} if conv else {}
+    options = {"factor_dtype": dtype, "inv_dtype": dtype, **shifted, **options}
     pres = [dkfac.KFACPreconditioner(net, **options) for net in (compiled, eager)]
     passes = options.get("accumulation_steps", 1)
     for step in range(steps):

@@ -65,7 +65,7 @@ def output_rows(module: nn.Module, dy: torch.Tensor) -> torch.Tensor:
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "linear": (lambda: nn.Linear(7, 5), (6, 7)),
     "linear_sequence_no_bias": (lambda: nn.Linear(7, 5, bias=False), (2, 3, 7)),
-    "conv_stride1_shifted_gram": (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 5)),
+    "conv_stride1_shifted_gram": (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 8, 9)),
     "conv_strided_im2col": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 6)),
     "conv_1x1_pixels": (lambda: nn.Conv2d(3, 4, 1), (2, 3, 5, 4)),
     # 6 positions of 5 and 6 channels: pixels copied channel-major (the others' G and 1x1 A,

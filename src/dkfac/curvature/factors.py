@@ -160,18 +160,26 @@ def conv2d_patch_grams(
     return strided_patch_grams(xs, kernel, dilation, stride, pad, with_ones, precision, operand)
 
 
+#: The most output positions for which a CPU forms a stride-1 patch Gram from im2col
+#: (:func:`explicit_patches_pay`): 7x7, where it took 0.54-0.67 of the shifted products' time,
+#: against 1.07-1.41 on 8x8.
+CPU_IM2COL_MAX_POSITIONS = 49
+
+
 def explicit_patches_pay(geometry: ConvGeometry, device: torch.device) -> bool:
     """Whether a stride-1 convolution's patch Grams on ``device`` come from im2col matrices.
 
     The shifted products (:func:`shifted_patch_grams`) spare im2col's ``kh·kw`` copies of the
     input, then correct each block for the positions its window misses, which lie at the
-    image's border. On an output of at most ``kh·kw`` positions every position is such a one,
-    and the corrections cost more than the copies they spare. On 2 CPU cores
-    (``benchmarks/results/patch_grams_*.json``: ResNet-32, ResNet-50 at 32x32 and 224x224,
-    batches 8 and 16, float32 and bf16 statistics) im2col took 0.35-0.41 of the shifted
-    products' time on 1x1 and 2x2 outputs, 0.68 on 4x4, 0.60-1.41 on 7x7 and 8x8 and 1.6-5.3
-    on 14x14 to 56x56 ones (0.54-0.77 on a 3-channel 32x32 input, which the rule leaves to
-    the shifted products there).
+    image's border: on a small output most positions are such ones, and the corrections cost
+    more than the copies they spare. On 2 CPU cores (``benchmarks/results/patch_grams_*.json``:
+    ResNet-32, ResNet-50 at 32x32 and 224x224, batches 8 and 16, float32 and bf16
+    statistics) im2col took 0.35-0.41 of the shifted products' time on 1x1 and 2x2 outputs,
+    0.68 on 4x4, 0.54-0.67 on ResNet-50's 7x7 (one and two threads, im2col's Grams in blocks
+    since 2026-11-30), 1.07-1.41 on 8x8 and 1.1-5.3 on 14x14 to 56x56 ones (0.54-0.77 on a
+    3-channel 32x32 input, which the rule leaves to the shifted products there): a CPU takes
+    im2col on outputs of at most :data:`CPU_IM2COL_MAX_POSITIONS` positions (or ``kh·kw``,
+    every position then at the border).
 
     On a GPU the shifted products are ``C x C`` results of sums over every position (a
     3-channel 32x32 input at batch 128: 8 ms for a product im2col's one launch does in
@@ -189,7 +197,8 @@ def explicit_patches_pay(geometry: ConvGeometry, device: torch.device) -> bool:
     fits = h_out <= geometry.height and w_out <= geometry.width
     if device.type == "cuda":
         return fits
-    return fits and h_out * w_out <= geometry.kernel[0] * geometry.kernel[1]
+    small = max(CPU_IM2COL_MAX_POSITIONS, geometry.kernel[0] * geometry.kernel[1])
+    return fits and h_out * w_out <= small
 
 
 def strided_patch_grams(

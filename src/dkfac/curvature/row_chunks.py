@@ -35,9 +35,10 @@ def row_chunks(rows: int, columns: int, products: int, device: torch.device) -> 
     Each product is ``(columns x rows) @ (rows x columns)``; one batched product forms them
     all, each cut into the chunks.
     On a CPU, 1: its matrix products already share long sums among its threads. On this
-    project's 2 cores (three inputs' shifted products, ResNet-50's 56x56 and 28x28 groups at
-    batch 8, ``.dev`` probe, not a benchmark), 2 to 16 chunks took 4-18% longer on one
-    thread (a distributed run's worker has one) and 3-9% less on two.
+    project's 2 cores (ResNet-50's groups of shifted products at batch 8,
+    ``benchmarks/results/patch_grams_chunks_resnet50_cpu_{1,2}thread.json``), 4 chunks took
+    1.03-1.07 of one chunk's time on one thread (a distributed run's worker has one) and
+    0.92-0.99 on two.
     On a GPU, enough chunks that the batch holds :data:`TARGET_TILES` result tiles, each of
     at least :data:`MIN_CHUNK_ROWS` rows (so 1 where the results alone fill the GPU).
 
