@@ -15,7 +15,13 @@ import torch
 import dkfac
 import dkfac.curvature.conv_blocks as conv_blocks
 from dkfac.cli.config import ConfigError, TrainConfig
-from dkfac.curvature.factors import CONV_PATCHES, conv2d_patch_gram
+from dkfac.curvature.factors import (
+    CONV_PATCHES,
+    conv2d_patch_gram,
+    explicit_patches_pay,
+    im2col_asked,
+)
+from dkfac.curvature.shifted_gram_plan import ConvGeometry
 from test_batched_statistics import batch, equal_layers_model
 from test_factors import matrix_products
 from test_oracle_numerics import (
@@ -60,7 +66,7 @@ def test_each_way_gives_the_float64_oracles_factors(
     batch_loss(model(x), t).backward()
     pre.step()
     assert_factors(pre, expected)
-    assert taken and set(taken) == {CONV_PATCHES[way]}
+    assert taken and set(taken) == {im2col_asked(way)}
 
 
 def test_shifted_and_im2col_form_their_own_products() -> None:
@@ -75,9 +81,9 @@ def test_shifted_and_im2col_form_their_own_products() -> None:
         "pad": (1, 1, 1, 1),
         "with_ones": False,
     }
-    im2col = matrix_products(lambda: conv2d_patch_gram(x, im2col=CONV_PATCHES["im2col"], **options))
+    im2col = matrix_products(lambda: conv2d_patch_gram(x, im2col=im2col_asked("im2col"), **options))
     shifted = matrix_products(
-        lambda: conv2d_patch_gram(x, im2col=CONV_PATCHES["shifted"], **options)
+        lambda: conv2d_patch_gram(x, im2col=im2col_asked("shifted"), **options)
     )
     assert im2col == ["bmm"]  # every input's (here one) in one batched product
     assert shifted == ["bmm"] * 5 + ["mm"]
@@ -93,7 +99,7 @@ def test_equal_layers_asked_other_ways_are_not_formed_together() -> None:
     assert first.a_batch_key(x) == second.a_batch_key(x)
 
 
-@pytest.mark.parametrize("way", ["none", "IM2COL", "", None])
+@pytest.mark.parametrize("way", ["none", "IM2COL", "", None, ["im2col"]])
 def test_another_way_is_refused(way: object) -> None:
     with pytest.raises(ValueError, match="conv_patches="):
         make_pre(equal_layers_model(), conv_patches=way)
@@ -103,3 +109,21 @@ def test_the_command_line_passes_the_way_on_and_refuses_others() -> None:
     assert TrainConfig(conv_patches="shifted").conv_patches == "shifted"
     with pytest.raises(ConfigError, match="--conv-patches"):
         TrainConfig(conv_patches="unfold")
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "kernel", "pad", "im2col"),
+    [
+        (7, 7, (3, 3), (1, 1, 1, 1), True),  # 49 positions: CPU_IM2COL_MAX_POSITIONS
+        (3, 16, (3, 3), (1, 1, 1, 1), True),  # 48, not square
+        (8, 8, (3, 3), (1, 1, 1, 1), False),  # 64
+        (1, 40, (1, 3), (1, 1, 0, 0), False),  # a Conv1d's 40 positions: a 1-D kernel
+        (1, 3, (1, 3), (1, 1, 0, 0), True),  # as many positions as the kernel
+        (5, 5, (3, 3), (2, 2, 2, 2), False),  # 7x7 output of a 5x5 input: larger than it
+    ],
+)
+def test_a_cpu_takes_im2col_on_small_outputs_of_2d_kernels(
+    height: int, width: int, kernel: tuple[int, int], pad: tuple[int, ...], im2col: bool
+) -> None:
+    geometry = ConvGeometry(height, width, kernel, (1, 1), pad)  # type: ignore[arg-type]
+    assert explicit_patches_pay(geometry, torch.device("cpu")) == im2col

@@ -160,7 +160,8 @@ def test_float32_inputs_give_float64_statistics_of_their_exact_values(
     # for in float64 give the exact float64 Gram of those values, channels-first or -last.
     x = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(4))
     expected, expected_rows = brute_force_patch_gram(x.double(), kernel, (1, 1), stride, pad, True)
-    for layout in (x, x.contiguous(memory_format=torch.channels_last)):
+    layouts = (x, x.contiguous(memory_format=torch.channels_last))
+    for layout, im2col in itertools.product(layouts, (False, True)):  # shifted or im2col
         got, rows = conv2d_patch_gram(
             layout,
             kernel=kernel,
@@ -169,6 +170,7 @@ def test_float32_inputs_give_float64_statistics_of_their_exact_values(
             pad=pad,
             with_ones=True,
             dtype=torch.float64,
+            im2col=im2col,
         )
         assert rows == expected_rows and got.dtype == torch.float64
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -520,6 +522,7 @@ def test_a_compiled_patch_gram_is_not_specialised_on_the_batch_size(
                 pad=(1, 1, 1, 1),
                 with_ones=True,
                 plans=plans,
+                im2col=False,  # the shifted products, whose border rows the cache keeps
             )
 
         if not rows_cache:

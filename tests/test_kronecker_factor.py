@@ -165,6 +165,7 @@ def test_an_empty_batch_leaves_every_factor_as_it_was_and_drops_nothing(
         factor_decay=0.9,
         batched_factor_updates=batched,
         batched_statistics=batched,
+        conv_patches="shifted",  # the border gathers (5x5 outputs take im2col by default)
     )
 
     def step(rows: int) -> list[torch.Tensor]:

@@ -75,7 +75,7 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1, bias=False), (2, 3, 8)),
     "conv_reflect_padding": (
         lambda: nn.Conv2d(3, 4, (3, 2), padding=(1, 2), padding_mode="reflect"),
-        (2, 3, 5, 6),
+        (2, 3, 7, 8),  # 7x11 outputs: shifted products on a CPU
     ),
     "transformers_conv1d": (lambda: Conv1D(5, 7), (2, 3, 7)),
 }

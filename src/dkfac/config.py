@@ -156,7 +156,7 @@ class KFACConfig:
                 f"statistics_precision='bf16' is not allowed with factor_dtype="
                 f"{self.factor_dtype}: its products are summed in float32 (use torch.float32)"
             )
-        if self.conv_patches not in CONV_PATCHES:
+        if not isinstance(self.conv_patches, str) or self.conv_patches not in CONV_PATCHES:
             raise ValueError(
                 f"conv_patches={self.conv_patches!r} is not allowed: expected one of "
                 f"{', '.join(map(repr, CONV_PATCHES))}"

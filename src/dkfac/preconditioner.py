@@ -90,7 +90,7 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             ``factor_dtype``; ``"bf16"``: operands rounded to bfloat16, products summed in
             float32 (tensor cores; ``factor_dtype`` float32 only; README, "GPUs").
         conv_patches: a stride-1 convolution's ``A`` from ``"im2col"`` patches (``kh·kw`` times
-            the input's memory), ``"shifted"`` products (no copy) or ``"auto"`` (README, "GPUs").
+            the input, or more), ``"shifted"`` products or ``"auto"`` (README, "GPUs").
         statistics_fraction: in (0, 1]: the factors are estimated from the first
             ``⌈f·N⌉`` examples of each call (dim 0) instead of all ``N`` (docs/math.md,
             "Statistics from part of the batch"); not with a compiled model.

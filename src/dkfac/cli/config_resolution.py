@@ -160,6 +160,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "loader_workers",
     "tensorboard",
     "plain_step_graphs",  # the same arithmetic, replayed (to round-off on a GPU)
+    "conv_patches",  # the same Grams another way (to round-off): im2col's memory, or not
 )
 
 

@@ -90,7 +90,8 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "--factor-update-steps), or auto (chosen early in the run so they take about 10%% of "
         "a step)",
         "conv_patches": "a stride-1 convolution's patch Grams: auto (as the device suits), "
-        "shifted (products of the input, no copy) or im2col (kh*kw times the input's memory)",
+        "shifted (products of one padded copy of the input) or im2col (patches kh*kw times the "
+        "input, or more; a compiled model's first factor window takes im2col either way)",
         "statistics_fraction": "estimate the K-FAC factors from this share of each batch (its "
         "first examples; 1: all of it): less factor work per step at large batches",
         "collective_timeout": "seconds a collective waits for a lost or stuck peer before the "

@@ -62,7 +62,7 @@ class KroneckerBlock(ABC):
             (or casts to ``precision.operand_dtype`` in a copy it makes anyway) and its
             products with ``precision.mm`` or the Gram helpers of :mod:`dkfac.curvature.gram`.
         patches: how a convolution forms its patch Grams (``conv_patches``, set by the
-            preconditioner; a key of :data:`~dkfac.curvature.factors.CONV_PATCHES`); blocks
+            preconditioner; one of :data:`~dkfac.curvature.factors.CONV_PATCHES`); blocks
             of other layers ignore it.
     """
 

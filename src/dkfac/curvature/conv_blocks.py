@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock, UnsupportedLayerError
-from dkfac.curvature.factors import CONV_PATCHES, conv2d_patch_gram, conv2d_patch_grams
+from dkfac.curvature.factors import conv2d_patch_gram, conv2d_patch_grams, im2col_asked
 from dkfac.curvature.gram import pixel_gram, pixel_grams
 from dkfac.curvature.shifted_gram_plan import ShiftedGramPlans
 
@@ -92,7 +92,7 @@ class Conv2dBlock(KroneckerBlock):
             plans=self.gram_plans,
             precision=self.precision,
             dtype=dtype,
-            im2col=CONV_PATCHES[self.patches],
+            im2col=im2col_asked(self.patches),
         )
         return FactorStatistic(total, rows, int(x.shape[0]))
 
@@ -130,7 +130,7 @@ class Conv2dBlock(KroneckerBlock):
             plans=self.gram_plans,
             precision=self.precision,
             dtype=dtype,
-            im2col=CONV_PATCHES[self.patches],
+            im2col=im2col_asked(self.patches),
         )
         examples = int(xs[0].shape[0])
         return [FactorStatistic(total, rows, examples) for total in totals]

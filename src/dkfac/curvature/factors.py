@@ -26,11 +26,19 @@ from dkfac.curvature.shifted_gram_plan import (
 )
 from dkfac.curvature.shifted_grams import shifted_patch_grams
 
-#: ``conv_patches``: how a stride-1 convolution's patch Gram is formed, and the ``im2col``
-#: argument of :func:`conv2d_patch_gram` each way gives: as the device suits
+#: ``conv_patches``: how a stride-1 convolution's patch Gram is formed: as the device suits
 #: (:func:`explicit_patches_pay`), always from shifted products (no ``kh·kw``-fold copy of
 #: the input), or always from im2col matrices (fewer launches).
-CONV_PATCHES: dict[str, bool | None] = {"auto": None, "shifted": False, "im2col": True}
+CONV_PATCHES: tuple[str, ...] = ("auto", "shifted", "im2col")
+
+
+def im2col_asked(conv_patches: str) -> bool | None:
+    """The ``im2col`` argument of :func:`conv2d_patch_gram` a ``conv_patches`` way gives.
+
+    A function, not a mapping: a compiled model's hooks read it inside the graph, where a
+    read-only mapping breaks it.
+    """
+    return None if conv_patches == "auto" else conv_patches == "im2col"
 
 
 def conv2d_patch_gram(
@@ -178,8 +186,10 @@ def explicit_patches_pay(geometry: ConvGeometry, device: torch.device) -> bool:
     0.68 on 4x4, 0.54-0.67 on ResNet-50's 7x7 (one and two threads, im2col's Grams in blocks
     since 2026-11-30), 1.07-1.41 on 8x8 and 1.1-5.3 on 14x14 to 56x56 ones (0.54-0.77 on a
     3-channel 32x32 input, which the rule leaves to the shifted products there): a CPU takes
-    im2col on outputs of at most :data:`CPU_IM2COL_MAX_POSITIONS` positions (or ``kh·kw``,
-    every position then at the border).
+    im2col on outputs of at most :data:`CPU_IM2COL_MAX_POSITIONS` positions of a 2-D kernel,
+    or ``kh·kw`` (every position then at the border; a 1-D kernel's rows have border
+    positions only at their ends, and a review's probe, on a loaded machine, found im2col
+    taking 0.8-3.9 times the shifted products' time on Conv1d outputs of 40-49 positions).
 
     On a GPU the shifted products are ``C x C`` results of sums over every position (a
     3-channel 32x32 input at batch 128: 8 ms for a product im2col's one launch does in
@@ -197,7 +207,9 @@ def explicit_patches_pay(geometry: ConvGeometry, device: torch.device) -> bool:
     fits = h_out <= geometry.height and w_out <= geometry.width
     if device.type == "cuda":
         return fits
-    small = max(CPU_IM2COL_MAX_POSITIONS, geometry.kernel[0] * geometry.kernel[1])
+    kh, kw = geometry.kernel
+    # A 1-D kernel (a Conv1d's) misses only the ends of each row: not measured beyond kh·kw.
+    small = max(CPU_IM2COL_MAX_POSITIONS if kh > 1 and kw > 1 else 0, kh * kw)
     return fits and h_out * w_out <= small
 
 
