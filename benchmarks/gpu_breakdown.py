@@ -253,6 +253,11 @@ def decomposition_variants(factors: list[torch.Tensor]) -> dict[str, float]:
         "triangular_solve_and_product_one_at_a_time": lambda: [
             triangular_solve_and_product(m) for m in positive
         ],
+        # inverse_method="cholesky": the factorisation alone (its solves run on every step).
+        "cholesky_factor_one_at_a_time": lambda: [torch.linalg.cholesky_ex(m) for m in positive],
+        "cholesky_factor_batched_by_size": lambda: [
+            torch.linalg.cholesky_ex(torch.stack(g)) for g in positive_groups.values()
+        ],
         "inv_ex_one_at_a_time": lambda: [torch.linalg.inv_ex(m) for m in positive],
         "inv_ex_batched_by_size": lambda: [
             torch.linalg.inv_ex(torch.stack(g)) for g in positive_groups.values()

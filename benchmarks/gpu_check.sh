@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for issue 17, in one pass (each part time-boxed, logs in $OUT):
 #   1. ResNet-50, (10, 100), TF32 matmuls allowed: SGD, dkfac's defaults and its variants
-#      (patch Grams by shifted products, cut into chunks of rows, instead of the GPU's im2col:
-#      conv_patches="shifted"; bf16 statistics, both ways; bf16 statistics and
-#      preconditioning with statistics from half, and from an eighth, of the batch:
+#      (inverse_method="cholesky"; patch Grams by shifted products, cut into chunks of rows,
+#      instead of the GPU's im2col: conv_patches="shifted"; bf16 statistics, both ways; bf16
+#      statistics and preconditioning with statistics from an eighth of the batch:
 #      dkfac.fast_to_target's share), interleaved rounds, while the GPU is quiet;
 #   2. ResNet-50 at torch's default float32 matmuls: the (1, 1) and (10, 100) inverse rows
-#      (shifted patch Grams too, at (1, 1)) with kfac-pytorch in the same run;
+#      (shifted patch Grams too, at (1, 1)) with kfac-pytorch in the same run, and
+#      inverse_method="cholesky" (the same preconditioner by triangular solves, no inverse
+#      formed) at (1, 1) and, in part 1, at (10, 100);
 #   3. ResNet-50 in channels-last format (TF32), SGD in the same format, where
 #      CHANNELS_LAST_S gives it seconds (off by default: measured 2026-11-28);
 #   4. the step kinds and profiler tables of the bf16 configuration (TF32), and every way to
@@ -41,7 +43,7 @@ set -u
 OUT=${OUT:-runs/gpu_check}
 KFAC_PYTORCH=${KFAC_PYTORCH:-git+https://github.com/gpauloski/kfac-pytorch}
 TF32_S=${TF32_S:-150}
-DEFAULT_S=${DEFAULT_S:-75}
+DEFAULT_S=${DEFAULT_S:-85}
 CHANNELS_LAST_S=${CHANNELS_LAST_S:-0}
 BREAKDOWN_S=${BREAKDOWN_S:-65}
 LAUNCHES_S=${LAUNCHES_S:-15}
@@ -50,7 +52,7 @@ PATCH_GRAMS_S=${PATCH_GRAMS_S:-60}
 GRAM_BLOCKS_S=${GRAM_BLOCKS_S:-20}
 RESNET32_S=${RESNET32_S:-50}
 CUDA_TESTS_S=${CUDA_TESTS_S:-75}
-SUITE_S=${SUITE_S:-40}
+SUITE_S=${SUITE_S:-30}
 # Single quotes keep the marker expression's double quotes (the default's quotes are removed).
 SUITE_ARGS=${SUITE_ARGS:-'-m "not slow and not cuda" tests'}
 WORKERS=${WORKERS:-15}
@@ -90,9 +92,9 @@ bench() {  # seconds, name, then gpu_overhead.py's arguments (MODEL: resnet50 un
   grep -A30 "^$model" "$OUT/$name.log" | head -30
 }
 bench "$TF32_S" tf32 --tf32 --rounds 2 "${variants[@]}" \
-  --configs dkfac_inverse_10_100,dkfac-shifted_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-bf16shifted_inverse_10_100,dkfac-half_inverse_10_100,dkfac-eighth_inverse_10_100
+  --configs dkfac_inverse_10_100,dkfac_cholesky_10_100,dkfac-shifted_inverse_10_100,dkfac-bf16_inverse_10_100,dkfac-bf16shifted_inverse_10_100,dkfac-eighth_inverse_10_100
 bench "$DEFAULT_S" default --every-step-iters 3 "${variants[@]}" \
-  --configs dkfac_inverse_1_1,dkfac-shifted_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-bf16shifted_inverse_1_1,dkfac-fast_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
+  --configs dkfac_inverse_1_1,dkfac_cholesky_1_1,dkfac-shifted_inverse_1_1,dkfac-bf16_inverse_1_1,dkfac-bf16_cholesky_1_1,dkfac-bf16shifted_inverse_1_1,kfac-pytorch_inverse_1_1,dkfac-bf16_inverse_10_100,kfac-pytorch_inverse_10_100
 if [ "$CHANNELS_LAST_S" -gt 0 ]; then
   bench "$CHANNELS_LAST_S" channels_last --tf32 --channels-last "${variants[@]}" \
     --configs dkfac_inverse_10_100,dkfac-eighth_inverse_10_100

@@ -24,6 +24,7 @@ from distributed_harness import run_workers
 from dkfac.bench.cuda_syncs import cuda_syncs
 from dkfac.cli.checkpoint import load_checkpoint
 from dkfac.cli.main import main
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from test_oracle_numerics import (
     batch_loss,
     conv_batch,
@@ -42,7 +43,7 @@ real_cuda = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 @pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-9), (torch.float32, 2e-3)])
 def test_a_step_on_the_gpu_equals_the_float64_oracle(
     method: str, dtype: torch.dtype, rtol: float, monkeypatch: pytest.MonkeyPatch
@@ -79,7 +80,7 @@ def test_a_step_on_the_gpu_equals_the_float64_oracle(
 
 
 @real_cuda
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_steps_that_decompose_nothing_never_wait_for_the_gpu(method: str) -> None:
     """CUDA's detector sees no wait on factor-only or plain steps, few on decomposition steps."""
     torch.manual_seed(0)
@@ -107,7 +108,7 @@ def test_steps_that_decompose_nothing_never_wait_for_the_gpu(method: str) -> Non
         assert waits[step] == [], (step, waits[step])
     for step in (4, 8):
         # One read of every flag; eigh's own error check waits once per factor (torch).
-        limit = 1 if method == "inverse" else 1 + 2 * len(pre.layers)
+        limit = 1 + 2 * len(pre.layers) if method == "eigen" else 1
         assert 1 <= len(waits[step]) <= limit, (step, waits[step])
 
 

@@ -61,6 +61,14 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
             {"strategy": "kaisa", "inverse_method": method, "grad_worker_fraction": f}
             for f in fractions
         ]
+    # Cholesky factors travel as their mirrored (symmetric) matrices: D-KFAC's and KAISA's
+    # broadcasts of decompositions to one in P workers.
+    configs.append({"strategy": "dkfac", "inverse_method": "cholesky"})
+    configs.append(
+        {"strategy": "kaisa", "inverse_method": "cholesky", "grad_worker_fraction": fractions[1]}
+        if len(fractions) > 1
+        else {"strategy": "kaisa", "inverse_method": "cholesky"}
+    )
     return configs
 
 

@@ -108,7 +108,7 @@ def dp_reference(world_size: int, method: str, owners: dict[str, int]) -> nn.Mod
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_dp_equals_owner_shard_reference(world_size: int) -> None:
-    methods = ["eigen", "inverse"]
+    methods = ["eigen", "inverse", "cholesky"]
     results = run_workers(dp_run, world_size, args=(methods,), timeout=180)
     dims = layer_dims(uneven_model())
     for index, method in enumerate(methods):

@@ -21,6 +21,7 @@ from devices import CUDA_TEST_DEVICE, on_cuda
 from distributed_harness import run_workers
 from dkfac.curvature.block_types import make_block
 from dkfac.curvature.embedding import EmbeddingBlock
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.strategies.accounting import DryRunSettings, account_strategy
 from dkfac.strategies.layer_shapes import layer_shapes_of
@@ -82,7 +83,7 @@ class Tagger(nn.Module):
         return self.embedding.weight.grad
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_an_embedding_is_preconditioned_as_a_linear_layer_on_one_hot_tokens(method: str) -> None:
     grads = {}
     for one_hot in (False, True):
@@ -105,7 +106,7 @@ def test_an_embedding_is_preconditioned_as_a_linear_layer_on_one_hot_tokens(meth
 
 @pytest.mark.parametrize("device", ["cpu", on_cuda(str(CUDA_TEST_DEVICE))])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_padding_and_unseen_tokens_keep_a_zero_gradient_row(
     method: str, dtype: torch.dtype, device: str
 ) -> None:

@@ -30,6 +30,7 @@ from torch.func import grad, vmap
 import dkfac
 from devices import CUDA_TEST_DEVICE, on_cuda
 from dkfac.curvature import kl_clip
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 
 DT = torch.float64
 RTOL = 1e-10
@@ -431,7 +432,7 @@ def test_conv2d_batch_factors(conv_kw, shape, patches: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # 3. preconditioned gradients: eigen and inverse
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_preconditioned_gradient_one_step(method: str, bias: bool) -> None:
     torch.manual_seed(6)
@@ -550,7 +551,7 @@ def test_kl_clipping_with_callable_lr_and_damping() -> None:
     assert all(nu < 1.0 for nu in nus)
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_running_average_and_update_intervals(method: str) -> None:
     """factor_update_steps=2, inv_update_steps=4, decay 0.7 over 6 steps."""
     torch.manual_seed(10)
@@ -634,7 +635,7 @@ def test_preconditioner_at_step5_is_from_step4_not_step5_factors() -> None:
         sgd_(model)
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_accumulation_four_micro_batches_equals_one_big_batch(method: str) -> None:
     torch.manual_seed(12)
     gen = torch.Generator().manual_seed(12)
@@ -665,7 +666,7 @@ def test_accumulation_four_micro_batches_equals_one_big_batch(method: str) -> No
         assert_close(grad_matrix(model_big[int(n)]), v, rtol=1e-9, what=f"big V {n}")
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_loss_reduction_sum(method: str) -> None:
     torch.manual_seed(13)
     gen = torch.Generator().manual_seed(13)
@@ -783,7 +784,7 @@ def run_against_reference(
     return nus
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_callable_factor_decay_running_average(method: str) -> None:
     """ε is evaluated at the K-FAC step of each factor update (0, 2, 4), not per update."""
     torch.manual_seed(15)
@@ -841,7 +842,7 @@ def test_callable_kl_clip_schedule() -> None:
     assert all(nu == 1.0 for nu in nus[1::2]), nus
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_callable_update_intervals(method: str) -> None:
     """Intervals (1, 2) for steps 0-2, then (2, 4): written out as the steps they select."""
     torch.manual_seed(17)

@@ -67,6 +67,11 @@ def configurations() -> list[dict[str, Any]]:
         for method in ("eigen", "inverse")
         for schedule in ({}, {"inv_update_steps": 100})
     ]
+    # Cholesky factors: SPD's pipelined broadcasts, PAD's decompositions from their owners.
+    configs += [
+        {**KINDS[0], "inverse_method": "cholesky", "bucket_cap_mb": 25.0},
+        {"strategy": "pad", "inverse_method": "cholesky", "inv_update_steps": 100},
+    ]
     return configs
 
 

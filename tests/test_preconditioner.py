@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import dkfac
 from dkfac import deferred_statistics
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.inverse import EigenInverse
 from dynamo_trouble import dynamo_trouble
 from host_reads import HostReadSpy
@@ -576,7 +577,7 @@ def test_layer_forwarded_in_eval_mode_is_not_reported_as_used_outside_its_forwar
 
 
 # -- state -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_state_dict_round_trip_continues_bitwise(method: str) -> None:
     kwargs = dict(inverse_method=method, factor_update_steps=2, inv_update_steps=4, **F64)
     model = small_model()
@@ -747,7 +748,7 @@ def test_failed_decomposition_is_retried_in_float64(monkeypatch: pytest.MonkeyPa
         assert layer.inverse.qa.dtype == torch.float64
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 def test_one_factor_retried_in_float64_gives_a_float64_layer_inverse(
     method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

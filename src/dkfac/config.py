@@ -17,6 +17,7 @@ import torch
 from dkfac.adaptive.options import AdaptiveOptions
 from dkfac.comm.cost_model import ClusterCostModel, CostModelCache
 from dkfac.curvature.batching import Batching, batched_decompositions_up_to
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factors import CONV_PATCHES
 from dkfac.curvature.gram import GramPrecision
 from dkfac.curvature.inverse import check_precondition_precision
@@ -41,7 +42,6 @@ __all__ = [
     "check_multiple",
 ]
 
-INVERSE_METHODS: tuple[str, ...] = ("eigen", "inverse")
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 #: The communicator's bucket cap (MiB) when none is given and no chooser picks one.
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -162,6 +162,11 @@ class KFACConfig:
                 f"{', '.join(map(repr, CONV_PATCHES))}"
             )
         check_precondition_precision(self.precondition_precision)
+        if self.inverse_method == "cholesky" and self.precondition_precision == "bf16":
+            raise ValueError(
+                "precondition_precision='bf16' is not allowed with inverse_method='cholesky': "
+                "triangular solves have no bfloat16 kernel (use 'inverse' for bf16 products)"
+            )
         check_float(
             "statistics_fraction",
             self.statistics_fraction,

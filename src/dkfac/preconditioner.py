@@ -59,8 +59,8 @@ class KFACPreconditioner(PreconditionerInspection, PreconditionerState):
             ``grad_worker_fraction``, ``profile_steps``, ``cost_model`` and ``share`` below are
             shorthands for those options (``None``: not given); one set for a strategy that
             does not read it, or next to an options object, is an error.
-        inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``) or ``"inverse"`` (π-damped
-            factored Tikhonov through Cholesky).
+        inverse_method: ``"eigen"`` (exact ``(A⊗G + γI)⁻¹``), ``"inverse"`` (π-damped factored
+            Tikhonov, Cholesky inverses) or ``"cholesky"`` (the same by triangular solves).
         damping: γ > 0 (finite).
         factor_decay: running-average decay ε in [0, 1): ``F ← ε·F + (1−ε)·F_batch``.
         kl_clip: κ > 0 (finite) of KL clipping, or ``None`` to disable it.

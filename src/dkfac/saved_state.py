@@ -15,7 +15,7 @@ def pack_state(steps: int, inverse_method: str, layers: Sequence[LayerCurvature]
 
     Args:
         steps: completed ``step()`` calls.
-        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         layers: the preconditioned layers (running factors and decompositions).
     """
     return {

@@ -36,7 +36,7 @@ from dkfac.bench.configs import (
     Configuration,
 )
 from dkfac.bench.models import batch_loss
-from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.curvature.factor_side import FACTOR_SIDES
 from dkfac.strategies import option_keywords
 
 #: Most extra warm-up steps a strategy may take to finish profiling (spd/pad: 5 factor

@@ -25,6 +25,7 @@ from dkfac.cli.config_values import (
 )
 from dkfac.cli.config_values import ConfigError as ConfigError
 from dkfac.cli.device import AMP_MODES, DEVICES
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factors import CONV_PATCHES
 from dkfac.curvature.gram import STATISTICS_PRECISIONS
 from dkfac.curvature.inverse import PRECONDITION_PRECISIONS
@@ -42,7 +43,7 @@ CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("schedule", SCHEDULES),
     ("strategy", STRATEGIES),
     ("grad_sync", GRAD_SYNCS),
-    ("inverse_method", ("eigen", "inverse")),
+    ("inverse_method", INVERSE_METHODS),
     ("statistics_precision", STATISTICS_PRECISIONS),
     ("conv_patches", tuple(CONV_PATCHES)),
     ("precondition_precision", PRECONDITION_PRECISIONS),

@@ -75,7 +75,9 @@ def _add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
         "optimizer": "sgd (with --momentum) or adamw",
         "schedule": "constant, cosine or step (x0.1 at 1/2 and 3/4 of the epochs), after "
         "--warmup-epochs",
-        "inverse_method": "eigen (exact damped inverse) or inverse (factored Tikhonov, Cholesky)",
+        "inverse_method": "eigen (exact damped inverse), inverse (factored Tikhonov, Cholesky "
+        "inverses) or cholesky (the same preconditioner by triangular solves, no inverse "
+        "formed: cheaper when decompositions are frequent, as at --inv-update-steps 1)",
         "statistics_precision": "products of the factor statistics: highest (in float32) or "
         "bf16 (operands rounded to bfloat16, summed in float32: tensor cores on a GPU)",
         "precondition_precision": "products of the preconditioning: highest (in the "

@@ -336,7 +336,7 @@ class CostModelCache:
         measured again up to it. Every rank must call it (with the same arguments).
 
         Args:
-            method: ``"eigen"`` or ``"inverse"``, the decomposition that is timed.
+            method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``, the decomposition that is timed.
             dtype: dtype of the decompositions.
             device: where the collectives and decompositions run (default: CPU).
             group: the process group (default: the world).

@@ -28,12 +28,11 @@ from dkfac.curvature.inverse import (
     TikhonovInverse,
     combine_factors,
     decompose,
-    tikhonov_shifts,
-    trace_mean,
 )
 from dkfac.curvature.kl_clip import kl_clip_scale
 from dkfac.curvature.kronecker_factor import KroneckerFactor
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.tikhonov import tikhonov_shifts, trace_mean
 
 __all__ = [
     "BlockRegistration",

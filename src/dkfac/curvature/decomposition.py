@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dkfac.curvature.factor_decomposition import (
+    FACTOR_DECOMPOSITIONS,
     CholeskyFactor,
     EigenFactor,
     FactorDecomposition,
@@ -23,8 +24,8 @@ from dkfac.curvature.factor_decomposition import (
     decompose_factor,
 )
 from dkfac.curvature.finite import all_finite, finite_flags
-from dkfac.curvature.inverse import tikhonov_shift
 from dkfac.curvature.layer import LayerCurvature
+from dkfac.curvature.tikhonov import tikhonov_shift
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _host_values(values: Sequence[Tensor]) -> list[list[int]]:
 class FactorRequest:
     """One factor to decompose: the layer, the side (``"a"``/``"g"``), the Tikhonov shift.
 
-    ``damping`` (``"inverse"`` only, when every worker that decomposes the factor holds both
+    ``damping`` (shifted methods only, when every worker that decomposes the factor holds both
     factors of the layer) lets a float64 retry recompute the shift from float64 traces
     instead of reusing the one computed in the failed dtype. ``domain``: what the factor may
     be batched with (the strategy's choice: who decomposes it, or a key of its own, for a
@@ -230,8 +231,10 @@ def _decompose_batch(
     if method == "eigen":
         return EigenFactor.compute_many(factors, sides, dtype)
     shifts = [r.shift for r in requests]
-    assert all(shift is not None for shift in shifts), "inverse requests carry their shift"
-    return CholeskyFactor.compute_many(factors, sides, dtype, [s for s in shifts if s is not None])
+    assert all(shift is not None for shift in shifts), "shifted methods' requests carry one"
+    dense = FACTOR_DECOMPOSITIONS[method][0]
+    assert issubclass(dense, CholeskyFactor)
+    return dense.compute_many(factors, sides, dtype, [s for s in shifts if s is not None])
 
 
 def _try_decompose(

@@ -1,10 +1,11 @@
 """Each Kronecker factor's own decomposition, the tensors it consists of and their layout.
 
-:class:`EigenFactor` (``F = Q Λ Qᵀ``) and :class:`CholeskyFactor` (``(F + shift·I)⁻¹``) for a
-dense factor; :class:`DiagonalEigenFactor` and :class:`DiagonalInverseFactor` for one held as
-its diagonal (:mod:`dkfac.curvature.factor_side`), where both are elementwise. Each class owns
-the names, shapes and symmetry of its tensors, i.e. what travels between workers and what
-``state_dict`` holds; :mod:`dkfac.curvature.inverse` combines a layer's two into its inverse.
+:class:`EigenFactor` (``F = Q Λ Qᵀ``), :class:`CholeskyFactor` (``(F + shift·I)⁻¹``) and
+:class:`CholeskyRootFactor` (``F + shift·I = L Lᵀ``, no inverse formed) for a dense factor;
+:class:`DiagonalEigenFactor` and :class:`DiagonalInverseFactor` for one held as its diagonal
+(:mod:`dkfac.curvature.factor_side`), where both are elementwise. Each class owns the names,
+shapes and symmetry of its tensors, i.e. what travels between workers and what ``state_dict``
+holds; :mod:`dkfac.curvature.inverse` combines a layer's two into its inverse.
 """
 
 from __future__ import annotations
@@ -132,10 +133,10 @@ class CholeskyFactor(FactorDecomposition):
         damped = matrix.to(dtype, copy=True)
         damped.diagonal().add_(shift.to(dtype))
         factor, info = torch.linalg.cholesky_ex(damped)
-        inverse = _symmetric_inverse(factor)
+        solution = cls._solution(factor)
         ((name, _, _),) = cls.layout(side, matrix.shape[0])
-        ok = all_finite(inverse) & (info == 0) if check_finite else info == 0
-        return cls(side, {name: inverse}, ok)
+        ok = all_finite(solution) & (info == 0) if check_finite else info == 0
+        return cls(side, {name: solution}, ok)
 
     @classmethod
     def compute_many(
@@ -157,19 +158,58 @@ class CholeskyFactor(FactorDecomposition):
         shift = torch.stack([s.to(dtype) for s in shifts])
         damped.diagonal(dim1=-2, dim2=-1).add_(shift.unsqueeze(-1))
         factor, info = torch.linalg.cholesky_ex(damped)
-        inverse = _symmetric_inverse(factor)
-        ok = finite_flags(list(inverse)) & (info == 0)
+        solution = cls._solution(factor)
+        ok = finite_flags(list(solution)) & (info == 0)
         dim = damped.shape[-1]
         return [
-            cls(side, {cls.layout(side, dim)[0][0]: inverse[i].clone()}, ok[i])
+            cls(side, {cls.layout(side, dim)[0][0]: solution[i].clone()}, ok[i])
             for i, side in enumerate(sides)
         ]
 
+    @staticmethod
+    def _solution(factor: Tensor) -> Tensor:
+        """What is kept of the Cholesky factors ``L`` (one or a stack): the inverse."""
+        return _symmetric_inverse(factor)
+
+
+class CholeskyRootFactor(CholeskyFactor):
+    """``F + shift·I = L Lᵀ``, kept as its Cholesky factor ``<side>_chol``: no inverse formed.
+
+    A gradient is then preconditioned by triangular solves (:class:`~dkfac.curvature.inverse.
+    CholeskyInverse`), which cost what the inverse's product costs in arithmetic, while the
+    inverse itself (``torch.cholesky_inverse``: about twice the factorisation's time on a CPU,
+    ``2d³`` operations of triangular solves on CUDA) is never made: the cheaper method when a
+    decomposition serves few steps (docs/math.md, "Cholesky factors without inverses").
+
+    The tensor is ``L`` in its lower triangle and ``Lᵀ`` in its upper one: a symmetric matrix,
+    so only its upper triangle travels and the receiver's mirror restores it bit for bit, and
+    ``torch.linalg.solve_triangular`` reads only the triangle it is told to (documented), ``L``
+    or ``Lᵀ``, without a transposed copy.
+    """
+
+    method = "cholesky"
+
+    @staticmethod
+    def layout(side: str, dim: int) -> list[TensorSpec]:
+        """The Cholesky factor, mirrored onto its upper triangle (symmetric)."""
+        return [(f"{side}_chol", (dim, dim), True)]
+
+    @staticmethod
+    def _solution(factor: Tensor) -> Tensor:
+        """``L`` with ``Lᵀ`` above its diagonal, row-major (as every received copy is).
+
+        Sums with zeros, so every entry is exact. A sum takes its first operand's layout, and
+        LAPACK's ``L`` is column-major: the symmetric result's transpose is then the same
+        matrix, row-major, without a copy.
+        """
+        mirrored = torch.add(factor, factor.mT.triu(1))
+        return mirrored.mT if mirrored.mT.is_contiguous() else mirrored.contiguous()
+
 
 def check_inverses_finite(decompositions: Sequence[CholeskyFactor]) -> None:
-    """``ok &= (the inverse is finite)`` for each, in a few launches for all of them.
+    """``ok &= (the inverse, or Cholesky factor, is finite)`` for each, in a few launches.
 
-    For inverses computed with ``check_finite=False``: the same flags as their own check,
+    For decompositions computed with ``check_finite=False``: the same flags as their own check,
     without its launches per factor (on a GPU four each: about 430 for ResNet-50 on every
     decomposition step).
     """
@@ -249,8 +289,19 @@ FACTOR_DECOMPOSITIONS = MappingProxyType(
     {
         "eigen": (EigenFactor, DiagonalEigenFactor),
         "inverse": (CholeskyFactor, DiagonalInverseFactor),
+        # A diagonal factor's inverse is elementwise: nothing to solve.
+        "cholesky": (CholeskyRootFactor, DiagonalInverseFactor),
     }
 )
+#: What ``inverse_method`` may be.
+INVERSE_METHODS: tuple[str, ...] = tuple(FACTOR_DECOMPOSITIONS)
+#: The methods damped by factored Tikhonov shifts fixed when decomposed (``π`` from traces).
+SHIFTED_METHODS: tuple[str, ...] = ("inverse", "cholesky")
+
+
+def shifted_method(method: str) -> bool:
+    """Whether ``method``'s factors are decomposed with their Tikhonov shifts."""
+    return method in SHIFTED_METHODS
 
 
 def _decomposition_class(method: str, diagonal: bool) -> type[FactorDecomposition]:
@@ -262,7 +313,7 @@ def factor_tensor_shapes(method: str, side: str, dim: int) -> list[TensorSpec]:
     """``(name, shape, symmetric)`` of the tensors of one factor's decomposition, in order.
 
     Args:
-        method: ``"eigen"`` or ``"inverse"``.
+        method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         side: ``"a"`` or ``"g"``.
         dim: the factor's side length ``d`` (a
             :class:`~dkfac.curvature.factor_side.DiagonalSide` for a diagonal factor).
@@ -286,15 +337,16 @@ def decompose_factor(
     *,
     check_finite: bool = True,
 ) -> FactorDecomposition:
-    """Decompose one factor in ``dtype``: :class:`EigenFactor` or :class:`CholeskyFactor`.
+    """Decompose one factor in ``dtype``: by ``method``'s class of a dense factor.
 
-    A vector is a diagonal factor: :class:`DiagonalEigenFactor` or
-    :class:`DiagonalInverseFactor`. ``check_finite=False`` leaves a dense inverse's
-    finiteness to the caller (:func:`check_inverses_finite`); every other decomposition
-    checks its own.
+    :class:`EigenFactor`, :class:`CholeskyFactor` (``"inverse"``) or
+    :class:`CholeskyRootFactor` (``"cholesky"``). A vector is a diagonal factor:
+    :class:`DiagonalEigenFactor` or :class:`DiagonalInverseFactor`. ``check_finite=False``
+    leaves a dense Cholesky decomposition's finiteness to the caller
+    (:func:`check_inverses_finite`); every other decomposition checks its own.
 
     Raises:
-        ValueError: ``"inverse"`` without the Tikhonov ``shift``.
+        ValueError: an unknown ``method``, or a shifted one without the Tikhonov ``shift``.
         torch.linalg.LinAlgError: the eigensolver did not converge.
     """
     diagonal = matrix.dim() == 1
@@ -302,8 +354,12 @@ def decompose_factor(
         if diagonal:
             return DiagonalEigenFactor.compute(matrix, side, dtype)
         return EigenFactor.compute(matrix, side, dtype)
+    if not shifted_method(method):
+        raise ValueError(f"decompose_factor: unknown method {method!r}")
     if shift is None:
-        raise ValueError("decompose_factor(method='inverse') needs the Tikhonov shift")
+        raise ValueError(f"decompose_factor(method={method!r}) needs the Tikhonov shift")
     if diagonal:
         return DiagonalInverseFactor.compute(matrix, side, dtype, shift)
-    return CholeskyFactor.compute(matrix, side, dtype, shift, check_finite=check_finite)
+    dense = _decomposition_class(method, diagonal=False)
+    assert issubclass(dense, CholeskyFactor)
+    return dense.compute(matrix, side, dtype, shift, check_finite=check_finite)

@@ -18,6 +18,9 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
+#: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
+FACTOR_SIDES: tuple[str, str] = ("a", "g")
+
 
 class DiagonalSide(int):
     """The side ``d`` of a Kronecker factor held as its diagonal (a ``d``-vector).

@@ -1,6 +1,6 @@
 """Decompositions of a layer's Kronecker factors and their use as a preconditioner.
 
-Two methods, one interface (:class:`KroneckerInverse`):
+Three methods, one interface (:class:`KroneckerInverse`):
 
 * :class:`EigenInverse` stores ``A = Q_A Λ_A Q_Aᵀ`` and ``G = Q_G Λ_G Q_Gᵀ`` and applies
   exactly ``(A ⊗ G + γ I)⁻¹ vec(∇)`` as
@@ -9,6 +9,9 @@ Two methods, one interface (:class:`KroneckerInverse`):
 * :class:`TikhonovInverse` stores ``(A + √γ·π I)⁻¹`` and ``(G + √γ/π I)⁻¹`` (factored
   Tikhonov damping, Martens & Grosse 2015 §6.3) computed through Cholesky, with
   ``π = sqrt((tr A / d_A) / (tr G / d_G))``; it applies ``G_d⁻¹ ∇ A_d⁻¹``.
+* :class:`CholeskyInverse` applies the same ``G_d⁻¹ ∇ A_d⁻¹`` by triangular solves with the
+  damped factors' Cholesky factors, never forming the inverses: less work when each
+  decomposition serves few steps.
 
 Both methods decompose each factor on its own (:mod:`dkfac.curvature.factor_decomposition`:
 each class owns the names, shapes and symmetry of its tensors, i.e. what travels; a factor
@@ -22,7 +25,6 @@ check many layers with a single host synchronisation.
 from __future__ import annotations
 
 import functools
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
@@ -30,58 +32,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dkfac.curvature.factor_decomposition import FactorDecomposition, decompose_factor
+from dkfac.curvature.factor_decomposition import (
+    FactorDecomposition,
+    decompose_factor,
+    shifted_method,
+)
+from dkfac.curvature.factor_side import FACTOR_SIDES
 from dkfac.curvature.gram import CUDA_MM_OUT_DTYPE
-from dkfac.curvature.staging import host_floats
-
-#: The two Kronecker factors of a layer: ``"a"`` (input side) and ``"g"`` (output gradient side).
-FACTOR_SIDES: tuple[str, str] = ("a", "g")
-
-
-def tikhonov_shift(side: str, mean_a: Tensor, mean_g: Tensor, damping: float) -> Tensor:
-    """The shift of factor ``side`` from :func:`tikhonov_shifts`."""
-    return tikhonov_shifts(mean_a, mean_g, damping)[FACTOR_SIDES.index(side)]
-
-
-def tikhonov_shifts(mean_a: Tensor, mean_g: Tensor, damping: float) -> tuple[Tensor, Tensor]:
-    """Shifts ``√γ·π`` (for A) and ``√γ/π`` (for G), ``π = sqrt(mean_a / mean_g)``.
-
-    ``mean_a``, ``mean_g`` are ``tr(F)/d`` of the factors (see :func:`trace_mean`); ``π = 1``
-    when either is not positive.
-    """
-    valid = (mean_a > 0) & (mean_g > 0)
-    pi = torch.sqrt(torch.where(valid, mean_a / torch.where(valid, mean_g, 1.0), 1.0))
-    root = math.sqrt(damping)
-    return root * pi, root / pi
-
-
-def shift_table(means: Tensor, damping: float) -> Tensor:
-    """The ``(L, 2)`` shifts (``A``, ``G``) of :func:`tikhonov_shifts` for ``(L, 2)`` trace means.
-
-    Every layer's in a few launches, equal entry for entry to each layer's own
-    :func:`tikhonov_shift` (the same elementwise operations).
-    """
-    return torch.stack(tikhonov_shifts(means[:, 0], means[:, 1], damping), dim=1)
-
-
-def trace_mean(matrix: Tensor, dtype: torch.dtype) -> Tensor:
-    """``tr(F) / d`` of a factor in ``dtype`` (the input of ``π``); a vector is a diagonal."""
-    return trace_means([matrix], dtype)[0]
-
-
-def trace_means(factors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """:func:`trace_mean` of each factor (all on one device), one vector in ``dtype``.
-
-    One sum per factor, of its diagonal converted to ``dtype`` (not the whole matrix); the
-    divisions are one operation for all, by the dimensions as a device tensor (a GPU would
-    multiply by a Python divisor's rounded reciprocal): one value, whichever way it is asked.
-    """
-    if not factors:
-        return torch.zeros(0, dtype=dtype)
-    sums = [(f if f.dim() == 1 else torch.diagonal(f)).to(dtype).sum() for f in factors]
-    wide = torch.promote_types(dtype, torch.float32)  # a 16-bit dim would round (1025: 1024)
-    dims = host_floats([f.shape[0] for f in factors], sums[0].device).to(wide)
-    return (torch.stack(sums).to(wide) / dims).to(dtype)
+from dkfac.curvature.tikhonov import tikhonov_shifts, trace_mean
 
 
 def combine_factors(
@@ -143,6 +101,8 @@ class KroneckerInverse(ABC):
     """
 
     method: ClassVar[str]
+    #: Whether ``precision="bf16"`` is possible (triangular solves have no bfloat16 kernel).
+    bf16_products: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._rounded: dict[str, Tensor] | None = None
@@ -154,7 +114,7 @@ class KroneckerInverse(ABC):
         Args:
             grad: the layer's gradient matrix; or a stack of them, one per matrix of an
                 inverse whose tensors are stacked the same way (:func:`stack_inverses`).
-            damping: ``γ`` (used by ``"eigen"``; ``"inverse"`` fixed it when decomposed).
+            damping: ``γ`` (used by ``"eigen"``; the shifted methods fixed it when decomposed).
             precision: ``"highest"``: computed in the decomposition's dtype; ``"bf16"``: in
                 bfloat16 (see the class).
 
@@ -162,11 +122,17 @@ class KroneckerInverse(ABC):
             The preconditioned gradient, in ``grad``'s dtype.
 
         Raises:
-            ValueError: an unknown ``precision``.
+            ValueError: an unknown ``precision``, or ``"bf16"`` for a method without
+                bfloat16 products.
         """
         product: Product = torch.matmul
         if check_precondition_precision(precision) == "highest":
             tensors = self.tensors()
+        elif not self.bf16_products:
+            raise ValueError(
+                f"precondition_precision='bf16' is not allowed with inverse_method="
+                f"{self.method!r}: triangular solves have no bfloat16 kernel"
+            )
         else:
             tensors, product = self.bf16_tensors(), bf16_product
         work = next(iter(tensors.values())).dtype
@@ -268,6 +234,57 @@ class TikhonovInverse(KroneckerInverse):
         return {"a_inv": self.a_inv, "g_inv": self.g_inv}
 
 
+class CholeskyInverse(KroneckerInverse):
+    """The π-damped factors' Cholesky factors: ``G_d⁻¹ ∇ A_d⁻¹`` by triangular solves.
+
+    Each dense side is held as :class:`~dkfac.curvature.factor_decomposition.
+    CholeskyRootFactor` holds it (``<side>_chol``: ``L`` below the diagonal, ``Lᵀ`` above),
+    a diagonal side as its inverse's entries (``<side>_inv``). ``G_d⁻¹ ∇ = L_G⁻ᵀ (L_G⁻¹ ∇)``
+    and ``X A_d⁻¹ = (X L_A⁻ᵀ) L_A⁻¹``: four triangular solves, whose arithmetic equals the two
+    products with formed inverses (``d²·n`` each against ``2·d²·n``).
+    """
+
+    method = "cholesky"
+    bf16_products = False
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        names = ("a_chol", "a_inv", "g_chol", "g_inv")
+        self._tensors = {name: tensors[name] for name in names if name in tensors}
+        if len(self._tensors) != len(FACTOR_SIDES) or len(tensors) != len(FACTOR_SIDES):
+            raise ValueError(
+                f"CholeskyInverse needs one of a_chol/a_inv and one of g_chol/g_inv, got "
+                f"{sorted(tensors)}"
+            )
+
+    def _apply(
+        self, tensors: Mapping[str, Tensor], grad: Tensor, damping: float, product: Product
+    ) -> Tensor:
+        """``G_d⁻¹ ∇ A_d⁻¹``; a diagonal side scales rows (``G``) or columns (``A``).
+
+        A solve returns its solution column-major; each side is solved for the transpose, so
+        the result is row-major like a product's: the KL clip's sums over a received copy
+        (row-major) and the solver's own then add in one order, and workers agree bit for bit.
+        """
+        solve = torch.linalg.solve_triangular
+        g_root = tensors.get("g_chol")
+        if g_root is None:
+            left = tensors["g_inv"].unsqueeze(-1) * grad
+        else:  # (∇ᵀ L_G⁻ᵀ) L_G⁻¹ = (G_d⁻¹ ∇)ᵀ: the upper triangle is L_Gᵀ, the lower L_G
+            half = solve(g_root, grad.mT, upper=True, left=False)
+            left = solve(g_root, half, upper=False, left=False).mT
+        a_root = tensors.get("a_chol")
+        if a_root is None:
+            return left * tensors["a_inv"].unsqueeze(-2)
+        # L_A⁻ᵀ (L_A⁻¹ Xᵀ) = (X A_d⁻¹)ᵀ.
+        result: Tensor = solve(a_root, solve(a_root, left.mT, upper=False), upper=True).mT
+        return result
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Each side's Cholesky factor (dense) or inverse entries (diagonal)."""
+        return dict(self._tensors)
+
+
 def decompose(
     a: Tensor, g: Tensor, damping: float, method: str, dtype: torch.dtype
 ) -> tuple[KroneckerInverse, Tensor]:
@@ -277,7 +294,7 @@ def decompose(
         torch.linalg.LinAlgError: the decomposition algorithm itself failed.
     """
     shift_a = shift_g = None
-    if method == "inverse":
+    if shifted_method(method):
         shift_a, shift_g = tikhonov_shifts(trace_mean(a, dtype), trace_mean(g, dtype), damping)
     a_part = decompose_factor(a, "a", method, dtype, shift_a)
     g_part = decompose_factor(g, "g", method, dtype, shift_g)
@@ -356,4 +373,6 @@ def inverse_from_tensors(method: str, tensors: dict[str, Tensor]) -> KroneckerIn
     """Rebuild an inverse from :meth:`KroneckerInverse.tensors` (for load_state_dict)."""
     if method == "eigen":  # a diagonal factor has no eigenvectors
         return EigenInverse(tensors.get("qa"), tensors["la"], tensors.get("qg"), tensors["lg"])
+    if method == "cholesky":
+        return CholeskyInverse(tensors)
     return TikhonovInverse(tensors["a_inv"], tensors["g_inv"])

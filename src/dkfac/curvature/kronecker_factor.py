@@ -16,7 +16,6 @@ from torch import Tensor
 
 from dkfac.curvature.factor_side import factor_shape
 from dkfac.curvature.finite import all_finite
-from dkfac.curvature.inverse import trace_mean
 from dkfac.curvature.running_average import (
     divided,
     fold_order,
@@ -25,6 +24,7 @@ from dkfac.curvature.running_average import (
 )
 from dkfac.curvature.staging import host_floats
 from dkfac.curvature.statistics import FactorStatistics
+from dkfac.curvature.tikhonov import trace_mean
 
 #: Dropped-batch flags a factor keeps before summing them (reads are at decompositions).
 _PENDING_FLAGS = 64

@@ -19,9 +19,8 @@ from torch import Tensor
 
 from dkfac.curvature.blocks import FactorStatistic, KroneckerBlock
 from dkfac.curvature.factor_decomposition import factor_tensor_shapes
-from dkfac.curvature.factor_side import factor_shape
+from dkfac.curvature.factor_side import FACTOR_SIDES, factor_shape
 from dkfac.curvature.inverse import (
-    FACTOR_SIDES,
     KroneckerInverse,
     check_precondition_precision,
     inverse_from_tensors,

@@ -34,7 +34,7 @@ class SimulateOptions:
         kaisa_fraction: KAISA's ``grad_worker_fraction``; ``None``: ``1/P`` at each P (KAISA's
             memory-optimal end, as the emulated-cluster benchmark runs it), at least ``1/P``.
         pad_share: PAD's ``share`` option.
-        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         bucket_cap_mb: the communicator's and the gradient buckets' cap (DDP's or DeAR's).
         gradient_sync: how every row averages its gradients: ``"ddp"`` or ``"dear"``.
     """

@@ -98,7 +98,8 @@ def flop_profile(
         rates: the device's sustained rates.
         batch_size: one worker's batch.
         other_grad_bytes: gradient bytes of parameters no layer of ``work`` holds.
-        inverse_method: ``"eigen"`` or ``"inverse"`` (the preconditioning's products).
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"`` (the preconditioning's
+            products).
         statistics_fraction: the share of each batch the factor statistics are taken from,
             as :class:`~dkfac.KFACPreconditioner`'s (``⌈fraction · batch⌉`` examples; an
             embedding's diagonal ``A`` from all of them). One call per layer and step is
@@ -113,7 +114,8 @@ def flop_profile(
     if not 0 < statistics_fraction <= 1:
         raise ValueError(f"statistics_fraction={statistics_fraction!r}: expected (0, 1]")
     kept = kept_examples(batch_size, statistics_fraction)
-    products = {"eigen": 4.0, "inverse": 2.0}[inverse_method]  # GEMMs of g²a + g·a² each half
+    # GEMMs of g²a + g·a² each half; the triangular solves do a product's arithmetic.
+    products = {"eigen": 4.0, "inverse": 2.0, "cholesky": 2.0}[inverse_method]
     step_s = batch_size / rates.samples_per_s
     forward_s, backward_s = step_s / 3.0, 2.0 * step_s / 3.0
     flops = [w.forward_flops(batch_size) for w in work]

@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dkfac.comm.cost_model import CubicCost
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factor_side import marked
 from dkfac.strategies.layer_shapes import LayerShape
 
 #: Decomposition methods a profile can time (the preconditioner's ``inverse_method``).
-METHODS: tuple[str, ...] = ("eigen", "inverse")
+METHODS: tuple[str, ...] = INVERSE_METHODS
 
 
 def _mistyped(record: object) -> list[str]:
@@ -94,7 +95,7 @@ class ComputeProfile:
         optimizer_s: the optimizer's step.
         factor_update_s: folding every factor's statistics into its running average (all
             layers; a worker that keeps some factors pays their share by ``d²``).
-        decomposition: per method (``"eigen"``, ``"inverse"``), the time of one ``d × d``
+        decomposition: per method (:data:`METHODS`), the time of one ``d × d``
             factor's decomposition, ``c0 + c3·d³``.
         layers: the preconditioned layers, in the model's registration order.
         other_grad_bytes: gradients of parameters outside those layers (normalisation and

@@ -64,7 +64,7 @@ class SimulatedRun:
         share: PAD's ``share``.
         factor_update_steps: steps between factor updates.
         inv_update_steps: steps between decompositions (a multiple of the former).
-        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         comm_dtype: the preconditioner's ``comm_dtype`` (``"float16"``, ``"bfloat16"``): what
             K-FAC's collectives carry; ``None``: each tensor's own dtype.
         gradient_sync: how gradients are averaged: ``"ddp"`` (allreduce buckets) or

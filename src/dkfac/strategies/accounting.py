@@ -67,7 +67,7 @@ class DryRunSettings:
 
     Attributes:
         world_size: number of workers ``P``.
-        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         factor_dtype: dtype of the running factors and their statistics.
         inv_dtype: dtype of the decompositions.
         grad_dtype: dtype of the parameters' gradients (preconditioned gradients travel in it).

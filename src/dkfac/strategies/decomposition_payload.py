@@ -36,7 +36,7 @@ def payload_shapes(method: str, factors: FactorDims) -> list[tuple[tuple[int, ..
     """Shapes and symmetry of a payload's tensors, the validity flag last.
 
     Args:
-        method: ``"eigen"`` or ``"inverse"``.
+        method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         factors: the factors the payload carries, ``(side, dim)`` each, in order.
     """
     shapes = [
@@ -52,7 +52,7 @@ class DecompositionPayload:
     """The tensors one collective carries for some factors' decompositions, flag last.
 
     Attributes:
-        method: ``"eigen"`` or ``"inverse"``.
+        method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         factors: the factors it carries, ``(side, dim)`` each, in order.
         names: the decomposition tensors' names (without the flag).
         tensors: the tensors, then the flag (1: valid).
@@ -77,7 +77,7 @@ class DecompositionPayload:
         """The payload of ``stored`` decomposition tensors, or zeros marked invalid if None.
 
         Args:
-            method: ``"eigen"`` or ``"inverse"``.
+            method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
             factors: the factors it carries, ``(side, dim)`` each, in order.
             stored: the decomposition tensors by name (a sender's), or None (a receiver's
                 buffers, or a failed decomposition: sent as invalid).

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 from torch import Tensor
 
 from dkfac.curvature.decomposition import FactorRequest
-from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.curvature.factor_side import FACTOR_SIDES
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.strategies.plan import EVERY_WORKER, FactorRoute, Placement, other_side
 

@@ -86,7 +86,7 @@ def choose_share(
     Args:
         requested: ``"decompositions"``, ``"gradients"`` or ``"auto"``.
         dims: ``(d_A, d_G)`` of each layer.
-        inverse_method: ``"eigen"`` or ``"inverse"`` (what a decomposition holds).
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"`` (what a decomposition holds).
         inv_dtype: dtype decompositions travel in.
         grad_dtype: dtype preconditioned gradients travel in.
         inv_update_steps: steps between decompositions (the schedule's value at the start).
@@ -125,7 +125,7 @@ class SlotCosts:
         wire: packed bytes of each factor on the wire.
         decomposition_s: predicted decomposition time of each factor.
         cost: the cluster's cost model.
-        inverse_method: ``"eigen"`` or ``"inverse"``.
+        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
         inv_dtype: dtype of the decompositions.
         world_size: number of workers.
         size_based: the cost model could not be trusted (:meth:`ClusterCostModel.problems`):

@@ -185,7 +185,7 @@ class PipelinedStrategy(Strategy):
             dims: ``(d_A, d_G)`` of each layer, in registration order.
             world_size: number of workers.
             cost: the cost model the placement is planned with.
-            inverse_method: ``"eigen"`` or ``"inverse"``.
+            inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"``.
             inv_dtype: dtype of the decompositions.
             factor_dtype: dtype the factors travel in.
             cap_bytes: largest fused collective.

@@ -29,8 +29,7 @@ from functools import cached_property
 from typing import Literal
 
 from dkfac.comm.wire import group_by_source
-from dkfac.curvature.factor_side import decomposition_work, is_diagonal
-from dkfac.curvature.inverse import FACTOR_SIDES
+from dkfac.curvature.factor_side import FACTOR_SIDES, decomposition_work, is_diagonal
 from dkfac.strategies.plan_report import FactorRow
 
 #: ``decomposed_by`` of a factor that every worker decomposes itself (nothing broadcast).

@@ -29,13 +29,15 @@ from dkfac.comm.handle import CollectiveHandle
 from dkfac.comm.recorder import StepRecorder
 from dkfac.curvature.batching import Batching
 from dkfac.curvature.decomposition import decompose_factors
-from dkfac.curvature.factor_side import sent_symmetric
-from dkfac.curvature.inverse import FACTOR_SIDES, combine_factors, shift_table, trace_means
+from dkfac.curvature.factor_decomposition import shifted_method
+from dkfac.curvature.factor_side import FACTOR_SIDES, sent_symmetric
+from dkfac.curvature.inverse import combine_factors
 from dkfac.curvature.kronecker_factor import fold_counted, fold_sums, window_sums
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.curvature.layer_stacks import LayerStacks
 from dkfac.curvature.running_average import FOLD_STACK_BYTES
 from dkfac.curvature.staging import host_floats
+from dkfac.curvature.tikhonov import shift_table, trace_means
 from dkfac.strategies.decomposition_payload import (
     DecompositionPayload,
     DecompositionsByFactor,
@@ -225,7 +227,7 @@ class PlacementRunner:
         plan, rank = self.placement, self.rank
         mine = [route for route in plan.factors if decomposes_now(plan, rank, layers, route)]
         shifts = None
-        if method == "inverse":
+        if shifted_method(method):
             shifts = shift_table(self._trace_means(layers, dtype, mine), damping)
         requests = [factor_request(plan, layers, route, shifts, damping) for route in mine]
         with self.recorder.phase("inverse_compute"):
@@ -261,7 +263,7 @@ class PlacementRunner:
         plan, rank = self.placement, self.rank
         device = layers[0].block.weight.device
         means = self.trace_buffer(dtype, device)
-        exchange = self.exchanges_traces("inverse")
+        exchange = self.placement.exchanges_traces()  # asked only by shifted methods
         if exchange:
             wanted = [
                 route
@@ -289,7 +291,7 @@ class PlacementRunner:
 
     def exchanges_traces(self, method: str) -> bool:
         """Whether a decomposition step allreduces the trace means (:meth:`share_traces`)."""
-        return method == "inverse" and self.placement.exchanges_traces()
+        return shifted_method(method) and self.placement.exchanges_traces()
 
     def share_traces(self, means: Tensor) -> None:
         """Allreduce the ``(L, 2)`` trace means (each value from one rank, zeros elsewhere).
