@@ -26,7 +26,8 @@
 #      measured on the development machine instead: the box here cut it);
 #   6. the cuda-marked tests, then the rest of `make test`'s selection (`-m "not slow"`),
 #      one intra-op thread per xdist worker (16 per worker oversubscribed the machine before);
-#      SUITE_ARGS replaces the second selection.
+#      SUITE_ARGS replaces the second selection; SUITE_S=0 leaves it out (then run the whole
+#      selection in a second call: OMP_NUM_THREADS=1 python3 -m pytest -q -n 15 -m "not slow").
 # The boxes add up to 560 s by default (one command may run 600); on an H200 (2026-11-28) the
 # install and parts 1, 2 and 4 (without its decompositions) took 210 s together, the whole
 # suite ~250 s, part 3 needs ~60 s for two rows. On 2026-11-30 the whole script took 422 s
@@ -137,5 +138,7 @@ suite() {  # name, seconds, then pytest's selection
   echo "$name exit $?"; grep -E "passed|failed|FAILED|ERROR" "$OUT/$name.log" | tail -25
 }
 suite cuda_tests "$CUDA_TESTS_S" -m cuda tests
-eval "suite_args=($SUITE_ARGS)"
-suite suite "$SUITE_S" "${suite_args[@]}"
+if [ "$SUITE_S" -gt 0 ]; then  # SUITE_S=0: the suite runs whole in a call of its own
+  eval "suite_args=($SUITE_ARGS)"
+  suite suite "$SUITE_S" "${suite_args[@]}"
+fi

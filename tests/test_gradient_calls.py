@@ -432,3 +432,85 @@ def test_a_penalty_through_a_checkpointed_segment_under_accumulation() -> None:
         pre.step()
     assert_factors_equal(factors_of(pre), oracle(model, x, y))
     pre.remove()
+
+
+def two_loss_factors(how: str) -> tuple[dict[str, torch.Tensor], list[warnings.WarningMessage]]:
+    """Factors after one window of two losses of one forward pass, and the warnings raised.
+
+    ``how``: ``"summed"`` (one backward call of their sum), ``"separate"`` (each backpropagated,
+    the first with ``retain_graph=True``), ``"first"``/``"second"`` (one loss alone), or
+    ``"two_passes"`` (each loss from a forward pass of its own: two micro-batches).
+    """
+    model = Critic().double()
+    pre = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **F64)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5, generator=g, dtype=DT)
+    y = torch.randint(0, 3, (6,), generator=g)
+
+    def losses(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.cross_entropy(output, y), output.pow(3).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = losses(model(x))
+        if how == "summed":
+            (first + second).backward()
+        elif how == "separate":
+            first.backward(retain_graph=True)
+            second.backward()
+        elif how in ("first", "second"):
+            (first if how == "first" else second).backward()
+        else:
+            first.backward()
+            losses(model(x))[1].backward()
+        pre.step()
+    pre.remove()
+    return factors_of(pre), list(caught)
+
+
+def test_two_losses_backpropagated_separately_over_one_pass_are_warned_about() -> None:
+    """``G`` adds each call's products, not their sum's: said once, naming a layer.
+
+    Independent runs show the arithmetic the warning describes: the separate calls' ``G`` is
+    the two single-loss runs' ``G`` summed, which differs from the summed loss's by the cross
+    terms (the summed loss's ``G`` is checked against per-example oracles above).
+    """
+    separate, warned = two_loss_factors("separate")
+    ours = [w for w in warned if w.category is dkfac.SeparateBackwardCallsWarning]
+    assert len(ours) == 1
+    assert "two backward calls that both compute its gradient" in str(ours[0].message)
+    assert "'head'" in str(ours[0].message) or "'body'" in str(ours[0].message)
+    summed, quiet = two_loss_factors("summed")
+    assert not [w for w in quiet if w.category is dkfac.SeparateBackwardCallsWarning]
+    alone = [two_loss_factors(how)[0] for how in ("first", "second")]
+    for key in ("body/g", "head/g"):
+        assert_close(separate[key], alone[0][key] + alone[1][key])
+        assert not torch.allclose(separate[key], summed[key], rtol=1e-3, atol=0)
+    for key in ("body/a", "head/a"):
+        assert torch.equal(separate[key], summed[key])  # one forward pass either way
+
+
+def test_a_loss_per_forward_pass_is_no_separate_call() -> None:
+    """Two forward passes, each backpropagated once (micro-batches): nothing to warn about."""
+    _, warned = two_loss_factors("two_passes")
+    assert not [w for w in warned if w.category is dkfac.SeparateBackwardCallsWarning]
+
+
+def test_a_layer_in_checkpointed_segments_backpropagated_apart_is_no_separate_call() -> None:
+    """A cell called in a loop of reentrant checkpoints: each segment's backward call is an
+    engine call of its own, but each reaches a call of the layer of its own (no warning)."""
+    torch.manual_seed(2)
+    cell, head = nn.Linear(4, 4).double(), nn.Linear(4, 2).double()
+    model = nn.ModuleDict({"cell": cell, "head": head})
+    pre = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **F64)
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hidden = x
+        for _ in range(3):
+            hidden = checkpoint(lambda h: torch.tanh(cell(h)), hidden, use_reentrant=True)
+        head(hidden).square().mean().backward()
+        pre.step()
+    assert not [w for w in caught if w.category is dkfac.SeparateBackwardCallsWarning]
+    assert pre.factors()["cell"][1].abs().sum() > 0  # the segments' G was taken
+    pre.remove()

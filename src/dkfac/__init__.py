@@ -11,7 +11,7 @@ aggregation (reduce-scatter under backward, all-gather under the next forward).
 
 from dkfac.adaptive import AdaptiveOptions, AdaptiveReport
 from dkfac.auto import AutoOptions
-from dkfac.autograd_engine import ReturnedGradientsWarning
+from dkfac.autograd_engine import ReturnedGradientsWarning, SeparateBackwardCallsWarning
 from dkfac.config import KFACConfig
 from dkfac.curvature.block_types import BlockRegistration, register_block
 from dkfac.curvature.layer import LayerHealth
@@ -38,6 +38,7 @@ __all__ = [
     "LayerHealth",
     "PlanReport",
     "ReturnedGradientsWarning",
+    "SeparateBackwardCallsWarning",
     "SkippedModule",
     "__version__",
     "fast_to_target",

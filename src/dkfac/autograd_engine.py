@@ -42,6 +42,23 @@ class ReturnedGradientsWarning(UserWarning):
     """
 
 
+class SeparateBackwardCallsWarning(UserWarning):
+    """Two backward calls that both compute a K-FAC layer's gradient reached one forward pass.
+
+    ``G`` adds each call's output-gradient products (``g₁g₁ᵀ + g₂g₂ᵀ``), where the losses'
+    sum has ``(g₁ + g₂)(g₁ + g₂)ᵀ``: backpropagate the sum once instead.
+    """
+
+
+#: Shown once when two computing backward calls reach one layer call (:meth:`LayerUsage.g_taken`).
+SEPARATE_BACKWARD_CALLS = (
+    "K-FAC layer {name!r}: two backward calls that both compute its gradient reached one "
+    "forward pass (two losses of one forward, each backpropagated with retain_graph=True, or "
+    "one loss backpropagated twice). G adds each call's output-gradient products "
+    "(g1 g1^T + g2 g2^T), which is not the summed loss's G ((g1 + g2)(g1 + g2)^T; twice it "
+    "for one loss backpropagated twice): backpropagate the sum of the losses once "
+    "((loss1 + loss2).backward()). (Shown once.)"
+)
 #: Shown once when a ``torch.autograd.grad`` call computes a layer's parameters' gradients.
 RETURNED_GRADIENTS = (
     "torch.autograd.grad computed the gradient of a K-FAC layer's parameters, to return it "

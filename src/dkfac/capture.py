@@ -85,8 +85,9 @@ class StatisticsCapture:
         # Forward passes of the model in this window ("number": a layer's examples count once
         # per pass; calls outside the model's forward are passes of their own) and the model's
         # forward nesting ("depth"). A dict: TorchDynamo (2.13) drops attribute stores traced
-        # after a hook is registered on a graph tensor (compiled hooks do), dict stores it keeps.
-        self._pass = {"number": 0, "depth": 0}
+        # after a hook is registered on a graph tensor (compiled hooks do), dict stores it keeps;
+        # "calls" numbers the layers' calls with an output-gradient hook (never reset).
+        self._pass = {"number": 0, "depth": 0, "calls": 0}
         self._batch: dict[str, int | None] = {"examples": None}  # the pass's (a dict: as above)
         # (backward id, pass) of the backward pass whose checkpointed segments are recomputed.
         self._recomputing: tuple[int, int] | None = None
@@ -318,8 +319,10 @@ class StatisticsCapture:
             self._strategy.statistic_added(layer, "a", self._loss_reduction)
         if output.requires_grad:
             # The pass is bound now: the backward of several passes may come later at once.
+            self._pass["calls"] += 1
+            call = (pass_id, self._pass["calls"])
             hook = functools.partial(
-                self._output_grad_hook, layer, pass_id, examples, kept, captured, accumulators
+                self._output_grad_hook, layer, call, examples, kept, captured, accumulators
             )
             output.register_hook(hook)  # type: ignore[no-untyped-call]
         return None
@@ -353,7 +356,7 @@ class StatisticsCapture:
     def _output_grad_hook(
         self,
         layer: LayerCurvature,
-        pass_id: int,
+        pass_and_call: tuple[int, int],
         examples: int,
         kept: int,
         captured: bool,
@@ -363,6 +366,7 @@ class StatisticsCapture:
         # captured=False: another worker's layer, watched (batched_statistics alone).
         if self._removed:
             return
+        pass_id, call = pass_and_call
         computed = self._usage.gradients.computed(layer.name, accumulators)
         self._usage.backward_reached(pass_id, computing=computed)
         pending = self._pending
@@ -370,6 +374,7 @@ class StatisticsCapture:
             self._form_pending("a")  # are complete (formed before the caller may change them)
         if not computed:  # a gradient penalty's vector-Jacobian products: no loss gradients
             return
+        self._usage.g_taken(layer.name, call)
         if pending is not None:
             scale = self._loss_scale() if captured else None
             held = self._hold(pending, layer, "g", grad, pass_id, examples, kept, captured, scale)

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from torch.autograd.graph import Node
 
-from dkfac.autograd_engine import LayerGradients
+from dkfac.autograd_engine import (
+    SEPARATE_BACKWARD_CALLS,
+    LayerGradients,
+    SeparateBackwardCallsWarning,
+    current_backward_id,
+)
 from dkfac.broadcast_check import BroadcastCheck
 from dkfac.curvature.layer import LayerCurvature
 from dkfac.window_passes import WindowPasses
@@ -56,6 +61,10 @@ class LayerUsage:
         self._broadcast_check = BroadcastCheck(layers, self._warn_once)
         self.gradients = LayerGradients()
         self._passes = WindowPasses(self.gradients)
+        # A layer's call of the window (by its number): the backward call whose output
+        # gradients entered its G (:meth:`g_taken`).
+        self._g_calls: dict[int, int] = {}
+        self._separate_warned = False
 
     @property
     def silent(self) -> frozenset[str]:
@@ -114,6 +123,26 @@ class LayerUsage:
         if self._accumulation_steps is not None:  # as pass_ended: in every gradient hook
             self._passes.reached(pass_id, backward, computing=computing)
 
+    def g_taken(self, name: str, call: int) -> None:
+        """The output gradients of layer ``name``'s call number ``call`` enter ``G`` now.
+
+        Warned once when another backward call's had already for that call of the layer (a
+        layer called several times, in a loop or in checkpointed segments each backpropagated
+        by a call of their own, is not: its calls have numbers of their own): ``G`` adds each
+        backward call's products, which is not the summed loss's ``G``
+        (:class:`~dkfac.autograd_engine.SeparateBackwardCallsWarning`). A call outside the
+        autograd engine's knowledge (a compiled model's hooks) is not checked.
+        """
+        backward = current_backward_id()
+        if backward is None or self._separate_warned:
+            return
+        if self._g_calls.setdefault(call, backward) != backward:
+            self._separate_warned = True
+            message = SEPARATE_BACKWARD_CALLS.format(name=name)
+            logger.warning(message)
+            # From a backward hook: no frame of the caller's to point at.
+            warnings.warn(message, SeparateBackwardCallsWarning, stacklevel=1)
+
     def forward_ran(
         self, layer: LayerCurvature, *, training: bool, pass_id: int | None = None, rows: int = 0
     ) -> None:
@@ -132,6 +161,7 @@ class LayerUsage:
         self._forwarded.clear()
         self._broadcast_check.clear_window()
         self._passes.clear()
+        self._g_calls.clear()
         self._trained_forward = False
 
     def count_sat_out(self, captured: Sequence[LayerCurvature]) -> int | None:
@@ -156,6 +186,7 @@ class LayerUsage:
                 "by, are taken as its mean per micro-batch, exact for equal micro-batches",
             )
         self._passes.clear()
+        self._g_calls.clear()
         return micro_batches
 
     def check_statistics(
