@@ -17,6 +17,7 @@ from dkfac.bench.dry_run import NOMINAL_COST_MODEL, dry_run_report, format_dry_r
 from dkfac.bench.targets import NO_TARGETS_LINE, load_targets
 from dkfac.cli.main import main as dkfac_main
 from dkfac.comm.cost_model import AlphaBeta, ClusterCostModel
+from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.strategies import dp
 from dkfac.strategies.accounting import DryRunSettings, account_strategy, summarize_accounts
@@ -163,7 +164,7 @@ def test_dp_equals_the_byte_count_of_real_runs(world_size: int) -> None:
         assert account.comm == {"grad_comm/broadcast": entry("broadcast", payloads, world_size)}
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", INVERSE_METHODS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_spd_and_pad_agree_with_the_pipelined_byte_checks(method: str, world_size: int) -> None:
     # The checks test_pipelined makes on real runs with the same fixed cost model, for SPD and
@@ -286,12 +287,13 @@ def test_pad_sharing_gradients_on_two_layers_at_p2_by_hand() -> None:
     assert "grad_comm/broadcast" not in account_strategy("pad", TINY, every_100)[0].comm
 
 
-def test_pads_trace_means_travel_in_their_own_dtype_whatever_the_transport() -> None:
+@pytest.mark.parametrize("method", ["inverse", "cholesky"])
+def test_pads_trace_means_travel_in_their_own_dtype_whatever_the_transport(method: str) -> None:
     """PAD with inverse_method="inverse": each factor is reduced to its owner, so the Tikhonov
     shifts need the other owner's trace means, (L, 2) float32 values allreduced. With a
     bfloat16 transport the factors travel in bfloat16 (half their float32 bytes), the trace
     means in float32: 4 values x 4 bytes, as without it (the shift equals the one worker's)."""
-    plain = DryRunSettings(2, inverse_method="inverse", cost_model=COST)
+    plain = DryRunSettings(2, inverse_method=method, cost_model=COST)
     low = dataclasses.replace(plain, comm_dtype=torch.bfloat16)
     for settings in (plain, low):
         for account in account_strategy("pad", TINY, settings, share="decompositions"):

@@ -441,7 +441,7 @@ def test_gpu_overhead_quick_run_on_the_cpu_writes_every_row(
             f"{label}_{method}_{schedule}"
             for label in ("dkfac", "dkfac-bf16")
             for schedule in ("1_1", "10_100")
-            for method in ("eigen", "inverse")
+            for method in ("eigen", "inverse", "cholesky")
         ),
     ]
     assert all(row["median_s"] > 0 for row in entry["summary"].values())
@@ -509,7 +509,7 @@ def test_gpu_breakdown_quick_run_on_the_cpu_times_steps_and_decompositions(
     assert set(entry["decompositions_s"]) == {
         *(
             f"{kind}_{how}"
-            for kind in ("eigh", "cholesky_inverse", "inv_ex")
+            for kind in ("eigh", "cholesky_inverse", "cholesky_factor", "inv_ex")
             for how in ("one_at_a_time", "batched_by_size")
         ),
         "triangular_solve_and_product_one_at_a_time",

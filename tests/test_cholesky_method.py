@@ -2,8 +2,10 @@
 
 Oracles: float64 Cholesky factors and inverses of the damped factors (``torch.linalg``), the
 dense product ``(G + s_G I)⁻¹ ∇ (A + s_A I)⁻¹``, and the wire's packing of a symmetric tensor.
-Whole runs of every method against the float64 oracle are in ``test_oracle_numerics.py``,
-``test_layer_stacks.py`` and the distributed tests, parametrised over ``INVERSE_METHODS``.
+Whole runs of every method against the float64 oracle are in ``test_oracle_numerics.py`` and
+``test_layer_stacks.py`` (parametrised over ``INVERSE_METHODS``); distributed runs with
+``"cholesky"`` (D-KFAC, KAISA, SPD, PAD, DP-KFAC) against the single-process run in
+``test_distributed.py``, ``test_pipelined.py`` and ``test_dp.py``.
 """
 
 from __future__ import annotations

@@ -61,13 +61,13 @@ def configurations(world_size: int) -> list[dict[str, Any]]:
             {"strategy": "kaisa", "inverse_method": method, "grad_worker_fraction": f}
             for f in fractions
         ]
-    # Cholesky factors travel as their mirrored (symmetric) matrices: D-KFAC's and KAISA's
-    # broadcasts of decompositions to one in P workers.
+    # Cholesky factors travel as their mirrored (symmetric) matrices: D-KFAC broadcasts them
+    # to every worker, KAISA to a layer's gradient workers (at P = 4, f = 1/2: two of four, the
+    # mixed case; at P = 2 and 3, f = 1: all of them).
     configs.append({"strategy": "dkfac", "inverse_method": "cholesky"})
+    fraction = 0.5 if world_size == 4 else 1.0
     configs.append(
-        {"strategy": "kaisa", "inverse_method": "cholesky", "grad_worker_fraction": fractions[1]}
-        if len(fractions) > 1
-        else {"strategy": "kaisa", "inverse_method": "cholesky"}
+        {"strategy": "kaisa", "inverse_method": "cholesky", "grad_worker_fraction": fraction}
     )
     return configs
 

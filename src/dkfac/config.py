@@ -20,7 +20,7 @@ from dkfac.curvature.batching import Batching, batched_decompositions_up_to
 from dkfac.curvature.factor_decomposition import INVERSE_METHODS
 from dkfac.curvature.factors import CONV_PATCHES
 from dkfac.curvature.gram import GramPrecision
-from dkfac.curvature.inverse import check_precondition_precision
+from dkfac.curvature.inverse import check_method_precision, check_precondition_precision
 from dkfac.schedules import (
     FloatSchedule,
     Hyperparameter,
@@ -162,11 +162,7 @@ class KFACConfig:
                 f"{', '.join(map(repr, CONV_PATCHES))}"
             )
         check_precondition_precision(self.precondition_precision)
-        if self.inverse_method == "cholesky" and self.precondition_precision == "bf16":
-            raise ValueError(
-                "precondition_precision='bf16' is not allowed with inverse_method='cholesky': "
-                "triangular solves have no bfloat16 kernel (use 'inverse' for bf16 products)"
-            )
+        check_method_precision(self.inverse_method, self.precondition_precision)
         check_float(
             "statistics_fraction",
             self.statistics_fraction,

@@ -19,6 +19,7 @@ from dkfac.cli.config_values import (
     adaptive_value,
     check_adaptive_rule,
     check_intervals,
+    check_method_precision_flags,
     interval_value,
     parse_bucket_mb,
     trusted_decrease_value,
@@ -169,6 +170,7 @@ class TrainConfig:
                     "allowed: expected a number >= 0"
                 )
         self._parse_bucket()
+        check_method_precision_flags(self.inverse_method, self.precondition_precision)
         if not 0 < self.statistics_fraction <= 1:
             raise ConfigError(
                 f"--statistics-fraction {self.statistics_fraction!r} is not allowed: expected "

@@ -1,4 +1,7 @@
-"""Option values checked on their own: the bucket size, the update intervals, adaptive's rule."""
+"""Option values checked on their own: the bucket size, the intervals, adaptive's rule, ...
+
+... and the preconditioning's method with its precision.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from dkfac.adaptive.options import AdaptiveOptions
+from dkfac.curvature.inverse import check_method_precision
 from dkfac.update_intervals import AUTO
 
 #: Options that take a positive integer or ``auto`` (the library's interval budgets).
@@ -32,6 +36,22 @@ WORDED_OPTIONS: tuple[str, ...] = (*INTERVAL_OPTIONS, "adaptive_trusted_decrease
 
 class ConfigError(ValueError):
     """A configuration the command refuses; its message is the one line the user sees."""
+
+
+def check_method_precision_flags(inverse_method: str, precondition_precision: str) -> None:
+    """``--inverse-method`` with ``--precondition-precision`` (a recipe's too), as the library.
+
+    Raises:
+        ConfigError: a pair the library refuses (``cholesky`` with ``bf16``).
+    """
+    try:
+        check_method_precision(inverse_method, precondition_precision)
+    except ValueError as error:
+        raise ConfigError(
+            f"--inverse-method {inverse_method} is not allowed with --precondition-precision "
+            f"{precondition_precision} (a recipe may set it: add --precondition-precision "
+            f"highest): {str(error).split(': ', 1)[1]}"
+        ) from None
 
 
 def _flag(name: str) -> str:

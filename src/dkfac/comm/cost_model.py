@@ -234,7 +234,8 @@ def calibrate_decomposition(
 ) -> CubicCost:
     """Time one factor's decomposition (``method``) at ``dims`` and fit ``c0 + c3·d³``.
 
-    ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse. Sizes
+    ``"eigen"`` times ``torch.linalg.eigh``, ``"inverse"`` the damped Cholesky inverse,
+    ``"cholesky"`` the damped factorisation alone (its solves are preconditioning). Sizes
     above 1024 are timed once (each takes seconds on a CPU). Under ``torch.distributed`` the
     times are max-reduced over ``comm``'s group (default: the world) so all ranks agree.
 

@@ -15,6 +15,7 @@ from dkfac.curvature.decomposition import FactorRequest, decompose_factors
 from dkfac.curvature.embedding import EmbeddingBlock
 from dkfac.curvature.factor_decomposition import (
     CholeskyFactor,
+    CholeskyRootFactor,
     DiagonalEigenFactor,
     DiagonalInverseFactor,
     EigenFactor,
@@ -23,6 +24,7 @@ from dkfac.curvature.factor_decomposition import (
 )
 from dkfac.curvature.factor_side import DiagonalSide
 from dkfac.curvature.inverse import (
+    CholeskyInverse,
     EigenInverse,
     KroneckerInverse,
     TikhonovInverse,
@@ -37,6 +39,8 @@ from dkfac.curvature.tikhonov import tikhonov_shifts, trace_mean
 __all__ = [
     "BlockRegistration",
     "CholeskyFactor",
+    "CholeskyInverse",
+    "CholeskyRootFactor",
     "Conv2dBlock",
     "DiagonalEigenFactor",
     "DiagonalInverseFactor",

@@ -35,7 +35,9 @@ class FactorDecomposition(ABC):
         ok: device boolean: finite, and the factorisation succeeded.
     """
 
-    #: The ``inverse_method`` this class implements.
+    #: The ``inverse_method`` this class is named for (a diagonal factor's inverse,
+    #: :class:`DiagonalInverseFactor`, serves ``"cholesky"`` too: see
+    #: :data:`FACTOR_DECOMPOSITIONS`).
     method: ClassVar[str]
 
     def __init__(self, side: str, tensors: dict[str, Tensor], ok: Tensor) -> None:

@@ -13,7 +13,7 @@ Three methods, one interface (:class:`KroneckerInverse`):
   damped factors' Cholesky factors, never forming the inverses: less work when each
   decomposition serves few steps.
 
-Both methods decompose each factor on its own (:mod:`dkfac.curvature.factor_decomposition`:
+Each method decomposes each factor on its own (:mod:`dkfac.curvature.factor_decomposition`:
 each class owns the names, shapes and symmetry of its tensors, i.e. what travels; a factor
 held as its diagonal decomposes elementwise and has no eigenvector matrix), which lets
 distributed strategies place the two factors of one layer on different workers; only the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -128,12 +129,8 @@ class KroneckerInverse(ABC):
         product: Product = torch.matmul
         if check_precondition_precision(precision) == "highest":
             tensors = self.tensors()
-        elif not self.bf16_products:
-            raise ValueError(
-                f"precondition_precision='bf16' is not allowed with inverse_method="
-                f"{self.method!r}: triangular solves have no bfloat16 kernel"
-            )
         else:
+            check_method_precision(self.method, precision)
             tensors, product = self.bf16_tensors(), bf16_product
         work = next(iter(tensors.values())).dtype
         # No cast asked for where none is needed: a plain step preconditions every layer.
@@ -283,6 +280,25 @@ class CholeskyInverse(KroneckerInverse):
     def tensors(self) -> dict[str, Tensor]:
         """Each side's Cholesky factor (dense) or inverse entries (diagonal)."""
         return dict(self._tensors)
+
+
+#: Each ``inverse_method``'s inverse.
+INVERSE_CLASSES: Mapping[str, type[KroneckerInverse]] = MappingProxyType(
+    {"eigen": EigenInverse, "inverse": TikhonovInverse, "cholesky": CholeskyInverse}
+)
+
+
+def check_method_precision(method: str, precision: str) -> None:
+    """Refuse ``precision="bf16"`` for a method without bfloat16 products.
+
+    Raises:
+        ValueError: ``"bf16"`` with ``"cholesky"`` (triangular solves have no bfloat16 kernel).
+    """
+    if precision == "bf16" and not INVERSE_CLASSES[method].bf16_products:
+        raise ValueError(
+            f"precondition_precision='bf16' is not allowed with inverse_method={method!r}: "
+            "triangular solves have no bfloat16 kernel (use 'inverse' for bf16 products)"
+        )
 
 
 def decompose(

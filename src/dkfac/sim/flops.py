@@ -21,8 +21,9 @@ V100 are in ``benchmarks/seed_reproduction.py`` with their sources.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from dkfac.comm.cost_model import CubicCost
 from dkfac.curvature.factor_side import (
@@ -82,6 +83,11 @@ class DeviceRates:
             raise ValueError(f"{self.name}: every rate must be positive, got {rates}")
 
 
+#: The methods the FLOP model has rates for: their preconditioning's products per layer, in
+#: units of ``g²a + g·a²`` GEMMs each half (eigen rotates both sides twice).
+FLOP_METHODS: Mapping[str, float] = MappingProxyType({"eigen": 4.0, "inverse": 2.0})
+
+
 def flop_profile(
     work: Sequence[LayerWork],
     rates: DeviceRates,
@@ -98,8 +104,10 @@ def flop_profile(
         rates: the device's sustained rates.
         batch_size: one worker's batch.
         other_grad_bytes: gradient bytes of parameters no layer of ``work`` holds.
-        inverse_method: ``"eigen"``, ``"inverse"`` or ``"cholesky"`` (the preconditioning's
-            products).
+        inverse_method: ``"eigen"`` or ``"inverse"`` (the preconditioning's products).
+            ``"cholesky"`` is refused: its triangular solves run below a product's rate (1.15
+            to 2.5 times a product's time on a CPU), which sustained GEMM rates cannot say;
+            a measured profile (:func:`~dkfac.sim.profiling.measure_profile`) times them.
         statistics_fraction: the share of each batch the factor statistics are taken from,
             as :class:`~dkfac.KFACPreconditioner`'s (``⌈fraction · batch⌉`` examples; an
             embedding's diagonal ``A`` from all of them). One call per layer and step is
@@ -107,15 +115,21 @@ def flop_profile(
             round per call and are not modelled.
 
     Raises:
-        ValueError: no layers, a layer without multiply-adds, or a fraction outside (0, 1].
+        ValueError: no layers, a layer without multiply-adds, a fraction outside (0, 1], or a
+            method the FLOP model has no rates for.
     """
+    if inverse_method not in FLOP_METHODS:
+        raise ValueError(
+            f"a FLOP profile models inverse_method {' or '.join(map(repr, FLOP_METHODS))}, "
+            f"not {inverse_method!r}: its solves' rate is not a product's (measure a profile "
+            "on the device instead)"
+        )
     if not work or min(w.forward_flops(batch_size) for w in work) <= 0:
         raise ValueError("a FLOP profile needs layers with positive multiply-adds")
     if not 0 < statistics_fraction <= 1:
         raise ValueError(f"statistics_fraction={statistics_fraction!r}: expected (0, 1]")
     kept = kept_examples(batch_size, statistics_fraction)
-    # GEMMs of g²a + g·a² each half; the triangular solves do a product's arithmetic.
-    products = {"eigen": 4.0, "inverse": 2.0, "cholesky": 2.0}[inverse_method]
+    products = FLOP_METHODS[inverse_method]
     step_s = batch_size / rates.samples_per_s
     forward_s, backward_s = step_s / 3.0, 2.0 * step_s / 3.0
     flops = [w.forward_flops(batch_size) for w in work]

@@ -276,8 +276,8 @@ class Placement:
     def exchanges_traces(self) -> bool:
         """Whether a decomposer lacks the other factor of its layer (``π`` needs both traces).
 
-        Then the factored Tikhonov damping of ``inverse_method="inverse"`` takes ``tr(F)/d``
-        of every factor from the rank that holds it, in one small allreduce.
+        Then the factored Tikhonov damping (``inverse_method`` ``"inverse"`` or ``"cholesky"``)
+        takes ``tr(F)/d`` of every factor from the rank that holds it, in one small allreduce.
         """
         return not all(self.deciders_hold_layer(route) for route in self.factors)
 
