@@ -465,7 +465,10 @@ def test_a_profile_measures_the_forward_under_the_autocast_it_is_given(
     model = AutocastRecorder()
     batch = (torch.randn(8, 6), torch.randint(0, 5, (8,)))
     loss = nn.functional.cross_entropy
-    measured = measure_profile(model, batch, loss, steps=2, warmup=1, autocast=autocast)
+    # No decomposition timed (methods=()): what is tested is the autocast of the forward
+    # passes, and a fit of decomposition times is a judgement on the machine's load (R² =
+    # 0.79 < 0.8 failed this test once in a fresh-clone CI run on 2 busy cores).
+    measured = measure_profile(model, batch, loss, steps=2, warmup=1, autocast=autocast, methods=())
     assert model.seen == [autocast] * 6  # every step, plain and with K-FAC
     assert measured.notes["autocast"] == (None if autocast is None else "bfloat16")
     with pytest.raises(ValueError, match=r"autocast=torch\.float32: expected"):
